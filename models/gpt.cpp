@@ -1,0 +1,110 @@
+// gpt: a byte-level GPT (nanoGPT layout and parameter names). Defaults: vocab 256, context 128,
+// 4 blocks, 4 heads, width 256. Pre-LayerNorm blocks with one fused qkv Linear (c_attn), causal
+// softmax attention, a GELU MLP of 4x width, a final LayerNorm, a learned position embedding,
+// and the output projection tied to the token embedding (wte).
+#include <cmath>
+
+#include "models/model.h"
+
+namespace keel::models {
+namespace {
+
+struct AttentionImpl : torch::nn::Module {
+  AttentionImpl(int64_t d, int64_t heads)
+      : heads(heads),
+        c_attn(register_module("c_attn", torch::nn::Linear(d, 3 * d))),
+        c_proj(register_module("c_proj", torch::nn::Linear(d, d))) {}
+  // x: (B, T, C) -> (B, T, C)
+  torch::Tensor forward(const torch::Tensor& x) {
+    const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
+    auto qkv = c_attn->forward(x).split(C, /*dim=*/2);                   // 3 x (B, T, C)
+    auto q = qkv[0].view({B, T, heads, hd}).transpose(1, 2);              // (B, H, T, hd)
+    auto k = qkv[1].view({B, T, heads, hd}).transpose(1, 2);
+    auto v = qkv[2].view({B, T, heads, hd}).transpose(1, 2);
+    auto att = torch::matmul(q, k.transpose(-2, -1)) * (1.0 / std::sqrt(double(hd)));  // (B, H, T, T)
+    auto mask = torch::ones({T, T}, torch::TensorOptions().dtype(torch::kBool).device(x.device())).triu(1);
+    att = torch::softmax(att.masked_fill(mask, -std::numeric_limits<float>::infinity()), -1);
+    auto y = torch::matmul(att, v).transpose(1, 2).contiguous().view({B, T, C});
+    return c_proj->forward(y);
+  }
+  int64_t heads;
+  torch::nn::Linear c_attn, c_proj;
+};
+TORCH_MODULE(Attention);
+
+struct MlpBlockImpl : torch::nn::Module {
+  explicit MlpBlockImpl(int64_t d)
+      : c_fc(register_module("c_fc", torch::nn::Linear(d, 4 * d))),
+        c_proj(register_module("c_proj", torch::nn::Linear(4 * d, d))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return c_proj->forward(torch::gelu(c_fc->forward(x))); }
+  torch::nn::Linear c_fc, c_proj;
+};
+TORCH_MODULE(MlpBlock);
+
+struct BlockImpl : torch::nn::Module {
+  BlockImpl(int64_t d, int64_t heads)
+      : ln_1(register_module("ln_1", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        attn(register_module("attn", Attention(d, heads))),
+        ln_2(register_module("ln_2", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))),
+        mlp(register_module("mlp", MlpBlock(d))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = x + attn->forward(ln_1->forward(x));
+    return x + mlp->forward(ln_2->forward(x));
+  }
+  torch::nn::LayerNorm ln_1;
+  Attention attn;
+  torch::nn::LayerNorm ln_2;
+  MlpBlock mlp;
+};
+TORCH_MODULE(Block);
+
+struct GptImpl : torch::nn::Module {
+  GptImpl(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t d)
+      : context(context),
+        wte(register_module("wte", torch::nn::Embedding(vocab, d))),
+        wpe(register_module("wpe", torch::nn::Embedding(context, d))),
+        h(register_module("h", torch::nn::ModuleList())),
+        ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))) {
+    for (int64_t i = 0; i < layers; ++i) h->push_back(Block(d, heads));
+    // GPT-2 initialisation: N(0, 0.02), zero biases, residual projections scaled by depth.
+    torch::NoGradGuard ng;
+    for (auto& p : named_parameters()) {
+      const auto& name = p.key();
+      auto& t = p.value();
+      if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) t.zero_();
+      else if (name.find("ln_") != std::string::npos) t.fill_(1.0);
+      else if (name.find("c_proj.weight") != std::string::npos) t.normal_(0.0, 0.02 / std::sqrt(2.0 * layers));
+      else t.normal_(0.0, 0.02);
+    }
+  }
+  // idx: (B, T) int64 -> logits (B, T, vocab)
+  torch::Tensor forward(const torch::Tensor& idx) {
+    TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= context, "gpt expects tokens (B, T<=", context,
+                "), got ", idx.sizes());
+    const int64_t T = idx.size(1);
+    auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
+    auto x = wte->forward(idx) + wpe->forward(pos);                 // (B, T, C)
+    for (const auto& block : *h) x = block->as<Block>()->forward(x);
+    x = ln_f->forward(x);
+    return torch::matmul(x, wte->weight.t());                       // tied output projection
+  }
+  int64_t context;
+  torch::nn::Embedding wte, wpe;
+  torch::nn::ModuleList h;
+  torch::nn::LayerNorm ln_f;
+};
+TORCH_MODULE(Gpt);
+
+}  // namespace
+
+std::shared_ptr<Model> make_gpt(const ModelConfig& cfg) {
+  const int64_t d = cfg.width > 0 ? cfg.width : 256;
+  const int64_t layers = cfg.depth > 0 ? cfg.depth : 4;
+  if (d % cfg.heads != 0)
+    throw InputError("model: width " + std::to_string(d) + " is not divisible by model.heads = " +
+                     std::to_string(cfg.heads));
+  InputSpec spec{InputKind::Tokens, {cfg.context}, cfg.vocab};
+  return std::make_shared<ModuleModel<Gpt>>("gpt", Gpt(cfg.vocab, cfg.context, layers, cfg.heads, d), spec);
+}
+
+}  // namespace keel::models

@@ -1,0 +1,107 @@
+// models/model.h: what a "model" is to the rest of keel, and the registry that builds one by
+// name.
+//
+// Owns: the Model interface (forward, named parameters and buffers, device placement,
+// train/eval), the description of the input a model eats (InputSpec), and the name -> factory
+// registry. The trainer only ever sees this header; concrete networks register themselves
+// here (mlp, cnn, gpt, torchscript) and users add their own with register_model().
+// Does not own: losses, optimizers, data (trainer/), distribution (dist/).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "trainer/config.h"
+
+namespace keel::models {
+
+enum class InputKind { Image, Tokens };
+const char* input_kind_name(InputKind k);
+
+/// What one sample fed to a model looks like.
+///   Image:  input (B, C, H, W) float32, target (B) int64 in [0, num_classes)
+///   Tokens: input (B, T) int64 in [0, num_classes), target (B, T) int64 (next tokens)
+/// The model returns logits (B, num_classes) for images and (B, T, num_classes) for tokens;
+/// the loss is cross-entropy over the last dimension in both cases.
+struct InputSpec {
+  InputKind kind = InputKind::Image;
+  std::vector<int64_t> sample_shape = {1, 28, 28};  // per-sample input shape (no batch dim)
+  int64_t num_classes = 10;                         // classes, or vocabulary size for tokens
+};
+
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
+
+/// A trainable network. Implementations: a torch::nn::Module (ModuleModel) or a TorchScript
+/// module. Parameter names are stable and follow PyTorch's dotted convention, since they are
+/// the keys of checkpoints and of the golden tests.
+class Model {
+ public:
+  virtual ~Model() = default;
+  virtual std::string name() const = 0;
+  virtual InputSpec input_spec() const = 0;
+  /// input as in InputSpec -> logits. Thread-compatible, not thread-safe.
+  virtual torch::Tensor forward(const torch::Tensor& input) = 0;
+  virtual NamedTensors named_parameters() const = 0;
+  virtual NamedTensors named_buffers() const = 0;
+  virtual void to(const torch::Device& device) = 0;
+  virtual void train(bool on) = 0;
+
+  std::vector<torch::Tensor> parameters() const;
+  int64_t num_parameters() const;
+};
+
+/// Adapts a torch::nn::Module holder (e.g. a TORCH_MODULE type) to Model.
+template <class ModuleHolder>
+class ModuleModel : public Model {
+ public:
+  ModuleModel(std::string name, ModuleHolder module, InputSpec spec)
+      : name_(std::move(name)), module_(std::move(module)), spec_(std::move(spec)) {}
+  std::string name() const override { return name_; }
+  InputSpec input_spec() const override { return spec_; }
+  torch::Tensor forward(const torch::Tensor& input) override { return module_->forward(input); }
+  NamedTensors named_parameters() const override {
+    NamedTensors out;
+    for (const auto& p : module_->named_parameters(/*recurse=*/true)) out.emplace_back(p.key(), p.value());
+    return out;
+  }
+  NamedTensors named_buffers() const override {
+    NamedTensors out;
+    for (const auto& b : module_->named_buffers(/*recurse=*/true)) out.emplace_back(b.key(), b.value());
+    return out;
+  }
+  void to(const torch::Device& device) override { module_->to(device); }
+  void train(bool on) override { module_->train(on); }
+  ModuleHolder& module() { return module_; }
+
+ private:
+  std::string name_;
+  ModuleHolder module_;
+  InputSpec spec_;
+};
+
+/// Builds a model from its config section. `data_kind` is the input kind the chosen dataset
+/// produces natively, if it has one (models that can eat either, like torchscript, use it).
+using ModelFactory =
+    std::function<std::shared_ptr<Model>(const ModelConfig&, std::optional<InputKind> data_kind)>;
+
+/// Registers (or replaces) a model under `name`. Thread-safe.
+void register_model(const std::string& name, ModelFactory factory);
+/// Names of every registered model, sorted.
+std::vector<std::string> registered_models();
+/// Builds cfg.name; throws keel::InputError for an unknown name or a bad model config.
+std::shared_ptr<Model> create_model(const ModelConfig& cfg,
+                                    std::optional<InputKind> data_kind = std::nullopt);
+
+// Built-in factories (registered automatically; exposed for tests and the golden checks).
+std::shared_ptr<Model> make_mlp(const ModelConfig& cfg);
+std::shared_ptr<Model> make_cnn(const ModelConfig& cfg);
+std::shared_ptr<Model> make_gpt(const ModelConfig& cfg);
+std::shared_ptr<Model> make_torchscript(const ModelConfig& cfg, std::optional<InputKind> data_kind);
+
+}  // namespace keel::models

@@ -1,0 +1,124 @@
+#include "helpers.h"
+
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <thread>
+
+namespace keel::testing {
+
+TempDir::TempDir() {
+  const char* base = std::getenv("TMPDIR");
+  std::string tmpl = std::string(base && *base ? base : "/tmp") + "/keel-test-XXXXXX";
+  std::vector<char> buf(tmpl.begin(), tmpl.end());
+  buf.push_back('\0');
+  if (!mkdtemp(buf.data())) throw std::runtime_error("mkdtemp failed: " + std::string(std::strerror(errno)));
+  path_ = buf.data();
+}
+
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+Child spawn_process(const std::vector<std::string>& argv, const std::vector<std::string>& env) {
+  char out_tmpl[] = "/tmp/keel-proc-XXXXXX";
+  int out_fd = mkstemp(out_tmpl);
+  if (out_fd < 0) throw std::runtime_error("mkstemp failed");
+  pid_t pid = fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
+    setpgid(0, 0);
+    dup2(out_fd, STDOUT_FILENO);
+    dup2(out_fd, STDERR_FILENO);
+    int devnull = open("/dev/null", O_RDONLY);
+    if (devnull >= 0) dup2(devnull, STDIN_FILENO);
+    for (const auto& kv : env) putenv(strdup(kv.c_str()));
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    execv(args[0], args.data());
+    std::fprintf(stderr, "execv %s failed: %s\n", args[0], std::strerror(errno));
+    _exit(127);
+  }
+  setpgid(pid, pid);
+  close(out_fd);
+  return Child{pid, out_tmpl};
+}
+
+ProcResult wait_process(Child& c, double timeout_s) {
+  ProcResult r;
+  int status = 0;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(timeout_s);
+  for (;;) {
+    pid_t w = waitpid(c.pid, &status, WNOHANG);
+    if (w == c.pid) break;
+    if (std::chrono::steady_clock::now() > deadline) {
+      r.timed_out = true;
+      kill(-c.pid, SIGKILL);
+      waitpid(c.pid, &status, 0);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (WIFSIGNALED(status)) {
+    r.signaled = true;
+    r.signal = WTERMSIG(status);
+  } else if (WIFEXITED(status)) {
+    r.exit_code = WEXITSTATUS(status);
+  }
+  r.output = read_text(c.output_path);
+  unlink(c.output_path.c_str());
+  c.pid = -1;
+  return r;
+}
+
+ProcResult run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env,
+                       double timeout_s) {
+  Child c = spawn_process(argv, env);
+  return wait_process(c, timeout_s);
+}
+
+Child spawn_keel(const std::vector<std::string>& args, const std::vector<std::string>& env) {
+  std::vector<std::string> argv = {KEEL_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return spawn_process(argv, env);
+}
+
+ProcResult run_keel(const std::vector<std::string>& args, const std::vector<std::string>& env, double timeout_s) {
+  std::vector<std::string> argv = {KEEL_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, env, timeout_s);
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::binary);
+  out << text;
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+std::string read_text(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+std::string source_path(const std::string& rel) { return std::string(KEEL_SOURCE_DIR) + "/" + rel; }
+
+}  // namespace keel::testing

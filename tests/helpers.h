@@ -1,0 +1,55 @@
+// Test helpers: temporary directories, running the keel binary as a user would, and
+// small file utilities. Every test that writes files does so under its own temp directory.
+#pragma once
+
+#include <string>
+#include <vector>
+
+namespace keel::testing {
+
+/// A fresh directory under $TMPDIR (or /tmp), removed when the object dies.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+struct ProcResult {
+  int exit_code = -1;     // valid when !signaled
+  bool signaled = false;  // ended by a signal (a crash, for keel)
+  int signal = 0;
+  bool timed_out = false;
+  std::string output;     // stdout and stderr, interleaved
+};
+
+/// A started child process (its own process group) whose output goes to a temp file.
+struct Child {
+  int pid = -1;
+  std::string output_path;
+};
+Child spawn_process(const std::vector<std::string>& argv, const std::vector<std::string>& env = {});
+Child spawn_keel(const std::vector<std::string>& args, const std::vector<std::string>& env = {});
+/// Waits for `c`, killing its process group after `timeout_s`.
+ProcResult wait_process(Child& c, double timeout_s = 300);
+
+/// Runs `argv` (argv[0] is a path) with extra environment entries ("K=V"), killing it after
+/// `timeout_s`. The child gets its own process group, killed as a whole on timeout.
+ProcResult run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env = {},
+                       double timeout_s = 300);
+/// Runs build/keel with `args`.
+ProcResult run_keel(const std::vector<std::string>& args, const std::vector<std::string>& env = {},
+                    double timeout_s = 300);
+
+void write_text(const std::string& path, const std::string& text);
+std::string read_text(const std::string& path);
+bool exists(const std::string& path);
+
+/// KEEL_SOURCE_DIR + "/" + rel
+std::string source_path(const std::string& rel);
+
+}  // namespace keel::testing

@@ -1,0 +1,138 @@
+// The keel binary as a user meets it: exit codes and messages for every class of bad input
+// (never a signal), --help listing every key, --version, --print-config.
+#include <gtest/gtest.h>
+
+#include <fstream>
+
+#include "helpers.h"
+#include "idx_fixture.h"
+#include "trainer/config.h"
+
+using keel::testing::run_keel;
+using keel::testing::TempDir;
+using keel::testing::write_text;
+
+namespace {
+
+// Expects a clean exit 2 whose output contains `needle`.
+void expect_input_error(const keel::testing::ProcResult& r, const std::string& needle) {
+  EXPECT_FALSE(r.signaled) << "ended by signal " << r.signal << "\n" << r.output;
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
+}
+
+TEST(Cli, Version) {
+  auto r = run_keel({"--version"});
+  EXPECT_EQ(r.exit_code, 0);
+  EXPECT_NE(r.output.find("keel 0."), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("LibTorch"), std::string::npos) << r.output;
+}
+
+TEST(Cli, HelpListsEveryKeyWithDefaultAndDoc) {
+  auto r = run_keel({"train", "--help"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const keel::Config defaults;
+  for (const auto& f : keel::config_schema()) {
+    auto pos = r.output.find("--" + f.dotted() + " ");
+    ASSERT_NE(pos, std::string::npos) << f.dotted();
+    auto line_end = r.output.find("\n  --", pos + 1);
+    const std::string entry = r.output.substr(pos, line_end - pos);
+    EXPECT_NE(entry.find("=" + keel::to_toml_literal(f.get(defaults))), std::string::npos) << entry;
+    EXPECT_NE(entry.find(f.doc.substr(0, 20)), std::string::npos) << entry;
+  }
+}
+
+TEST(Cli, NoSubcommandIsUsageError) {
+  auto r = run_keel({});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+}
+
+TEST(Cli, UnknownOptionIsUsageError) { expect_input_error(run_keel({"train", "--train.bogus=1"}), "bogus"); }
+
+TEST(Cli, PrintConfigAppliesOverrides) {
+  auto r = run_keel({"train", "--config", keel::testing::source_path("configs/fashion_mnist_cnn.toml"),
+                     "--train.lr=0.125", "--print-config"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("lr = 0.125"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("name = \"cnn\""), std::string::npos) << r.output;
+}
+
+TEST(CliBadInput, MalformedToml) {
+  TempDir d;
+  write_text(d.file("bad.toml"), "[train\nlr = 1\n");
+  expect_input_error(run_keel({"train", "--config", d.file("bad.toml")}), "bad.toml:1:");
+}
+
+TEST(CliBadInput, UnknownSection) {
+  TempDir d;
+  write_text(d.file("c.toml"), "[optim]\nlr = 1.0\n");
+  expect_input_error(run_keel({"train", "--config", d.file("c.toml")}), "unknown section [optim]");
+}
+
+TEST(CliBadInput, UnknownKey) {
+  TempDir d;
+  write_text(d.file("c.toml"), "[train]\nlearning_rate = 1.0\n");
+  expect_input_error(run_keel({"train", "--config", d.file("c.toml")}), "unknown key 'train.learning_rate'");
+}
+
+TEST(CliBadInput, WrongType) {
+  TempDir d;
+  write_text(d.file("c.toml"), "[train]\nsteps = \"ten\"\n");
+  expect_input_error(run_keel({"train", "--config", d.file("c.toml")}), "'train.steps' expects int");
+}
+
+TEST(CliBadInput, OutOfRangeOnCommandLine) {
+  expect_input_error(run_keel({"train", "--train.batch_size=0"}), "--train.batch_size");
+}
+
+TEST(CliBadInput, UnknownModel) {
+  expect_input_error(run_keel({"train", "--model.name=resnet", "--data.name=synthetic"}),
+                     "model.name = \"resnet\" is not a registered model");
+}
+
+TEST(CliBadInput, UnknownDataset) {
+  expect_input_error(run_keel({"train", "--data.name=imagenet"}), "data.name = \"imagenet\"");
+}
+
+TEST(CliBadInput, MissingDataDirectory) {
+  expect_input_error(run_keel({"train", "--data.path=/nonexistent/fmnist"}), "/nonexistent/fmnist");
+}
+
+TEST(CliBadInput, TruncatedDatasetFile) {
+  TempDir d;
+  keel::testing::write_small_fashion_mnist(d.path());
+  // Cut the gzip stream of the train images in half.
+  std::string gz = keel::testing::read_text(d.file("train-images-idx3-ubyte.gz"));
+  write_text(d.file("train-images-idx3-ubyte.gz"), gz.substr(0, gz.size() / 2));
+  auto r = run_keel({"train", "--data.path=" + d.path(), "--train.steps=1", "--run.dir=" + d.file("run")});
+  EXPECT_FALSE(r.signaled) << r.output;
+  EXPECT_NE(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("train-images-idx3-ubyte.gz"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("truncated"), std::string::npos) << r.output;
+}
+
+TEST(CliBadInput, BinaryFileAsConfig) {
+  expect_input_error(run_keel({"train", "--config", KEEL_BINARY}), "not a TOML file");
+}
+
+TEST(CliBadInput, MissingConfigFile) {
+  expect_input_error(run_keel({"train", "--config", "/nonexistent/x.toml"}), "/nonexistent/x.toml");
+}
+
+TEST(CliBadInput, MissingTorchScriptFile) {
+  expect_input_error(run_keel({"train", "--model.name=torchscript", "--model.path=/nonexistent/m.pt",
+                               "--data.name=synthetic"}),
+                     "/nonexistent/m.pt");
+}
+
+TEST(CliBadInput, ModelAndDataDisagree) {
+  expect_input_error(run_keel({"train", "--model.name=gpt"}), "expects tokens");
+}
+
+TEST(CliBadInput, PartialLauncherEnvironment) {
+  expect_input_error(run_keel({"train", "--data.name=synthetic", "--train.steps=1"}, {"RANK=0", "WORLD_SIZE=2"}),
+                     "missing MASTER_ADDR");
+}
+
+}  // namespace

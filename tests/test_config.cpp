@@ -1,0 +1,193 @@
+// Config: one test per bad-input class, overrides, and the resolved-config round trip.
+#include <gtest/gtest.h>
+
+#include "helpers.h"
+#include "trainer/config.h"
+
+using keel::Config;
+using keel::InputError;
+
+namespace {
+
+// Loads `text` and returns the InputError message ("" if it loaded).
+std::string load_error(const std::string& text) {
+  Config cfg;
+  try {
+    keel::load_toml_string(text, "test.toml", cfg);
+    keel::validate(cfg);
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+TEST(Config, DefaultsValidate) {
+  Config cfg;
+  keel::validate(cfg);
+  EXPECT_EQ(cfg.run.dir, "runs/keel");
+  EXPECT_EQ(cfg.train.batch_size, 64);
+  EXPECT_TRUE(cfg.data.drop_last);
+  EXPECT_EQ(cfg.dist.timeout_s, 300);
+  EXPECT_EQ(cfg.dist.bucket_cap_mb, 25.0);
+  EXPECT_EQ(cfg.compile.max_recompiles, 8);
+  EXPECT_EQ(cfg.amp.init_scale, 65536.0);
+  EXPECT_EQ(cfg.checkpoint.keep, 3);
+}
+
+TEST(Config, LoadsValuesAndRecordsExplicitKeys) {
+  Config cfg;
+  keel::load_toml_string("[train]\nlr = 0.5\nbatch_size = 7\n[model]\nname = \"mlp\"\n", "t.toml", cfg);
+  EXPECT_DOUBLE_EQ(cfg.train.lr, 0.5);
+  EXPECT_EQ(cfg.train.batch_size, 7);
+  EXPECT_EQ(cfg.model.name, "mlp");
+  EXPECT_TRUE(cfg.is_explicit("train.lr"));
+  EXPECT_FALSE(cfg.is_explicit("train.steps"));
+}
+
+TEST(Config, IntegerAcceptedForFloatKey) {
+  Config cfg;
+  keel::load_toml_string("[train]\nlr = 1\n", "t.toml", cfg);
+  EXPECT_DOUBLE_EQ(cfg.train.lr, 1.0);
+}
+
+TEST(ConfigErrors, MalformedTomlNamesFileLineColumn) {
+  auto msg = load_error("[train]\nlr = = 3\n");
+  EXPECT_NE(msg.find("test.toml:2:"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("syntax error"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, UnknownSection) {
+  auto msg = load_error("[trainer]\nlr = 3\n");
+  EXPECT_NE(msg.find("unknown section [trainer]"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("test.toml:1:"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, UnknownKeyWithSuggestion) {
+  auto msg = load_error("[train]\nbatch_sise = 3\n");
+  EXPECT_NE(msg.find("unknown key 'train.batch_sise'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("did you mean 'train.batch_size'"), std::string::npos) << msg;
+  EXPECT_NE(msg.find("test.toml:2:"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, KeyOutsideSection) {
+  auto msg = load_error("lr = 3\n");
+  EXPECT_NE(msg.find("outside any section"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, WrongType) {
+  auto msg = load_error("[train]\nbatch_size = \"64\"\n");
+  EXPECT_NE(msg.find("'train.batch_size' expects int, got string"), std::string::npos) << msg;
+  msg = load_error("[train]\nsteps = 1.5\n");
+  EXPECT_NE(msg.find("'train.steps' expects int, got float"), std::string::npos) << msg;
+  msg = load_error("[data]\ndrop_last = 1\n");
+  EXPECT_NE(msg.find("'data.drop_last' expects bool"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, OutOfRange) {
+  auto msg = load_error("[train]\nbatch_size = 0\n");
+  EXPECT_NE(msg.find("'train.batch_size' = 0 is out of range"), std::string::npos) << msg;
+  msg = load_error("[train]\nlr = -1.0\n");
+  EXPECT_NE(msg.find("'train.lr' = -1.0 is out of range"), std::string::npos) << msg;
+  msg = load_error("[train]\nlr = nan\n");
+  EXPECT_NE(msg.find("finite"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, NotAChoice) {
+  auto msg = load_error("[train]\noptimizer = \"adam\"\n");
+  EXPECT_NE(msg.find("'train.optimizer' = \"adam\" is not one of: adamw, sgd"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, BinaryFile) {
+  std::string bin("\x7f" "ELF\x02\x01\x01\0\0\0\0", 12);
+  auto msg = load_error(bin);
+  EXPECT_NE(msg.find("not a TOML file"), std::string::npos) << msg;
+  // Invalid UTF-8 without NUL bytes is refused by the parser.
+  msg = load_error("[run]\nname = \"\xff\xfe\"\n");
+  EXPECT_NE(msg.find("test.toml:2:"), std::string::npos) << msg;
+}
+
+TEST(ConfigErrors, MissingFile) {
+  Config cfg;
+  EXPECT_THROW(keel::load_toml_file("/nonexistent/keel.toml", cfg), InputError);
+}
+
+TEST(ConfigErrors, CrossFieldRules) {
+  EXPECT_NE(load_error("[train]\nsteps = 10\nepochs = 2\n").find("not both"), std::string::npos);
+  EXPECT_NE(load_error("[train]\nlr = 0.1\nmin_lr = 0.2\n").find("train.min_lr"), std::string::npos);
+  EXPECT_NE(load_error("[model]\nname = \"torchscript\"\n").find("model.path"), std::string::npos);
+  EXPECT_NE(load_error("[checkpoint]\nasync = true\nkeep = 1\n").find("checkpoint.keep"), std::string::npos);
+  EXPECT_NE(load_error("[dist]\nbackend = \"nccl\"\n").find("CUDA"), std::string::npos);
+}
+
+TEST(ConfigErrors, FeaturesNotYetBuiltAreRefused) {
+  EXPECT_NE(load_error("[compile]\nmode = \"trace\"\n").find("not implemented"), std::string::npos);
+  EXPECT_NE(load_error("[amp]\ndtype = \"bf16\"\n").find("not implemented"), std::string::npos);
+  EXPECT_NE(load_error("[fault]\ninject = [\"crash@step=1,rank=0\"]\n").find("not implemented"), std::string::npos);
+}
+
+TEST(ConfigOverrides, ParsesEachType) {
+  Config cfg;
+  keel::apply_override(cfg, "train.lr", "0.25");
+  keel::apply_override(cfg, "train.steps", "12");
+  keel::apply_override(cfg, "data.drop_last", "false");
+  keel::apply_override(cfg, "model.name", "gpt");
+  EXPECT_DOUBLE_EQ(cfg.train.lr, 0.25);
+  EXPECT_EQ(cfg.train.steps, 12);
+  EXPECT_FALSE(cfg.data.drop_last);
+  EXPECT_EQ(cfg.model.name, "gpt");
+}
+
+TEST(ConfigOverrides, ListReplacesFileThenAppends) {
+  Config cfg;
+  keel::load_toml_string("[fault]\ninject = [\"a@step=1,rank=0\"]\n", "t.toml", cfg);
+  keel::apply_override(cfg, "fault.inject", "b@step=2,rank=1");
+  keel::apply_override(cfg, "fault.inject", "c@step=3,rank=0");
+  ASSERT_EQ(cfg.fault.inject.size(), 2u);
+  EXPECT_EQ(cfg.fault.inject[0], "b@step=2,rank=1");
+  EXPECT_EQ(cfg.fault.inject[1], "c@step=3,rank=0");
+}
+
+TEST(ConfigOverrides, BadValuesNameTheOption) {
+  Config cfg;
+  try {
+    keel::apply_override(cfg, "train.batch_size", "0");
+    FAIL() << "expected an error";
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("--train.batch_size"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("out of range"), std::string::npos) << e.what();
+  }
+  EXPECT_THROW(keel::apply_override(cfg, "train.steps", "12x"), InputError);
+  EXPECT_THROW(keel::apply_override(cfg, "train.lr", "fast"), InputError);
+  EXPECT_THROW(keel::apply_override(cfg, "data.drop_last", "maybe"), InputError);
+  EXPECT_THROW(keel::apply_override(cfg, "train.nope", "1"), InputError);
+}
+
+TEST(ConfigDump, RoundTripsEveryKey) {
+  Config a;
+  keel::apply_override(a, "train.lr", "0.0003");
+  keel::apply_override(a, "run.name", "quote\"and\\slash");
+  keel::apply_override(a, "dist.bucket_cap_mb", "0.1");
+  keel::validate(a);
+  const std::string text = keel::dump_toml(a);
+  Config b;
+  keel::load_toml_string(text, "dump.toml", b);
+  for (const auto& f : keel::config_schema())
+    EXPECT_EQ(keel::to_toml_literal(f.get(a)), keel::to_toml_literal(f.get(b))) << f.dotted();
+}
+
+TEST(ConfigSchema, EveryContractKeyExists) {
+  for (const char* k : {"run.name", "run.dir", "run.seed", "run.threads", "model.name", "model.path",
+                        "data.name", "data.path", "data.drop_last", "train.steps", "train.epochs",
+                        "train.batch_size", "train.grad_accum", "train.optimizer", "train.lr",
+                        "train.weight_decay", "train.warmup_steps", "train.schedule", "train.grad_clip",
+                        "train.eval_interval", "dist.timeout_s", "dist.backend", "dist.bucket_cap_mb",
+                        "dist.find_unused_parameters", "dist.comm_hook", "dist.validate", "compile.mode",
+                        "compile.fullgraph", "compile.deterministic", "compile.max_recompiles",
+                        "compile.cache_dir", "compile.cuda_graphs", "amp.dtype", "amp.loss_scaling",
+                        "checkpoint.dir", "checkpoint.interval", "checkpoint.keep", "checkpoint.async",
+                        "checkpoint.resume_from", "checkpoint.save_graph", "fault.inject",
+                        "train.skip_nonfinite"})
+    EXPECT_NE(keel::find_field(k), nullptr) << k;
+}
+
+}  // namespace

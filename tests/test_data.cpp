@@ -1,0 +1,196 @@
+// Data readers: valid IDX files load; truncated, corrupt or mislabelled files give a clear
+// error naming the file; text and synthetic datasets are shaped and deterministic.
+#include <gtest/gtest.h>
+
+#include "helpers.h"
+#include "idx_fixture.h"
+#include "trainer/data.h"
+
+using keel::InputError;
+using keel::testing::TempDir;
+using namespace keel::testing;
+
+namespace {
+
+std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const InputError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+keel::models::InputSpec image_spec() { return {keel::models::InputKind::Image, {1, 28, 28}, 10}; }
+keel::models::InputSpec token_spec(int64_t T) { return {keel::models::InputKind::Tokens, {T}, 256}; }
+
+TEST(FashionMnist, LoadsSmallDataset) {
+  TempDir d;
+  write_small_fashion_mnist(d.path(), 100, 30);
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto s = keel::data::make_fashion_mnist(cfg, image_spec());
+  EXPECT_EQ(s.train->size(), 100);
+  EXPECT_EQ(s.test->size(), 30);
+  auto b = s.train->get({0, 5, 99});
+  EXPECT_EQ(b.input.sizes(), (std::vector<int64_t>{3, 1, 28, 28}));
+  EXPECT_EQ(b.input.scalar_type(), torch::kFloat);
+  EXPECT_EQ(b.target.sizes(), (std::vector<int64_t>{3}));
+  EXPECT_EQ(b.target.scalar_type(), torch::kLong);
+  // Pixel 0 of sample 0 is 0 -> (0 - mean) / std.
+  EXPECT_NEAR(b.input[0][0][0][0].item<float>(), (0.0 - 0.2860) / 0.3530, 1e-6);
+}
+
+TEST(FashionMnist, RealDatasetIfInstalled) {
+  if (!exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz"))
+    GTEST_SKIP() << "dataset-fashion-mnist is not installed (scripts/setup.sh installs it)";
+  auto images = keel::data::read_idx("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz", 0x803, {-1, 28, 28});
+  auto labels = keel::data::read_idx("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz", 0x801, {-1});
+  EXPECT_EQ(images.size(0), 10000);
+  EXPECT_EQ(labels.size(0), 10000);
+  // Balanced classes: 1000 test images per class.
+  auto counts = torch::bincount(labels.to(torch::kLong).flatten());
+  for (int c = 0; c < 10; ++c) EXPECT_EQ(counts[c].item<int64_t>(), 1000);
+}
+
+TEST(FashionMnist, TruncatedGzip) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  std::string gz = read_text(d.file("train-labels-idx1-ubyte.gz"));
+  write_text(d.file("train-labels-idx1-ubyte.gz"), gz.substr(0, gz.size() - 12));
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("train-labels-idx1-ubyte.gz"), std::string::npos) << msg;
+}
+
+TEST(FashionMnist, CorruptGzip) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  std::string gz = read_text(d.file("t10k-images-idx3-ubyte.gz"));
+  for (size_t i = 20; i < gz.size() - 10; i += 7) gz[i] = char(gz[i] ^ 0x5a);
+  write_text(d.file("t10k-images-idx3-ubyte.gz"), gz);
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("t10k-images-idx3-ubyte.gz"), std::string::npos) << msg;
+}
+
+TEST(FashionMnist, NotGzipAtAll) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  write_text(d.file("train-images-idx3-ubyte.gz"), "hello, this is not a dataset");
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("train-images-idx3-ubyte.gz"), std::string::npos) << msg;
+}
+
+TEST(FashionMnist, WrongMagic) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  write_gz(d.file("train-images-idx3-ubyte.gz"), idx_bytes(0x801, {256}, 10));  // a label file
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("bad IDX magic number 0x00000801, expected 0x00000803"), std::string::npos) << msg;
+}
+
+TEST(FashionMnist, WrongDimensions) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  write_gz(d.file("train-images-idx3-ubyte.gz"), idx_bytes(0x803, {256, 32, 32}, 251));
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("dimension 1 is 32, expected 28"), std::string::npos) << msg;
+}
+
+TEST(FashionMnist, DataShorterThanHeaderSays) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  auto bytes = idx_bytes(0x803, {256, 28, 28}, 251);
+  bytes.resize(bytes.size() - 100);  // a valid gzip stream of a truncated IDX file
+  write_gz(d.file("train-images-idx3-ubyte.gz"), bytes);
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("(truncated)"), std::string::npos) << msg;
+}
+
+TEST(FashionMnist, CountMismatchBetweenImagesAndLabels) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  write_gz(d.file("train-labels-idx1-ubyte.gz"), idx_bytes(0x801, {255}, 10));
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("256 images but 255 labels"), std::string::npos) << msg;
+}
+
+TEST(FashionMnist, MissingDirectory) {
+  keel::DataConfig cfg;
+  cfg.path = "/nonexistent/dir";
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("directory not found"), std::string::npos) << msg;
+}
+
+TEST(TextData, WindowsAreShiftedByOne) {
+  TempDir d;
+  std::string text;
+  for (int i = 0; i < 1000; ++i) text += char('a' + i % 26);
+  write_text(d.file("t.txt"), text);
+  keel::DataConfig cfg;
+  cfg.path = d.file("t.txt");
+  cfg.test_fraction = 0.1;
+  auto s = keel::data::make_text(cfg, token_spec(16));
+  EXPECT_EQ(s.train->size(), (900 - 1) / 16);
+  EXPECT_EQ(s.test->size(), (100 - 1) / 16);
+  auto b = s.train->get({0, 2});
+  EXPECT_EQ(b.input.sizes(), (std::vector<int64_t>{2, 16}));
+  EXPECT_TRUE(torch::equal(b.input.narrow(1, 1, 15), b.target.narrow(1, 0, 15)));
+  EXPECT_EQ(b.input[1][0].item<int64_t>(), 'a' + (32 % 26));
+}
+
+TEST(TextData, TooShortFile) {
+  TempDir d;
+  write_text(d.file("t.txt"), "tiny");
+  keel::DataConfig cfg;
+  cfg.path = d.file("t.txt");
+  EXPECT_NE(error_of([&] { keel::data::make_text(cfg, token_spec(16)); }).find("too short"), std::string::npos);
+}
+
+TEST(SyntheticData, DeterministicFromSeedAndShapedForModel) {
+  keel::DataConfig cfg;
+  cfg.synthetic_size = 64;
+  auto a = keel::data::make_synthetic(cfg, image_spec(), 3);
+  auto b = keel::data::make_synthetic(cfg, image_spec(), 3);
+  auto c = keel::data::make_synthetic(cfg, image_spec(), 4);
+  auto ba = a.train->get({1, 2, 3}), bb = b.train->get({1, 2, 3}), bc = c.train->get({1, 2, 3});
+  EXPECT_TRUE(torch::equal(ba.input, bb.input));
+  EXPECT_TRUE(torch::equal(ba.target, bb.target));
+  EXPECT_FALSE(torch::equal(ba.input, bc.input));
+  EXPECT_EQ(ba.input.sizes(), (std::vector<int64_t>{3, 1, 28, 28}));
+  EXPECT_EQ(a.test->size(), 16);
+
+  auto t = keel::data::make_synthetic(cfg, token_spec(8), 3);
+  auto bt = t.train->get({0, 1});
+  EXPECT_EQ(bt.input.sizes(), (std::vector<int64_t>{2, 8}));
+  EXPECT_TRUE(torch::equal(bt.input.narrow(1, 1, 7), bt.target.narrow(1, 0, 7)));
+  EXPECT_LT(bt.input.max().item<int64_t>(), 256);
+}
+
+TEST(DatasetRegistry, UserDatasetAndKindMismatch) {
+  keel::data::register_dataset("ones", [](const keel::DataConfig&, const keel::models::InputSpec&, int64_t) {
+    return keel::data::Splits{nullptr, nullptr};
+  });
+  keel::DataConfig cfg;
+  cfg.name = "ones";
+  EXPECT_NE(error_of([&] { keel::data::create_dataset(cfg, image_spec(), 0); }).find("train split is empty"),
+            std::string::npos);
+  cfg.name = "fashion_mnist";
+  EXPECT_NE(error_of([&] { keel::data::create_dataset(cfg, token_spec(8), 0); }).find("expects tokens"),
+            std::string::npos);
+}
+
+}  // namespace

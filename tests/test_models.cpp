@@ -1,0 +1,150 @@
+// Models: output shapes, parameter counts, registry, and golden checks of the cnn and gpt
+// against PyTorch (tests/golden/make_golden.py) from identical weights and inputs.
+#include <gtest/gtest.h>
+#include <torch/script.h>
+#include <torch/serialize.h>
+
+#include "helpers.h"
+#include "models/model.h"
+
+using keel::models::create_model;
+
+namespace {
+
+keel::ModelConfig model_cfg(const std::string& name) {
+  keel::ModelConfig c;
+  c.name = name;
+  return c;
+}
+
+TEST(Models, OutputShapesAndParameterCounts) {
+  auto mlp = create_model(model_cfg("mlp"));
+  EXPECT_EQ(mlp->forward(torch::randn({3, 1, 28, 28})).sizes(), (std::vector<int64_t>{3, 10}));
+  // 784*256+256 + 7*(256*256+256) + 256*10+10
+  EXPECT_EQ(mlp->num_parameters(), 784 * 256 + 256 + 7 * (256 * 256 + 256) + 2570);
+  EXPECT_EQ(mlp->named_parameters().size(), 18u);
+
+  auto cnn = create_model(model_cfg("cnn"));
+  EXPECT_EQ(cnn->forward(torch::randn({2, 1, 28, 28})).sizes(), (std::vector<int64_t>{2, 10}));
+  EXPECT_EQ(cnn->num_parameters(), 421642);
+
+  auto gpt = create_model(model_cfg("gpt"));
+  auto logits = gpt->forward(torch::randint(0, 256, {2, 128}, torch::kLong));
+  EXPECT_EQ(logits.sizes(), (std::vector<int64_t>{2, 128, 256}));
+  // wte 256*256 + wpe 128*256 + 4 blocks * (2 LN + qkv + proj + fc + proj) + ln_f; no lm_head.
+  const int64_t d = 256, block = 2 * 2 * d + (d * 3 * d + 3 * d) + (d * d + d) + (d * 4 * d + 4 * d) + (4 * d * d + d);
+  EXPECT_EQ(gpt->num_parameters(), 256 * d + 128 * d + 4 * block + 2 * d);
+  EXPECT_EQ(gpt->input_spec().kind, keel::models::InputKind::Tokens);
+}
+
+TEST(Models, GptIsCausal) {
+  auto gpt = create_model(model_cfg("gpt"));
+  auto x = torch::randint(0, 256, {1, 16}, torch::kLong);
+  auto y = x.clone();
+  y[0][10] = (x[0][10].item<int64_t>() + 1) % 256;
+  auto a = gpt->forward(x), b = gpt->forward(y);
+  EXPECT_TRUE(torch::allclose(a.narrow(1, 0, 10), b.narrow(1, 0, 10)));
+  EXPECT_FALSE(torch::allclose(a.narrow(1, 10, 1), b.narrow(1, 10, 1)));
+}
+
+TEST(Models, RegistryListsBuiltinsAndAcceptsUserModels) {
+  auto names = keel::models::registered_models();
+  for (const char* n : {"mlp", "cnn", "gpt", "torchscript"})
+    EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
+  keel::models::register_model("tiny", [](const keel::ModelConfig& c, std::optional<keel::models::InputKind>) {
+    auto m = keel::models::make_mlp(c);
+    return m;
+  });
+  EXPECT_EQ(create_model(model_cfg("tiny"))->name(), "mlp");
+  EXPECT_THROW(create_model(model_cfg("nope")), keel::InputError);
+}
+
+TEST(Models, TorchScriptModelTrains) {
+  // tests/golden/tiny_classifier.pt: torch.jit.script of a 784->32->10 classifier
+  // (made by tests/golden/make_torchscript.py).
+  keel::ModelConfig c = model_cfg("torchscript");
+  c.path = keel::testing::source_path("tests/golden/tiny_classifier.pt");
+  auto m = create_model(c, keel::models::InputKind::Image);
+  EXPECT_GT(m->num_parameters(), 0);
+  auto x = torch::randn({4, 1, 28, 28});
+  auto target = torch::tensor({1, 2, 3, 4}, torch::kLong);
+  torch::optim::SGD opt(m->parameters(), 0.1);
+  double first = 0, last = 0;
+  for (int i = 0; i < 20; ++i) {
+    opt.zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(m->forward(x), target);
+    loss.backward();
+    opt.step();
+    (i == 0 ? first : last) = loss.item<double>();
+  }
+  EXPECT_LT(last, first * 0.5);
+}
+
+// --- golden checks -------------------------------------------------------------------------
+
+c10::Dict<c10::IValue, c10::IValue> load_golden(const std::string& file) {
+  const std::string bytes = keel::testing::read_text(keel::testing::source_path("tests/golden/" + file));
+  std::vector<char> data(bytes.begin(), bytes.end());
+  return torch::pickle_load(data).toGenericDict();
+}
+
+torch::Tensor entry(const c10::Dict<c10::IValue, c10::IValue>& d, const std::string& key) {
+  return d.at(c10::IValue(key)).toTensor();
+}
+
+// Tolerance: float32 on both sides, but PyTorch (Python) and keel may pick different kernels
+// (oneDNN vs native convolution, blocked vs plain GEMM), which sum in different orders. For
+// dot products of up to 3136 terms that moves results by ~1e-6 relative; rtol 1e-4 / atol 1e-5
+// leaves margin for that while any architectural difference (a missing bias, a wrong mask, an
+// untied head) is off by O(1).
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const double max_abs = (got - want).abs().max().item<double>();
+  EXPECT_TRUE(torch::allclose(got, want, /*rtol=*/1e-4, /*atol=*/1e-5))
+      << what << ": max abs diff " << max_abs << " (scale " << want.abs().max().item<double>() << ")";
+}
+
+void check_golden(keel::models::Model& m, const std::string& file) {
+  auto g = load_golden(file);
+  {
+    torch::NoGradGuard ng;
+    size_t loaded = 0;
+    for (auto& [name, p] : m.named_parameters()) {
+      const std::string key = "param/" + name;
+      ASSERT_TRUE(g.contains(c10::IValue(key))) << "golden file lacks parameter " << name;
+      auto src = entry(g, key);
+      ASSERT_EQ(src.sizes(), p.sizes()) << name;
+      p.copy_(src);
+      ++loaded;
+    }
+    size_t golden_params = 0;
+    for (const auto& kv : g)
+      if (kv.key().toStringRef().rfind("param/", 0) == 0) ++golden_params;
+    ASSERT_EQ(loaded, golden_params) << "keel and PyTorch models have different parameter sets";
+  }
+  for (auto& p : m.parameters()) p.mutable_grad() = torch::Tensor();
+  auto logits = m.forward(entry(g, "input"));
+  expect_close(logits, entry(g, "logits"), "logits");
+  auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
+                                                   entry(g, "target").reshape({-1}));
+  EXPECT_NEAR(loss.item<double>(), entry(g, "loss").item<double>(), 1e-5);
+  loss.backward();
+  for (auto& [name, p] : m.named_parameters()) expect_close(p.grad(), entry(g, "grad/" + name), "grad of " + name);
+}
+
+TEST(Golden, CnnMatchesPyTorch) {
+  auto m = create_model(model_cfg("cnn"));
+  check_golden(*m, "cnn.pt");
+}
+
+TEST(Golden, GptMatchesPyTorch) {
+  keel::ModelConfig c = model_cfg("gpt");
+  c.width = 64;
+  c.depth = 2;
+  c.heads = 4;
+  c.context = 16;
+  auto m = create_model(c);
+  check_golden(*m, "gpt_small.pt");
+}
+
+}  // namespace

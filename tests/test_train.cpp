@@ -1,0 +1,177 @@
+// The training loop end to end (through the keel binary), the LR schedule, and launcher
+// detection.
+#include <gtest/gtest.h>
+#include <signal.h>
+
+#include <chrono>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "dist/world.h"
+#include "helpers.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
+
+using keel::testing::run_keel;
+using keel::testing::TempDir;
+
+namespace {
+
+std::vector<nlohmann::json> read_jsonl(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line))
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  return out;
+}
+
+TEST(EndToEnd, ShortCnnRunOnFashionMnistLossFalls) {
+  TempDir d;
+  auto r = run_keel({"train", "--config", keel::testing::source_path("configs/fashion_mnist_cnn.toml"),
+                     "--train.epochs=0", "--train.steps=150", "--train.warmup_steps=10", "--train.eval_interval=150",
+                     "--data.eval_batch_size=500", "--run.dir=" + d.file("run"), "--run.threads=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto metrics = read_jsonl(d.file("run/metrics.jsonl"));
+  ASSERT_EQ(metrics.size(), 150u);
+  for (const char* k : {"step", "loss", "lr", "step_ms", "samples_per_s"})
+    EXPECT_TRUE(metrics[0].contains(k)) << k;
+  double first = 0, last = 0;
+  for (int i = 0; i < 10; ++i) first += metrics[i]["loss"].get<double>() / 10;
+  for (int i = 140; i < 150; ++i) last += metrics[i]["loss"].get<double>() / 10;
+  EXPECT_LT(last, 0.5 * first) << "loss did not fall: " << first << " -> " << last;
+  EXPECT_TRUE(metrics.back().contains("test_accuracy"));
+
+  auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
+  for (const char* k : {"world_size", "steps", "median_step_ms", "samples_per_s", "final_loss", "test_accuracy"})
+    EXPECT_TRUE(summary.contains(k)) << k;
+  EXPECT_EQ(summary["world_size"], 1);
+  EXPECT_EQ(summary["steps"], 150);
+  EXPECT_GT(summary["test_accuracy"].get<double>(), 0.6);  // 10% is chance
+  // The resolved config replays the run.
+  EXPECT_TRUE(keel::testing::exists(d.file("run/config.toml")));
+  auto replay = run_keel({"train", "--config", d.file("run/config.toml"), "--print-config"});
+  EXPECT_EQ(replay.exit_code, 0) << replay.output;
+}
+
+TEST(EndToEnd, GptOnTextReportsTokensPerSecond) {
+  TempDir d;
+  std::string text;
+  for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog. ";
+  keel::testing::write_text(d.file("corpus.txt"), text);
+  auto r = run_keel({"train", "--model.name=gpt", "--model.width=64", "--model.depth=2", "--model.context=32",
+                     "--data.name=text", "--data.path=" + d.file("corpus.txt"), "--train.steps=60",
+                     "--train.batch_size=8", "--train.lr=3e-3", "--train.eval_interval=60",
+                     "--run.dir=" + d.file("run"), "--run.threads=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
+  EXPECT_TRUE(summary.contains("tokens_per_s"));
+  EXPECT_LT(summary["final_loss"].get<double>(), 3.0);  // ln(256) = 5.5 at the start
+}
+
+TEST(EndToEnd, GradAccumAndSgdOnSynthetic) {
+  TempDir d;
+  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=30",
+                     "--train.batch_size=16", "--train.grad_accum=4", "--train.optimizer=sgd", "--train.lr=0.05",
+                     "--run.dir=" + d.file("run"), "--run.threads=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
+  EXPECT_EQ(summary["global_batch"], 64);
+}
+
+TEST(EndToEnd, SigtermStopsCleanlyAfterTheCurrentStep) {
+  TempDir d;
+  auto child = keel::testing::spawn_keel({"train", "--model.name=mlp", "--data.name=synthetic",
+                                          "--train.steps=100000", "--run.dir=" + d.file("run"),
+                                          "--run.threads=1"});
+  // Wait until it is training.
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (std::chrono::steady_clock::now() < deadline && read_jsonl(d.file("run/metrics.jsonl")).size() < 3)
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  kill(child.pid, SIGTERM);
+  auto r = keel::testing::wait_process(child, 60);
+  EXPECT_FALSE(r.signaled) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
+  EXPECT_FALSE(summary["completed"].get<bool>());
+  EXPECT_EQ(summary["stop_signal"], SIGTERM);
+  EXPECT_EQ(summary["steps"].get<int64_t>(), static_cast<int64_t>(read_jsonl(d.file("run/metrics.jsonl")).size()));
+}
+
+TEST(Schedule, WarmupThenCosineExactValues) {
+  keel::TrainConfig t;
+  t.lr = 1.0;
+  t.min_lr = 0.0;
+  t.warmup_steps = 4;
+  t.schedule = "cosine";
+  keel::LrSchedule s(t, 14);
+  EXPECT_DOUBLE_EQ(s.at(0), 0.25);  // (0 + 1) / 4
+  EXPECT_DOUBLE_EQ(s.at(3), 1.0);   // end of warmup
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);   // cosine progress 0
+  EXPECT_NEAR(s.at(9), 0.5, 1e-12); // progress 5/10: 0.5 * (1 + cos(pi/2))
+  EXPECT_NEAR(s.at(14), 0.0, 1e-12);
+  t.schedule = "constant";
+  keel::LrSchedule c(t, 14);
+  EXPECT_DOUBLE_EQ(c.at(1), 0.5);
+  EXPECT_DOUBLE_EQ(c.at(13), 1.0);
+}
+
+TEST(Metrics, Median) {
+  EXPECT_DOUBLE_EQ(keel::median({3, 1, 2}), 2);
+  EXPECT_DOUBLE_EQ(keel::median({4, 1, 3, 2}), 2.5);
+  EXPECT_TRUE(std::isnan(keel::median({})));
+}
+
+TEST(World, SingleProcessByDefault) {
+  auto w = keel::dist::detect_world({{"HOME", "/root"}});
+  EXPECT_EQ(w.size, 1);
+  EXPECT_EQ(w.launcher, "none");
+}
+
+TEST(World, Torchrun) {
+  auto w = keel::dist::detect_world({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
+                                     {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
+                                     {"MASTER_PORT", "29500"}, {"TORCHELASTIC_RESTART_COUNT", "3"}});
+  EXPECT_EQ(w.launcher, "torchrun");
+  EXPECT_EQ(w.rank, 1);
+  EXPECT_EQ(w.size, 2);
+  EXPECT_EQ(w.restart_count, 3);
+  EXPECT_EQ(w.master_port, 29500);
+}
+
+TEST(World, Mpirun) {
+  auto w = keel::dist::detect_world({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
+                                     {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  EXPECT_EQ(w.launcher, "mpirun");
+  EXPECT_EQ(w.rank, 3);
+  EXPECT_EQ(w.local_size, 2);
+}
+
+TEST(World, Srun) {
+  auto w = keel::dist::detect_world({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
+                                     {"SLURM_NTASKS_PER_NODE", "4(x2)"}, {"MASTER_ADDR", "node1"},
+                                     {"MASTER_PORT", "1234"}});
+  EXPECT_EQ(w.launcher, "srun");
+  EXPECT_EQ(w.rank, 5);
+  EXPECT_EQ(w.local_size, 4);
+}
+
+TEST(World, PartialOrInconsistentEnvironmentIsRefused) {
+  try {
+    keel::dist::detect_world({{"RANK", "0"}, {"WORLD_SIZE", "2"}});
+    FAIL();
+  } catch (const keel::InputError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("found RANK=0, WORLD_SIZE=2"), std::string::npos) << m;
+    EXPECT_NE(m.find("missing MASTER_ADDR, MASTER_PORT"), std::string::npos) << m;
+  }
+  EXPECT_THROW(keel::dist::detect_world({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+               keel::InputError);
+  EXPECT_THROW(keel::dist::detect_world({{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+               keel::InputError);
+  EXPECT_THROW(keel::dist::detect_world({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}}),
+               keel::InputError);
+}
+
+}  // namespace

@@ -1,0 +1,123 @@
+#include "trainer/cli.h"
+
+#include <CLI/CLI.hpp>
+#include <spdlog/spdlog.h>
+#include <torch/torch.h>
+
+#include <iostream>
+#include <map>
+
+#include "dist/world.h"
+#include "keel/version.h"
+#include "trainer/config.h"
+#include "trainer/trainer.h"
+
+namespace keel {
+namespace {
+
+constexpr int kExitInput = 2;
+constexpr int kExitFailure = 1;
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+}  // namespace
+
+std::string version_string() {
+  return std::string("keel ") + KEEL_VERSION + " (LibTorch " + TORCH_VERSION + ")";
+}
+
+int run_cli(int argc, char** argv) {
+  CLI::App app{"keel: data-parallel training on LibTorch, from C++", "keel"};
+  app.set_version_flag("--version", version_string());
+  app.require_subcommand(1);
+
+  auto* train = app.add_subcommand("train", "train a model described by a TOML config");
+  std::string config_path;
+  bool print_config = false;
+  train->add_option("--config,-c", config_path, "TOML experiment file (configs/*.toml); keys below override it");
+  train->add_flag("--print-config", print_config, "print the resolved config as TOML and exit");
+
+  // One option per config key, generated from the schema. Values are kept as text and applied
+  // after the file, in schema order, so the command line wins.
+  const Config defaults;
+  std::map<std::string, std::vector<std::string>> given;
+  for (const auto& f : config_schema()) {
+    auto* opt = train->add_option("--" + f.dotted(), given[f.dotted()], f.doc);
+    opt->group("[" + f.section + "]");
+    opt->type_name(std::string(field_type_name(f.type)) == "list of strings" ? "TEXT (repeatable)"
+                                                                             : field_type_name(f.type));
+    opt->default_str(to_toml_literal(f.get(defaults)));
+    if (f.type == FieldType::Bool) {
+      opt->expected(0, 1);  // `--data.drop_last` alone means true
+    } else {
+      opt->expected(1);
+    }
+    opt->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+    if (!f.choices.empty()) {
+      std::string c;
+      for (const auto& x : f.choices) c += (c.empty() ? "" : "|") + x;
+      opt->type_name(c);
+    }
+  }
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);  // prints the message and a hint
+    return kExitInput;
+  }
+
+  if (!train->parsed()) return kExitInput;
+  Config cfg;
+  try {
+    if (!config_path.empty()) load_toml_file(config_path, cfg);
+    for (const auto& f : config_schema()) {
+      const auto& values = given[f.dotted()];
+      if (train->count("--" + f.dotted()) == 0) continue;
+      if (values.empty()) {  // a bare boolean flag
+        apply_override(cfg, f.dotted(), "true");
+        continue;
+      }
+      if (f.type == FieldType::StringList) {
+        for (const auto& v : values) apply_override(cfg, f.dotted(), v);
+      } else {
+        apply_override(cfg, f.dotted(), values.back());
+      }
+    }
+    validate(cfg);
+  } catch (const InputError& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  }
+  if (print_config) {
+    std::cout << dump_toml(cfg);
+    return 0;
+  }
+
+  try {
+    dist::World world = dist::detect_world(dist::current_env());
+    Trainer trainer(cfg, world);
+    nlohmann::json summary = trainer.run();
+    if (summary.contains("stop_signal") && !summary["stop_signal"].is_null())
+      return 128 + summary["stop_signal"].get<int>();
+    return 0;
+  } catch (const InputError& e) {
+    spdlog::error("{}", e.what());
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  } catch (const c10::Error& e) {
+    std::cerr << "keel: error: " << first_line(e.what_without_backtrace()) << "\n";
+    return kExitFailure;
+  } catch (const std::exception& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitFailure;
+  }
+}
+
+}  // namespace keel

@@ -1,0 +1,36 @@
+// trainer/optim.h: optimizers and the learning-rate schedule.
+//
+// Owns: building torch::optim::AdamW / SGD from [train], and the warmup + cosine / constant
+// schedule as a pure function of the step (so resume needs no schedule state beyond the step).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <vector>
+
+#include "trainer/config.h"
+
+namespace keel {
+
+std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
+                                                        const std::vector<torch::Tensor>& params);
+
+/// Learning rate for optimizer step `step` (0-based: the rate used by the step that brings the
+/// count from `step` to `step + 1`). Linear warmup: lr * (step + 1) / warmup_steps for
+/// step < warmup_steps; then constant, or cosine from lr to min_lr over the remaining steps.
+class LrSchedule {
+ public:
+  LrSchedule(const TrainConfig& cfg, int64_t total_steps);
+  double at(int64_t step) const;
+
+ private:
+  double lr_, min_lr_;
+  int64_t warmup_, total_;
+  bool cosine_;
+};
+
+/// Sets the learning rate of every parameter group.
+void set_lr(torch::optim::Optimizer& opt, double lr);
+
+}  // namespace keel

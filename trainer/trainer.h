@@ -1,0 +1,61 @@
+// trainer/trainer.h: the training loop.
+//
+// Owns: turning a validated Config into a run: seeding, threads, model and data from their
+// registries, the sampler, optimizer and schedule, the step loop (micro-batches, gradient
+// accumulation, clipping), evaluation, metrics.jsonl / summary.json / config.toml under
+// run.dir, the progress line, and a clean stop on SIGINT/SIGTERM after the current step.
+// Does not own: what the model or the data are (models/, trainer/data.h), talking to other
+// ranks (dist/), precision (amp/), or persistence (checkpoint/).
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "dist/world.h"
+#include "trainer/config.h"
+
+namespace keel {
+
+struct StepInfo {
+  int64_t step = 0;          // optimizer steps done (1-based after the first step)
+  double loss = 0;           // mean training loss over the step's micro-batches
+  double lr = 0;
+  double step_ms = 0;
+  double samples_per_s = 0;  // global samples per second for this step
+};
+
+struct EvalResult {
+  int64_t step = 0;
+  double loss = 0;           // mean per-sample (per-token for language models) loss
+  double accuracy = 0;       // top-1 accuracy (per token for language models)
+  int64_t count = 0;         // samples (tokens) evaluated
+};
+
+/// Hooks called on rank 0's thread between steps. They must not throw.
+struct Callbacks {
+  std::function<void(const StepInfo&)> on_step;
+  std::function<void(const EvalResult&)> on_eval;
+};
+
+class Trainer {
+ public:
+  /// `cfg` must have passed keel::validate().
+  Trainer(Config cfg, dist::World world, Callbacks callbacks = {});
+  ~Trainer();
+  /// Runs to the end (or to a stop signal) and returns the summary that rank 0 also writes to
+  /// <run.dir>/summary.json. Throws keel::InputError for bad input (data, model files) and
+  /// std::exception for failures while training.
+  nlohmann::json run();
+
+ private:
+  struct State;
+  std::unique_ptr<State> s_;
+};
+
+/// Asks a running Trainer to stop after its current step (what SIGINT/SIGTERM do).
+void request_stop(int signo);
+
+}  // namespace keel
