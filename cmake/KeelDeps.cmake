@@ -26,3 +26,25 @@ endif()
 target_include_directories(keel_deps INTERFACE ${TOMLPP_INCLUDE_DIR})
 # toml++ is used header-only; keep it that way so the shared libtomlplusplus is optional.
 target_compile_definitions(keel_deps INTERFACE TOML_HEADER_ONLY=1 TOML_EXCEPTIONS=1)
+
+# reducer.hpp (c10d's DDP engine) includes a distributed-autograd header that Debian's
+# libtorch-dev omits; a minimal stand-in is used only when the real one is missing.
+include(CheckIncludeFileCXX)
+set(_keel_ctx "torch/csrc/distributed/autograd/context/context.h")
+find_file(KEEL_REAL_DIST_AUTOGRAD_CONTEXT ${_keel_ctx} PATHS ${TORCH_INCLUDE_DIRS} NO_DEFAULT_PATH)
+if(NOT KEEL_REAL_DIST_AUTOGRAD_CONTEXT)
+  message(STATUS "keel: ${_keel_ctx} missing from LibTorch; using cmake/stubs")
+  target_include_directories(keel_deps INTERFACE $<BUILD_INTERFACE:${CMAKE_CURRENT_LIST_DIR}/stubs>)
+endif()
+
+# MPI is used only to bootstrap the TCPStore address under mpirun (dist/mpi_bootstrap.cpp).
+find_package(MPI COMPONENTS C)
+if(MPI_C_FOUND)
+  target_link_libraries(keel_deps INTERFACE MPI::MPI_C)
+  target_compile_definitions(keel_deps INTERFACE KEEL_WITH_MPI=1)
+endif()
+
+# CUDA builds (upstream LibTorch with CUDA): NCCL process groups and CUDA graphs.
+if(TORCH_CUDA_LIBRARIES OR CAFFE2_USE_CUDA)
+  target_compile_definitions(keel_deps INTERFACE KEEL_WITH_CUDA=1)
+endif()

@@ -84,6 +84,8 @@ World detect_world(const Env& env) {
       w.restart_count = parse_int(env, "TORCHELASTIC_RESTART_COUNT", w.launcher);
     w.master_addr = env.at("MASTER_ADDR");
     w.master_port = parse_int(env, "MASTER_PORT", w.launcher);
+    auto agent = env.find("TORCHELASTIC_USE_AGENT_STORE");
+    w.agent_store = agent != env.end() && (agent->second == "True" || agent->second == "1");
   } else if (env.count("OMPI_COMM_WORLD_RANK") || env.count("OMPI_COMM_WORLD_SIZE")) {
     w.launcher = "mpirun";
     require(env, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}, ompi_keys, w.launcher);

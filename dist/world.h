@@ -21,6 +21,7 @@ struct World {
   std::string launcher = "none";      // torchrun | mpirun | srun | none
   std::string master_addr;            // rendezvous host (torchrun, srun)
   int64_t master_port = 0;            // rendezvous port (torchrun, srun)
+  bool agent_store = false;           // torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE)
   bool is_main() const { return rank == 0; }
 };
 

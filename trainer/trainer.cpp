@@ -15,6 +15,9 @@
 
 #include <spdlog/spdlog.h>
 
+#include "dist/collectives.h"
+#include "dist/ddp.h"
+#include "dist/process_group.h"
 #include "keel/version.h"
 #include "models/model.h"
 #include "trainer/data.h"
@@ -84,6 +87,13 @@ torch::Device resolve_device(const RunConfig& run, const dist::World& world) {
   return torch::kCPU;
 }
 
+// Zeroes gradients in place. torch::optim::Optimizer::zero_grad() (1.13) detaches them, which
+// fails for DDP's gradients-as-bucket-views and would unlink them from the buckets.
+void zero_grads(const std::vector<torch::Tensor>& params) {
+  for (const auto& p : params)
+    if (p.grad().defined()) p.grad().zero_();
+}
+
 // Cross-entropy over the last dimension: logits (..., C), target (...) int64.
 torch::Tensor lm_or_class_loss(const torch::Tensor& logits, const torch::Tensor& target) {
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
@@ -109,9 +119,6 @@ nlohmann::json Trainer::run() {
   const dist::World& world = s_->world;
   const auto t_start = Clock::now();
   init_logging(cfg.run, world.rank, world.size);
-  if (world.size > 1)
-    throw InputError("launched by " + world.launcher + " with world size " + std::to_string(world.size) +
-                     ": multi-process training (dist/) is not implemented in keel yet; run a single process");
   StopSignals signals;
   g_stop_signal.store(0);
   tune_allocator();
@@ -122,6 +129,8 @@ nlohmann::json Trainer::run() {
   at::set_num_threads(static_cast<int>(threads));
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   const torch::Device device = resolve_device(cfg.run, world);
+  auto group = dist::Group::create(world, cfg.dist, device);
+  auto coll = std::make_shared<dist::Collectives>(group, cfg.dist.validate);
 
   // Model and data, from their registries. The data's native input kind is asked first so that
   // an unknown dataset is reported before a model is built.
@@ -131,6 +140,7 @@ nlohmann::json Trainer::run() {
   data::Splits splits = data::create_dataset(cfg.data, spec, cfg.run.seed);
   model->to(device);
   model->train(true);
+  dist::DataParallel ddp(model, coll, cfg.dist);
   const bool is_lm = spec.kind == models::InputKind::Tokens;
   const int64_t tokens_per_sample = is_lm ? spec.sample_shape.at(0) : 0;
 
@@ -148,7 +158,8 @@ nlohmann::json Trainer::run() {
           : cfg.train.steps;
   const int64_t global_batch = cfg.train.batch_size * cfg.train.grad_accum * world.size;
 
-  auto optimizer = make_optimizer(cfg.train, model->parameters());
+  const std::vector<torch::Tensor> model_params = model->parameters();
+  auto optimizer = make_optimizer(cfg.train, model_params);
   LrSchedule schedule(cfg.train, total_steps);
 
   // Outputs (rank 0).
@@ -193,6 +204,11 @@ nlohmann::json Trainer::run() {
       }
     }
     model->train(true);
+    auto totals = torch::tensor({loss_sum, double(correct), double(count)}, torch::kDouble);
+    coll->all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
+    loss_sum = totals[0].item<double>();
+    correct = static_cast<int64_t>(totals[1].item<double>());
+    count = static_cast<int64_t>(totals[2].item<double>());
     r.loss = count ? loss_sum / count : std::nan("");
     r.accuracy = count ? double(correct) / count : std::nan("");
     r.count = count;
@@ -210,24 +226,35 @@ nlohmann::json Trainer::run() {
   for (int64_t step = 0; step < total_steps; ++step) {
     if (g_stop_signal.load()) break;
     const auto t0 = Clock::now();
+    coll->set_step(step + 1);
     const double lr = schedule.at(step);
     set_lr(*optimizer, lr);
-    optimizer->zero_grad();
+    zero_grads(model_params);
     double loss_sum = 0;
     for (int64_t micro = 0; micro < cfg.train.grad_accum; ++micro) {
+      // Gradients are all-reduced only on the last micro-batch of the step.
+      const bool sync = micro + 1 == cfg.train.grad_accum;
       data::Batch b = splits.train->get(sampler->next());
+      ddp.before_forward(sync);
       auto logits = model->forward(b.input.to(device));
       auto loss = lm_or_class_loss(logits, b.target.to(device));
-      (loss / static_cast<double>(cfg.train.grad_accum)).backward();
+      ddp.backward(loss / static_cast<double>(cfg.train.grad_accum), sync);
       loss_sum += loss.item<double>();
     }
-    const double loss = loss_sum / cfg.train.grad_accum;
-    if (!std::isfinite(loss))
-      throw std::runtime_error("non-finite training loss (" + std::to_string(loss) + ") at step " +
-                               std::to_string(step + 1) + "; lower train.lr or set train.grad_clip");
+    const double local_loss = loss_sum / cfg.train.grad_accum;
+    const double compute_ms = ms_since(t0);
+    // One all-gather per step: every rank is at this step with the same gradient plan, the
+    // mean loss, and whether any rank saw a non-finite loss (then no rank steps).
+    const dist::StepConsensus consensus =
+        coll->step_sync(step + 1, ddp.plan(), local_loss, !std::isfinite(local_loss), compute_ms);
+    const double loss = consensus.mean_loss;
+    if (consensus.any_nonfinite)
+      throw std::runtime_error("non-finite training loss at step " + std::to_string(step + 1) +
+                               " (local loss " + std::to_string(local_loss) +
+                               "); no rank applied the update; lower train.lr or set train.grad_clip");
     double grad_norm = std::nan("");
     if (cfg.train.grad_clip > 0)
-      grad_norm = torch::nn::utils::clip_grad_norm_(model->parameters(), cfg.train.grad_clip);
+      grad_norm = torch::nn::utils::clip_grad_norm_(model_params, cfg.train.grad_clip);
     optimizer->step();
     const double step_ms = ms_since(t0);
     steps_done = step + 1;
@@ -241,6 +268,7 @@ nlohmann::json Trainer::run() {
                            {"epoch", sampler->position().epoch}};
     if (is_lm) line["tokens_per_s"] = info.samples_per_s * tokens_per_sample;
     if (cfg.train.grad_clip > 0) line["grad_norm"] = grad_norm;
+    if (world.size > 1) line["rank_compute_ms"] = consensus.rank_compute_ms;
 
     const bool eval_now = cfg.train.eval_interval > 0 &&
                           (steps_done % cfg.train.eval_interval == 0 || steps_done == total_steps);
@@ -269,6 +297,7 @@ nlohmann::json Trainer::run() {
   }
   if (show_progress) std::printf("\n");
 
+  if (s_->cb.on_end) s_->cb.on_end(*model);
   const int stop_signal = g_stop_signal.load();
   if (stop_signal)
     spdlog::warn("stopped by signal {} after step {} of {}", stop_signal, steps_done, total_steps);
@@ -287,6 +316,8 @@ nlohmann::json Trainer::run() {
       {"device", device.str()},
       {"world_size", world.size},
       {"launcher", world.launcher},
+      {"backend", group->backend()},
+      {"restart_count", world.restart_count},
       {"threads_per_rank", threads},
       {"batch_size", cfg.train.batch_size},
       {"grad_accum", cfg.train.grad_accum},

@@ -15,6 +15,7 @@
 #include <string>
 
 #include "dist/world.h"
+#include "models/model.h"
 #include "trainer/config.h"
 
 namespace keel {
@@ -34,10 +35,12 @@ struct EvalResult {
   int64_t count = 0;         // samples (tokens) evaluated
 };
 
-/// Hooks called on rank 0's thread between steps. They must not throw.
+/// Hooks called on every rank, on the training thread, between steps. They must not throw.
 struct Callbacks {
   std::function<void(const StepInfo&)> on_step;
   std::function<void(const EvalResult&)> on_eval;
+  /// After the last step (or a stop signal), with the trained model.
+  std::function<void(models::Model&)> on_end;
 };
 
 class Trainer {

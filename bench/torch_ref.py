@@ -1,0 +1,78 @@
+"""PyTorch reference for bench.py: the same model, batch, optimizer, thread count and
+synthetic data as a keel run, timed the same way (median step time after the first 5 steps).
+
+  /usr/bin/python3 bench/torch_ref.py --model cnn --batch 64 --steps 60 --threads 1
+
+Prints one JSON line. Under torchrun (WORLD_SIZE > 1) the model is wrapped in
+DistributedDataParallel over Gloo and each rank uses --batch samples per step.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
+from reference_models import Cnn, Gpt, Mlp  # noqa: E402
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True, choices=["mlp", "cnn", "gpt"])
+    ap.add_argument("--batch", type=int, required=True)
+    ap.add_argument("--steps", type=int, default=60)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    model = {"mlp": Mlp, "cnn": Cnn, "gpt": Gpt}[args.model]()
+    n = 4096
+    if args.model == "gpt":
+        data = torch.randint(0, 256, (n, 129))
+        tokens_per_sample = 128
+    else:
+        data = torch.randn(n, 1, 28, 28)
+        labels = torch.randint(0, 10, (n,))
+        tokens_per_sample = 0
+    if world > 1:
+        import torch.distributed as dist
+        dist.init_process_group("gloo")
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    gen = torch.Generator().manual_seed(rank)
+    times = []
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        idx = torch.randint(0, n, (args.batch,), generator=gen)
+        if args.model == "gpt":
+            w = data.index_select(0, idx)
+            x, y = w[:, :-1], w[:, 1:]
+        else:
+            x, y = data.index_select(0, idx), labels.index_select(0, idx)
+        opt.zero_grad(set_to_none=True)
+        logits = model(x)
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        loss.item()
+        opt.step()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    med = statistics.median(times[5:] if len(times) > 5 else times)
+    if rank == 0:
+        out = {"impl": "pytorch", "torch": torch.__version__, "model": args.model, "world": world,
+               "batch": args.batch, "threads": args.threads, "median_step_ms": med,
+               "throughput": world * args.batch * 1000.0 / med}
+        if tokens_per_sample:
+            out["tokens_per_s"] = out["throughput"] * tokens_per_sample
+        print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,268 @@
+#include "dist/collectives.h"
+
+#include <cstring>
+#include <sstream>
+
+#include "dist/compat.h"
+
+namespace keel::dist {
+
+enum class OpCode : int64_t { AllReduce = 1, Broadcast, AllGather, Barrier, BroadcastCoalesced, StepSync };
+
+static const char* op_name(int64_t code) {
+  switch (static_cast<OpCode>(code)) {
+    case OpCode::AllReduce: return "all_reduce";
+    case OpCode::Broadcast: return "broadcast";
+    case OpCode::AllGather: return "all_gather";
+    case OpCode::Barrier: return "barrier";
+    case OpCode::BroadcastCoalesced: return "broadcast_coalesced";
+    case OpCode::StepSync: return "step_sync";
+  }
+  return "?";
+}
+
+// A collective as a fixed-size integer record: what the ranks compare and, on a mismatch,
+// exchange. Shapes beyond 8 dimensions enter the fingerprint through numel and `extra`.
+struct Collectives::Desc {
+  static constexpr int kDims = 8;
+  int64_t op = 0, reduce = 0, dtype = -1, ndim = 0, dims[kDims] = {0};
+  int64_t root = -1, device = 0, numel = 0, seq = 0, step = 0, extra = 0;
+  const char* what = "";
+
+  std::vector<int64_t> words() const {
+    std::vector<int64_t> w = {op, reduce, dtype, ndim};
+    w.insert(w.end(), dims, dims + kDims);
+    w.insert(w.end(), {root, device, numel, seq, step, extra});
+    return w;
+  }
+  static Desc from_words(const int64_t* w) {
+    Desc d;
+    d.op = w[0], d.reduce = w[1], d.dtype = w[2], d.ndim = w[3];
+    std::copy(w + 4, w + 4 + kDims, d.dims);
+    d.root = w[12], d.device = w[13], d.numel = w[14], d.seq = w[15], d.step = w[16], d.extra = w[17];
+    return d;
+  }
+  static constexpr int64_t kWords = 18;
+
+  static Desc of(OpCode op, const torch::Tensor& t) {
+    Desc d;
+    d.op = static_cast<int64_t>(op);
+    if (t.defined()) {
+      d.dtype = static_cast<int64_t>(t.scalar_type());
+      d.ndim = t.dim();
+      for (int64_t i = 0; i < std::min<int64_t>(t.dim(), kDims); ++i) d.dims[i] = t.size(i);
+      d.numel = t.numel();
+      d.device = static_cast<int64_t>(t.device().type());
+    }
+    return d;
+  }
+};
+
+uint64_t fingerprint(const std::vector<int64_t>& words) {
+  uint64_t h = 1469598103934665603ull;
+  for (int64_t w : words) {
+    uint64_t v = static_cast<uint64_t>(w);
+    for (int i = 0; i < 8; ++i) {
+      h ^= (v >> (8 * i)) & 0xff;
+      h *= 1099511628211ull;
+    }
+  }
+  return h & ((1ull << 62) - 1);
+}
+
+Collectives::Collectives(std::shared_ptr<Group> group, const std::string& validate)
+    : group_(std::move(group)), mode_(validate) {}
+
+bool Collectives::validating() const {
+  return mode_ == "always" || (mode_ == "first_step" && step_ <= 1);
+}
+
+std::string Collectives::describe(const Desc& d) const {
+  std::ostringstream os;
+  os << op_name(d.op);
+  if (d.op == static_cast<int64_t>(OpCode::AllReduce)) {
+    static const char* names[] = {"sum", "avg", "min", "max"};
+    os << "(" << (d.reduce >= 0 && d.reduce < 4 ? names[d.reduce] : "?") << ")";
+  }
+  if (d.op == static_cast<int64_t>(OpCode::StepSync)) {
+    os << " at step " << d.step << " with gradient plan " << std::hex << d.extra << std::dec;
+    return os.str();
+  }
+  if (d.dtype >= 0) {
+    os << " " << c10::toString(static_cast<c10::ScalarType>(d.dtype)) << " [";
+    for (int64_t i = 0; i < std::min<int64_t>(d.ndim, Desc::kDims); ++i) os << (i ? ", " : "") << d.dims[i];
+    if (d.ndim > Desc::kDims) os << ", ...";
+    os << "]";
+  }
+  if (d.op == static_cast<int64_t>(OpCode::BroadcastCoalesced)) os << " (" << d.extra << " tensors)";
+  if (d.root >= 0) os << " root " << d.root;
+  os << " (collective #" << d.seq << ")";
+  return os.str();
+}
+
+void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
+  try {
+    w->wait(group_->timeout());
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    throw CollectiveError("[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " + d.what +
+                          ": " + describe(d) + " at step " + std::to_string(step_) + " failed: " +
+                          what.substr(0, what.find('\n')));
+  }
+}
+
+void Collectives::check(const Desc& d_in) {
+  Desc d = d_in;
+  d.seq = static_cast<int64_t>(seq_++);
+  if (!validating()) return;
+  const int64_t f = static_cast<int64_t>(fingerprint(d.words()));
+  auto pair = torch::tensor({f, -f}, torch::kLong);
+  std::vector<at::Tensor> v{pair};
+  c10d::AllreduceOptions o;
+  o.reduceOp = c10d::ReduceOp::MIN;
+  Desc probe;
+  probe.what = "validation of a collective";
+  probe.seq = d.seq;
+  wait(group_->pg()->allreduce(v, o), probe);
+  const int64_t mn = pair[0].item<int64_t>(), mx = -pair[1].item<int64_t>();
+  if (mn == mx) return;
+  // Mismatch: exchange the descriptors to say who wanted what.
+  auto mine = torch::tensor(d.words(), torch::kLong);
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
+  std::vector<at::Tensor> in{mine};
+  wait(group_->pg()->allgather(out, in), probe);
+  std::ostringstream os;
+  os << "collective mismatch at step " << step_ << " (" << d.what << "):";
+  for (int64_t r = 0; r < size(); ++r)
+    os << "\n  rank " << r << ": " << describe(Desc::from_words(out[0][r].data_ptr<int64_t>()));
+  os << "\nevery rank must issue the same collectives in the same order with the same dtypes and shapes";
+  throw CollectiveMismatch(os.str());
+}
+
+void Collectives::all_reduce(torch::Tensor& t, ReduceOp op, const char* what) {
+  if (size() == 1) return;
+  Desc d = Desc::of(OpCode::AllReduce, t);
+  d.reduce = static_cast<int64_t>(op);
+  d.what = what;
+  check(d);
+  std::vector<at::Tensor> v{t};
+  c10d::AllreduceOptions o;
+  o.reduceOp = op == ReduceOp::Min ? c10d::ReduceOp::MIN : op == ReduceOp::Max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+  wait(group_->pg()->allreduce(v, o), d);
+  if (op == ReduceOp::Avg) t.div_(static_cast<double>(size()));
+}
+
+void Collectives::broadcast(torch::Tensor& t, int64_t root, const char* what) {
+  if (size() == 1) return;
+  Desc d = Desc::of(OpCode::Broadcast, t);
+  d.root = root;
+  d.what = what;
+  check(d);
+  std::vector<at::Tensor> v{t};
+  c10d::BroadcastOptions o;
+  o.rootRank = root;
+  wait(group_->pg()->broadcast(v, o), d);
+}
+
+std::vector<torch::Tensor> Collectives::all_gather(const torch::Tensor& t, const char* what) {
+  if (size() == 1) return {t.clone()};
+  Desc d = Desc::of(OpCode::AllGather, t);
+  d.what = what;
+  check(d);
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(t));
+  std::vector<at::Tensor> in{t.contiguous()};
+  wait(group_->pg()->allgather(out, in), d);
+  return out[0];
+}
+
+void Collectives::barrier(const char* what) {
+  if (size() == 1) return;
+  Desc d;
+  d.op = static_cast<int64_t>(OpCode::Barrier);
+  d.what = what;
+  check(d);
+  // A barrier is an all-reduce of one element: Gloo's barrier does not take the timeout
+  // from the options on every version, an all-reduce does.
+  auto one = torch::ones({1});
+  std::vector<at::Tensor> v{one};
+  wait(group_->pg()->allreduce(v), d);
+}
+
+void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root, const char* what) {
+  if (size() == 1 || tensors.empty()) return;
+  Desc d;
+  d.op = static_cast<int64_t>(OpCode::BroadcastCoalesced);
+  d.root = root;
+  d.what = what;
+  d.extra = static_cast<int64_t>(tensors.size());
+  std::vector<int64_t> words;
+  for (const auto& t : tensors) {
+    words.push_back(static_cast<int64_t>(t.scalar_type()));
+    for (auto s : t.sizes()) words.push_back(s);
+    words.push_back(-1);
+    d.numel += t.numel();
+  }
+  d.dims[0] = static_cast<int64_t>(fingerprint(words));  // the list's layout, in one word
+  d.ndim = 0;
+  check(d);
+  try {
+    c10d::broadcast_coalesced(group_->pg(), tensors, /*buffer_size=*/256 << 20, static_cast<int>(root));
+  } catch (const std::exception& e) {
+    std::string m = e.what();
+    throw CollectiveError(std::string(what) + ": " + describe(d) + " failed: " + m.substr(0, m.find('\n')));
+  }
+}
+
+StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms) {
+  StepConsensus c;
+  if (size() == 1) {
+    c.mean_loss = loss;
+    c.any_nonfinite = nonfinite;
+    c.rank_compute_ms = {compute_ms};
+    return c;
+  }
+  // No separate validation round: the record itself carries the step and plan, and is checked
+  // after the exchange (the optimizer has not stepped yet, so nothing is applied on a mismatch).
+  Desc d;
+  d.op = static_cast<int64_t>(OpCode::StepSync);
+  d.step = step;
+  d.extra = static_cast<int64_t>(plan & ((1ull << 62) - 1));
+  d.seq = static_cast<int64_t>(seq_++);
+  d.what = "per-step consensus";
+  int64_t loss_bits;
+  std::memcpy(&loss_bits, &loss, sizeof loss);
+  auto mine = torch::tensor({static_cast<int64_t>(fingerprint(d.words())), step, d.extra, loss_bits,
+                             int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0)},
+                            torch::kLong);
+  std::vector<std::vector<at::Tensor>> out(1);
+  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
+  std::vector<at::Tensor> in{mine};
+  wait(group_->pg()->allgather(out, in), d);
+  bool agree = true;
+  double sum = 0;
+  for (int64_t r = 0; r < size(); ++r) {
+    const int64_t* w = out[0][r].data_ptr<int64_t>();
+    agree &= (w[0] == mine[0].item<int64_t>());
+    double l;
+    std::memcpy(&l, &w[3], sizeof l);
+    sum += l;
+    c.any_nonfinite |= (w[4] != 0);
+    c.rank_compute_ms.push_back(w[5] / 1000.0);
+  }
+  if (!agree && mode_ != "off") {
+    std::ostringstream os;
+    os << "ranks disagree at the end of step " << step << "'s backward; no update was applied:";
+    for (int64_t r = 0; r < size(); ++r) {
+      const int64_t* w = out[0][r].data_ptr<int64_t>();
+      os << "\n  rank " << r << ": step " << w[1] << ", gradient plan " << std::hex << w[2] << std::dec;
+    }
+    os << "\nall ranks must run the same number of micro-batches per step over the same parameters";
+    throw CollectiveMismatch(os.str());
+  }
+  c.mean_loss = sum / static_cast<double>(size());
+  return c;
+}
+
+}  // namespace keel::dist

@@ -1,0 +1,95 @@
+// dist/collectives.h: the only door to the process group. Every collective keel issues (the
+// initial broadcast, metric reductions, the per-step consensus, checkpoint coordination) and
+// the public keel::dist API for user code go through Collectives, which first checks that all
+// ranks agree on what they are about to do.
+//
+// The check: each call has a descriptor (op, reduce op, dtype, shape, root, device type and a
+// per-group sequence number). Its 62-bit FNV-1a fingerprint f is all-reduced as the pair
+// (f, -f) with MIN: all ranks agree iff min(f) == -min(-f), i.e. min == max. That is one
+// 16-byte all-reduce in the common case; only on a mismatch are the full descriptors
+// all-gathered, to name every rank's op, dtype and shape in the error, which every rank
+// throws before the real collective runs (so it can neither hang on nor garble mismatched
+// buffers). DDP's gradient buckets are covered by the per-step consensus (step_sync), which
+// checks the step number and the bucket plan before the optimizer applies the gradients.
+//
+// dist.validate: always (every call), first_step (calls made while step <= 1), off.
+// Thread-compatible: one thread issues collectives (as c10d requires of a group).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "dist/process_group.h"
+
+namespace keel::dist {
+
+enum class ReduceOp { Sum, Avg, Min, Max };
+
+/// Ranks disagreed on a collective; the message names the op, the step and each rank's
+/// dtype and shape. Thrown on every rank.
+class CollectiveMismatch : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// A collective failed or timed out (dist.timeout_s); the message names the op and step.
+class CollectiveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// What every rank learns at the end of a step's backward (one all-gather).
+struct StepConsensus {
+  double mean_loss = 0;               // loss averaged over ranks
+  bool any_nonfinite = false;         // some rank saw inf/NaN (loss or gradients)
+  std::vector<double> rank_compute_ms;// each rank's forward+backward time this step
+};
+
+class Collectives {
+ public:
+  /// `validate`: "always" | "first_step" | "off".
+  Collectives(std::shared_ptr<Group> group, const std::string& validate);
+
+  int64_t rank() const { return group_->rank(); }
+  int64_t size() const { return group_->size(); }
+  const std::shared_ptr<Group>& group() const { return group_; }
+  /// The current optimizer step (for messages and validate = first_step).
+  void set_step(int64_t step) { step_ = step; }
+  int64_t step() const { return step_; }
+  bool validating() const;
+
+  /// In place. Avg is Sum followed by a division (Gloo has no native average).
+  void all_reduce(torch::Tensor& t, ReduceOp op = ReduceOp::Sum, const char* what = "all_reduce");
+  void broadcast(torch::Tensor& t, int64_t root = 0, const char* what = "broadcast");
+  /// Returns every rank's `t`, in rank order; all ranks must pass the same shape.
+  std::vector<torch::Tensor> all_gather(const torch::Tensor& t, const char* what = "all_gather");
+  void barrier(const char* what = "barrier");
+  /// Broadcasts a list of tensors from `root`, coalesced into few messages (c10d). The list's
+  /// dtypes and shapes are validated as one descriptor.
+  void broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root = 0, const char* what = "broadcast_coalesced");
+
+  /// The per-step consensus, one all-gather: checks that every rank is at the same `step`
+  /// with the same `plan` fingerprint (gradient bucket layout), and shares losses, non-finite
+  /// flags and compute times.
+  StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms);
+
+ private:
+  struct Desc;
+  void check(const Desc& d);
+  void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
+  std::string describe(const Desc& d) const;
+
+  std::shared_ptr<Group> group_;
+  std::string mode_;
+  int64_t step_ = 0;
+  uint64_t seq_ = 0;
+};
+
+/// FNV-1a over a descriptor's integers; 62 bits so that -f never overflows.
+uint64_t fingerprint(const std::vector<int64_t>& words);
+
+}  // namespace keel::dist

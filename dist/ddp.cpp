@@ -1,0 +1,157 @@
+#include "dist/ddp.h"
+
+#include <spdlog/spdlog.h>
+
+#include <sstream>
+
+#include "dist/compat.h"
+
+namespace keel::dist {
+namespace {
+
+constexpr int kMaxDims = 6;
+
+// One parameter as integers: dtype, ndim, dims, name hash.
+std::vector<int64_t> param_record(const std::string& name, const torch::Tensor& t) {
+  std::vector<int64_t> r = {static_cast<int64_t>(t.scalar_type()), t.dim()};
+  for (int i = 0; i < kMaxDims; ++i) r.push_back(i < t.dim() ? t.size(i) : -1);
+  std::vector<int64_t> chars(name.begin(), name.end());
+  r.push_back(static_cast<int64_t>(fingerprint(chars)));
+  return r;
+}
+
+std::string shape_str(const int64_t* r) {
+  std::ostringstream os;
+  os << c10::toString(static_cast<c10::ScalarType>(r[0])) << " [";
+  for (int64_t i = 0; i < std::min<int64_t>(r[1], kMaxDims); ++i) os << (i ? ", " : "") << r[2 + i];
+  os << "]";
+  return os.str();
+}
+
+// A gradient compression hook: the bucket is cast to `dtype`, pre-divided by the world size,
+// all-reduced and cast back. Equivalent to PyTorch's fp16_compress_hook / bf16_compress_hook.
+class CompressHook : public c10d::CommHookInterface {
+ public:
+  CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::ScalarType dtype, int64_t world)
+      : pg_(std::move(pg)), dtype_(dtype), world_(world) {}
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    auto compressed = bucket.getBufferRef().to(dtype_).div_(static_cast<double>(world_));
+    std::vector<at::Tensor> v{compressed};
+    auto fut = pg_->allreduce(v)->getFuture();
+    return fut->then([compressed](c10::ivalue::Future&) -> c10::IValue { return c10::IValue(compressed); },
+                     c10::TensorType::get());
+  }
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    return result.toTensor().to(at::kFloat);
+  }
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  at::ScalarType dtype_;
+  int64_t world_;
+};
+
+}  // namespace
+
+void verify_parameters_across_ranks(const models::NamedTensors& params, Collectives& coll) {
+  std::vector<int64_t> words;
+  for (const auto& [name, t] : params) {
+    auto r = param_record(name, t);
+    words.insert(words.end(), r.begin(), r.end());
+  }
+  // Cheap agreement check first: count and layout fingerprint, MIN/MAX in one all-reduce.
+  const int64_t f = static_cast<int64_t>(fingerprint(words));
+  const int64_t n = static_cast<int64_t>(params.size());
+  auto probe = torch::tensor({f, -f, n, -n}, torch::kLong);
+  coll.all_reduce(probe, ReduceOp::Min, "parameter check");
+  if (probe[0].item<int64_t>() == -probe[1].item<int64_t>()) return;
+  auto counts = coll.all_gather(torch::tensor({n}, torch::kLong), "parameter count check");
+  std::ostringstream os;
+  os << "DDP: the model differs across ranks: ";
+  for (int64_t r = 1; r < coll.size(); ++r)
+    if (counts[r].item<int64_t>() != n || counts[0].item<int64_t>() != n) {
+      for (int64_t q = 0; q < coll.size(); ++q)
+        os << (q ? ", " : "") << "rank " << q << " has " << counts[q].item<int64_t>() << " parameters";
+      throw CollectiveMismatch(os.str());
+    }
+  const int64_t width = 2 + kMaxDims + 1;
+  auto all = coll.all_gather(torch::tensor(words, torch::kLong), "parameter shape check");
+  for (int64_t i = 0; i < n; ++i) {
+    bool same = true;
+    for (int64_t r = 1; r < coll.size(); ++r)
+      same &= torch::equal(all[r].narrow(0, i * width, width), all[0].narrow(0, i * width, width));
+    if (same) continue;
+    os << "parameter #" << i << " '" << params[i].first << "' (name on this rank):";
+    for (int64_t r = 0; r < coll.size(); ++r)
+      os << " rank " << r << " has " << shape_str(all[r].data_ptr<int64_t>() + i * width) << (r + 1 < coll.size() ? ";" : "");
+    throw CollectiveMismatch(os.str());
+  }
+}
+
+DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll,
+                           const DistConfig& cfg)
+    : model_(std::move(model)), coll_(std::move(coll)) {
+  auto named = model_->named_parameters();
+  verify_parameters_across_ranks(named, *coll_);
+
+  // Start from rank 0's parameters and buffers.
+  std::vector<torch::Tensor> state;
+  for (auto& [n, t] : named) state.push_back(t.detach());
+  for (auto& [n, t] : model_->named_buffers()) state.push_back(t.detach());
+  {
+    torch::NoGradGuard ng;
+    coll_->broadcast_coalesced(state, 0, "DDP initial broadcast");
+  }
+
+  std::vector<torch::Tensor> params;
+  std::unordered_map<size_t, std::string> names;
+  std::vector<int64_t> words;
+  for (size_t i = 0; i < named.size(); ++i) {
+    params.push_back(named[i].second);
+    names[i] = named[i].first;
+    auto r = param_record(named[i].first, named[i].second);
+    words.insert(words.end(), r.begin(), r.end());
+  }
+  if (coll_->size() == 1) {
+    plan_ = fingerprint(words);
+    return;
+  }
+  const auto cap = static_cast<size_t>(cfg.bucket_cap_mb * 1024 * 1024);
+  const auto first = static_cast<size_t>(cfg.first_bucket_mb * 1024 * 1024);
+  // As PyTorch's DDP: buckets are formed over the parameters in reverse (gradients of the last
+  // layers are ready first); the Reducer rebuilds them after the first step in the order the
+  // gradients actually became ready, agreed across ranks.
+  std::vector<int64_t> order(params.size());
+  for (size_t i = 0; i < params.size(); ++i) order[i] = static_cast<int64_t>(params.size() - 1 - i);
+  std::vector<torch::Tensor> reversed;
+  for (auto i : order) reversed.push_back(params[i]);
+  auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(reversed, {first, cap}, {}, order);
+  num_buckets_ = static_cast<int64_t>(buckets.size());
+  for (auto& b : buckets) {
+    words.push_back(-7);
+    for (auto i : b) words.push_back(static_cast<int64_t>(i));
+  }
+  plan_ = fingerprint(words);
+  reducer_ = compat::make_reducer(params, buckets, limits, coll_->group()->pg(), static_cast<int64_t>(cap),
+                                  cfg.find_unused_parameters, names, static_cast<int64_t>(first));
+  if (cfg.comm_hook == "fp16" || cfg.comm_hook == "bf16")
+    reducer_->register_comm_hook(std::make_unique<CompressHook>(
+        coll_->group()->pg(), cfg.comm_hook == "fp16" ? at::kHalf : at::kBFloat16, coll_->size()));
+  spdlog::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
+               num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, cfg.comm_hook);
+}
+
+DataParallel::~DataParallel() = default;
+
+void DataParallel::before_forward(bool sync) {
+  if (!reducer_ || !sync) return;
+  reducer_->rebuild_buckets();  // a no-op except right after the first synced step
+  reducer_->prepare_for_forward();
+}
+
+void DataParallel::backward(const torch::Tensor& loss, bool sync) {
+  if (reducer_ && sync) reducer_->prepare_for_backward({loss});
+  loss.backward();
+}
+
+}  // namespace keel::dist

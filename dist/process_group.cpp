@@ -1,0 +1,122 @@
+#include "dist/process_group.h"
+
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+
+#include "dist/compat.h"
+#include "dist/mpi_bootstrap.h"
+
+namespace keel::dist {
+namespace {
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::string local_hostname() {
+  char buf[256] = {0};
+  if (::gethostname(buf, sizeof buf - 1) != 0) return "127.0.0.1";
+  return buf;
+}
+
+// Every rank announces itself; each then waits for all announcements, so a rank that never
+// arrives is named in the error instead of leaving the others blocked forever.
+void wait_for_all_ranks(c10d::Store& store, const World& w, std::chrono::milliseconds timeout,
+                        const std::string& where) {
+  const std::string prefix = "keel/joined/";
+  store.set(prefix + std::to_string(w.rank), std::vector<uint8_t>{1});
+  std::vector<std::string> keys;
+  for (int64_t r = 0; r < w.size; ++r) keys.push_back(prefix + std::to_string(r));
+  try {
+    store.wait(keys, timeout);
+  } catch (const std::exception&) {
+    std::string missing;
+    for (int64_t r = 0; r < w.size; ++r)
+      if (!store.check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+    throw std::runtime_error("rendezvous at " + where + " timed out after " +
+                             std::to_string(timeout.count() / 1000) + " s (dist.timeout_s): rank(s) " + missing +
+                             " of " + std::to_string(w.size) + " never joined");
+  }
+}
+
+}  // namespace
+
+std::string resolve_backend(const std::string& backend, const torch::Device& device) {
+  if (backend == "gloo") return "gloo";
+  if (backend == "nccl" || (backend == "auto" && device.is_cuda())) {
+#ifndef KEEL_WITH_CUDA
+    throw InputError("dist.backend = \"nccl\" needs a CUDA build of keel; this build is CPU-only");
+#else
+    if (!device.is_cuda())
+      throw InputError("dist.backend = \"nccl\" needs CUDA devices, but run.device resolved to " + device.str());
+    return "nccl";
+#endif
+  }
+  return "gloo";
+}
+
+std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, const torch::Device& device) {
+  std::shared_ptr<Group> g(new Group());
+  g->world_ = world;
+  g->timeout_ = std::chrono::milliseconds(cfg.timeout_s * 1000);
+  if (world.size == 1) return g;
+  g->backend_ = resolve_backend(cfg.backend, device);
+
+  std::string host = world.master_addr;
+  uint16_t port = static_cast<uint16_t>(world.master_port);
+  try {
+    if (world.launcher == "mpirun") {
+      g->mpi_initialized_here_ = mpi_init();
+      std::string addr;
+      if (world.rank == 0) {
+        host = host.empty() ? local_hostname() : host;
+        g->store_ = compat::make_tcp_store(host, 0, /*is_server=*/true, world.size, g->timeout_);
+        port = compat::tcp_store_port(g->store_);
+        addr = host + ":" + std::to_string(port);
+      }
+      addr = mpi_broadcast_string(addr);
+      host = addr.substr(0, addr.rfind(':'));
+      port = static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
+      if (world.rank != 0) g->store_ = compat::make_tcp_store(host, port, false, world.size, g->timeout_);
+    } else {
+      // torchrun may host the store in its agent (TORCHELASTIC_USE_AGENT_STORE=True); then
+      // every worker is a client.
+      const bool server = world.rank == 0 && !world.agent_store;
+      g->store_ = compat::make_tcp_store(host, port, server, world.size, g->timeout_);
+    }
+  } catch (const c10::Error& e) {
+    std::string what = e.what_without_backtrace();
+    throw std::runtime_error("rendezvous: cannot reach the TCPStore at " + host + ":" + std::to_string(port) +
+                             " (" + world.launcher + "): " + what.substr(0, what.find('\n')));
+  }
+  const std::string where = host + ":" + std::to_string(port);
+  wait_for_all_ranks(*g->store_, world, g->timeout_, where);
+
+  if (g->backend_ == "gloo") {
+    // GLOO_SOCKET_IFNAME picks the interface, as in PyTorch; else loopback for a loopback
+    // rendezvous, else the interface the hostname resolves to.
+    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
+    const std::string iface = ifname ? ifname : "";
+    const std::string gloo_host = iface.empty() && is_loopback(host) ? "127.0.0.1" : "";
+    g->pg_ = compat::make_gloo_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size),
+                                     g->timeout_, gloo_host, iface);
+  }
+#ifdef KEEL_WITH_CUDA
+  else {
+    g->pg_ = compat::make_nccl_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size),
+                                     g->timeout_);
+  }
+#endif
+  spdlog::info("process group: {} ranks over {} ({}), store {}, timeout {} s", world.size, g->backend_,
+               world.launcher, where, cfg.timeout_s);
+  return g;
+}
+
+Group::~Group() {
+  pg_.reset();
+  store_.reset();
+  if (mpi_initialized_here_) mpi_finalize();
+}
+
+}  // namespace keel::dist

@@ -1,0 +1,60 @@
+// dist/process_group.h: rendezvous and the process group of a job.
+//
+// Owns: building the TCPStore (torchrun/srun: at MASTER_ADDR:MASTER_PORT; mpirun: rank 0
+// opens it on a free port and shares the address through MPI), checking that every rank
+// joined (naming the ones that did not), and creating the c10d process group (Gloo on CPU,
+// NCCL for CUDA devices) behind dist/compat.h. dist.timeout_s bounds the rendezvous and every
+// collective.
+// Does not own: issuing collectives (dist/collectives.h is the only door to the group).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+
+#include "dist/world.h"
+#include "trainer/config.h"
+
+namespace c10d {
+class ProcessGroup;
+class Store;
+class Work;
+}  // namespace c10d
+
+namespace keel::dist {
+
+class Group {
+ public:
+  /// Rendezvous for `world` and create its process group. For world.size == 1 no store or
+  /// group is created (collectives are then local no-ops). Throws InputError for a bad
+  /// backend choice, std::runtime_error (naming the address and missing ranks) when the
+  /// rendezvous fails or times out.
+  static std::shared_ptr<Group> create(const World& world, const DistConfig& cfg, const torch::Device& device);
+  ~Group();
+
+  int64_t rank() const { return world_.rank; }
+  int64_t size() const { return world_.size; }
+  const World& world() const { return world_; }
+  const std::string& backend() const { return backend_; }
+  std::chrono::milliseconds timeout() const { return timeout_; }
+  /// The c10d group; null when size() == 1.
+  const c10::intrusive_ptr<c10d::ProcessGroup>& pg() const { return pg_; }
+  const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+
+ private:
+  Group() = default;
+  World world_;
+  std::string backend_ = "none";
+  std::chrono::milliseconds timeout_{300000};
+  c10::intrusive_ptr<c10d::Store> store_;
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  bool mpi_initialized_here_ = false;
+};
+
+/// "gloo" or "nccl" for `backend` ("auto" | "gloo" | "nccl") on `device`. Throws InputError
+/// for nccl without CUDA, or nccl on a CPU device.
+std::string resolve_backend(const std::string& backend, const torch::Device& device);
+
+}  // namespace keel::dist

@@ -1,0 +1,30 @@
+// Multi-rank tests under ctest: run_ranks() re-executes this test binary once per rank
+// (fork/exec, --gtest_filter = the current test, a free port chosen at run time) with
+// torchrun's environment variables, and in each child runs `body` inside the same test, so
+// EXPECT/ASSERT work there. In the parent it returns each rank's exit status and output.
+//
+//   TEST(Dist, Something) {
+//     auto ranks = run_ranks(2, [](const keel::dist::World& w) { ...per-rank checks... });
+//     if (is_rank_process()) return;
+//     for (auto& r : ranks) EXPECT_EQ(r.exit_code, 0) << r.output;
+//   }
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "dist/world.h"
+#include "helpers.h"
+
+namespace keel::testing {
+
+bool is_rank_process();
+/// A TCP port that was free a moment ago on 127.0.0.1.
+int free_port();
+std::vector<ProcResult> run_ranks(int n, const std::function<void(const keel::dist::World&)>& body,
+                                  double timeout_s = 120, const std::vector<std::string>& extra_env = {});
+/// Asserts every rank exited 0 (prints each rank's output otherwise).
+void expect_all_ok(const std::vector<ProcResult>& ranks);
+
+}  // namespace keel::testing
