@@ -188,7 +188,7 @@ void expect_same_params(const std::vector<torch::Tensor>& a, const std::vector<t
   double worst = 0;
   for (size_t i = 0; i < a.size(); ++i) worst = std::max(worst, (a[i] - b[i]).abs().max().item<double>());
   EXPECT_LT(worst, 1e-5) << "max abs parameter difference " << worst;
-  RecordProperty("max_abs_param_diff", std::to_string(worst));
+  ::testing::Test::RecordProperty("max_abs_param_diff", std::to_string(worst));
 }
 
 void check_equivalence(int64_t batch, int64_t accum) {
