@@ -10,7 +10,10 @@ are started directly with torchrun's environment variables (RANK, WORLD_SIZE, MA
 for both, so launcher overhead is not measured. Prints one JSON line per run ({impl, model,
 world, batch, median_step_ms, throughput}), then per model: keel / PyTorch step-time ratios,
 scaling efficiency from 1 to 2 ranks (t1 / t2 at a fixed per-rank batch), and the cost of
-dist.validate = always versus off. Results also go to bench/results/<timestamp>.jsonl.
+dist.validate = always versus off. Each configuration runs --repeat times (interleaved) and
+the median run is reported. With build/keel_comm_bench it also measures the raw Gloo
+all-reduce of each model's gradients and the validation round. Results also go to
+bench/results/<timestamp>.jsonl.
 Never run two benchmarks at once on the same machine: the numbers would be meaningless.
 """
 import argparse
@@ -74,11 +77,29 @@ def run_torch(model, batch, steps, world):
     return json.loads(launch(cmd, world).strip().splitlines()[-1])
 
 
+def median_run(runs):
+    """The run with the median step time of repeated runs (noise on a shared machine)."""
+    runs = sorted(runs, key=lambda r: r["median_step_ms"])
+    best = dict(runs[len(runs) // 2])
+    best["repeats"] = len(runs)
+    best["all_median_step_ms"] = [r["median_step_ms"] for r in runs]
+    return best
+
+
+def comm_figures(worlds):
+    """keel_comm_bench at 2 ranks: raw all-reduce of each model's gradients, validation cost."""
+    exe = os.path.join(ROOT, "build", "keel_comm_bench")
+    if 2 not in worlds or not os.path.exists(exe):
+        return []
+    return [json.loads(l) for l in launch([exe, "--iters", "40"], 2).splitlines() if l.startswith("{")]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mlp,cnn,gpt")
     ap.add_argument("--worlds", default="1,2")
     ap.add_argument("--steps", type=int, default=100)
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each configuration, interleaved; the median is reported")
     ap.add_argument("--keel", default=os.path.join(ROOT, "build", "keel"))
     args = ap.parse_args()
     worlds = [int(w) for w in args.worlds.split(",")]
@@ -89,24 +110,31 @@ def main():
             print(json.dumps(line), flush=True)
             log.write(json.dumps(line) + "\n")
 
+        for line in comm_figures(worlds):
+            emit(line)
         for model in args.models.split(","):
             steps = max(args.steps // 5, 12) if model == "gpt" else args.steps
-            keel, torch_ = {}, {}
-            for world in worlds:
-                keel[world] = run_keel(model, BATCH[model], steps, world, args.keel)
-                emit(keel[world])
-                torch_[world] = run_torch(model, BATCH[model], steps, world)
-                emit(torch_[world])
-            summary = {"model": model, "steps": steps}
+            runs = {}
+            for _ in range(args.repeat):
+                for world in worlds:
+                    runs.setdefault(("keel", world), []).append(run_keel(model, BATCH[model], steps, world, args.keel))
+                    runs.setdefault(("pytorch", world), []).append(run_torch(model, BATCH[model], steps, world))
+                if 1 in worlds and 2 in worlds:
+                    runs.setdefault(("keel-off", 2), []).append(
+                        run_keel(model, BATCH[model], steps, 2, args.keel, validate="off"))
+            med = {k: median_run(v) for k, v in runs.items()}
+            for line in med.values():
+                emit(line)
+            summary = {"model": model, "steps": steps, "repeats": args.repeat}
             for world in worlds:
                 summary[f"keel_over_pytorch_step_time_w{world}"] = (
-                    keel[world]["median_step_ms"] / torch_[world]["median_step_ms"])
+                    med[("keel", world)]["median_step_ms"] / med[("pytorch", world)]["median_step_ms"])
             if 1 in worlds and 2 in worlds:
-                summary["scaling_efficiency_keel"] = keel[1]["median_step_ms"] / keel[2]["median_step_ms"]
-                summary["scaling_efficiency_pytorch"] = torch_[1]["median_step_ms"] / torch_[2]["median_step_ms"]
-                off = run_keel(model, BATCH[model], steps, 2, args.keel, validate="off")
-                emit(off)
-                summary["validate_always_over_off"] = keel[2]["median_step_ms"] / off["median_step_ms"]
+                summary["scaling_efficiency_keel"] = med[("keel", 1)]["median_step_ms"] / med[("keel", 2)]["median_step_ms"]
+                summary["scaling_efficiency_pytorch"] = (
+                    med[("pytorch", 1)]["median_step_ms"] / med[("pytorch", 2)]["median_step_ms"])
+                summary["validate_always_over_off"] = (
+                    med[("keel", 2)]["median_step_ms"] / med[("keel-off", 2)]["median_step_ms"])
             emit(summary)
     print(f"# results: {log_path}", file=sys.stderr)
 

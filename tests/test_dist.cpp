@@ -226,6 +226,57 @@ TEST(Ddp, CompressionHooksTrain) {
   expect_all_ok(ranks);
 }
 
+// A model with a parameter that never receives a gradient.
+struct WithUnusedImpl : torch::nn::Module {
+  WithUnusedImpl() : used(register_module("used", torch::nn::Linear(784, 10))),
+                     unused(register_module("unused", torch::nn::Linear(3, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return used->forward(x.flatten(1)); }
+  torch::nn::Linear used, unused;
+};
+TORCH_MODULE(WithUnused);
+
+void register_with_unused() {
+  keel::models::register_model("with_unused", [](const keel::ModelConfig&, std::optional<keel::models::InputKind>) {
+    return std::make_shared<keel::models::ModuleModel<WithUnused>>(
+        "with_unused", WithUnused(), keel::models::InputSpec{keel::models::InputKind::Image, {1, 28, 28}, 10});
+  });
+}
+
+keel::Config unused_config(const std::string& dir, bool find_unused) {
+  keel::Config cfg = equivalence_config(dir, 16, 1);
+  cfg.model.name = "with_unused";
+  cfg.train.steps = 4;
+  cfg.dist.find_unused_parameters = find_unused;
+  cfg.dist.timeout_s = 30;
+  return cfg;
+}
+
+TEST(Ddp, FindUnusedParametersTrainsAModelWithAnUnusedParameter) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    register_with_unused();
+    TempDir rd;
+    EXPECT_NO_THROW(keel::Trainer(unused_config(rd.file("run"), true), w).run());
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
+TEST(Ddp, UnusedParameterWithoutFindUnusedIsAnError) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    register_with_unused();
+    TempDir rd;
+    try {
+      keel::Trainer(unused_config(rd.file("run"), false), w).run();
+      ADD_FAILURE() << "expected the Reducer to refuse an unused parameter";
+    } catch (const std::exception& e) {
+      // c10d's Reducer names the option and the parameter.
+      EXPECT_NE(std::string(e.what()).find("find_unused_parameters"), std::string::npos) << e.what();
+    }
+  }, 90);
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
 // --- launchers --------------------------------------------------------------------------------
 
 std::vector<std::string> smoke_args(const std::string& dir) {

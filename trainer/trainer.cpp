@@ -119,8 +119,6 @@ nlohmann::json Trainer::run() {
   const dist::World& world = s_->world;
   const auto t_start = Clock::now();
   init_logging(cfg.run, world.rank, world.size);
-  StopSignals signals;
-  g_stop_signal.store(0);
   tune_allocator();
 
   // Threads: one intra-op pool per rank, sized so that the ranks of a node share its cores.
@@ -215,6 +213,10 @@ nlohmann::json Trainer::run() {
     return r;
   };
 
+  // From here on SIGINT/SIGTERM stop the run after the current step; before, they end the
+  // process as usual (e.g. while waiting at the rendezvous).
+  StopSignals signals;
+  g_stop_signal.store(0);
   const bool show_progress = cfg.run.progress && world.is_main() && ::isatty(STDOUT_FILENO);
   std::vector<double> step_times;
   step_times.reserve(total_steps);
@@ -297,6 +299,9 @@ nlohmann::json Trainer::run() {
   }
   if (show_progress) std::printf("\n");
 
+  // Leave together: a rank that tears down its connections while a peer still uses them makes
+  // the peer's Gloo threads fail.
+  coll->barrier("end of training");
   if (s_->cb.on_end) s_->cb.on_end(*model);
   const int stop_signal = g_stop_signal.load();
   if (stop_signal)
