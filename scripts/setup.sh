@@ -2,7 +2,8 @@
 # Sets up a Debian 12 machine for keel and builds it. Idempotent: installs only the packages
 # that are missing, makes sure LibTorch uses OpenBLAS, then configures and builds into build/.
 #
-#   scripts/setup.sh            # as root, or as a user with sudo
+#   scripts/setup.sh            # as root, or as a user with sudo; builds everything
+#   scripts/setup.sh keel       # builds only the given targets (scripts/train.sh does this)
 #   KEEL_BUILD_DIR=out scripts/setup.sh
 #
 # Environment: KEEL_BUILD_DIR (default build), KEEL_BUILD_TYPE (default Release),
@@ -61,5 +62,7 @@ command -v ninja >/dev/null && [ ! -f "$BUILD_DIR/CMakeCache.txt" ] && generator
 log "configuring $BUILD_DIR ($BUILD_TYPE)"
 cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE="$BUILD_TYPE" "${launcher[@]}" >&2
 log "building (this takes a few minutes the first time: LibTorch headers are heavy)"
-cmake --build "$BUILD_DIR" -j "$(nproc)" >&2
+targets=()
+for t in "$@"; do targets+=(--target "$t"); done
+cmake --build "$BUILD_DIR" -j "$(nproc)" "${targets[@]}" >&2
 log "built $BUILD_DIR/keel"

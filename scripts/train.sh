@@ -5,7 +5,7 @@
 # (e.g. --train.epochs=1). Results: runs/fashion_mnist_cnn/{summary.json,metrics.jsonl}.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup.sh
+scripts/setup.sh keel
 ranks="${KEEL_RANKS:-2}"
 config=configs/fashion_mnist_cnn.toml
 if [ "$ranks" = 1 ]; then

@@ -16,7 +16,6 @@
 #include <spdlog/spdlog.h>
 
 #include "dist/collectives.h"
-#include "dist/ddp.h"
 #include "dist/process_group.h"
 #include "keel/version.h"
 #include "models/model.h"
@@ -24,6 +23,7 @@
 #include "trainer/log.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
+#include "trainer/pipeline.h"
 #include "trainer/sampler.h"
 
 namespace keel {
@@ -136,9 +136,9 @@ nlohmann::json Trainer::run() {
   auto model = models::create_model(cfg.model, data_kind);
   const models::InputSpec spec = model->input_spec();
   data::Splits splits = data::create_dataset(cfg.data, spec, cfg.run.seed);
-  model->to(device);
   model->train(true);
-  dist::DataParallel ddp(model, coll, cfg.dist);
+  // The fixed init pipeline: place -> compile -> distribute (trainer/pipeline.h).
+  DistributedModel dmodel = place(model, device).compile(cfg.compile).distribute(coll, cfg.dist);
   const bool is_lm = spec.kind == models::InputKind::Tokens;
   const int64_t tokens_per_sample = is_lm ? spec.sample_shape.at(0) : 0;
 
@@ -237,10 +237,9 @@ nlohmann::json Trainer::run() {
       // Gradients are all-reduced only on the last micro-batch of the step.
       const bool sync = micro + 1 == cfg.train.grad_accum;
       data::Batch b = splits.train->get(sampler->next());
-      ddp.before_forward(sync);
-      auto logits = model->forward(b.input.to(device));
+      auto logits = dmodel.forward(b.input.to(device), sync);
       auto loss = lm_or_class_loss(logits, b.target.to(device));
-      ddp.backward(loss / static_cast<double>(cfg.train.grad_accum), sync);
+      dmodel.backward(loss / static_cast<double>(cfg.train.grad_accum), sync);
       loss_sum += loss.item<double>();
     }
     const double local_loss = loss_sum / cfg.train.grad_accum;
@@ -248,7 +247,7 @@ nlohmann::json Trainer::run() {
     // One all-gather per step: every rank is at this step with the same gradient plan, the
     // mean loss, and whether any rank saw a non-finite loss (then no rank steps).
     const dist::StepConsensus consensus =
-        coll->step_sync(step + 1, ddp.plan(), local_loss, !std::isfinite(local_loss), compute_ms);
+        coll->step_sync(step + 1, dmodel.plan(), local_loss, !std::isfinite(local_loss), compute_ms);
     const double loss = consensus.mean_loss;
     if (consensus.any_nonfinite)
       throw std::runtime_error("non-finite training loss at step " + std::to_string(step + 1) +

@@ -1,0 +1,30 @@
+#include "trainer/pipeline.h"
+
+namespace keel {
+
+PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device) {
+  model->to(device);
+  auto check = [&](const models::NamedTensors& tensors, const char* kind) {
+    for (const auto& [name, t] : tensors)
+      if (t.device() != device)
+        throw std::runtime_error(std::string("place: ") + kind + " '" + name + "' of model " + model->name() +
+                                 " is on " + t.device().str() + ", not on " + device.str() +
+                                 " (a tensor the model holds outside its registered parameters and buffers?)");
+  };
+  check(model->named_parameters(), "parameter");
+  check(model->named_buffers(), "buffer");
+  return PlacedModel(std::move(model), device);
+}
+
+CompiledModel PlacedModel::compile(const CompileConfig& cfg) && {
+  // compile.mode = trace is refused by config validation until the compile stage lands
+  // (issue: trainer/ compile stage); "off" runs the eager module.
+  return CompiledModel(std::move(model_), device_, cfg.mode);
+}
+
+DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) && {
+  auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg);
+  return DistributedModel(std::move(model_), device_, mode_, std::move(ddp));
+}
+
+}  // namespace keel
