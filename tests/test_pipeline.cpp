@@ -14,7 +14,8 @@ namespace {
 template <class T, class = void>
 struct can_compile : std::false_type {};
 template <class T>
-struct can_compile<T, std::void_t<decltype(std::declval<T>().compile(std::declval<const keel::CompileConfig&>()))>>
+struct can_compile<T, std::void_t<decltype(std::declval<T>().compile(std::declval<const keel::CompileConfig&>(),
+                                                                      std::declval<const torch::Tensor&>()))>>
     : std::true_type {};
 
 template <class T, class = void>
@@ -57,7 +58,7 @@ TEST(Pipeline, RunsEndToEndOnOneProcess) {
   auto coll = std::make_shared<keel::dist::Collectives>(
       keel::dist::Group::create(keel::dist::World{}, keel::DistConfig{}, torch::kCPU), "always");
   DistributedModel dm = keel::place(keel::models::create_model(mc), torch::kCPU)
-                            .compile(keel::CompileConfig{})
+                            .compile(keel::CompileConfig{}, torch::randn({4, 1, 28, 28}))
                             .distribute(coll, keel::DistConfig{});
   auto loss = dm.forward(torch::randn({4, 1, 28, 28}), true).sum();
   dm.backward(loss, true);

@@ -16,15 +16,15 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
   return PlacedModel(std::move(model), device);
 }
 
-CompiledModel PlacedModel::compile(const CompileConfig& cfg) && {
-  // compile.mode = trace is refused by config validation until the compile stage lands
-  // (issue: trainer/ compile stage); "off" runs the eager module.
-  return CompiledModel(std::move(model_), device_, cfg.mode);
+CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor& example) && {
+  auto report = std::make_shared<CompileReport>();
+  auto compiled = compile_model(std::move(model_), cfg, example.to(device_), *report);
+  return CompiledModel(std::move(compiled), device_, std::move(report));
 }
 
 DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) && {
   auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg);
-  return DistributedModel(std::move(model_), device_, mode_, std::move(ddp));
+  return DistributedModel(std::move(model_), device_, std::move(report_), std::move(ddp));
 }
 
 }  // namespace keel

@@ -20,6 +20,7 @@
 #include "dist/collectives.h"
 #include "dist/ddp.h"
 #include "models/model.h"
+#include "trainer/compile.h"
 #include "trainer/config.h"
 
 namespace keel {
@@ -34,7 +35,8 @@ class PlacedModel {
   PlacedModel& operator=(PlacedModel&&) = default;
   PlacedModel(const PlacedModel&) = delete;  // one model, one pipeline
   PlacedModel& operator=(const PlacedModel&) = delete;
-  CompiledModel compile(const CompileConfig& cfg) &&;
+  /// `example`: an input of the training shape and dtype (compile.mode = trace traces it).
+  CompiledModel compile(const CompileConfig& cfg, const torch::Tensor& example) &&;
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
 
@@ -53,15 +55,15 @@ class CompiledModel {
   CompiledModel(const CompiledModel&) = delete;  // one model, one pipeline
   CompiledModel& operator=(const CompiledModel&) = delete;
   DistributedModel distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) &&;
-  const std::string& mode() const { return mode_; }
+  const CompileReport& report() const { return *report_; }
 
  private:
   friend class PlacedModel;
-  CompiledModel(std::shared_ptr<models::Model> m, torch::Device d, std::string mode)
-      : model_(std::move(m)), device_(d), mode_(std::move(mode)) {}
+  CompiledModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r)
+      : model_(std::move(m)), device_(d), report_(std::move(r)) {}
   std::shared_ptr<models::Model> model_;
   torch::Device device_;
-  std::string mode_;
+  std::shared_ptr<CompileReport> report_;
 };
 
 /// Stage 3: trainable across ranks. Per micro-batch: forward(input, sync) then
@@ -80,16 +82,17 @@ class DistributedModel {
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
   uint64_t plan() const { return ddp_->plan(); }
-  const std::string& compile_mode() const { return mode_; }
+  /// Compile results; recompiles keep counting while training.
+  const CompileReport& compile_report() const { return *report_; }
 
  private:
   friend class CompiledModel;
-  DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::string mode,
+  DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
                    std::unique_ptr<dist::DataParallel> ddp)
-      : model_(std::move(m)), device_(d), mode_(std::move(mode)), ddp_(std::move(ddp)) {}
+      : model_(std::move(m)), device_(d), report_(std::move(r)), ddp_(std::move(ddp)) {}
   std::shared_ptr<models::Model> model_;
   torch::Device device_;
-  std::string mode_;
+  std::shared_ptr<CompileReport> report_;
   std::unique_ptr<dist::DataParallel> ddp_;
 };
 

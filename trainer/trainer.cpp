@@ -138,7 +138,8 @@ nlohmann::json Trainer::run() {
   data::Splits splits = data::create_dataset(cfg.data, spec, cfg.run.seed);
   model->train(true);
   // The fixed init pipeline: place -> compile -> distribute (trainer/pipeline.h).
-  DistributedModel dmodel = place(model, device).compile(cfg.compile).distribute(coll, cfg.dist);
+  const torch::Tensor example = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0)).input;
+  DistributedModel dmodel = place(model, device).compile(cfg.compile, example).distribute(coll, cfg.dist);
   const bool is_lm = spec.kind == models::InputKind::Tokens;
   const int64_t tokens_per_sample = is_lm ? spec.sample_shape.at(0) : 0;
 
@@ -334,6 +335,10 @@ nlohmann::json Trainer::run() {
       {"samples_per_s", global_batch * 1000.0 / median_ms},
       {"final_loss", last_loss},
       {"wall_s", ms_since(t_start) / 1000.0},
+      {"compile_mode", dmodel.compile_report().mode},
+      {"compile_ms", dmodel.compile_report().compile_ms},
+      {"compile_cache", "off"},
+      {"recompiles", dmodel.compile_report().recompiles},
   };
   if (is_lm) summary["tokens_per_s"] = global_batch * tokens_per_sample * 1000.0 / median_ms;
   if (last_eval) {
