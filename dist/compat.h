@@ -43,6 +43,25 @@ inline uint16_t tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store) {
   return static_cast<c10d::TCPStore*>(store.get())->getPort();
 }
 
+#if KEEL_TORCH_AT_LEAST(2, 0)
+// 2.x: a backend (Gloo, NCCL) serves collectives only inside a c10d::ProcessGroup.
+template <class BackendT>
+c10::intrusive_ptr<c10d::ProcessGroup> wrap_backend(const c10::intrusive_ptr<c10d::Store>& store, int rank, int size,
+                                                    c10::intrusive_ptr<BackendT> backend, const char* name,
+                                                    c10::DeviceType device, c10d::ProcessGroup::BackendType type) {
+#if KEEL_TORCH_AT_LEAST(2, 6)
+  (void)name;
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
+#else
+  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size,
+                                                    c10::make_intrusive<c10d::ProcessGroup::Options>(name));
+#endif
+  pg->setBackend(device, type, backend);
+  pg->setDefaultBackend(type);
+  return pg;
+}
+#endif
+
 inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
                                                               int rank, int size,
                                                               std::chrono::milliseconds timeout,
@@ -54,15 +73,7 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusi
                                               : c10d::ProcessGroupGloo::createDefaultDevice());
   auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
 #if KEEL_TORCH_AT_LEAST(2, 0)
-#if KEEL_TORCH_AT_LEAST(2, 6)
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-#else
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size,
-                                                    c10::make_intrusive<c10d::ProcessGroup::Options>("gloo"));
-#endif
-  pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO, gloo);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::GLOO);
-  return pg;
+  return wrap_backend(store, rank, size, gloo, "gloo", c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO);
 #else
   return gloo;
 #endif
@@ -76,15 +87,7 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(const c10::intrusi
   opts->timeout = timeout;
   auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
 #if KEEL_TORCH_AT_LEAST(2, 0)
-#if KEEL_TORCH_AT_LEAST(2, 6)
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size);
-#else
-  auto pg = c10::make_intrusive<c10d::ProcessGroup>(store, rank, size,
-                                                    c10::make_intrusive<c10d::ProcessGroup::Options>("nccl"));
-#endif
-  pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL, nccl);
-  pg->setDefaultBackend(c10d::ProcessGroup::BackendType::NCCL);
-  return pg;
+  return wrap_backend(store, rank, size, nccl, "nccl", c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::NCCL);
 #else
   return nccl;
 #endif
