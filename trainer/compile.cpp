@@ -1,9 +1,12 @@
 #include "trainer/compile.h"
 
+#include "trainer/compile_cache.h"
+
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/ir/ir.h>
 
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 
 #include <chrono>
@@ -140,13 +143,29 @@ const std::vector<std::string>& nondeterministic_ops() {
 }
 
 std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> model, const CompileConfig& cfg,
-                                             const torch::Tensor& example, CompileReport& report) {
+                                             const torch::Tensor& example, CompileReport& report,
+                                             const std::string& identity) {
   report.mode = cfg.mode;
   if (cfg.mode != "trace") return model;
   const auto t0 = std::chrono::steady_clock::now();
   auto finish = [&]() {
     report.compile_ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
   };
+  std::unique_ptr<CompileCache> cache;
+  std::string key;
+  if (!cfg.cache_dir.empty()) {
+    if (identity.empty()) throw CompileError("compile.cache_dir needs the model's identity (internal error)");
+    cache = std::make_unique<CompileCache>(cfg.cache_dir);
+    key = compile_cache_key(identity, cfg, example, "off");
+    if (auto graph = cache->load(key)) {
+      report.cache = "hit";
+      auto traced = std::make_shared<TracedModel>(model, graph, example.sizes().vec(), cfg, report);
+      finish();
+      spdlog::info("compile: cache hit {} ({:.0f} ms)", cache->entry_path(key), report.compile_ms);
+      return traced;
+    }
+    report.cache = "miss";
+  }
   // Problems that prevent one whole static graph: an error with fullgraph, else a fallback.
   auto refuse = [&](const std::string& why) -> std::shared_ptr<models::Model> {
     if (cfg.fullgraph) throw CompileError("compile (fullgraph): " + why);
@@ -201,6 +220,11 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
                     "(max abs difference " + std::to_string(diff) +
                     "); a kernel the dispatcher does not see, or raw data_ptr arithmetic, is not in the graph");
     }
+  }
+  if (cache) {
+    nlohmann::json meta = {{"key", key}, {"model", identity}, {"input_shape", x.sizes().vec()},
+                           {"warnings", report.warnings}};
+    cache->store(key, *first.graph, meta.dump());
   }
   finish();
   spdlog::info("compile: traced {} into a graph of {} nodes in {:.0f} ms", model->name(),

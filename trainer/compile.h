@@ -15,7 +15,9 @@
 //   e. device transfers inside forward (aten::to / cuda / cpu to a device).
 // With compile.fullgraph, a, b and e are errors naming the cause; without, a warning and the
 // eager module is used instead.
-// Does not own: the compile cache (not built yet) or CUDA graphs.
+// With compile.cache_dir, a traced graph is stored and reused across runs and ranks
+// (trainer/compile_cache.h); a hit skips tracing and the checks (they passed when the entry
+// was made). Does not own: CUDA graphs.
 #pragma once
 
 #include <memory>
@@ -37,14 +39,17 @@ struct CompileReport {
   std::string mode = "off";       // off | trace | eager-fallback
   double compile_ms = 0;          // time spent tracing and checking
   int64_t recompiles = 0;         // re-specialisations after the first trace
+  std::string cache = "off";      // off | hit | miss
   std::vector<std::string> warnings;
 };
 
 /// Wraps `model` for compile.mode = trace. `example` is an input of the training shape (on the
-/// model's device). Returns the model to train: the traced one, or `model` itself after a
-/// fallback. Throws CompileError as described above.
+/// model's device). `identity` names the model and its config for the compile cache (required
+/// when compile.cache_dir is set). Returns the model to train: the traced one, or `model`
+/// itself after a fallback. Throws CompileError as described above.
 std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> model, const CompileConfig& cfg,
-                                             const torch::Tensor& example, CompileReport& report);
+                                             const torch::Tensor& example, CompileReport& report,
+                                             const std::string& identity = "");
 
 /// Node kinds treated as non-deterministic inside a graph.
 const std::vector<std::string>& nondeterministic_ops();

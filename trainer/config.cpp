@@ -336,7 +336,6 @@ void validate(Config& cfg) {
     if (set)
       fail(what + " is not implemented in keel yet; remove it or leave it at its default");
   };
-  not_yet(!cfg.compile.cache_dir.empty(), "compile.cache_dir (the persistent compile cache)");
   not_yet(cfg.amp.dtype != "off", "amp.dtype = \"" + cfg.amp.dtype + "\"");
   not_yet(cfg.amp.loss_scaling == "dynamic", "amp.loss_scaling = \"dynamic\"");
   not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpointing)");

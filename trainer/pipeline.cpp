@@ -16,9 +16,10 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
   return PlacedModel(std::move(model), device);
 }
 
-CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor& example) && {
+CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor& example,
+                                   const std::string& identity) && {
   auto report = std::make_shared<CompileReport>();
-  auto compiled = compile_model(std::move(model_), cfg, example.to(device_), *report);
+  auto compiled = compile_model(std::move(model_), cfg, example.to(device_), *report, identity);
   return CompiledModel(std::move(compiled), device_, std::move(report));
 }
 

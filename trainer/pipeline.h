@@ -36,7 +36,8 @@ class PlacedModel {
   PlacedModel(const PlacedModel&) = delete;  // one model, one pipeline
   PlacedModel& operator=(const PlacedModel&) = delete;
   /// `example`: an input of the training shape and dtype (compile.mode = trace traces it).
-  CompiledModel compile(const CompileConfig& cfg, const torch::Tensor& example) &&;
+  /// `identity`: the model and its config, for the compile cache (see trainer/compile.h).
+  CompiledModel compile(const CompileConfig& cfg, const torch::Tensor& example, const std::string& identity = "") &&;
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
 

@@ -19,6 +19,7 @@
 #include "dist/process_group.h"
 #include "keel/version.h"
 #include "models/model.h"
+#include "trainer/compile_cache.h"
 #include "trainer/data.h"
 #include "trainer/log.h"
 #include "trainer/metrics.h"
@@ -87,6 +88,18 @@ torch::Device resolve_device(const RunConfig& run, const dist::World& world) {
   return torch::kCPU;
 }
 
+// What determines the model's graph, for the compile cache: every [model] key, and the bytes
+// of a TorchScript file.
+std::string model_identity(const ModelConfig& m) {
+  Config c;
+  c.model = m;
+  std::string id;
+  for (const auto& f : config_schema())
+    if (f.section == "model") id += f.key + "=" + to_toml_literal(f.get(c)) + ";";
+  if (m.name == "torchscript") id += "file_sha256=" + sha256_hex(read_file(m.path));
+  return id;
+}
+
 // Zeroes gradients in place. torch::optim::Optimizer::zero_grad() (1.13) detaches them, which
 // fails for DDP's gradients-as-bucket-views and would unlink them from the buckets.
 void zero_grads(const std::vector<torch::Tensor>& params) {
@@ -139,7 +152,8 @@ nlohmann::json Trainer::run() {
   model->train(true);
   // The fixed init pipeline: place -> compile -> distribute (trainer/pipeline.h).
   const torch::Tensor example = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0)).input;
-  DistributedModel dmodel = place(model, device).compile(cfg.compile, example).distribute(coll, cfg.dist);
+  DistributedModel dmodel =
+      place(model, device).compile(cfg.compile, example, model_identity(cfg.model)).distribute(coll, cfg.dist);
   const bool is_lm = spec.kind == models::InputKind::Tokens;
   const int64_t tokens_per_sample = is_lm ? spec.sample_shape.at(0) : 0;
 
@@ -337,7 +351,7 @@ nlohmann::json Trainer::run() {
       {"wall_s", ms_since(t_start) / 1000.0},
       {"compile_mode", dmodel.compile_report().mode},
       {"compile_ms", dmodel.compile_report().compile_ms},
-      {"compile_cache", "off"},
+      {"compile_cache", dmodel.compile_report().cache},
       {"recompiles", dmodel.compile_report().recompiles},
   };
   if (is_lm) summary["tokens_per_s"] = global_batch * tokens_per_sample * 1000.0 / median_ms;

@@ -1,0 +1,94 @@
+#include "trainer/compile_cache.h"
+
+#include <fcntl.h>
+#include <openssl/evp.h>
+#include <unistd.h>
+
+#include <spdlog/spdlog.h>
+#include <torch/csrc/jit/api/module.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/serialization/import.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+#include "keel/version.h"
+#include "trainer/metrics.h"
+
+namespace keel {
+
+std::string sha256_hex(const std::string& bytes) {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(bytes.data(), bytes.size(), md, &len, EVP_sha256(), nullptr) != 1)
+    throw std::runtime_error("OpenSSL: EVP_Digest(SHA-256) failed");
+  static const char* hex = "0123456789abcdef";
+  std::string out;
+  for (unsigned int i = 0; i < len; ++i) out += hex[md[i] >> 4], out += hex[md[i] & 15];
+  return out;
+}
+
+std::string compile_cache_key(const std::string& model_identity, const CompileConfig& cfg,
+                              const torch::Tensor& example, const std::string& amp_dtype) {
+  nlohmann::json k = {
+      {"keel", KEEL_VERSION},
+      {"torch", TORCH_VERSION},
+      {"model", model_identity},
+      {"input_shape", example.sizes().vec()},
+      {"input_dtype", c10::toString(example.scalar_type())},
+      {"device", example.device().str()},
+      {"mode", cfg.mode},
+      {"fullgraph", cfg.fullgraph},
+      {"deterministic", cfg.deterministic},
+      {"amp_dtype", amp_dtype},
+  };
+  return sha256_hex(k.dump());
+}
+
+CompileCache::CompileCache(std::string dir) : dir_(std::move(dir)) { make_dirs(dir_); }
+
+std::shared_ptr<torch::jit::Graph> CompileCache::load(const std::string& key) const {
+  const std::string path = entry_path(key);
+  if (::access(path.c_str(), R_OK) != 0) return nullptr;
+  try {
+    torch::jit::ExtraFilesMap extra{{"keel_meta.json", ""}};
+    auto m = torch::jit::load(path, c10::nullopt, extra);
+    auto meta = nlohmann::json::parse(extra.at("keel_meta.json"));
+    if (meta.value("key", "") != key) throw std::runtime_error("entry belongs to key " + meta.value("key", "?"));
+    auto graph = m.get_method("forward").graph()->copy();
+    graph->eraseInput(0);  // `self`: the holder module has no state
+    return graph;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    spdlog::warn("compile cache: entry {} is unreadable ({}); removing it and tracing again", path,
+                 what.substr(0, what.find('\n')));
+    std::remove(path.c_str());
+    return nullptr;
+  }
+}
+
+void CompileCache::store(const std::string& key, torch::jit::Graph& graph, const std::string& meta_json) const {
+  const std::string path = entry_path(key);
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  try {
+    // A graph becomes a method of an empty module, so TorchScript's own format carries it.
+    torch::jit::Module holder(c10::QualifiedName("__torch__.keel.CompiledForward"));
+    auto g = graph.copy();
+    g->insertInput(0, "self")->setType(holder._ivalue()->type());
+    auto* fn = holder._ivalue()->compilation_unit()->create_function(
+        c10::QualifiedName(*holder.type()->name(), "forward"), g);
+    holder.type()->addMethod(fn);
+    holder.save(tmp, {{"keel_meta.json", meta_json}});
+    int fd = ::open(tmp.c_str(), O_RDONLY);
+    if (fd < 0 || ::fsync(fd) != 0) throw std::runtime_error("fsync failed");
+    ::close(fd);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("rename failed");
+  } catch (const std::exception& e) {
+    std::remove(tmp.c_str());
+    std::string what = e.what();
+    spdlog::warn("compile cache: cannot write {}: {}", path, what.substr(0, what.find('\n')));
+  }
+}
+
+}  // namespace keel
