@@ -14,6 +14,8 @@ dist.validate = always versus off. Each configuration runs --repeat times (inter
 the median run is reported. With build/keel_comm_bench it also measures the raw Gloo
 all-reduce of each model's gradients and the validation round. Results also go to
 bench/results/<timestamp>.jsonl.
+With --compile it compares keel's compile.mode = trace with off instead (step time at each
+world size, and cold vs warm compile time with compile.cache_dir).
 Never run two benchmarks at once on the same machine: the numbers would be meaningless.
 """
 import argparse
@@ -55,16 +57,17 @@ def launch(cmd, world):
     return outs[0]
 
 
-def run_keel(model, batch, steps, world, keel, validate="always"):
+def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="off", cache_dir=""):
     with tempfile.TemporaryDirectory() as d:
         cmd = [keel, "train", f"--model.name={model}", "--data.name=synthetic", f"--train.steps={steps}",
                f"--train.batch_size={batch}", "--train.lr=1e-3", "--train.schedule=constant",
                "--run.threads=1", f"--run.dir={d}", "--run.log_level=warn", "--data.synthetic_size=4096",
-               f"--dist.validate={validate}"]
+               f"--dist.validate={validate}", f"--compile.mode={compile_mode}", f"--compile.cache_dir={cache_dir}"]
         launch(cmd, world)
         s = json.load(open(os.path.join(d, "summary.json")))
     out = {"impl": "keel", "version": s["keel_version"], "model": model, "world": s["world_size"], "batch": batch,
-           "threads": 1, "validate": validate, "median_step_ms": s["median_step_ms"],
+           "threads": 1, "validate": validate, "compile_mode": s["compile_mode"], "compile_ms": s["compile_ms"],
+           "compile_cache": s["compile_cache"], "median_step_ms": s["median_step_ms"],
            "throughput": s["samples_per_s"]}
     if "tokens_per_s" in s:
         out["tokens_per_s"] = s["tokens_per_s"]
@@ -101,7 +104,11 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each configuration, interleaved; the median is reported")
     ap.add_argument("--keel", default=os.path.join(ROOT, "build", "keel"))
+    ap.add_argument("--compile", action="store_true",
+                    help="instead: keel with compile.mode = trace vs off, and cold vs warm compile time")
     args = ap.parse_args()
+    if args.compile:
+        return compile_bench(args)
     worlds = [int(w) for w in args.worlds.split(",")]
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     log_path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + ".jsonl")
@@ -135,6 +142,42 @@ def main():
                     med[("pytorch", 1)]["median_step_ms"] / med[("pytorch", 2)]["median_step_ms"])
                 summary["validate_always_over_off"] = (
                     med[("keel", 2)]["median_step_ms"] / med[("keel-off", 2)]["median_step_ms"])
+            emit(summary)
+    print(f"# results: {log_path}", file=sys.stderr)
+
+
+def compile_bench(args):
+    """compile.mode = trace vs off (step time) at each world size, and cold vs warm compile."""
+    worlds = [int(w) for w in args.worlds.split(",")]
+    log_path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + "-compile.jsonl")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as log:
+        def emit(line):
+            print(json.dumps(line), flush=True)
+            log.write(json.dumps(line) + "\n")
+
+        for model in args.models.split(","):
+            steps = max(args.steps // 5, 12) if model == "gpt" else args.steps
+            runs = {}
+            for _ in range(args.repeat):
+                for world in worlds:
+                    for mode in ("off", "trace"):
+                        runs.setdefault((mode, world), []).append(
+                            run_keel(model, BATCH[model], steps, world, args.keel, compile_mode=mode))
+                with tempfile.TemporaryDirectory() as cache:
+                    for phase in ("cold", "warm"):
+                        runs.setdefault((phase, 1), []).append(
+                            run_keel(model, BATCH[model], 6, 1, args.keel, compile_mode="trace", cache_dir=cache))
+            summary = {"model": model, "steps": steps, "repeats": args.repeat}
+            for world in worlds:
+                off, tr = median_run(runs[("off", world)]), median_run(runs[("trace", world)])
+                emit(off)
+                emit(tr)
+                summary[f"trace_over_off_step_time_w{world}"] = tr["median_step_ms"] / off["median_step_ms"]
+            for phase in ("cold", "warm"):
+                ms = sorted(r["compile_ms"] for r in runs[(phase, 1)])
+                summary[f"compile_ms_{phase}"] = ms[len(ms) // 2]
+                summary[f"compile_cache_{phase}"] = runs[(phase, 1)][0]["compile_cache"]
             emit(summary)
     print(f"# results: {log_path}", file=sys.stderr)
 

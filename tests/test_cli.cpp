@@ -58,6 +58,14 @@ TEST(Cli, PrintConfigAppliesOverrides) {
   EXPECT_NE(r.output.find("name = \"cnn\""), std::string::npos) << r.output;
 }
 
+TEST(Cli, EmptyStringValuesAndBareFlags) {
+  auto r = run_keel({"train", "--compile.cache_dir=", "--data.drop_last", "--fault.inject=", "--print-config"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("cache_dir = \"\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("drop_last = true"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("inject = []"), std::string::npos) << r.output;
+}
+
 TEST(CliBadInput, MalformedToml) {
   TempDir d;
   write_text(d.file("bad.toml"), "[train\nlr = 1\n");

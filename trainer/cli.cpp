@@ -47,8 +47,9 @@ int run_cli(int argc, char** argv) {
     opt->type_name(std::string(field_type_name(f.type)) == "list of strings" ? "TEXT (repeatable)"
                                                                              : field_type_name(f.type));
     opt->default_str(to_toml_literal(f.get(defaults)));
-    if (f.type == FieldType::Bool) {
-      opt->expected(0, 1);  // `--data.drop_last` alone means true
+    if (f.type == FieldType::Bool || f.type == FieldType::String || f.type == FieldType::StringList) {
+      // `--data.drop_last` alone means true; `--compile.cache_dir=` sets "" (CLI11 sees no value).
+      opt->expected(0, 1);
     } else {
       opt->expected(1);
     }
@@ -80,8 +81,8 @@ int run_cli(int argc, char** argv) {
     for (const auto& f : config_schema()) {
       const auto& values = given[f.dotted()];
       if (train->count("--" + f.dotted()) == 0) continue;
-      if (values.empty()) {  // a bare boolean flag
-        apply_override(cfg, f.dotted(), "true");
+      if (values.empty()) {  // a bare flag: true for a bool, "" (or an empty list) otherwise
+        apply_override(cfg, f.dotted(), f.type == FieldType::Bool ? "true" : "");
         continue;
       }
       if (f.type == FieldType::StringList) {
