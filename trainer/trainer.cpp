@@ -15,6 +15,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include "amp/autocast.h"
+#include "amp/grad_scaler.h"
 #include "dist/collectives.h"
 #include "dist/process_group.h"
 #include "keel/version.h"
@@ -151,9 +153,21 @@ nlohmann::json Trainer::run() {
   data::Splits splits = data::create_dataset(cfg.data, spec, cfg.run.seed);
   model->train(true);
   // The fixed init pipeline: place -> compile -> distribute (trainer/pipeline.h).
+  // Mixed precision: autocast around forward and loss (and around tracing, so the casts are
+  // part of the graph); dynamic loss scaling when amp.loss_scaling resolves to it.
+  const bool autocast_on = cfg.amp.dtype != "off";
+  if (cfg.amp.dtype == "fp16" && !device.is_cuda())
+    throw InputError("amp.dtype = \"fp16\" needs a CUDA device (run.device resolved to " + device.str() +
+                     "); use \"bf16\" on CPU");
+  const c10::ScalarType amp_dtype = cfg.amp.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
+  std::unique_ptr<amp::GradScaler> scaler;
+  if (amp::loss_scaling_enabled(cfg.amp)) scaler = std::make_unique<amp::GradScaler>(cfg.amp);
   const torch::Tensor example = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0)).input;
-  DistributedModel dmodel =
-      place(model, device).compile(cfg.compile, example, model_identity(cfg.model)).distribute(coll, cfg.dist);
+  auto compiled = [&] {
+    amp::Autocast ac(device.type(), amp_dtype, autocast_on);
+    return place(model, device).compile(cfg.compile, example, model_identity(cfg.model) + "amp.dtype=" + cfg.amp.dtype);
+  }();
+  DistributedModel dmodel = std::move(compiled).distribute(coll, cfg.dist);
   const bool is_lm = spec.kind == models::InputKind::Tokens;
   const int64_t tokens_per_sample = is_lm ? spec.sample_shape.at(0) : 0;
 
@@ -239,6 +253,7 @@ nlohmann::json Trainer::run() {
   std::optional<EvalResult> last_eval;
   int64_t steps_done = 0;
   double ema_ms = 0;
+  int64_t skipped_steps = 0;
 
   for (int64_t step = 0; step < total_steps; ++step) {
     if (g_stop_signal.load()) break;
@@ -252,26 +267,44 @@ nlohmann::json Trainer::run() {
       // Gradients are all-reduced only on the last micro-batch of the step.
       const bool sync = micro + 1 == cfg.train.grad_accum;
       data::Batch b = splits.train->get(sampler->next());
-      auto logits = dmodel.forward(b.input.to(device), sync);
-      auto loss = lm_or_class_loss(logits, b.target.to(device));
-      dmodel.backward(loss / static_cast<double>(cfg.train.grad_accum), sync);
+      torch::Tensor loss;
+      {
+        amp::Autocast ac(device.type(), amp_dtype, autocast_on);
+        auto logits = dmodel.forward(b.input.to(device), sync);
+        loss = lm_or_class_loss(logits, b.target.to(device)).to(torch::kFloat);
+      }
+      auto scaled = loss / static_cast<double>(cfg.train.grad_accum);
+      dmodel.backward(scaler ? scaler->scale(scaled) : scaled, sync);
       loss_sum += loss.item<double>();
     }
     const double local_loss = loss_sum / cfg.train.grad_accum;
+    // Unscale before clipping; this rank's verdict on its gradients.
+    const bool local_nonfinite = (scaler && scaler->unscale_(model_params)) || !std::isfinite(local_loss);
     const double compute_ms = ms_since(t0);
     // One all-gather per step: every rank is at this step with the same gradient plan, the
-    // mean loss, and whether any rank saw a non-finite loss (then no rank steps).
+    // mean loss, and whether any rank saw inf/NaN (then no rank steps).
     const dist::StepConsensus consensus =
-        coll->step_sync(step + 1, dmodel.plan(), local_loss, !std::isfinite(local_loss), compute_ms);
+        coll->step_sync(step + 1, dmodel.plan(), local_loss, local_nonfinite, compute_ms);
     const double loss = consensus.mean_loss;
-    if (consensus.any_nonfinite)
-      throw std::runtime_error("non-finite training loss at step " + std::to_string(step + 1) +
+    const bool skip = consensus.any_nonfinite;
+    if (skip && !scaler && !cfg.train.skip_nonfinite)
+      throw std::runtime_error("non-finite training loss or gradients at step " + std::to_string(step + 1) +
                                " (local loss " + std::to_string(local_loss) +
-                               "); no rank applied the update; lower train.lr or set train.grad_clip");
+                               "); no rank applied the update; lower train.lr, set train.grad_clip, or set "
+                               "train.skip_nonfinite = true to skip such steps");
     double grad_norm = std::nan("");
-    if (cfg.train.grad_clip > 0)
-      grad_norm = torch::nn::utils::clip_grad_norm_(model_params, cfg.train.grad_clip);
-    optimizer->step();
+    if (!skip) {
+      if (cfg.train.grad_clip > 0)
+        grad_norm = torch::nn::utils::clip_grad_norm_(model_params, cfg.train.grad_clip);
+      optimizer->step();
+    } else {
+      ++skipped_steps;
+      spdlog::warn("step {}: inf/NaN on some rank; every rank skips this update{}", step + 1,
+                   scaler ? fmt::format(" (loss scale {} -> {})", scaler->scale_value(),
+                                        scaler->scale_value() * cfg.amp.backoff_factor)
+                          : std::string());
+    }
+    if (scaler) scaler->update(skip);
     const double step_ms = ms_since(t0);
     steps_done = step + 1;
     step_times.push_back(step_ms);
@@ -285,6 +318,8 @@ nlohmann::json Trainer::run() {
     if (is_lm) line["tokens_per_s"] = info.samples_per_s * tokens_per_sample;
     if (cfg.train.grad_clip > 0) line["grad_norm"] = grad_norm;
     if (world.size > 1) line["rank_compute_ms"] = consensus.rank_compute_ms;
+    if (scaler) line["loss_scale"] = scaler->scale_value();
+    if (skip) line["skipped"] = true;
 
     const bool eval_now = cfg.train.eval_interval > 0 &&
                           (steps_done % cfg.train.eval_interval == 0 || steps_done == total_steps);
@@ -353,6 +388,9 @@ nlohmann::json Trainer::run() {
       {"compile_ms", dmodel.compile_report().compile_ms},
       {"compile_cache", dmodel.compile_report().cache},
       {"recompiles", dmodel.compile_report().recompiles},
+      {"amp_dtype", cfg.amp.dtype},
+      {"loss_scale", scaler ? nlohmann::json(scaler->scale_value()) : nlohmann::json(nullptr)},
+      {"skipped_steps", skipped_steps},
   };
   if (is_lm) summary["tokens_per_s"] = global_batch * tokens_per_sample * 1000.0 / median_ms;
   if (last_eval) {

@@ -1,0 +1,60 @@
+// amp/grad_scaler.h: dynamic loss scaling with PyTorch's GradScaler semantics.
+//
+// Owns: the scale and its growth tracker; scale(loss); unscale_(gradients) at most once per
+// step (a second call is an error), before gradient clipping, with the inverse scale computed
+// in double; the local inf/NaN verdict; update(found_inf) after the verdict has been agreed
+// across ranks (the trainer passes the OR of every rank's verdict, so no rank steps alone).
+// Defaults: init scale 65536, growth 2.0, backoff 0.5, growth interval 2000. The scale grows
+// only when the grown value is finite.
+// unscale_ uses the fused ATen kernel (_amp_foreach_non_finite_check_and_unscale_) when the
+// dispatcher has one for the gradients' device (CUDA; CPU from LibTorch 2.3), and the same
+// arithmetic in plain ATen ops otherwise (LibTorch 1.13 on CPU). The scale itself lives on the
+// host, since the agreed verdict does.
+// Thread-compatible.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "trainer/config.h"
+
+namespace keel::amp {
+
+struct ScalerState {
+  double scale = 65536.0;
+  int64_t growth_tracker = 0;
+  double growth_factor = 2.0;
+  double backoff_factor = 0.5;
+  int64_t growth_interval = 2000;
+};
+
+class GradScaler {
+ public:
+  explicit GradScaler(const AmpConfig& cfg);
+  explicit GradScaler(ScalerState s) : s_(s) {}
+
+  torch::Tensor scale(const torch::Tensor& loss) const { return loss * static_cast<float>(s_.scale); }
+  /// Divides every defined gradient by the scale and returns true if any holds inf/NaN
+  /// (this rank's verdict). Throws std::logic_error if called twice before update().
+  bool unscale_(const std::vector<torch::Tensor>& params);
+  /// Ends the step with the verdict agreed across ranks: backs off (and resets the tracker) on
+  /// inf/NaN, otherwise counts a clean step and grows after growth_interval of them.
+  void update(bool found_inf);
+
+  double scale_value() const { return s_.scale; }
+  const ScalerState& state() const { return s_; }
+  void load_state(const ScalerState& s) { s_ = s; }
+  /// Whether the fused kernel serves `device` (for logs and tests).
+  static bool has_fused_unscale(c10::DeviceType device);
+
+ private:
+  ScalerState s_;
+  bool unscaled_ = false;
+};
+
+/// True when amp.loss_scaling resolves to dynamic (auto: only for fp16).
+bool loss_scaling_enabled(const AmpConfig& cfg);
+
+}  // namespace keel::amp
