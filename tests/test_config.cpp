@@ -121,7 +121,6 @@ TEST(ConfigErrors, CrossFieldRules) {
 
 TEST(ConfigErrors, FeaturesNotYetBuiltAreRefused) {
   EXPECT_NE(load_error("[amp]\ndtype = \"fp16\"\n").find("CUDA"), std::string::npos);
-  EXPECT_NE(load_error("[fault]\ninject = [\"crash@step=1,rank=0\"]\n").find("not implemented"), std::string::npos);
 }
 
 TEST(ConfigOverrides, ParsesEachType) {

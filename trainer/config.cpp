@@ -5,9 +5,12 @@
 
 #include <toml++/toml.h>
 
+#include "trainer/fault.h"
+
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 #include <optional>
 #include <cmath>
 #include <cstdio>
@@ -333,13 +336,14 @@ void validate(Config& cfg) {
   if (cfg.amp.dtype == "fp16")
     fail("amp.dtype = \"fp16\" needs CUDA (fp16 autocast is CUDA-only); this build is CPU-only: use \"bf16\"");
 #endif
+  // fault.inject syntax and types (the rank bound is checked when the world size is known).
+  FaultPlan(cfg.fault.inject, std::numeric_limits<int64_t>::max());
   // Keys whose features have not landed yet are refused rather than silently ignored.
   auto not_yet = [&](bool set, const std::string& what) {
     if (set)
       fail(what + " is not implemented in keel yet; remove it or leave it at its default");
   };
   not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpointing)");
-  not_yet(!cfg.fault.inject.empty(), "fault.inject (fault injection)");
 }
 
 std::string dump_toml(const Config& cfg) {

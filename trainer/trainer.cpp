@@ -23,6 +23,7 @@
 #include "models/model.h"
 #include "trainer/compile_cache.h"
 #include "trainer/data.h"
+#include "trainer/fault.h"
 #include "trainer/log.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
@@ -171,6 +172,7 @@ nlohmann::json Trainer::run() {
   const bool is_lm = spec.kind == models::InputKind::Tokens;
   const int64_t tokens_per_sample = is_lm ? spec.sample_shape.at(0) : 0;
 
+  const FaultPlan faults(cfg.fault.inject, world.size);
   std::unique_ptr<data::DistributedSampler> sampler;
   try {
     sampler = std::make_unique<data::DistributedSampler>(splits.train->size(), world.size, world.rank,
@@ -278,8 +280,23 @@ nlohmann::json Trainer::run() {
       loss_sum += loss.item<double>();
     }
     const double local_loss = loss_sum / cfg.train.grad_accum;
+    if (faults.fires("nonfinite_grad", step + 1, world.rank, world.restart_count)) {
+      spdlog::warn("fault injection: nonfinite_grad at step {} on rank {}", step + 1, world.rank);
+      for (auto& p : model_params)
+        if (p.grad().defined()) {
+          p.grad().view(-1)[0] = std::numeric_limits<float>::infinity();
+          break;
+        }
+    }
     // Unscale before clipping; this rank's verdict on its gradients.
-    const bool local_nonfinite = (scaler && scaler->unscale_(model_params)) || !std::isfinite(local_loss);
+    bool local_nonfinite = !std::isfinite(local_loss);
+    if (scaler) local_nonfinite = scaler->unscale_(model_params) || local_nonfinite;
+    else if (cfg.train.skip_nonfinite || !faults.entries().empty())
+      for (const auto& p : model_params)  // without a scaler, look at the gradients only when asked
+        if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>()) {
+          local_nonfinite = true;
+          break;
+        }
     const double compute_ms = ms_since(t0);
     // One all-gather per step: every rank is at this step with the same gradient plan, the
     // mean loss, and whether any rank saw inf/NaN (then no rank steps).
