@@ -57,17 +57,18 @@ def launch(cmd, world):
     return outs[0]
 
 
-def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="off", cache_dir=""):
+def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="off", cache_dir="", amp="off"):
     with tempfile.TemporaryDirectory() as d:
         cmd = [keel, "train", f"--model.name={model}", "--data.name=synthetic", f"--train.steps={steps}",
                f"--train.batch_size={batch}", "--train.lr=1e-3", "--train.schedule=constant",
                "--run.threads=1", f"--run.dir={d}", "--run.log_level=warn", "--data.synthetic_size=4096",
-               f"--dist.validate={validate}", f"--compile.mode={compile_mode}", f"--compile.cache_dir={cache_dir}"]
+               f"--dist.validate={validate}", f"--compile.mode={compile_mode}", f"--compile.cache_dir={cache_dir}",
+               f"--amp.dtype={amp}"]
         launch(cmd, world)
         s = json.load(open(os.path.join(d, "summary.json")))
     out = {"impl": "keel", "version": s["keel_version"], "model": model, "world": s["world_size"], "batch": batch,
            "threads": 1, "validate": validate, "compile_mode": s["compile_mode"], "compile_ms": s["compile_ms"],
-           "compile_cache": s["compile_cache"], "median_step_ms": s["median_step_ms"],
+           "compile_cache": s["compile_cache"], "amp_dtype": s["amp_dtype"], "median_step_ms": s["median_step_ms"],
            "throughput": s["samples_per_s"]}
     if "tokens_per_s" in s:
         out["tokens_per_s"] = s["tokens_per_s"]
@@ -104,11 +105,15 @@ def main():
     ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--repeat", type=int, default=3, help="runs of each configuration, interleaved; the median is reported")
     ap.add_argument("--keel", default=os.path.join(ROOT, "build", "keel"))
+    ap.add_argument("--amp", action="store_true",
+                    help="instead: keel with amp.dtype = bf16 vs fp32 (cnn and gpt, 1 rank)")
     ap.add_argument("--compile", action="store_true",
                     help="instead: keel with compile.mode = trace vs off, and cold vs warm compile time")
     args = ap.parse_args()
     if args.compile:
         return compile_bench(args)
+    if args.amp:
+        return amp_bench(args)
     worlds = [int(w) for w in args.worlds.split(",")]
     os.makedirs(os.path.join(ROOT, "bench", "results"), exist_ok=True)
     log_path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + ".jsonl")
@@ -143,6 +148,26 @@ def main():
                 summary["validate_always_over_off"] = (
                     med[("keel", 2)]["median_step_ms"] / med[("keel-off", 2)]["median_step_ms"])
             emit(summary)
+    print(f"# results: {log_path}", file=sys.stderr)
+
+
+def amp_bench(args):
+    """amp.dtype = bf16 vs off (fp32) step time, one rank, one thread."""
+    log_path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + "-amp.jsonl")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    with open(log_path, "w") as log:
+        for model in ("cnn", "gpt"):
+            steps = max(args.steps // 5, 12) if model == "gpt" else args.steps
+            runs = {}
+            for _ in range(args.repeat):
+                for amp in ("off", "bf16"):
+                    runs.setdefault(amp, []).append(run_keel(model, BATCH[model], steps, 1, args.keel, amp=amp))
+            med = {k: median_run(v) for k, v in runs.items()}
+            lines = [med["off"], med["bf16"], {"model": model, "steps": steps, "repeats": args.repeat,
+                                                "bf16_over_fp32_step_time": med["bf16"]["median_step_ms"] / med["off"]["median_step_ms"]}]
+            for line in lines:
+                print(json.dumps(line), flush=True)
+                log.write(json.dumps(line) + "\n")
     print(f"# results: {log_path}", file=sys.stderr)
 
 

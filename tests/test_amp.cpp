@@ -193,3 +193,26 @@ TEST(AmpDist, OnlyRankOneSeesInfAndBothRanksSkip) {
 }
 
 }  // namespace
+
+namespace {
+
+// bf16 training of the cnn reaches the test accuracy of fp32 within 0.01 after 400 steps.
+TEST(AmpEndToEnd, Bf16CnnMatchesFp32AccuracyAfter400Steps) {
+  TempDir d;
+  double acc[2];
+  int i = 0;
+  for (const char* dtype : {"off", "bf16"}) {
+    const std::string dir = d.file(dtype);
+    auto r = run_keel({"train", "--config", source_path("configs/fashion_mnist_cnn.toml"), "--train.epochs=0",
+                       "--train.steps=400", "--train.warmup_steps=40", "--train.eval_interval=400",
+                       "--amp.dtype=" + std::string(dtype), "--run.threads=2", "--run.dir=" + dir});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    auto s = nlohmann::json::parse(read_text(dir + "/summary.json"));
+    EXPECT_EQ(s["amp_dtype"], dtype);
+    acc[i++] = s["test_accuracy"].get<double>();
+  }
+  EXPECT_GT(acc[0], 0.8);
+  EXPECT_NEAR(acc[1], acc[0], 0.01) << "fp32 " << acc[0] << ", bf16 " << acc[1];
+}
+
+}  // namespace
