@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Installs keel from BUILD_DIR into a temporary prefix, builds examples/custom_model against
+# that prefix alone (find_package(keel)), and trains it on 2 ranks.
+#   tests/install_example_check.sh SOURCE_DIR BUILD_DIR
+set -euo pipefail
+src="$1"; build="$2"
+work="$(mktemp -d)"
+trap 'rm -rf "$work"' EXIT
+cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
+gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
+cmake -S "$src/examples/custom_model" -B "$work/ex" "${gen[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log"
+cmake --build "$work/ex" > "$work/build.log"
+port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+cd "$work"
+pids=()
+for r in 0 1; do
+  RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r LOCAL_WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
+    timeout 120 "$work/ex/custom_model" > "$work/rank$r.log" 2>&1 & pids+=($!)
+done
+status=0
+for r in 0 1; do wait "${pids[$r]}" || { echo "rank $r failed:"; cat "$work/rank$r.log"; status=1; }; done
+grep -h "world 2" "$work/rank0.log" || { echo "rank 0 did not report world 2"; status=1; }
+exit $status
