@@ -43,6 +43,14 @@ TEST(Cli, HelpListsEveryKeyWithDefaultAndDoc) {
   }
 }
 
+TEST(Cli, ConfigReferenceDocIsInSync) {
+  auto r = run_keel({"config-reference"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(keel::testing::read_text(keel::testing::source_path("docs/config.md")), r.output)
+      << "docs/config.md is stale: regenerate it with `build/keel config-reference > docs/config.md`";
+  for (const auto& f : keel::config_schema()) EXPECT_NE(r.output.find("| `" + f.key + "` |"), std::string::npos) << f.dotted();
+}
+
 TEST(Cli, NoSubcommandIsUsageError) {
   auto r = run_keel({});
   EXPECT_EQ(r.exit_code, 2) << r.output;

@@ -31,6 +31,7 @@ int run_cli(int argc, char** argv) {
   app.set_version_flag("--version", version_string());
   app.require_subcommand(1);
 
+  auto* reference = app.add_subcommand("config-reference", "print every config key as Markdown (docs/config.md)");
   auto* train = app.add_subcommand("train", "train a model described by a TOML config");
   std::string config_path;
   bool print_config = false;
@@ -74,6 +75,10 @@ int run_cli(int argc, char** argv) {
     return kExitInput;
   }
 
+  if (reference->parsed()) {
+    std::cout << config_reference_markdown();
+    return 0;
+  }
   if (!train->parsed()) return kExitInput;
   Config cfg;
   try {

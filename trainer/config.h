@@ -189,6 +189,9 @@ void validate(Config& cfg);
 /// The resolved config as TOML text (every key, with its doc as a comment), loadable again.
 std::string dump_toml(const Config& cfg);
 
+/// The config reference as Markdown (docs/config.md is this text; a test keeps them equal).
+std::string config_reference_markdown();
+
 /// Reads a whole file into a string. Throws InputError naming the file if it cannot be read.
 std::string read_file(const std::string& path);
 
