@@ -166,7 +166,10 @@ nlohmann::json Trainer::run() {
   const torch::Tensor example = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0)).input;
   auto compiled = [&] {
     amp::Autocast ac(device.type(), amp_dtype, autocast_on);
-    return place(model, device).compile(cfg.compile, example, model_identity(cfg.model) + "amp.dtype=" + cfg.amp.dtype);
+    // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
+    const std::string identity =
+        cfg.compile.cache_dir.empty() ? "" : model_identity(cfg.model) + "amp.dtype=" + cfg.amp.dtype;
+    return place(model, device).compile(cfg.compile, example, identity);
   }();
   DistributedModel dmodel = std::move(compiled).distribute(coll, cfg.dist);
   const bool is_lm = spec.kind == models::InputKind::Tokens;
