@@ -215,12 +215,14 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
   }
 }
 
-StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms) {
+StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
+                                     uint32_t flags) {
   StepConsensus c;
   if (size() == 1) {
     c.mean_loss = loss;
     c.any_nonfinite = nonfinite;
     c.rank_compute_ms = {compute_ms};
+    c.any_flags = c.all_flags = flags;
     return c;
   }
   // No separate validation round: the record itself carries the step and plan, and is checked
@@ -234,7 +236,7 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   int64_t loss_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
   auto mine = torch::tensor({static_cast<int64_t>(fingerprint(d.words())), step, d.extra, loss_bits,
-                             int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0)},
+                             int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
                             torch::kLong);
   std::vector<std::vector<at::Tensor>> out(1);
   for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
@@ -242,6 +244,7 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   wait(group_->pg()->allgather(out, in), d);
   bool agree = true;
   double sum = 0;
+  c.all_flags = ~0u;
   for (int64_t r = 0; r < size(); ++r) {
     const int64_t* w = out[0][r].data_ptr<int64_t>();
     agree &= (w[0] == mine[0].item<int64_t>());
@@ -250,6 +253,8 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
     sum += l;
     c.any_nonfinite |= (w[4] != 0);
     c.rank_compute_ms.push_back(w[5] / 1000.0);
+    c.any_flags |= static_cast<uint32_t>(w[6]);
+    c.all_flags &= static_cast<uint32_t>(w[6]);
   }
   if (!agree && mode_ != "off") {
     std::ostringstream os;

@@ -47,6 +47,8 @@ struct StepConsensus {
   double mean_loss = 0;               // loss averaged over ranks
   bool any_nonfinite = false;         // some rank saw inf/NaN (loss or gradients)
   std::vector<double> rank_compute_ms;// each rank's forward+backward time this step
+  uint32_t any_flags = 0;             // OR of every rank's `flags`
+  uint32_t all_flags = 0;             // AND of every rank's `flags`
 };
 
 class Collectives {
@@ -74,8 +76,10 @@ class Collectives {
 
   /// The per-step consensus, one all-gather: checks that every rank is at the same `step`
   /// with the same `plan` fingerprint (gradient bucket layout), and shares losses, non-finite
-  /// flags and compute times.
-  StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms);
+  /// flags and compute times. `flags` are the caller's bits (e.g. "stop requested",
+  /// "checkpoint written"), returned OR-ed and AND-ed over ranks.
+  StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
+                          uint32_t flags = 0);
 
  private:
   struct Desc;

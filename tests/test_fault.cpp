@@ -37,7 +37,7 @@ TEST(FaultPlan, ParsesEntriesAndFiresOncePerJob) {
 TEST(FaultPlan, BadEntriesNameTheEntry) {
   EXPECT_NE(plan_error({"nonfinite_grad"}).find("missing '@'"), std::string::npos);
   EXPECT_NE(plan_error({"meteor@step=1,rank=0"}).find("unknown fault type 'meteor'"), std::string::npos);
-  EXPECT_NE(plan_error({"crash@step=1,rank=0"}).find("not implemented"), std::string::npos);
+  EXPECT_NE(plan_error({"oom@step=1,rank=0"}).find("not implemented"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@rank=0"}).find("step=S"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@step=x,rank=0"}).find("non-negative integer"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@step=1,rank=2"}, 2).find("rank 2 does not exist"), std::string::npos);

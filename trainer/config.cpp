@@ -343,7 +343,9 @@ void validate(Config& cfg) {
     if (set)
       fail(what + " is not implemented in keel yet; remove it or leave it at its default");
   };
-  not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpointing)");
+  not_yet(cfg.checkpoint.save_graph, "checkpoint.save_graph");
+  if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
+    fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
 }
 
 std::string config_reference_markdown() {

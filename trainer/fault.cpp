@@ -7,9 +7,8 @@
 namespace keel {
 namespace {
 
-const std::vector<std::string> kImplemented = {"nonfinite_grad"};
-const std::vector<std::string> kPlanned = {"collective_hang", "crash", "oom", "shape_mismatch",
-                                           "checkpoint_write_failure", "checkpoint_corruption",
+const std::vector<std::string> kImplemented = {"nonfinite_grad", "crash", "checkpoint_write_failure"};
+const std::vector<std::string> kPlanned = {"collective_hang", "oom", "shape_mismatch", "checkpoint_corruption",
                                            "graph_break", "straggler"};
 
 bool contains(const std::vector<std::string>& v, const std::string& s) {
@@ -31,7 +30,7 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
     if (at == std::string::npos) throw bad("missing '@'");
     e.type = text.substr(0, at);
     if (contains(kPlanned, e.type))
-      throw bad("fault type '" + e.type + "' is not implemented in keel yet (implemented: nonfinite_grad)");
+      throw bad("fault type '" + e.type + "' is not implemented in keel yet (implemented: nonfinite_grad, crash, checkpoint_write_failure)");
     if (!contains(kImplemented, e.type)) throw bad("unknown fault type '" + e.type + "'");
     std::string rest = text.substr(at + 1);
     size_t pos = 0;

@@ -4,7 +4,9 @@
 // of this type fire on this rank at this step?". A fault fires once per job: not again after a
 // torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) unless the entry says `always`. With no
 // entries every query is a false on an empty vector: nothing to pay when off.
-// Implemented types: nonfinite_grad (inf in this rank's gradients after backward). The other
+// Implemented types: nonfinite_grad (inf in this rank's gradients after backward), crash
+// (SIGKILL after backward, before the step's consensus), checkpoint_write_failure (ENOSPC while
+// this rank writes its model shard of the checkpoint saved at that step). The other
 // types of the fault issue are parsed and refused with a clear message until they land.
 #pragma once
 

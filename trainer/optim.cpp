@@ -1,6 +1,9 @@
 #include "trainer/optim.h"
 
 #include <cmath>
+#include <map>
+#include <sstream>
+#include <type_traits>
 
 namespace keel {
 
@@ -31,6 +34,108 @@ double LrSchedule::at(int64_t step) const {
 
 void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) g.options().set_lr(lr);
+}
+
+namespace {
+
+// The key under which torch::optim keeps a parameter's state: a string of the TensorImpl
+// address in 1.13 (c10::guts::to_string), the address itself where the map is keyed by
+// pointers. Chosen from the map's key type, so no version test is needed.
+template <class Map>
+typename Map::key_type state_key(const torch::Tensor& p) {
+  using Key = typename Map::key_type;
+  if constexpr (std::is_same_v<Key, std::string>) {
+    std::ostringstream os;
+    os << p.unsafeGetTensorImpl();
+    return os.str();
+  } else {
+    return static_cast<Key>(p.unsafeGetTensorImpl());
+  }
+}
+
+template <class Opt>
+auto key_of(Opt& opt, const torch::Tensor& p) {
+  return state_key<std::decay_t<decltype(opt.state())>>(p);
+}
+
+}  // namespace
+
+NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params) {
+  NamedTensorList out;
+  auto& st = opt.state();
+  for (const auto& [name, p] : params) {
+    auto it = st.find(key_of(opt, p));
+    if (it == st.end()) continue;  // no step has touched this parameter yet
+    if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+      out.emplace_back(name + ".step", torch::tensor(a->step(), torch::kLong));
+      out.emplace_back(name + ".exp_avg", a->exp_avg());
+      out.emplace_back(name + ".exp_avg_sq", a->exp_avg_sq());
+      if (a->max_exp_avg_sq().defined()) out.emplace_back(name + ".max_exp_avg_sq", a->max_exp_avg_sq());
+    } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
+      if (s->momentum_buffer().defined()) out.emplace_back(name + ".momentum_buffer", s->momentum_buffer());
+    } else {
+      throw std::runtime_error("checkpoint: optimizer state of an unsupported optimizer type");
+    }
+  }
+  return out;
+}
+
+void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state) {
+  std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
+  const bool adamw = dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr;
+  std::string problems;
+  size_t used = 0;
+  auto& st = opt.state();
+  st.clear();
+  for (const auto& [name, p] : params) {
+    auto get = [&](const std::string& field) -> torch::Tensor {
+      auto it = by_name.find(name + "." + field);
+      if (it == by_name.end()) return {};
+      ++used;
+      return it->second;
+    };
+    auto like_param = [&](const torch::Tensor& t, const std::string& field) -> torch::Tensor {
+      if (!t.defined()) return t;
+      if (t.sizes() != p.sizes() || t.scalar_type() != p.scalar_type()) {
+        problems += "\n  " + name + "." + field + ": saved " + c10::toString(t.scalar_type()) + " " +
+                    c10::str(t.sizes()) + ", parameter " + c10::toString(p.scalar_type()) + " " + c10::str(p.sizes());
+        return {};
+      }
+      return t.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
+    };
+    if (adamw) {
+      auto step = get("step"), m = get("exp_avg"), v = get("exp_avg_sq"), vmax = get("max_exp_avg_sq");
+      if (!step.defined() && !m.defined() && !v.defined()) continue;  // never stepped
+      if (!step.defined() || !m.defined() || !v.defined()) {
+        problems += "\n  " + name + ": partial AdamW state (step, exp_avg and exp_avg_sq are all needed)";
+        continue;
+      }
+      auto s = std::make_unique<torch::optim::AdamWParamState>();
+      s->step(step.item<int64_t>());
+      s->exp_avg(like_param(m, "exp_avg"));
+      s->exp_avg_sq(like_param(v, "exp_avg_sq"));
+      if (vmax.defined()) s->max_exp_avg_sq(like_param(vmax, "max_exp_avg_sq"));
+      st[key_of(opt, p)] = std::move(s);
+    } else {
+      auto mb = get("momentum_buffer");
+      if (!mb.defined()) continue;
+      auto s = std::make_unique<torch::optim::SGDParamState>();
+      s->momentum_buffer(like_param(mb, "momentum_buffer"));
+      st[key_of(opt, p)] = std::move(s);
+    }
+  }
+  if (used != state.size()) {
+    std::string extra;
+    for (const auto& [n, t] : state) {
+      bool known = false;
+      for (const auto& [pn, p] : params)
+        if (n.rfind(pn + ".", 0) == 0) known = true;
+      if (!known) extra += (extra.empty() ? "" : ", ") + n;
+    }
+    problems += "\n  state for parameters the model does not have, or of another optimizer: " +
+                (extra.empty() ? std::string("(fields of another optimizer type)") : extra);
+  }
+  if (!problems.empty()) throw std::runtime_error("checkpoint: the optimizer state does not fit this optimizer:" + problems);
 }
 
 }  // namespace keel

@@ -7,6 +7,8 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include "trainer/config.h"
@@ -32,5 +34,17 @@ class LrSchedule {
 
 /// Sets the learning rate of every parameter group.
 void set_lr(torch::optim::Optimizer& opt, double lr);
+
+using NamedTensorList = std::vector<std::pair<std::string, torch::Tensor>>;
+
+/// The optimizer's per-parameter state as named tensors, for checkpoints: "<param>.<field>"
+/// with AdamW's step (an int64 scalar), exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)
+/// and SGD's momentum_buffer. `params` are the optimizer's parameters with their names.
+/// The tensors are the live state (not copies).
+NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params);
+
+/// Restores what optimizer_state() returned (copies onto each parameter's device). Throws
+/// std::runtime_error listing the parameters whose state is partial or mis-shaped.
+void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state);
 
 }  // namespace keel

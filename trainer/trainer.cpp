@@ -8,8 +8,10 @@
 #include <atomic>
 #include <chrono>
 #include <csignal>
+#include <cerrno>
 #include <cmath>
 #include <cstdio>
+#include <fstream>
 #include <optional>
 #include <thread>
 
@@ -17,6 +19,7 @@
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
+#include "checkpoint/checkpoint.h"
 #include "dist/collectives.h"
 #include "dist/process_group.h"
 #include "keel/version.h"
@@ -115,6 +118,55 @@ torch::Tensor lm_or_class_loss(const torch::Tensor& logits, const torch::Tensor&
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
 }
 
+// Bits of the per-step consensus (dist::Collectives::step_sync).
+constexpr uint32_t kFlagStop = 1u << 0;              // this rank received SIGINT/SIGTERM
+constexpr uint32_t kFlagCheckpointWritten = 1u << 1; // this rank's async checkpoint write is done
+
+// The generators a step draws from: the CPU one always, the device's one on CUDA. Saved per
+// rank (each rank's dropout masks differ once ranks draw different amounts).
+std::vector<torch::Device> rng_devices(const torch::Device& device) {
+  std::vector<torch::Device> d{torch::kCPU};
+  if (device.is_cuda()) d.push_back(device);
+  return d;
+}
+
+checkpoint::NamedTensors rng_states(const torch::Device& device) {
+  checkpoint::NamedTensors out;
+  for (const auto& d : rng_devices(device)) {
+    auto gen = at::globalContext().defaultGenerator(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    out.emplace_back("rng." + d.str(), gen.get_state());
+  }
+  return out;
+}
+
+void restore_rng_states(const torch::Device& device, const checkpoint::NamedTensors& saved) {
+  for (const auto& d : rng_devices(device))
+    for (const auto& [name, t] : saved)
+      if (name == "rng." + d.str()) {
+        auto gen = at::globalContext().defaultGenerator(d);
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(t);
+      }
+}
+
+// Keeps the lines of metrics.jsonl up to `step` (a resumed run rewrites what followed).
+void truncate_metrics(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t{0}) > step) continue;
+    } catch (const std::exception&) {
+      continue;  // a line cut by the crash
+    }
+    kept += line + "\n";
+  }
+  write_file_atomic(path, kept);
+}
+
 }  // namespace
 
 void request_stop(int signo) { g_stop_signal.store(signo); }
@@ -193,12 +245,122 @@ nlohmann::json Trainer::run() {
   const std::vector<torch::Tensor> model_params = model->parameters();
   auto optimizer = make_optimizer(cfg.train, model_params);
   LrSchedule schedule(cfg.train, total_steps);
+  const models::NamedTensors named_params = model->named_parameters();
+  int64_t skipped_steps = 0;
+
+  // Checkpoints: resume from the newest committed step (checkpoint/checkpoint.h).
+  std::unique_ptr<checkpoint::Checkpointer> ckpt;
+  int64_t start_step = 0;
+  std::optional<int64_t> resumed_from;
+  auto model_state = [&] {
+    checkpoint::NamedTensors t;
+    for (const auto& [n, x] : named_params) t.emplace_back(n, x);
+    for (const auto& [n, x] : model->named_buffers()) t.emplace_back(n, x);
+    return t;
+  };
+  auto make_checkpoint_state = [&](int64_t step) {
+    checkpoint::State st;
+    st.model = model_state();
+    st.optimizer = optimizer_state(*optimizer, named_params);
+    st.shared = {{"step", step},
+                 {"skipped_steps", skipped_steps},
+                 {"total_steps", total_steps},
+                 {"global_batch", global_batch},
+                 {"scaler", nullptr}};
+    if (scaler) {
+      const auto& ss = scaler->state();
+      st.shared["scaler"] = {{"scale", ss.scale},
+                             {"growth_tracker", ss.growth_tracker},
+                             {"growth_factor", ss.growth_factor},
+                             {"backoff_factor", ss.backoff_factor},
+                             {"growth_interval", ss.growth_interval}};
+    }
+    st.rank_tensors = rng_states(device);
+    const auto pos = sampler->position();
+    st.shared["data_position"] = {{"epoch", pos.epoch}, {"batch", pos.batch}};
+    st.shared["batch_size"] = cfg.train.batch_size;
+    st.rank_state = {{"sampler", {{"epoch", pos.epoch}, {"batch", pos.batch}}},
+                     {"batch_size", cfg.train.batch_size},
+                     {"world_size", world.size},
+                     {"rank", world.rank}};
+    return st;
+  };
+  if (!cfg.checkpoint.dir.empty()) {
+    checkpoint::Options o;
+    o.dir = cfg.checkpoint.dir;
+    o.keep = cfg.checkpoint.keep;
+    o.async = cfg.checkpoint.async;
+    o.config_sha256 = sha256_hex(dump_toml(cfg));
+    ckpt = std::make_unique<checkpoint::Checkpointer>(o, coll);
+    std::optional<checkpoint::Loaded> loaded;
+    try {
+      loaded = ckpt->load(cfg.checkpoint.resume_from);
+    } catch (const std::runtime_error& e) {
+      throw InputError(e.what());
+    }
+    if (loaded) {
+      const auto& st = loaded->state;
+      try {
+        checkpoint::copy_into(model_state(), st.model, loaded->path);
+      } catch (const checkpoint::BindError& e) {
+        throw InputError(e.what());
+      }
+      load_optimizer_state(*optimizer, named_params, st.optimizer);
+      start_step = loaded->step;
+      resumed_from = loaded->step;
+      skipped_steps = st.shared.value("skipped_steps", int64_t{0});
+      if (st.shared.contains("scaler") && st.shared["scaler"].is_object() && scaler) {
+        const auto& j = st.shared["scaler"];
+        amp::ScalerState ss;
+        ss.scale = j.at("scale").get<double>();
+        ss.growth_tracker = j.at("growth_tracker").get<int64_t>();
+        ss.growth_factor = j.at("growth_factor").get<double>();
+        ss.backoff_factor = j.at("backoff_factor").get<double>();
+        ss.growth_interval = j.at("growth_interval").get<int64_t>();
+        scaler->load_state(ss);
+      } else if (scaler) {
+        spdlog::warn("checkpoint {} has no loss-scaler state; starting from amp.init_scale", loaded->path);
+      }
+      const int64_t saved_world = loaded->saved_world_size;
+      const auto& rs = st.rank_state;
+      const bool same_layout = loaded->has_rank_state && saved_world == world.size &&
+                               rs.value("batch_size", int64_t{-1}) == cfg.train.batch_size;
+      if (loaded->has_rank_state) restore_rng_states(device, st.rank_tensors);
+      if (same_layout) {
+        sampler->restore({rs["sampler"]["epoch"].get<int64_t>(), rs["sampler"]["batch"].get<int64_t>()});
+      } else {
+        // Another world size (or batch size): keep the position in the data as the number of
+        // samples the whole job has consumed in the current epoch, and start every rank at the
+        // first global batch not fully consumed (docs/checkpoints.md).
+        int64_t e = 0, b = 0;  // every rank of the saved job had this position
+        if (st.shared.contains("data_position")) {
+          e = st.shared["data_position"].value("epoch", int64_t{0});
+          b = st.shared["data_position"].value("batch", int64_t{0});
+        }
+        const int64_t saved_batch = st.shared.value("batch_size", cfg.train.batch_size);
+        const int64_t consumed = b * saved_world * saved_batch;
+        const int64_t per_global = world.size * cfg.train.batch_size;
+        int64_t nb = consumed / per_global;
+        if (nb > sampler->batches_per_epoch()) nb = sampler->batches_per_epoch();
+        sampler->restore({e, nb});
+        spdlog::warn("resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
+                     "remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed){}",
+                     saved_world, saved_batch, world.size, cfg.train.batch_size, e, b, nb, consumed,
+                     consumed % per_global ? "; the partial global batch is skipped" : "");
+      }
+      spdlog::info("resumed from {} (step {} of {})", loaded->path, start_step, total_steps);
+    } else {
+      spdlog::info("checkpoint: no committed step under {}; starting fresh", cfg.checkpoint.dir);
+    }
+  }
 
   // Outputs (rank 0).
   JsonlWriter metrics;
   if (world.is_main()) {
     make_dirs(cfg.run.dir);
     write_file_atomic(cfg.run.dir + "/config.toml", dump_toml(cfg));
+    if (resumed_from) truncate_metrics(cfg.run.dir + "/metrics.jsonl", *resumed_from);
+    else std::remove((cfg.run.dir + "/metrics.jsonl").c_str());  // a fresh run starts a fresh file
     metrics = JsonlWriter(cfg.run.dir + "/metrics.jsonl");
   }
   spdlog::info("keel {} | LibTorch {} | {} threads | device {}", KEEL_VERSION, TORCH_VERSION, threads,
@@ -256,12 +418,12 @@ nlohmann::json Trainer::run() {
   step_times.reserve(total_steps);
   double last_loss = std::nan("");
   std::optional<EvalResult> last_eval;
-  int64_t steps_done = 0;
+  int64_t steps_done = start_step;
   double ema_ms = 0;
-  int64_t skipped_steps = 0;
+  bool stopped = false;
+  double checkpoint_stall_ms = 0;
 
-  for (int64_t step = 0; step < total_steps; ++step) {
-    if (g_stop_signal.load()) break;
+  for (int64_t step = start_step; step < total_steps; ++step) {
     const auto t0 = Clock::now();
     coll->set_step(step + 1);
     const double lr = schedule.at(step);
@@ -300,11 +462,21 @@ nlohmann::json Trainer::run() {
           local_nonfinite = true;
           break;
         }
+    if (faults.fires("crash", step + 1, world.rank, world.restart_count)) {
+      spdlog::error("fault injection: crash (SIGKILL) at step {} on rank {}", step + 1, world.rank);
+      spdlog::default_logger()->flush();
+      std::raise(SIGKILL);
+    }
     const double compute_ms = ms_since(t0);
+    uint32_t flags = 0;
+    if (g_stop_signal.load()) flags |= kFlagStop;
+    if (ckpt && ckpt->pending() && ckpt->write_finished()) flags |= kFlagCheckpointWritten;
     // One all-gather per step: every rank is at this step with the same gradient plan, the
     // mean loss, and whether any rank saw inf/NaN (then no rank steps).
     const dist::StepConsensus consensus =
-        coll->step_sync(step + 1, dmodel.plan(), local_loss, local_nonfinite, compute_ms);
+        coll->step_sync(step + 1, dmodel.plan(), local_loss, local_nonfinite, compute_ms, flags);
+    // An async checkpoint is committed once every rank has written its share.
+    if (ckpt && ckpt->pending() && (consensus.all_flags & kFlagCheckpointWritten)) ckpt->commit();
     const double loss = consensus.mean_loss;
     const bool skip = consensus.any_nonfinite;
     if (skip && !scaler && !cfg.train.skip_nonfinite)
@@ -360,19 +532,41 @@ nlohmann::json Trainer::run() {
                   loss, 1000.0 / ema_ms, format_duration(eta_s).c_str());
       std::fflush(stdout);
     }
+    if (ckpt && cfg.checkpoint.interval > 0 && steps_done % cfg.checkpoint.interval == 0 && steps_done < total_steps) {
+      if (faults.fires("checkpoint_write_failure", steps_done, world.rank, world.restart_count)) {
+        spdlog::warn("fault injection: checkpoint_write_failure (ENOSPC) at step {} on rank {}", steps_done, world.rank);
+        ckpt->inject_write_failure(ENOSPC);
+      }
+      ckpt->save(steps_done, make_checkpoint_state(steps_done));
+      checkpoint_stall_ms += ckpt->last_save_blocking_ms();
+    }
     if (steps_done % cfg.train.log_interval == 0 || steps_done == total_steps) {
       spdlog::log(show_progress ? spdlog::level::debug : spdlog::level::info,
                   "step {}/{} | loss {:.4f} | lr {:.3g} | {:.1f} ms/step | {:.0f} samples/s", steps_done,
                   total_steps, loss, lr, step_ms, info.samples_per_s);
     }
+    if (consensus.any_flags & kFlagStop) {  // every rank stops after the same step
+      stopped = true;
+      break;
+    }
   }
   if (show_progress) std::printf("\n");
+  // The final checkpoint (also after a stop signal), then the pending commit.
+  if (ckpt) {
+    if (steps_done > 0 && steps_done != ckpt->last_committed()) {
+      if (faults.fires("checkpoint_write_failure", steps_done, world.rank, world.restart_count))
+        ckpt->inject_write_failure(ENOSPC);
+      ckpt->save(steps_done, make_checkpoint_state(steps_done));
+      checkpoint_stall_ms += ckpt->last_save_blocking_ms();
+    }
+    ckpt->finish();
+  }
 
   // Leave together: a rank that tears down its connections while a peer still uses them makes
   // the peer's Gloo threads fail.
   coll->barrier("end of training");
   if (s_->cb.on_end) s_->cb.on_end(*model);
-  const int stop_signal = g_stop_signal.load();
+  const int stop_signal = stopped ? (g_stop_signal.load() ? g_stop_signal.load() : SIGTERM) : 0;
   if (stop_signal)
     spdlog::warn("stopped by signal {} after step {} of {}", stop_signal, steps_done, total_steps);
 
@@ -411,6 +605,10 @@ nlohmann::json Trainer::run() {
       {"amp_dtype", cfg.amp.dtype},
       {"loss_scale", scaler ? nlohmann::json(scaler->scale_value()) : nlohmann::json(nullptr)},
       {"skipped_steps", skipped_steps},
+      {"resumed_from_step", resumed_from ? nlohmann::json(*resumed_from) : nlohmann::json(nullptr)},
+      {"checkpoint_step", ckpt && ckpt->last_committed() >= 0 ? nlohmann::json(ckpt->last_committed())
+                                                               : nlohmann::json(nullptr)},
+      {"checkpoint_stall_ms", checkpoint_stall_ms},
   };
   if (is_lm) summary["tokens_per_s"] = global_batch * tokens_per_sample * 1000.0 / median_ms;
   if (last_eval) {

@@ -1,0 +1,574 @@
+#include "checkpoint/checkpoint.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <spdlog/spdlog.h>
+
+#include "dist/collectives.h"
+#include "keel/version.h"
+
+namespace keel::checkpoint {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double ms_since(Clock::time_point t0) {
+  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
+}
+
+constexpr size_t kRecordBytes = 8192;  // one rank's save result, gathered at commit
+const char* kMeta = "meta.json";
+const char* kIndex = "model.safetensors.index.json";
+const char* kGraph = "graph.pt";
+const char* kRankStateKey = "keel.rank_state";
+
+std::string numbered(const char* fmt, int64_t a, int64_t b) {
+  char buf[96];
+  std::snprintf(buf, sizeof buf, fmt, static_cast<long>(a), static_cast<long>(b));
+  return buf;
+}
+
+uint64_t nbytes(const torch::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
+
+// A file name that stays inside the step directory.
+bool plain_name(const std::string& n) {
+  return !n.empty() && n.find('/') == std::string::npos && n != "." && n != ".." && n.find('\0') == std::string::npos;
+}
+
+void make_dir(const std::string& d) {
+  if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST)
+    throw SaveError(d + ": cannot create the checkpoint directory: " + std::strerror(errno));
+}
+
+std::string utc_now() {
+  std::time_t t = std::time(nullptr);
+  char buf[32];
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&t));
+  return buf;
+}
+
+nlohmann::json read_meta(const std::string& step_dir) {
+  const std::string path = step_dir + "/" + kMeta;
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(read_all(path));
+  } catch (const nlohmann::json::exception& e) {
+    throw FormatError(path + ": not valid JSON: " + e.what());
+  }
+  if (!meta.is_object() || !meta.contains("step") || !meta["step"].is_number_integer() ||
+      !meta.contains("world_size") || !meta["world_size"].is_number_integer() || meta["world_size"].get<int64_t>() < 1 ||
+      !meta.contains("files") || !meta["files"].is_object())
+    throw FormatError(path + ": missing or malformed step / world_size / files");
+  for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
+    if (!plain_name(it.key()))
+      throw FormatError(path + ": file entry \"" + it.key() + "\" points outside the step directory");
+    const auto& f = it.value();
+    if (!f.is_object() || !f.contains("sha256") || !f["sha256"].is_string() || !f.contains("bytes") ||
+        !f["bytes"].is_number_unsigned())
+      throw FormatError(path + ": file entry \"" + it.key() + "\" lacks sha256 / bytes");
+  }
+  return meta;
+}
+
+std::string expected_sha(const nlohmann::json& meta, const std::string& dir, const std::string& name) {
+  if (!meta["files"].contains(name))
+    throw FormatError(dir + "/" + kMeta + ": does not list " + name + " (incomplete checkpoint)");
+  return meta["files"][name]["sha256"].get<std::string>();
+}
+
+}  // namespace
+
+std::string model_file(int64_t rank, int64_t world) {
+  return numbered("model-%05ld-of-%05ld.safetensors", rank + 1, world);
+}
+std::string optimizer_file(int64_t rank, int64_t world) {
+  return numbered("optimizer-%05ld-of-%05ld.safetensors", rank + 1, world);
+}
+std::string rank_file(int64_t rank) { return numbered("rank-%05ld.safetensors", rank, 0); }
+
+std::vector<int64_t> assign_shards(const std::vector<uint64_t>& sizes, int64_t world) {
+  std::vector<size_t> order(sizes.size());
+  for (size_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::stable_sort(order.begin(), order.end(), [&](size_t a, size_t b) { return sizes[a] > sizes[b]; });
+  std::vector<uint64_t> load(static_cast<size_t>(world), 0);
+  std::vector<int64_t> owner(sizes.size(), 0);
+  for (size_t i : order) {
+    const size_t r = static_cast<size_t>(std::min_element(load.begin(), load.end()) - load.begin());
+    owner[i] = static_cast<int64_t>(r);
+    load[r] += sizes[i];
+  }
+  return owner;
+}
+
+std::vector<StepInfo> list_steps(const std::string& dir) {
+  std::vector<StepInfo> out;
+  for (const auto& n : list_dir(dir)) {
+    if (n.rfind("step_", 0) != 0 || n.size() == 5) continue;
+    const std::string digits = n.substr(5);
+    if (!std::all_of(digits.begin(), digits.end(), ::isdigit) || digits.size() > 18) continue;
+    StepInfo s;
+    s.step = std::stoll(digits);
+    s.path = dir + "/" + n;
+    if (!is_directory(s.path)) continue;
+    s.committed = path_exists(s.path + "/" + kMeta);
+    out.push_back(s);
+  }
+  std::sort(out.begin(), out.end(), [](const StepInfo& a, const StepInfo& b) { return a.step < b.step; });
+  return out;
+}
+
+std::vector<std::string> verify_step(const std::string& step_dir) {
+  std::vector<std::string> problems;
+  nlohmann::json meta;
+  try {
+    meta = read_meta(step_dir);
+  } catch (const std::exception& e) {
+    return {e.what()};
+  }
+  for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
+    const std::string path = step_dir + "/" + it.key();
+    try {
+      struct stat st {};
+      if (::stat(path.c_str(), &st) != 0) {
+        problems.push_back(path + ": missing");
+        continue;
+      }
+      const uint64_t want = it.value()["bytes"].get<uint64_t>();
+      if (static_cast<uint64_t>(st.st_size) != want) {
+        problems.push_back(path + ": " + std::to_string(st.st_size) + " bytes, meta.json records " +
+                           std::to_string(want) + " (truncated or extended)");
+        continue;
+      }
+      if (sha256_file(path) != it.value()["sha256"].get<std::string>())
+        problems.push_back(path + ": SHA-256 differs from meta.json (corrupted)");
+    } catch (const std::exception& e) {
+      problems.push_back(e.what());
+    }
+  }
+  return problems;
+}
+
+// ---------------------------------------------------------------------------------------------
+
+struct Checkpointer::Pending {
+  int64_t step = 0;
+  std::string dir;
+  NamedTensors model_shard, optimizer_shard, rank_tensors;
+  std::map<std::string, std::string> rank_meta;
+  std::string graph;
+  // Every rank's view of the whole plan (for the index).
+  std::vector<std::string> model_names;
+  std::vector<int64_t> model_owner;
+  uint64_t model_bytes = 0;
+  nlohmann::json shared;
+  int inject_errno = 0;
+  // Results of the write.
+  std::thread thread;
+  std::atomic<bool> done{false};
+  std::string error;
+  std::vector<WrittenFile> files;
+  double write_ms = 0;
+};
+
+Checkpointer::Checkpointer(Options opts, std::shared_ptr<dist::Collectives> coll)
+    : opts_(std::move(opts)), coll_(std::move(coll)) {
+  rank_ = coll_->rank();
+  world_ = coll_->size();
+  if (opts_.dir.empty()) throw std::invalid_argument("Checkpointer: empty checkpoint directory");
+  // mkdir -p of the root (every rank: nodes may not share a view until it exists).
+  std::string acc;
+  for (size_t i = 0; i <= opts_.dir.size(); ++i) {
+    if (i == opts_.dir.size() || opts_.dir[i] == '/') {
+      if (!acc.empty() && ::mkdir(acc.c_str(), 0755) != 0 && errno != EEXIST)
+        throw SaveError(acc + ": cannot create the checkpoint directory: " + std::strerror(errno));
+    }
+    if (i < opts_.dir.size()) acc += opts_.dir[i];
+  }
+}
+
+Checkpointer::~Checkpointer() {
+  // A pending write that was never committed: let it finish (its files stay uncommitted).
+  if (pending_ && pending_->thread.joinable()) pending_->thread.join();
+}
+
+std::string Checkpointer::step_dir(int64_t step) const { return opts_.dir + "/step_" + std::to_string(step); }
+
+bool Checkpointer::write_finished() const { return !pending_ || pending_->done.load(); }
+
+double Checkpointer::last_write_ms() const { return pending_ ? pending_->write_ms : last_write_ms_; }
+
+void Checkpointer::write_shards(Pending& p) {
+  const auto t0 = Clock::now();
+  try {
+    WriteOptions fault;
+    if (p.inject_errno) {
+      fault.fail_errno = p.inject_errno;
+      fault.fail_after_bytes = 64;  // the header makes it to disk, the data does not
+    }
+    std::map<std::string, std::string> meta = {{"format", "pt"}, {"keel_step", std::to_string(p.step)}};
+    p.files.push_back(write_safetensors(p.dir + "/" + model_file(rank_, world_), p.model_shard, meta, fault));
+    p.files.push_back(write_safetensors(p.dir + "/" + optimizer_file(rank_, world_), p.optimizer_shard,
+                                        {{"keel_step", std::to_string(p.step)}}));
+    p.files.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta));
+    if (rank_ == 0 && !p.graph.empty()) p.files.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
+    fsync_dir(p.dir);
+  } catch (const std::exception& e) {
+    p.error = e.what();
+  }
+  p.write_ms = ms_since(t0);
+  p.done.store(true);
+}
+
+void Checkpointer::save(int64_t step, const State& state) {
+  const auto t0 = Clock::now();
+  commit();  // the previous async save, if any
+  if (step == last_committed_) {
+    spdlog::debug("checkpoint: step {} is already committed", step);
+    last_blocking_ms_ = ms_since(t0);
+    return;
+  }
+  auto p = std::make_unique<Pending>();
+  p->step = step;
+  p->dir = step_dir(step);
+  p->shared = state.shared;
+  p->inject_errno = inject_errno_;
+  inject_errno_ = 0;
+
+  // 1. The plan, identical on every rank by construction; checked across ranks.
+  std::vector<uint64_t> sizes;
+  std::string layout = "world=" + std::to_string(world_) + ";";
+  for (const auto* list : {&state.model, &state.optimizer})
+    for (const auto& [name, t] : *list) {
+      sizes.push_back(nbytes(t));
+      layout += name + ":" + c10::toString(t.scalar_type()) + ":" + std::to_string(t.numel()) + ";";
+    }
+  const std::vector<int64_t> owner = assign_shards(sizes, world_);
+  {
+    Sha256 h;
+    h.update(layout.data(), layout.size());
+    const std::string hex = h.hex();
+    const int64_t fp = static_cast<int64_t>(std::stoull(hex.substr(0, 15), nullptr, 16));
+    auto mine = torch::tensor({fp}, torch::kLong);
+    auto all = coll_->all_gather(mine, "checkpoint plan");
+    std::string differ;
+    for (int64_t r = 0; r < world_; ++r)
+      if (all[r].item<int64_t>() != fp) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+    if (!differ.empty())
+      throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ + " hold a different set of "
+                      "tensors (names, dtypes or sizes) than rank " + std::to_string(rank_) +
+                      "; model and optimizer state must be replicated");
+  }
+  // 2. This rank's share: owned replicated tensors, and its own state (copied for async).
+  const auto take = [&](const torch::Tensor& t) {
+    torch::Tensor d = t.detach();
+    return opts_.async ? d.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true) : d;
+  };
+  size_t i = 0;
+  for (const auto& [name, t] : state.model) {
+    p->model_names.push_back(name);
+    p->model_owner.push_back(owner[i]);
+    p->model_bytes += nbytes(t);
+    if (owner[i++] == rank_) p->model_shard.emplace_back(name, take(t));
+  }
+  for (const auto& [name, t] : state.optimizer)
+    if (owner[i++] == rank_) p->optimizer_shard.emplace_back(name, take(t));
+  const std::string prefix = "rank." + std::to_string(rank_) + ".";
+  for (const auto& [name, t] : state.rank_tensors) p->rank_tensors.emplace_back(prefix + name, take(t));
+  p->rank_meta[kRankStateKey] = state.rank_state.dump();
+  p->rank_meta["keel_step"] = std::to_string(step);
+  if (rank_ == 0) p->graph = state.graph;
+
+  try {
+    make_dir(p->dir);
+  } catch (const std::exception& e) {
+    p->error = e.what();
+    p->done.store(true);
+  }
+  pending_step_ = step;
+  Pending* raw = p.get();
+  pending_ = std::move(p);
+  if (!raw->done.load()) {
+    if (opts_.async) raw->thread = std::thread([this, raw] { write_shards(*raw); });
+    else write_shards(*raw);
+  }
+  last_blocking_ms_ = ms_since(t0);
+  if (!opts_.async) {
+    commit();
+    last_blocking_ms_ = ms_since(t0);
+  }
+}
+
+void Checkpointer::commit() {
+  if (!pending_) return;
+  std::unique_ptr<Pending> p = std::move(pending_);
+  pending_step_ = -1;
+  if (p->thread.joinable()) p->thread.join();
+  last_write_ms_ = p->write_ms;
+
+  // 3a. Every rank's result.
+  nlohmann::json mine = {{"ok", p->error.empty()}, {"error", p->error}, {"files", nlohmann::json::array()}};
+  for (const auto& f : p->files) mine["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"sha256", f.sha256}});
+  std::string rec = mine.dump();
+  if (rec.size() >= kRecordBytes) {  // only a very long error message can get here
+    mine["error"] = p->error.substr(0, 1024) + "...";
+    mine["files"] = nlohmann::json::array();
+    rec = mine.dump();
+  }
+  auto buf = torch::zeros({static_cast<int64_t>(kRecordBytes)}, torch::kByte);
+  std::memcpy(buf.data_ptr(), rec.data(), rec.size());
+  auto all = coll_->all_gather(buf, "checkpoint commit");
+  std::vector<nlohmann::json> results;
+  std::string failures;
+  for (int64_t r = 0; r < world_; ++r) {
+    const char* s = reinterpret_cast<const char*>(all[r].data_ptr());
+    results.push_back(nlohmann::json::parse(std::string(s, strnlen(s, kRecordBytes))));
+    if (!results.back()["ok"].get<bool>())
+      failures += "\n  rank " + std::to_string(r) + ": " + results.back()["error"].get<std::string>();
+  }
+  const std::string previous = last_committed_ >= 0 ? "step " + std::to_string(last_committed_) : "none";
+  if (!failures.empty())
+    throw SaveError("checkpoint step " + std::to_string(p->step) + " was not saved (nothing committed; the previous "
+                    "checkpoint, " + previous + ", is intact):" + failures);
+
+  // 3b. Rank 0 writes the index and the commit marker; every rank learns the outcome.
+  std::string error;
+  if (rank_ == 0) {
+    try {
+      nlohmann::json files = nlohmann::json::object();
+      for (int64_t r = 0; r < world_; ++r)
+        for (const auto& f : results[r]["files"])
+          files[f["name"].get<std::string>()] = {{"bytes", f["bytes"]}, {"sha256", f["sha256"]}, {"rank", r}};
+      nlohmann::json index = {{"metadata", {{"total_size", p->model_bytes}}}, {"weight_map", nlohmann::json::object()}};
+      for (size_t k = 0; k < p->model_names.size(); ++k)
+        index["weight_map"][p->model_names[k]] = model_file(p->model_owner[k], world_);
+      const WrittenFile idx = write_atomic(p->dir + "/" + kIndex, index.dump(2) + "\n");
+      files[idx.name] = {{"bytes", idx.bytes}, {"sha256", idx.sha256}, {"rank", 0}};
+      nlohmann::json meta = {{"format", "keel-checkpoint"},
+                             {"format_version", 1},
+                             {"step", p->step},
+                             {"world_size", world_},
+                             {"config_sha256", opts_.config_sha256},
+                             {"keel_version", KEEL_VERSION},
+                             {"torch_version", TORCH_VERSION},
+                             {"created_utc", utc_now()},
+                             {"state", p->shared},
+                             {"files", files}};
+      write_atomic(p->dir + "/" + kMeta, meta.dump(2) + "\n");
+      fsync_dir(p->dir);
+      fsync_dir(opts_.dir);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  auto failed = torch::tensor({error.empty() ? 0 : 1}, torch::kLong);
+  coll_->all_reduce(failed, dist::ReduceOp::Max, "checkpoint commit outcome");
+  if (failed.item<int64_t>() != 0)
+    throw SaveError("checkpoint step " + std::to_string(p->step) + " was not committed: rank 0 could not write " +
+                    "its index or meta.json" + (error.empty() ? "" : ": " + error) + "; the previous checkpoint, " +
+                    previous + ", is intact");
+  last_committed_ = p->step;
+  uint64_t total = 0;
+  size_t nfiles = 0;
+  for (const auto& r : results)
+    for (const auto& f : r["files"]) total += f["bytes"].get<uint64_t>(), ++nfiles;
+  spdlog::info("checkpoint: step {} committed ({:.1f} MB in {} files; this rank wrote in {:.0f} ms) -> {}", p->step,
+               total / 1e6, nfiles, p->write_ms, p->dir);
+  if (rank_ == 0) cleanup(p->step);
+}
+
+void Checkpointer::cleanup(int64_t keep_step) {
+  std::vector<StepInfo> committed;
+  for (const auto& s : list_steps(opts_.dir)) {
+    if (s.committed) committed.push_back(s);
+    else if (s.step != keep_step) {
+      spdlog::info("checkpoint: removing uncommitted {}", s.path);
+      remove_tree(s.path);
+    }
+  }
+  // Stray files in the new step (an earlier, aborted save of the same step).
+  try {
+    const nlohmann::json meta = read_meta(step_dir(keep_step));
+    for (const auto& n : list_dir(step_dir(keep_step)))
+      if (n != kMeta && !meta["files"].contains(n)) remove_tree(step_dir(keep_step) + "/" + n);
+  } catch (const std::exception&) {
+  }
+  const int64_t excess = static_cast<int64_t>(committed.size()) - opts_.keep;
+  for (int64_t k = 0; k < excess; ++k) {
+    if (committed[k].step == keep_step) continue;
+    spdlog::debug("checkpoint: removing {} (checkpoint.keep = {})", committed[k].path, opts_.keep);
+    // The marker goes first, so a half-removed step is never taken for a committed one.
+    std::remove((committed[k].path + "/" + kMeta).c_str());
+    remove_tree(committed[k].path);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+Loaded read_step(const std::string& dir, int64_t rank) {
+  Loaded L;
+  L.path = dir;
+  L.meta = read_meta(dir);
+  L.step = L.meta["step"].get<int64_t>();
+  L.saved_world_size = L.meta["world_size"].get<int64_t>();
+  const int64_t W = L.saved_world_size;
+  if (L.meta.contains("state") && L.meta["state"].is_object()) L.state.shared = L.meta["state"];
+  std::set<std::string> seen;
+  for (int64_t r = 0; r < W; ++r) {
+    for (bool model : {true, false}) {
+      const std::string name = model ? model_file(r, W) : optimizer_file(r, W);
+      auto f = read_safetensors(dir + "/" + name, expected_sha(L.meta, dir, name));
+      for (auto& [n, t] : f.tensors) {
+        if (!seen.insert((model ? "m:" : "o:") + n).second)
+          throw FormatError(dir + "/" + name + ": tensor \"" + n + "\" is also stored in another shard");
+        (model ? L.state.model : L.state.optimizer).emplace_back(n, std::move(t));
+      }
+    }
+  }
+  // The Hugging Face index must agree with the shards.
+  {
+    const std::string path = dir + "/" + kIndex;
+    const std::string text = read_all(path);
+    Sha256 h;
+    h.update(text.data(), text.size());
+    if (h.hex() != expected_sha(L.meta, dir, kIndex)) throw FormatError(path + ": checksum mismatch");
+    nlohmann::json index;
+    try {
+      index = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw FormatError(path + ": not valid JSON: " + e.what());
+    }
+    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+      throw FormatError(path + ": no weight_map");
+    std::set<std::string> shard_names;
+    for (int64_t r = 0; r < W; ++r) shard_names.insert(model_file(r, W));
+    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
+      if (!it.value().is_string()) throw FormatError(path + ": weight_map[\"" + it.key() + "\"] is not a file name");
+      const std::string file = it.value().get<std::string>();
+      if (!plain_name(file))
+        throw FormatError(path + ": weight_map[\"" + it.key() + "\"] = \"" + file + "\" points outside the checkpoint directory");
+      if (!shard_names.count(file))
+        throw FormatError(path + ": weight_map[\"" + it.key() + "\"] names " + file + ", which is not a shard of this step");
+      if (!seen.count("m:" + it.key()))
+        throw FormatError(path + ": weight_map lists \"" + it.key() + "\", which no shard holds");
+    }
+    if (index["weight_map"].size() != L.state.model.size())
+      throw FormatError(path + ": weight_map lists " + std::to_string(index["weight_map"].size()) + " tensors, the shards hold " +
+                        std::to_string(L.state.model.size()));
+  }
+  if (rank < W) {
+    const std::string name = rank_file(rank);
+    auto f = read_safetensors(dir + "/" + name, expected_sha(L.meta, dir, name));
+    const std::string prefix = "rank." + std::to_string(rank) + ".";
+    for (auto& [n, t] : f.tensors) {
+      if (n.rfind(prefix, 0) != 0)
+        throw FormatError(dir + "/" + name + ": tensor \"" + n + "\" does not belong to rank " + std::to_string(rank));
+      L.state.rank_tensors.emplace_back(n.substr(prefix.size()), std::move(t));
+    }
+    auto it = f.header.metadata.find(kRankStateKey);
+    if (it != f.header.metadata.end()) {
+      try {
+        L.state.rank_state = nlohmann::json::parse(it->second);
+      } catch (const nlohmann::json::exception& e) {
+        throw FormatError(dir + "/" + name + ": rank state is not valid JSON: " + e.what());
+      }
+    }
+    L.has_rank_state = true;
+  }
+  if (L.meta["files"].contains(kGraph)) {
+    const std::string path = dir + "/" + kGraph;
+    if (sha256_file(path) != expected_sha(L.meta, dir, kGraph)) throw FormatError(path + ": checksum mismatch");
+    L.state.graph = path;  // the path; callers load it with torch::jit::load
+  }
+  return L;
+}
+
+}  // namespace
+
+std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
+  std::vector<std::string> candidates;
+  if (!resume_from.empty()) {
+    std::string d = resume_from;
+    if (std::all_of(d.begin(), d.end(), ::isdigit)) d = step_dir(std::stoll(d));
+    else if (!is_directory(d) && is_directory(opts_.dir + "/" + d)) d = opts_.dir + "/" + d;
+    if (!path_exists(d + "/" + kMeta))
+      throw std::runtime_error("checkpoint.resume_from = \"" + resume_from + "\": " + d +
+                               " is not a committed checkpoint step (no meta.json)");
+    candidates.push_back(d);
+  } else {
+    const auto steps = list_steps(opts_.dir);
+    for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
+      if (it->committed) candidates.push_back(it->path);
+      else if (rank_ == 0) spdlog::info("checkpoint: ignoring {} (never committed)", it->path);
+    }
+  }
+  for (const auto& dir : candidates) {
+    std::string problem;
+    Loaded L;
+    try {
+      L = read_step(dir, rank_);
+    } catch (const std::exception& e) {
+      problem = e.what();
+    }
+    auto ok = torch::tensor({problem.empty() ? 1 : 0}, torch::kLong);
+    coll_->all_reduce(ok, dist::ReduceOp::Min, "checkpoint load verdict");
+    if (ok.item<int64_t>() == 1) {
+      last_committed_ = L.step;
+      return L;
+    }
+    const std::string why = problem.empty() ? "it failed to load on another rank" : problem;
+    if (!resume_from.empty())
+      throw std::runtime_error("checkpoint.resume_from = \"" + resume_from + "\" cannot be loaded: " + why);
+    spdlog::warn("checkpoint: {} cannot be used: {}; falling back to the previous committed step", dir, why);
+  }
+  return std::nullopt;
+}
+
+}  // namespace keel::checkpoint
+
+namespace keel::checkpoint {
+
+void copy_into(const NamedTensors& targets, const NamedTensors& source, const std::string& what) {
+  std::map<std::string, const torch::Tensor*> src;
+  for (const auto& [n, t] : source) src[n] = &t;
+  std::string missing, mismatched, unexpected;
+  std::set<std::string> target_names;
+  for (const auto& [n, t] : targets) {
+    target_names.insert(n);
+    auto it = src.find(n);
+    if (it == src.end()) {
+      missing += "\n    " + n + " " + c10::toString(t.scalar_type()) + c10::str(t.sizes());
+      continue;
+    }
+    const torch::Tensor& s = *it->second;
+    if (s.sizes() != t.sizes() || s.scalar_type() != t.scalar_type())
+      mismatched += "\n    " + n + ": checkpoint " + c10::toString(s.scalar_type()) + c10::str(s.sizes()) +
+                    ", model " + c10::toString(t.scalar_type()) + c10::str(t.sizes());
+  }
+  for (const auto& [n, t] : source)
+    if (!target_names.count(n)) unexpected += "\n    " + n + " " + c10::toString(t.scalar_type()) + c10::str(t.sizes());
+  if (!missing.empty() || !mismatched.empty() || !unexpected.empty()) {
+    std::string m = what + " does not fit the model:";
+    if (!missing.empty()) m += "\n  missing from the checkpoint:" + missing;
+    if (!unexpected.empty()) m += "\n  unexpected (not in the model):" + unexpected;
+    if (!mismatched.empty()) m += "\n  mismatched dtype or shape:" + mismatched;
+    throw BindError(m);
+  }
+  torch::NoGradGuard no_grad;
+  for (const auto& [n, t] : targets) {
+    torch::Tensor dst = t;
+    dst.copy_(*src[n]);
+  }
+}
+
+}  // namespace keel::checkpoint

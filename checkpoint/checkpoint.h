@@ -1,0 +1,177 @@
+// checkpoint/checkpoint.h: sharded, atomic, checksummed checkpoints with async save and resume.
+//
+// Layout of checkpoint.dir (one directory per step, N = optimizer steps done):
+//   step_<N>/model-0000r-of-0000W.safetensors     model tensors, sharded over the W ranks
+//   step_<N>/model.safetensors.index.json         Hugging Face's index: weight_map, metadata.total_size
+//   step_<N>/optimizer-0000r-of-0000W.safetensors optimizer state, sharded the same way
+//   step_<N>/rank-0000r.safetensors               rank r's own state (RNG states, data position)
+//                                                 under keys "rank.<r>." and its metadata
+//   step_<N>/graph.pt                             the traced module (checkpoint.save_graph)
+//   step_<N>/meta.json                            written last: the commit marker
+// meta.json holds the step, world size, the resolved config's SHA-256, keel and LibTorch
+// versions, the replicated trainer state (schedule position, loss scaler, counters), and the
+// size and SHA-256 of every other file.
+//
+// Protocol of a save (every rank calls save() at the same step):
+//   1. plan: tensors replicated on every rank (model, optimizer) are assigned to ranks largest
+//      first to the least-loaded rank, so bytes are balanced; every rank computes the same plan
+//      and its fingerprint is checked across ranks (dist/collectives.h);
+//   2. write: each rank writes its shard files (temp name, fsync, rename, fsync the directory),
+//      computing SHA-256 on the way; with async the state is first copied to CPU memory and a
+//      background thread writes while training continues;
+//   3. commit (collective, on the training thread): every rank's result is all-gathered; if any
+//      rank failed, every rank throws SaveError naming the rank, file and error, and nothing is
+//      committed; otherwise rank 0 writes the index and then meta.json (temp, fsync, rename,
+//      fsync the directory), tells every rank the outcome, and removes old steps beyond `keep`
+//      and uncommitted directories. A directory without meta.json is never loaded.
+// Async saves are committed at the first step boundary at which every rank's writer is done
+// (the trainer learns it from the per-step consensus), or by the next save / finish().
+//
+// Loading (collective): the newest committed step (or checkpoint.resume_from) whose files
+// verify on every rank; a file whose checksum or format is wrong is named in a warning and
+// the previous committed step is tried.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "checkpoint/safetensors.h"
+
+namespace keel::dist {
+class Collectives;
+}
+
+namespace keel::checkpoint {
+
+/// A save failed on some rank; thrown on every rank. The previous checkpoint is intact.
+class SaveError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Everything one step saves. `model`, `optimizer` and `shared` must be the same on every rank
+/// (they are written once, sharded); `rank_tensors` and `rank_state` are this rank's own.
+struct State {
+  NamedTensors model;          // parameters and buffers, by name
+  NamedTensors optimizer;      // optimizer state tensors, by name
+  nlohmann::json shared = nlohmann::json::object();      // small replicated state (-> meta.json)
+  NamedTensors rank_tensors;   // e.g. RNG states (stored as "rank.<r>.<name>")
+  nlohmann::json rank_state = nlohmann::json::object();  // e.g. the data position
+  std::string graph;           // serialized TorchScript module (rank 0 writes it), may be empty
+};
+
+struct Options {
+  std::string dir;             // checkpoint.dir
+  int64_t keep = 3;            // committed steps kept
+  bool async = false;
+  std::string config_sha256;   // the resolved config's hash, recorded in meta.json
+};
+
+/// What load() found.
+struct Loaded {
+  int64_t step = 0;
+  std::string path;            // the step directory
+  int64_t saved_world_size = 0;
+  nlohmann::json meta;
+  State state;                 // rank_* hold this rank's own state when the step has it
+  bool has_rank_state = false;
+};
+
+/// One step directory as seen by list_steps / inspect.
+struct StepInfo {
+  int64_t step = 0;
+  std::string path;
+  bool committed = false;      // meta.json present and parseable
+};
+
+/// Step directories under `dir`, oldest first.
+std::vector<StepInfo> list_steps(const std::string& dir);
+
+/// "model-00001-of-00002.safetensors" etc.
+std::string model_file(int64_t rank, int64_t world);
+std::string optimizer_file(int64_t rank, int64_t world);
+std::string rank_file(int64_t rank);
+
+/// Owner rank of each tensor of `sizes` (bytes), balanced: largest first to the least-loaded
+/// rank (ties: the lower rank), deterministic.
+std::vector<int64_t> assign_shards(const std::vector<uint64_t>& sizes, int64_t world);
+
+/// Verifies every file listed in `step_dir`/meta.json against its recorded size and SHA-256.
+/// Returns the problems found (empty: the step verifies).
+std::vector<std::string> verify_step(const std::string& step_dir);
+
+class Checkpointer {
+ public:
+  Checkpointer(Options opts, std::shared_ptr<dist::Collectives> coll);
+  ~Checkpointer();
+  Checkpointer(const Checkpointer&) = delete;
+  Checkpointer& operator=(const Checkpointer&) = delete;
+
+  /// Collective. Saves `state` as step `step`: synchronously (returns after the commit), or
+  /// with async, copies it to CPU and returns while a background thread writes. Waits for
+  /// (and commits) a previous async save first. Throws SaveError on every rank on failure.
+  void save(int64_t step, const State& state);
+  /// Whether this rank's background write has finished (true when none is pending).
+  bool write_finished() const;
+  /// Whether a save is written but not yet committed.
+  bool pending() const { return pending_step_ >= 0; }
+  /// Collective: waits for this rank's write and commits the pending save (no-op if none).
+  void commit();
+  /// Collective: commit() and stop.
+  void finish() { commit(); }
+  /// The newest committed step, or -1.
+  int64_t last_committed() const { return last_committed_; }
+  /// Fault injection: this rank's next save fails while writing its model shard with `errno_value`.
+  void inject_write_failure(int errno_value) { inject_errno_ = errno_value; }
+
+  /// Collective. Loads the newest committed step that verifies on every rank (or exactly
+  /// `resume_from`, a step directory or step number, when non-empty). nullopt when there is
+  /// none. Throws std::runtime_error when `resume_from` does not load.
+  std::optional<Loaded> load(const std::string& resume_from = "");
+
+  /// Milliseconds the last save() blocked the caller (the async stall).
+  double last_save_blocking_ms() const { return last_blocking_ms_; }
+  /// Milliseconds the last background write took.
+  double last_write_ms() const;
+
+ private:
+  struct Pending;
+  void write_shards(Pending& p);
+  std::string step_dir(int64_t step) const;
+  void cleanup(int64_t keep_step);
+
+  Options opts_;
+  std::shared_ptr<dist::Collectives> coll_;
+  int64_t rank_ = 0, world_ = 1;
+  std::unique_ptr<Pending> pending_;
+  int64_t pending_step_ = -1;
+  int64_t last_committed_ = -1;
+  int inject_errno_ = 0;
+  double last_blocking_ms_ = 0;
+  double last_write_ms_ = 0;
+};
+
+}  // namespace keel::checkpoint
+
+namespace keel::checkpoint {
+
+/// The checkpoint's tensors do not bind to the model; the message lists the missing,
+/// unexpected and mismatched entries.
+class BindError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
+/// Copies `source` into `targets` (in place, without autograd), requiring the names, shapes and
+/// dtypes to match exactly; otherwise throws BindError listing every missing, unexpected and
+/// mismatched entry. `what` names the source in the message (e.g. the step directory).
+void copy_into(const NamedTensors& targets, const NamedTensors& source, const std::string& what);
+
+}  // namespace keel::checkpoint

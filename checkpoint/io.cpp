@@ -1,0 +1,207 @@
+#include "checkpoint/io.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <openssl/evp.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace keel::checkpoint {
+namespace {
+
+[[noreturn]] void fail(const std::string& path, const std::string& what, int e) {
+  throw std::runtime_error(path + ": " + what + ": " + std::strerror(e));
+}
+
+}  // namespace
+
+struct Sha256::Ctx {
+  EVP_MD_CTX* md = nullptr;
+};
+
+Sha256::Sha256() : ctx_(std::make_unique<Ctx>()) {
+  ctx_->md = EVP_MD_CTX_new();
+  if (!ctx_->md || EVP_DigestInit_ex(ctx_->md, EVP_sha256(), nullptr) != 1)
+    throw std::runtime_error("OpenSSL: cannot initialise SHA-256");
+}
+
+Sha256::~Sha256() {
+  if (ctx_->md) EVP_MD_CTX_free(ctx_->md);
+}
+
+void Sha256::update(const void* data, size_t n) {
+  if (n && EVP_DigestUpdate(ctx_->md, data, n) != 1) throw std::runtime_error("OpenSSL: SHA-256 update failed");
+}
+
+std::string Sha256::hex() {
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_DigestFinal_ex(ctx_->md, md, &len) != 1) throw std::runtime_error("OpenSSL: SHA-256 final failed");
+  static const char* digits = "0123456789abcdef";
+  std::string out;
+  for (unsigned int i = 0; i < len; ++i) out += digits[md[i] >> 4], out += digits[md[i] & 15];
+  return out;
+}
+
+std::string sha256_file(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(path, "cannot open", errno);
+  Sha256 sha;
+  std::vector<char> buf(1 << 20);
+  for (;;) {
+    ssize_t n = ::read(fd, buf.data(), buf.size());
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int e = errno;
+      ::close(fd);
+      fail(path, "read failed", e);
+    }
+    if (n == 0) break;
+    sha.update(buf.data(), static_cast<size_t>(n));
+  }
+  ::close(fd);
+  return sha.hex();
+}
+
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
+  tmp_ = path_ + ".tmp." + std::to_string(::getpid());
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd_ < 0) fail(tmp_, "cannot create", errno);
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ >= 0) {
+    ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+void AtomicFile::fail_after(uint64_t after_bytes, int errno_value) {
+  fail_at_ = bytes_ + after_bytes;
+  fail_errno_ = errno_value;
+}
+
+void AtomicFile::write(const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  sha_.update(p, n);
+  size_t off = 0;
+  while (off < n) {
+    size_t chunk = std::min<size_t>(n - off, 64u << 20);
+    if (bytes_ + chunk > fail_at_) {
+      chunk = static_cast<size_t>(fail_at_ - bytes_);
+      if (chunk == 0) fail(path_, "write failed (fault injection)", fail_errno_);
+    }
+    ssize_t w = ::write(fd_, p + off, chunk);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) fail(path_, "write failed", errno);
+    off += static_cast<size_t>(w);
+    bytes_ += static_cast<uint64_t>(w);
+  }
+}
+
+WrittenFile AtomicFile::commit() {
+  if (::fsync(fd_) != 0) fail(path_, "fsync failed", errno);
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    int e = errno;
+    ::unlink(tmp_.c_str());
+    fail(path_, "close failed", e);
+  }
+  fd_ = -1;
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) {
+    int e = errno;
+    ::unlink(tmp_.c_str());
+    fail(path_, "rename failed", e);
+  }
+  WrittenFile f;
+  f.name = path_.substr(path_.rfind('/') + 1);
+  f.bytes = bytes_;
+  f.sha256 = sha_.hex();
+  return f;
+}
+
+WrittenFile write_atomic(const std::string& path, const std::string& text) {
+  AtomicFile f(path);
+  f.write(text.data(), text.size());
+  return f.commit();
+}
+
+void fsync_dir(const std::string& dir) {
+  int fd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (fd < 0) fail(dir, "cannot open directory", errno);
+  const int rc = ::fsync(fd);
+  const int e = errno;
+  ::close(fd);
+  if (rc != 0 && e != EINVAL) fail(dir, "fsync of the directory failed", e);
+}
+
+std::string read_all(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) fail(path, "cannot open", errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    int e = errno;
+    ::close(fd);
+    fail(path, "cannot stat", e);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    throw std::runtime_error(path + ": not a regular file");
+  }
+  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size_t off = 0;
+  while (off < out.size()) {
+    ssize_t n = ::read(fd, &out[off], out.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      int e = errno;
+      ::close(fd);
+      fail(path, "read failed", e);
+    }
+    if (n == 0) break;
+    off += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  out.resize(off);
+  return out;
+}
+
+bool path_exists(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0;
+}
+
+bool is_directory(const std::string& path) {
+  struct stat st {};
+  return ::stat(path.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
+}
+
+std::vector<std::string> list_dir(const std::string& dir) {
+  std::vector<std::string> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (!d) return out;
+  while (dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n != "." && n != "..") out.push_back(n);
+  }
+  ::closedir(d);
+  return out;
+}
+
+void remove_tree(const std::string& path) {
+  struct stat st {};
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (S_ISDIR(st.st_mode)) {
+    for (const auto& n : list_dir(path)) remove_tree(path + "/" + n);
+    ::rmdir(path.c_str());
+  } else {
+    ::unlink(path.c_str());
+  }
+}
+
+}  // namespace keel::checkpoint
