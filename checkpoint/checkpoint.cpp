@@ -79,9 +79,18 @@ nlohmann::json read_meta(const std::string& step_dir) {
   return meta;
 }
 
+// The SHA-256 meta.json records for `name`, after checking that the file has the recorded size
+// (so a cut file is reported as truncated, not just as a checksum mismatch).
 std::string expected_sha(const nlohmann::json& meta, const std::string& dir, const std::string& name) {
   if (!meta["files"].contains(name))
     throw FormatError(dir + "/" + kMeta + ": does not list " + name + " (incomplete checkpoint)");
+  const std::string path = dir + "/" + name;
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) throw FormatError(path + ": missing (listed in meta.json)");
+  const uint64_t want = meta["files"][name]["bytes"].get<uint64_t>();
+  if (static_cast<uint64_t>(st.st_size) != want)
+    throw FormatError(path + ": " + std::to_string(st.st_size) + " bytes, meta.json records " + std::to_string(want) +
+                      " (truncated or extended after the commit)");
   return meta["files"][name]["sha256"].get<std::string>();
 }
 

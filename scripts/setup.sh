@@ -24,6 +24,7 @@ PACKAGES=(
   dataset-fashion-mnist
   python3-torch python3-numpy
   gnuplot-nox
+  clang libclang-rt-dev
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }

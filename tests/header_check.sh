@@ -9,4 +9,4 @@ check() {
   if out=$(printf '#include "%s"\n' "$1" | g++ $FLAGS -x c++ - 2>&1); then echo "ok   $1"; else echo "FAIL $1"; echo "$out" | head -10; return 1; fi
 }
 export -f check
-ls trainer/*.h models/*.h dist/*.h amp/*.h | xargs -P "$(nproc)" -I{} bash -c 'check {}'
+ls trainer/*.h models/*.h dist/*.h amp/*.h checkpoint/*.h | xargs -P "$(nproc)" -I{} bash -c 'check {}'

@@ -64,4 +64,20 @@ void expect_all_ok(const std::vector<ProcResult>& ranks) {
   }
 }
 
+std::vector<ProcResult> run_keel_ranks(int n, const std::vector<std::string>& args, double timeout_s,
+                                       const std::vector<std::string>& extra_env) {
+  const int port = free_port();
+  std::vector<Child> kids;
+  for (int r = 0; r < n; ++r) {
+    std::vector<std::string> env = {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(n),
+                                    "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(n),
+                                    "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)};
+    env.insert(env.end(), extra_env.begin(), extra_env.end());
+    kids.push_back(spawn_keel(args, env));
+  }
+  std::vector<ProcResult> out;
+  for (auto& k : kids) out.push_back(wait_process(k, timeout_s));
+  return out;
+}
+
 }  // namespace keel::testing

@@ -24,6 +24,10 @@ bool is_rank_process();
 int free_port();
 std::vector<ProcResult> run_ranks(int n, const std::function<void(const keel::dist::World&)>& body,
                                   double timeout_s = 120, const std::vector<std::string>& extra_env = {});
+/// Runs build/keel `args` as `n` ranks with torchrun's environment (a fresh port); returns each
+/// rank's result, in rank order.
+std::vector<ProcResult> run_keel_ranks(int n, const std::vector<std::string>& args, double timeout_s = 120,
+                                       const std::vector<std::string>& extra_env = {});
 /// Asserts every rank exited 0 (prints each rank's output otherwise).
 void expect_all_ok(const std::vector<ProcResult>& ranks);
 

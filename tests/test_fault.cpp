@@ -47,17 +47,7 @@ TEST(FaultPlan, BadEntriesNameTheEntry) {
   EXPECT_THROW(keel::validate(cfg), keel::InputError);
 }
 
-// Runs build/keel as 2 ranks with torchrun's environment; returns each rank's result.
-std::vector<ProcResult> keel_ranks(const std::vector<std::string>& args) {
-  const int port = free_port();
-  std::vector<Child> kids;
-  for (int r = 0; r < 2; ++r)
-    kids.push_back(spawn_keel(args, {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "LOCAL_RANK=" + std::to_string(r),
-                                     "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)}));
-  std::vector<ProcResult> out;
-  for (auto& k : kids) out.push_back(wait_process(k, 120));
-  return out;
-}
+std::vector<ProcResult> keel_ranks(const std::vector<std::string>& args) { return run_keel_ranks(2, args); }
 
 std::vector<std::string> nonfinite_args(const std::string& dir) {
   return {"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=20", "--train.batch_size=16",

@@ -7,6 +7,7 @@
 #include <iostream>
 #include <map>
 
+#include "checkpoint/inspect.h"
 #include "dist/world.h"
 #include "keel/version.h"
 #include "trainer/config.h"
@@ -33,6 +34,11 @@ int run_cli(int argc, char** argv) {
 
   auto* reference = app.add_subcommand("config-reference", "print every config key as Markdown (docs/config.md)");
   auto* train = app.add_subcommand("train", "train a model described by a TOML config");
+  auto* inspect = app.add_subcommand("inspect", "list checkpoint steps: committed, checksums verified, tensors");
+  std::string inspect_dir;
+  bool inspect_json = false;
+  inspect->add_option("dir", inspect_dir, "checkpoint.dir, or one step_<N> directory")->required();
+  inspect->add_flag("--json", inspect_json, "print the report as JSON");
   std::string config_path;
   bool print_config = false;
   train->add_option("--config,-c", config_path, "TOML experiment file (configs/*.toml); keys below override it");
@@ -78,6 +84,20 @@ int run_cli(int argc, char** argv) {
   if (reference->parsed()) {
     std::cout << config_reference_markdown();
     return 0;
+  }
+  if (inspect->parsed()) {
+    // Exit 0: every committed step verifies; 1: some step is corrupt or uncommitted; 2: no
+    // checkpoint there.
+    try {
+      const nlohmann::json r = checkpoint::inspect(inspect_dir);
+      std::cout << (inspect_json ? r.dump(2) + "\n" : checkpoint::format_inspect(r));
+      for (const auto& s : r["steps"])
+        if (!s["verified"].get<bool>()) return kExitFailure;
+      return 0;
+    } catch (const std::exception& e) {
+      std::cerr << "keel: error: " << e.what() << "\n";
+      return kExitInput;
+    }
   }
   if (!train->parsed()) return kExitInput;
   Config cfg;

@@ -1,0 +1,112 @@
+#include "checkpoint/inspect.h"
+
+#include <algorithm>
+#include <cstdio>
+#include <sstream>
+#include <stdexcept>
+
+#include "checkpoint/checkpoint.h"
+
+namespace keel::checkpoint {
+namespace {
+
+std::string human_bytes(uint64_t b) {
+  char buf[32];
+  if (b >= (1ull << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ull << 30));
+  else if (b >= (1ull << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", b / double(1ull << 20));
+  else if (b >= 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else std::snprintf(buf, sizeof buf, "%lu B", static_cast<unsigned long>(b));
+  return buf;
+}
+
+nlohmann::json inspect_step(const StepInfo& s) {
+  nlohmann::json j = {{"step", s.step}, {"path", s.path}, {"committed", s.committed}, {"verified", false},
+                      {"problems", nlohmann::json::array()}, {"tensors", nlohmann::json::array()}};
+  // The tensors of every safetensors file present, committed or not.
+  uint64_t total = 0;
+  std::vector<std::string> names = list_dir(s.path);
+  std::sort(names.begin(), names.end());
+  for (const auto& n : names) {
+    if (n.size() < 12 || n.compare(n.size() - 12, 12, ".safetensors") != 0) continue;
+    try {
+      auto f = read_safetensors(s.path + "/" + n, "", /*load_tensors=*/false);
+      total += f.bytes;
+      for (const auto& t : f.header.tensors)
+        j["tensors"].push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape},
+                                {"bytes", t.end - t.begin}, {"file", n}});
+    } catch (const std::exception& e) {
+      j["problems"].push_back(e.what());
+    }
+  }
+  j["bytes"] = total;
+  if (!s.committed) {
+    j["problems"].push_back("no meta.json: never committed (ignored by resume, removed by the next save)");
+    return j;
+  }
+  for (const auto& p : verify_step(s.path)) j["problems"].push_back(p);
+  j["verified"] = j["problems"].empty();
+  try {
+    auto meta = nlohmann::json::parse(read_all(s.path + "/meta.json"));
+    j["world_size"] = meta.value("world_size", int64_t{0});
+    j["created_utc"] = meta.value("created_utc", std::string());
+    j["keel_version"] = meta.value("keel_version", std::string());
+    j["torch_version"] = meta.value("torch_version", std::string());
+  } catch (const std::exception&) {
+  }
+  return j;
+}
+
+}  // namespace
+
+nlohmann::json inspect(const std::string& dir) {
+  if (!is_directory(dir)) throw std::runtime_error(dir + ": no such directory");
+  nlohmann::json out = {{"dir", dir}, {"steps", nlohmann::json::array()}};
+  auto steps = list_steps(dir);
+  if (steps.empty()) {
+    // A step directory itself?
+    std::string trimmed = dir;
+    while (trimmed.size() > 1 && trimmed.back() == '/') trimmed.pop_back();
+    const std::string name = trimmed.substr(trimmed.rfind('/') + 1);
+    if (name.rfind("step_", 0) == 0) {
+      StepInfo s;
+      try {
+        s.step = std::stoll(name.substr(5));
+      } catch (const std::exception&) {
+      }
+      s.path = trimmed;
+      s.committed = path_exists(trimmed + "/meta.json");
+      steps.push_back(s);
+    } else {
+      throw std::runtime_error(dir + ": neither a checkpoint directory (no step_<N> inside) nor a step directory");
+    }
+  }
+  for (const auto& s : steps) out["steps"].push_back(inspect_step(s));
+  return out;
+}
+
+std::string format_inspect(const nlohmann::json& r) {
+  std::ostringstream os;
+  os << r["dir"].get<std::string>() << ": " << r["steps"].size() << " step(s)\n";
+  for (const auto& s : r["steps"]) {
+    os << "\nstep " << s["step"].get<int64_t>() << "  " << s["path"].get<std::string>() << "\n  "
+       << (s["committed"].get<bool>() ? "committed" : "NOT committed") << ", "
+       << (s["verified"].get<bool>() ? "checksums verified" : "NOT verified");
+    if (s.contains("world_size")) os << ", saved by " << s["world_size"].get<int64_t>() << " rank(s)";
+    if (s.contains("created_utc")) os << " at " << s["created_utc"].get<std::string>();
+    os << ", " << human_bytes(s["bytes"].get<uint64_t>()) << " of tensors\n";
+    for (const auto& p : s["problems"]) os << "  problem: " << p.get<std::string>() << "\n";
+    for (const auto& t : s["tensors"]) {
+      std::string shape = "[";
+      for (size_t i = 0; i < t["shape"].size(); ++i) shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
+      shape += "]";
+      char line[512];
+      std::snprintf(line, sizeof line, "    %-44s %-5s %-18s %10s  %s\n", t["name"].get<std::string>().c_str(),
+                    t["dtype"].get<std::string>().c_str(), shape.c_str(), human_bytes(t["bytes"].get<uint64_t>()).c_str(),
+                    t["file"].get<std::string>().c_str());
+      os << line;
+    }
+  }
+  return os.str();
+}
+
+}  // namespace keel::checkpoint

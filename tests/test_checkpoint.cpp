@@ -1,0 +1,574 @@
+// checkpoint/: the safetensors reader and writer, the commit protocol, resume (bit-exact, after
+// SIGKILL under torchrun, at another world size, past a corrupt step), save failures on one
+// rank, SIGTERM's final save, `keel inspect`, and the Python reader written from the spec.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <nlohmann/json.hpp>
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <thread>
+
+#include "checkpoint/checkpoint.h"
+#include "checkpoint/inspect.h"
+#include "dist/collectives.h"
+#include "dist/process_group.h"
+#include "helpers.h"
+#include "multirank.h"
+#include "trainer/optim.h"
+
+using namespace keel::checkpoint;
+using namespace keel::testing;
+
+namespace {
+
+std::shared_ptr<keel::dist::Collectives> local_collectives() {
+  keel::dist::World w;
+  auto g = keel::dist::Group::create(w, keel::DistConfig{}, torch::kCPU);
+  return std::make_shared<keel::dist::Collectives>(g, "always");
+}
+
+std::string le64(uint64_t n) {
+  std::string s(8, '\0');
+  for (int i = 0; i < 8; ++i) s[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  return s;
+}
+
+// A file of header `json` followed by `data_bytes` zero bytes.
+std::string st_file(const std::string& json, size_t data_bytes) {
+  return le64(json.size()) + json + std::string(data_bytes, '\0');
+}
+
+std::string parse_error(const std::string& bytes) {
+  try {
+    parse_safetensors_header(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), bytes.size(), "f");
+  } catch (const FormatError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+void flip_byte(const std::string& path, long offset_from_end) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-offset_from_end, std::ios::end);
+  char c;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x5a);
+  f.seekp(-offset_from_end, std::ios::end);
+  f.write(&c, 1);
+}
+
+TEST(Safetensors, RoundTripsEveryDtypeBitExactly) {
+  TempDir d;
+  NamedTensors ts = {
+      {"f32", torch::randn({3, 4})},
+      {"f64", torch::randn({2}, torch::kDouble)},
+      {"bf16", torch::randn({5, 1}).to(torch::kBFloat16)},
+      {"f16", torch::randn({7}).to(torch::kHalf)},
+      {"i64", torch::arange(10, torch::kLong)},
+      {"i32", torch::arange(6, torch::kInt).reshape({2, 3})},
+      {"i16", torch::arange(4, torch::kShort)},
+      {"i8", torch::arange(-3, 3, torch::kChar)},
+      {"u8", torch::arange(9, torch::kByte)},
+      {"bool", torch::tensor({true, false, true})},
+      {"scalar", torch::tensor(42, torch::kLong)},
+      {"empty", torch::zeros({0, 3})},
+      {"strided", torch::randn({4, 6}).t()},  // non-contiguous: written row-major
+  };
+  const auto written = write_safetensors(d.file("a.safetensors"), ts, {{"k", "v"}});
+  EXPECT_EQ(written.sha256, sha256_file(d.file("a.safetensors")));
+  auto f = read_safetensors(d.file("a.safetensors"), written.sha256);
+  EXPECT_EQ(f.header.data_start % 8, 0u);
+  EXPECT_EQ(f.header.metadata.at("k"), "v");
+  ASSERT_EQ(f.tensors.size(), ts.size());
+  std::map<std::string, torch::Tensor> got(f.tensors.begin(), f.tensors.end());
+  for (const auto& [n, t] : ts) {
+    ASSERT_TRUE(got.count(n)) << n;
+    EXPECT_EQ(got[n].scalar_type(), t.scalar_type()) << n;
+    EXPECT_EQ(got[n].sizes(), t.sizes()) << n;
+    EXPECT_TRUE(torch::equal(got[n], t)) << n;
+  }
+}
+
+TEST(Safetensors, ChecksumMismatchNamesTheFile) {
+  TempDir d;
+  auto w = write_safetensors(d.file("a.safetensors"), {{"x", torch::ones({64})}});
+  flip_byte(d.file("a.safetensors"), 3);
+  try {
+    read_safetensors(d.file("a.safetensors"), w.sha256);
+    FAIL() << "no error";
+  } catch (const FormatError& e) {
+    EXPECT_NE(std::string(e.what()).find(d.file("a.safetensors")), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
+  }
+}
+
+TEST(SafetensorsHeader, RefusesEveryKindOfBadHeader) {
+  const std::string ok = R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
+  EXPECT_EQ(parse_error(st_file(ok, 8)), "");
+  struct Case {
+    std::string bytes, expect;
+  } cases[] = {
+      {"abc", "shorter than the 8-byte"},
+      {le64(200ull << 20) + "{}", "exceeds the 100 MB limit"},
+      {le64(50) + "{}", "runs past the end"},
+      {st_file("[1,2]", 0), "does not start with '{'"},
+      {st_file("{\"a\":", 0), "not valid UTF-8 JSON"},
+      {st_file("{\"\xff\xfe\":1}", 0), "not valid UTF-8 JSON"},
+      {st_file(R"({"a":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", 8), "unknown dtype"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8), "not a non-negative integer"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[2.5],"data_offsets":[0,8]}})", 8), "not a non-negative integer"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[8,0]}})", 8), "begin 8 > end 0"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8), "out of range or truncated"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "offsets hold 8"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", 8), "overflows"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12), "overlaps"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "a hole"},
+      {st_file(ok, 12), "trailing bytes"},
+      {st_file(R"({"__metadata__":{"k":1}})", 0), "is not a string"},
+      {st_file(R"({"a":{"dtype":"F32","shape":[2]}})", 8), "data_offsets"},
+      {st_file(R"({"a":7})", 0), "is not an object"},
+  };
+  for (const auto& c : cases) {
+    const std::string e = parse_error(c.bytes);
+    EXPECT_NE(e.find(c.expect), std::string::npos) << "expected \"" << c.expect << "\", got \"" << e << "\"";
+  }
+}
+
+// The libFuzzer corpus (tests/fuzz/corpus, grown by scripts/fuzz.sh) replayed: every input is
+// either accepted or refused with FormatError; nothing crashes.
+TEST(SafetensorsHeader, FuzzCorpusReplaysWithoutCrashing) {
+  const std::string dir = source_path("tests/fuzz/corpus");
+  int n = 0, refused = 0;
+  for (const auto& name : list_dir(dir)) {
+    const std::string bytes = read_all(dir + "/" + name);
+    ++n;
+    if (!parse_error(bytes).empty()) ++refused;
+  }
+  EXPECT_GE(n, 10) << "corpus missing: " << dir;
+  EXPECT_GT(refused, 0);
+  EXPECT_LT(refused, n);  // the corpus has valid headers too
+}
+
+TEST(AssignShards, BalancesBytesAcrossRanks) {
+  const auto owner = assign_shards({100, 60, 50, 40, 10, 10}, 2);
+  uint64_t load[2] = {0, 0};
+  const uint64_t sizes[] = {100, 60, 50, 40, 10, 10};
+  for (size_t i = 0; i < owner.size(); ++i) load[owner[i]] += sizes[i];
+  EXPECT_EQ(load[0], 140u);  // 100 + 40 (largest first to the lighter rank)
+  EXPECT_EQ(load[1], 130u);  // 60 + 50 + 10 + 10
+  EXPECT_EQ(assign_shards({5, 5}, 1), (std::vector<int64_t>{0, 0}));
+}
+
+State small_state(float v) {
+  State s;
+  s.model = {{"w", torch::full({4, 3}, v)}, {"b", torch::arange(3, torch::kFloat)}};
+  s.optimizer = {{"w.exp_avg", torch::full({4, 3}, v / 2)}, {"w.step", torch::tensor(7, torch::kLong)}};
+  s.shared = {{"step", 1}, {"note", "x"}};
+  s.rank_tensors = {{"rng.cpu", torch::arange(5, torch::kByte)}};
+  s.rank_state = {{"sampler", {{"epoch", 1}, {"batch", 2}}}};
+  return s;
+}
+
+TEST(Checkpointer, SavesCommitsAndLoadsEverything) {
+  TempDir d;
+  Options o;
+  o.dir = d.file("ck");
+  Checkpointer c(o, local_collectives());
+  c.save(5, small_state(1.5f));
+  EXPECT_EQ(c.last_committed(), 5);
+  for (const char* f : {"meta.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors",
+                        "optimizer-00001-of-00001.safetensors", "rank-00000.safetensors"})
+    EXPECT_TRUE(exists(d.file(std::string("ck/step_5/") + f))) << f;
+  auto index = nlohmann::json::parse(read_text(d.file("ck/step_5/model.safetensors.index.json")));
+  EXPECT_EQ(index["weight_map"]["w"], "model-00001-of-00001.safetensors");
+  EXPECT_EQ(index["metadata"]["total_size"], 4 * 3 * 4 + 3 * 4);
+  EXPECT_TRUE(verify_step(d.file("ck/step_5")).empty());
+
+  Checkpointer c2(o, local_collectives());
+  auto L = c2.load();
+  ASSERT_TRUE(L.has_value());
+  EXPECT_EQ(L->step, 5);
+  EXPECT_EQ(L->saved_world_size, 1);
+  std::map<std::string, torch::Tensor> m(L->state.model.begin(), L->state.model.end());
+  EXPECT_TRUE(torch::equal(m["w"], torch::full({4, 3}, 1.5f)));
+  std::map<std::string, torch::Tensor> opt(L->state.optimizer.begin(), L->state.optimizer.end());
+  EXPECT_EQ(opt["w.step"].item<int64_t>(), 7);
+  EXPECT_EQ(L->state.shared["note"], "x");
+  ASSERT_EQ(L->state.rank_tensors.size(), 1u);
+  EXPECT_EQ(L->state.rank_tensors[0].first, "rng.cpu");  // stored as rank.0.rng.cpu
+  EXPECT_EQ(L->state.rank_state["sampler"]["batch"], 2);
+}
+
+TEST(Checkpointer, KeepsTheNewestStepsAndRemovesUncommittedOnes) {
+  TempDir d;
+  Options o;
+  o.dir = d.file("ck");
+  o.keep = 2;
+  Checkpointer c(o, local_collectives());
+  ::mkdir(d.file("ck/step_3").c_str(), 0755);  // a save that died before its commit
+  write_text(d.file("ck/step_3/model-00001-of-00001.safetensors"), "half");
+  for (int s : {2, 4, 6}) c.save(s, small_state(float(s)));
+  auto steps = list_steps(d.file("ck"));
+  ASSERT_EQ(steps.size(), 2u);
+  EXPECT_EQ(steps[0].step, 4);
+  EXPECT_EQ(steps[1].step, 6);
+}
+
+TEST(Checkpointer, UncommittedNewerStepIsNeverLoaded) {
+  TempDir d;
+  Options o;
+  o.dir = d.file("ck");
+  {
+    Checkpointer c(o, local_collectives());
+    c.save(4, small_state(4.f));
+    c.save(8, small_state(8.f));
+  }
+  std::remove(d.file("ck/step_8/meta.json").c_str());  // as if the commit never happened
+  Checkpointer c(o, local_collectives());
+  auto L = c.load();
+  ASSERT_TRUE(L.has_value());
+  EXPECT_EQ(L->step, 4);
+}
+
+TEST(Checkpointer, CorruptOrTruncatedNewestStepFallsBackToThePrevious) {
+  for (bool truncate : {false, true}) {
+    TempDir d;
+    Options o;
+    o.dir = d.file("ck");
+    {
+      Checkpointer c(o, local_collectives());
+      c.save(4, small_state(4.f));
+      c.save(8, small_state(8.f));
+    }
+    const std::string shard = d.file("ck/step_8/optimizer-00001-of-00001.safetensors");
+    if (truncate) ASSERT_EQ(::truncate(shard.c_str(), 20), 0);
+    else flip_byte(shard, 2);
+    EXPECT_FALSE(verify_step(d.file("ck/step_8")).empty());
+    Checkpointer c(o, local_collectives());
+    auto L = c.load();
+    ASSERT_TRUE(L.has_value());
+    EXPECT_EQ(L->step, 4) << (truncate ? "truncated" : "flipped");
+    // An explicit resume_from of the bad step is an error naming the file.
+    try {
+      c.load("8");
+      FAIL() << "no error";
+    } catch (const std::runtime_error& e) {
+      EXPECT_NE(std::string(e.what()).find("optimizer-00001-of-00001.safetensors"), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(Checkpointer, IndexEntriesOutsideTheDirectoryAreRefused) {
+  TempDir d;
+  Options o;
+  o.dir = d.file("ck");
+  {
+    Checkpointer c(o, local_collectives());
+    c.save(4, small_state(4.f));
+  }
+  // Point the index outside and re-sign it in meta.json, so only the path check can catch it.
+  const std::string idx = d.file("ck/step_4/model.safetensors.index.json");
+  auto index = nlohmann::json::parse(read_text(idx));
+  index["weight_map"]["w"] = "../../etc/passwd";
+  write_text(idx, index.dump());
+  auto meta = nlohmann::json::parse(read_text(d.file("ck/step_4/meta.json")));
+  meta["files"]["model.safetensors.index.json"]["sha256"] = sha256_file(idx);
+  meta["files"]["model.safetensors.index.json"]["bytes"] = index.dump().size();
+  write_text(d.file("ck/step_4/meta.json"), meta.dump());
+  Checkpointer c(o, local_collectives());
+  try {
+    c.load("step_4");
+    FAIL() << "no error";
+  } catch (const std::runtime_error& e) {
+    EXPECT_NE(std::string(e.what()).find("points outside the checkpoint directory"), std::string::npos) << e.what();
+  }
+}
+
+TEST(Checkpointer, WriteFailureCommitsNothingAndKeepsThePrevious) {
+  TempDir d;
+  Options o;
+  o.dir = d.file("ck");
+  Checkpointer c(o, local_collectives());
+  c.save(4, small_state(4.f));
+  c.inject_write_failure(ENOSPC);
+  try {
+    c.save(8, small_state(8.f));
+    FAIL() << "no error";
+  } catch (const SaveError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("rank 0"), std::string::npos) << m;
+    EXPECT_NE(m.find("model-00001-of-00001.safetensors"), std::string::npos) << m;
+    EXPECT_NE(m.find(std::strerror(ENOSPC)), std::string::npos) << m;
+    EXPECT_NE(m.find("step 4, is intact"), std::string::npos) << m;
+  }
+  EXPECT_FALSE(exists(d.file("ck/step_8/meta.json")));
+  EXPECT_FALSE(exists(d.file("ck/step_8/model-00001-of-00001.safetensors")));  // only a removed temp file
+  Checkpointer c2(o, local_collectives());
+  auto L = c2.load();
+  ASSERT_TRUE(L.has_value());
+  EXPECT_EQ(L->step, 4);
+}
+
+TEST(Checkpointer, AsyncSaveCopiesTheStateAndCommitsLater) {
+  TempDir d;
+  Options o;
+  o.dir = d.file("ck");
+  o.async = true;
+  Checkpointer c(o, local_collectives());
+  State s = small_state(1.f);
+  c.save(3, s);
+  s.model[0].second.fill_(99.f);  // training goes on and changes the live tensors
+  EXPECT_TRUE(c.pending());
+  for (int i = 0; i < 500 && !c.write_finished(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  EXPECT_FALSE(exists(d.file("ck/step_3/meta.json")));  // written, not yet committed
+  c.commit();
+  EXPECT_EQ(c.last_committed(), 3);
+  auto L = Checkpointer(o, local_collectives()).load();
+  ASSERT_TRUE(L.has_value());
+  std::map<std::string, torch::Tensor> m(L->state.model.begin(), L->state.model.end());
+  EXPECT_TRUE(torch::equal(m["w"], torch::full({4, 3}, 1.f)));  // the snapshot, not the later value
+}
+
+TEST(CopyInto, ListsMissingUnexpectedAndMismatchedEntries) {
+  NamedTensors model = {{"a", torch::zeros({2})}, {"b", torch::zeros({3})}, {"c", torch::zeros({1})}};
+  NamedTensors ck = {{"a", torch::ones({2})}, {"b", torch::ones({4})}, {"z", torch::ones({1})}};
+  try {
+    copy_into(model, ck, "step_9");
+    FAIL() << "no error";
+  } catch (const BindError& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("missing from the checkpoint:\n    c"), std::string::npos) << m;
+    EXPECT_NE(m.find("unexpected (not in the model):\n    z"), std::string::npos) << m;
+    EXPECT_NE(m.find("b: checkpoint Float[4], model Float[3]"), std::string::npos) << m;
+  }
+  EXPECT_TRUE(torch::equal(model[0].second, torch::zeros({2})));  // nothing copied on error
+  NamedTensors good = {{"a", torch::ones({2})}, {"b", torch::ones({3})}, {"c", torch::ones({1})}};
+  copy_into(model, good, "step_9");
+  EXPECT_TRUE(torch::equal(model[1].second, torch::ones({3})));
+}
+
+// Saving and restoring the optimizer state continues the trajectory bit for bit.
+TEST(OptimizerState, RoundTripContinuesBitExactly) {
+  for (const std::string kind : {"adamw", "sgd"}) {
+    keel::TrainConfig tc;
+    tc.optimizer = kind;
+    tc.momentum = 0.9;
+    torch::manual_seed(1);
+    auto w = torch::randn({5, 3}, torch::requires_grad());
+    auto b = torch::randn({3}, torch::requires_grad());
+    std::vector<std::pair<std::string, torch::Tensor>> named = {{"w", w}, {"b", b}};
+    auto opt = keel::make_optimizer(tc, {w, b});
+    auto step = [](torch::optim::Optimizer& o, torch::Tensor& w, torch::Tensor& b, int i) {
+      o.zero_grad();
+      auto x = torch::full({2, 5}, 0.1 * (i + 1));
+      (x.matmul(w) + b).pow(2).sum().backward();
+      o.step();
+    };
+    for (int i = 0; i < 3; ++i) step(*opt, w, b, i);
+    auto saved = keel::optimizer_state(*opt, named);
+    for (auto& [n, t] : saved) t = t.clone();
+    auto w2 = w.detach().clone().requires_grad_(true), b2 = b.detach().clone().requires_grad_(true);
+    auto opt2 = keel::make_optimizer(tc, {w2, b2});
+    keel::load_optimizer_state(*opt2, {{"w", w2}, {"b", b2}}, saved);
+    for (int i = 3; i < 6; ++i) {
+      step(*opt, w, b, i);
+      step(*opt2, w2, b2, i);
+    }
+    EXPECT_TRUE(torch::equal(w, w2)) << kind;
+    EXPECT_TRUE(torch::equal(b, b2)) << kind;
+  }
+}
+
+// ---- the keel binary ------------------------------------------------------------------------
+
+std::vector<std::string> train_args(const std::string& dir, int steps, int interval) {
+  return {"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=" + std::to_string(steps),
+          "--train.batch_size=16", "--run.threads=1", "--run.dir=" + dir + "/run",
+          "--checkpoint.dir=" + dir + "/ckpt", "--checkpoint.interval=" + std::to_string(interval),
+          "--dist.timeout_s=30"};
+}
+
+nlohmann::json summary_of(const std::string& dir) { return nlohmann::json::parse(read_text(dir + "/run/summary.json")); }
+
+std::vector<std::pair<int64_t, double>> losses_of(const std::string& dir) {
+  std::vector<std::pair<int64_t, double>> out;
+  std::ifstream in(dir + "/run/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    out.emplace_back(j["step"].get<int64_t>(), j["loss"].get<double>());
+  }
+  return out;
+}
+
+// The acceptance of the checkpoint and fault issues: a 2-rank torchrun job whose rank 1 is
+// SIGKILLed at step 25, with checkpoints every 10 steps (async) and --max_restarts=2, resumes
+// from step 20 and ends with the same parameters, optimizer state and losses as a clean run.
+TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
+  TempDir d;
+  auto torchrun = [&](const std::string& sub, std::vector<std::string> extra) {
+    std::vector<std::string> argv = {"/usr/bin/env", "torchrun", "--standalone", "--nproc_per_node=2",
+                                     "--max_restarts=2", "--no_python", "--redirects", "1", "--tee", "1",
+                                     "--log_dir", d.file(sub + "/logs"), KEEL_BINARY};
+    for (auto& a : train_args(d.file(sub), 40, 10)) argv.push_back(a);
+    for (auto& a : extra) argv.push_back(a);
+    return run_process(argv, {}, 300);
+  };
+  auto clean = torchrun("clean", {});
+  ASSERT_EQ(clean.exit_code, 0) << clean.output;
+  auto crashed = torchrun("crash", {"--fault.inject=crash@step=25,rank=1", "--checkpoint.async=true"});
+  ASSERT_EQ(crashed.exit_code, 0) << crashed.output;
+  EXPECT_NE(crashed.output.find("fault injection: crash (SIGKILL) at step 25 on rank 1"), std::string::npos);
+  auto s = summary_of(d.file("crash"));
+  EXPECT_EQ(s["resumed_from_step"], 20);
+  EXPECT_EQ(s["restart_count"], 1);
+  EXPECT_EQ(s["steps"], 40);
+  EXPECT_TRUE(summary_of(d.file("clean"))["resumed_from_step"].is_null());
+  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors",
+                        "rank-00000.safetensors", "rank-00001.safetensors"})
+    EXPECT_EQ(sha256_file(d.file(std::string("clean/ckpt/step_40/") + f)),
+              sha256_file(d.file(std::string("crash/ckpt/step_40/") + f)))
+        << f << " differs";
+  const auto a = losses_of(d.file("clean")), b = losses_of(d.file("crash"));
+  ASSERT_EQ(a.size(), 40u);
+  EXPECT_EQ(a, b);  // every step's loss, to the last bit (metrics.jsonl is rewritten past step 20)
+}
+
+TEST(CheckpointResume, SavedAtTwoRanksLoadsAtOne) {
+  TempDir d;
+  for (auto& r : run_keel_ranks(2, train_args(d.path(), 10, 5))) ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto one = run_keel(train_args(d.path(), 20, 5));
+  ASSERT_EQ(one.exit_code, 0) << one.output;
+  auto s = summary_of(d.path());
+  EXPECT_EQ(s["resumed_from_step"], 10);
+  EXPECT_EQ(s["world_size"], 1);
+  EXPECT_EQ(s["steps"], 20);
+  EXPECT_NE(one.output.find("saved by 2 ranks x batch 16 on 1 ranks x batch 16"), std::string::npos) << one.output;
+  // The parameters at load equal the saved ones: the 1-rank job's step-10 state is the 2-rank one.
+  auto meta = nlohmann::json::parse(read_text(d.file("ckpt/step_20/meta.json")));
+  EXPECT_EQ(meta["world_size"], 1);
+}
+
+TEST(CheckpointResume, CorruptNewestStepFallsBackWithAWarningNamingTheFile) {
+  TempDir d;
+  for (auto& r : run_keel_ranks(2, train_args(d.path(), 10, 5))) ASSERT_EQ(r.exit_code, 0) << r.output;
+  flip_byte(d.file("ckpt/step_10/model-00002-of-00002.safetensors"), 5);
+  auto ranks = run_keel_ranks(2, train_args(d.path(), 15, 5));
+  for (auto& r : ranks) {
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    EXPECT_NE(r.output.find("step_10/model-00002-of-00002.safetensors: checksum mismatch"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("falling back to the previous committed step"), std::string::npos) << r.output;
+  }
+  EXPECT_EQ(summary_of(d.path())["resumed_from_step"], 5);
+}
+
+TEST(CheckpointFault, WriteFailureOnOneRankFailsTheSaveOnEveryRank) {
+  TempDir d;
+  auto args = train_args(d.path(), 20, 5);
+  args.push_back("--fault.inject=checkpoint_write_failure@step=10,rank=1");
+  auto ranks = run_keel_ranks(2, args);
+  for (auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("checkpoint step 10 was not saved"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("rank 1: "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("model-00002-of-00002.safetensors"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find(std::strerror(ENOSPC)), std::string::npos) << r.output;
+  }
+  EXPECT_FALSE(exists(d.file("ckpt/step_10/meta.json")));
+  EXPECT_TRUE(verify_step(d.file("ckpt/step_5")).empty());
+  // The next run resumes from the intact step and finishes (the fault fires once per job only
+  // when restarted by torchrun; here the entry is simply left out).
+  auto again = run_keel_ranks(2, train_args(d.path(), 20, 5));
+  for (auto& r : again) ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(summary_of(d.path())["resumed_from_step"], 5);
+  EXPECT_FALSE(exists(d.file("ckpt/step_10/model-00001-of-00002.safetensors.tmp")));
+}
+
+TEST(CheckpointStop, SigtermEndsTheRunWithAFinalCheckpoint) {
+  TempDir d;
+  Child c = spawn_keel(train_args(d.path(), 1000000, 0));
+  const std::string metrics = d.file("run/metrics.jsonl");
+  for (int i = 0; i < 3000; ++i) {  // until a few steps are logged (at most ~5 minutes)
+    if (exists(metrics) && read_text(metrics).size() > 600) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  ::kill(c.pid, SIGTERM);
+  auto r = wait_process(c, 120);
+  ASSERT_FALSE(r.signaled) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  auto s = summary_of(d.path());
+  EXPECT_FALSE(s["completed"].get<bool>());
+  const int64_t steps = s["steps"].get<int64_t>();
+  EXPECT_GT(steps, 0);
+  EXPECT_EQ(s["checkpoint_step"], steps);
+  EXPECT_TRUE(verify_step(d.file("ckpt/step_" + std::to_string(steps))).empty());
+}
+
+// The model shards and a file of every dtype, read by tests/safetensors_reader.py (numpy,
+// written from the spec).
+TEST(CheckpointPython, ASpecReaderReadsTheShards) {
+  TempDir d;
+  for (auto& r : run_keel_ranks(2, train_args(d.path(), 5, 0))) ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string step = d.file("ckpt/step_5");
+  auto py = run_process({"/usr/bin/python3", source_path("tests/safetensors_reader.py"), "index", step});
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  auto j = nlohmann::json::parse(py.output);
+  std::map<std::string, torch::Tensor> mine;
+  for (int r = 0; r < 2; ++r)
+    for (auto& [n, t] : read_safetensors(step + "/" + model_file(r, 2)).tensors) mine[n] = t;
+  ASSERT_EQ(j["tensors"].size(), mine.size());
+  for (auto& [n, t] : mine) {
+    ASSERT_TRUE(j["tensors"].contains(n)) << n;
+    EXPECT_EQ(j["tensors"][n]["shape"].get<std::vector<int64_t>>(), t.sizes().vec()) << n;
+    const double want = t.to(torch::kDouble).sum().item<double>();
+    EXPECT_NEAR(j["tensors"][n]["sum"].get<double>(), want, 1e-9 * (1 + std::abs(want))) << n;
+  }
+  // Every dtype, with known values.
+  NamedTensors ts;
+  for (auto t : {torch::kFloat, torch::kDouble, torch::kBFloat16, torch::kHalf, torch::kLong, torch::kInt,
+                 torch::kShort, torch::kChar, torch::kByte})
+    ts.emplace_back(safetensors_dtype(t), torch::arange(6, torch::kDouble).reshape({2, 3}).to(t));
+  ts.emplace_back("BOOL", torch::tensor({true, false, true}));
+  write_safetensors(d.file("all.safetensors"), ts, {{"format", "pt"}});
+  auto f = run_process({"/usr/bin/python3", source_path("tests/safetensors_reader.py"), "file", d.file("all.safetensors")});
+  ASSERT_EQ(f.exit_code, 0) << f.output;
+  auto k = nlohmann::json::parse(f.output);
+  EXPECT_EQ(k["metadata"]["format"], "pt");
+  for (auto& [n, t] : ts) {
+    EXPECT_EQ(k["tensors"][n]["dtype"], n);
+    const auto want = n == "BOOL" ? std::vector<double>{1, 0, 1} : std::vector<double>{0, 1, 2, 3, 4, 5};
+    EXPECT_EQ(k["tensors"][n]["values"].get<std::vector<double>>(), want) << n;
+  }
+}
+
+TEST(KeelInspect, ReportsStepsChecksumsAndTensors) {
+  TempDir d;
+  auto r = run_keel(train_args(d.path(), 10, 5));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto ok = run_keel({"inspect", d.file("ckpt")});
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+  EXPECT_NE(ok.output.find("committed, checksums verified"), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("fc.0.weight"), std::string::npos) << ok.output;
+  EXPECT_NE(ok.output.find("[256, 784]"), std::string::npos) << ok.output;
+  flip_byte(d.file("ckpt/step_10/rank-00000.safetensors"), 1);
+  auto bad = run_keel({"inspect", d.file("ckpt"), "--json"});
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  auto j = nlohmann::json::parse(bad.output);
+  ASSERT_EQ(j["steps"].size(), 2u);
+  EXPECT_TRUE(j["steps"][0]["verified"].get<bool>());
+  EXPECT_FALSE(j["steps"][1]["verified"].get<bool>());
+  EXPECT_NE(j["steps"][1]["problems"].dump().find("rank-00000.safetensors"), std::string::npos);
+  auto one = run_keel({"inspect", d.file("ckpt/step_5")});
+  EXPECT_EQ(one.exit_code, 0) << one.output;
+  EXPECT_EQ(run_keel({"inspect", d.file("nothing-here")}).exit_code, 2);
+}
+
+}  // namespace
