@@ -20,7 +20,10 @@
 #include "dist/process_group.h"
 #include "helpers.h"
 #include "multirank.h"
+#include "models/model.h"
 #include "trainer/optim.h"
+
+#include <torch/script.h>
 
 using namespace keel::checkpoint;
 using namespace keel::testing;
@@ -441,6 +444,32 @@ TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
   EXPECT_EQ(a, b);  // every step's loss, to the last bit (metrics.jsonl is rewritten past step 20)
 }
 
+// The loss scaler's state (scale and growth tracker) is part of the checkpoint: with growth
+// every 4 clean steps and a skipped step 3, the scale is 32768 after step 3, grows at steps 7,
+// 11 and 15; a run resumed from step 10 (tracker at 3) must grow at 11 and 15 like the clean one.
+TEST(CheckpointResume, LossScalerStateIsRestored) {
+  TempDir d;
+  auto args = [&](const std::string& sub, int steps) {
+    auto a = train_args(d.file(sub), steps, 5);
+    for (const char* x : {"--amp.loss_scaling=dynamic", "--amp.growth_interval=4", "--fault.inject=nonfinite_grad@step=3,rank=0"})
+      a.push_back(x);
+    return a;
+  };
+  ASSERT_EQ(run_keel(args("clean", 15)).exit_code, 0);
+  auto crashing = args("resumed", 15);  // same run, killed at step 12 (the schedule spans 15 steps)
+  crashing.push_back("--fault.inject=crash@step=12,rank=0");
+  EXPECT_TRUE(run_keel(crashing).signaled);
+  auto r = run_keel(args("resumed", 15));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto clean = summary_of(d.file("clean")), resumed = summary_of(d.file("resumed"));
+  EXPECT_EQ(resumed["resumed_from_step"], 10);
+  EXPECT_EQ(clean["loss_scale"].get<double>(), 262144.0);  // 65536 -> 32768 (step 3) -> x2 at 7, 11, 15
+  EXPECT_EQ(resumed["loss_scale"], clean["loss_scale"]);
+  EXPECT_EQ(resumed["skipped_steps"], 1);  // counted before the checkpoint, carried over
+  EXPECT_EQ(sha256_file(d.file("clean/ckpt/step_15/model-00001-of-00001.safetensors")),
+            sha256_file(d.file("resumed/ckpt/step_15/model-00001-of-00001.safetensors")));
+}
+
 TEST(CheckpointResume, SavedAtTwoRanksLoadsAtOne) {
   TempDir d;
   for (auto& r : run_keel_ranks(2, train_args(d.path(), 10, 5))) ASSERT_EQ(r.exit_code, 0) << r.output;
@@ -569,6 +598,52 @@ TEST(KeelInspect, ReportsStepsChecksumsAndTensors) {
   auto one = run_keel({"inspect", d.file("ckpt/step_5")});
   EXPECT_EQ(one.exit_code, 0) << one.output;
   EXPECT_EQ(run_keel({"inspect", d.file("nothing-here")}).exit_code, 2);
+}
+
+// checkpoint.save_graph: the step holds the traced module, which runs without keel's model
+// code and gives the same outputs as the model rebuilt from the step's tensors.
+TEST(CheckpointGraph, SaveGraphStoresAServableTracedModule) {
+  TempDir d;
+  auto args = train_args(d.path(), 6, 3);
+  args.push_back("--compile.mode=trace");
+  args.push_back("--checkpoint.save_graph=true");
+  auto r = run_keel(args);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string step = d.file("ckpt/step_6");
+  auto meta = nlohmann::json::parse(read_text(step + "/meta.json"));
+  ASSERT_TRUE(meta["files"].contains("graph.pt"));
+  EXPECT_TRUE(verify_step(step).empty());
+  auto served = torch::jit::load(step + "/graph.pt");
+  keel::ModelConfig mc;
+  mc.name = "mlp";
+  auto model = keel::models::create_model(mc, keel::models::InputKind::Image);
+  NamedTensors targets;
+  for (auto& [n, t] : model->named_parameters()) targets.emplace_back(n, t);
+  auto tensors = read_safetensors(step + "/model-00001-of-00001.safetensors").tensors;
+  copy_into(targets, tensors, step);
+  torch::NoGradGuard ng;
+  auto x = torch::randn({16, 1, 28, 28});
+  auto want = model->forward(x);
+  auto got = served.forward({x}).toTensor();
+  EXPECT_TRUE(torch::allclose(got, want, 1e-5, 1e-6)) << (got - want).abs().max().item<double>();
+  // A checkpoint of another model does not bind: the error lists what is wrong.
+  keel::ModelConfig other;
+  other.name = "cnn";
+  auto cnn = keel::models::create_model(other, keel::models::InputKind::Image);
+  NamedTensors cnn_targets;
+  for (auto& [n, t] : cnn->named_parameters()) cnn_targets.emplace_back(n, t);
+  try {
+    copy_into(cnn_targets, tensors, step);
+    FAIL() << "no error";
+  } catch (const BindError& e) {
+    EXPECT_NE(std::string(e.what()).find("missing from the checkpoint"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("unexpected (not in the model)"), std::string::npos) << e.what();
+  }
+  // save_graph without compile.mode = trace is a config error.
+  auto bad = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--checkpoint.dir=" + d.file("x"),
+                       "--checkpoint.save_graph=true"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.output.find("compile.mode"), std::string::npos) << bad.output;
 }
 
 }  // namespace

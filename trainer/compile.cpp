@@ -4,6 +4,7 @@
 
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/api/function_impl.h>
+#include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/ir/ir.h>
 
@@ -14,6 +15,7 @@
 #include <map>
 #include <mutex>
 #include <set>
+#include <sstream>
 
 namespace keel {
 namespace {
@@ -92,6 +94,7 @@ class TracedModel : public models::Model {
   TracedModel(std::shared_ptr<models::Model> inner, std::shared_ptr<torch::jit::Graph> graph,
               const std::vector<int64_t>& shape, const CompileConfig& cfg, CompileReport& report)
       : inner_(std::move(inner)), cfg_(cfg), report_(report), params_(inner_->parameters()) {
+    first_graph_ = graph;
     graphs_[shape] = std::make_unique<torch::jit::GraphFunction>("forward", std::move(graph), nullptr);
   }
   std::string name() const override { return inner_->name(); }
@@ -111,6 +114,31 @@ class TracedModel : public models::Model {
     params_ = inner_->parameters();
   }
   void train(bool on) override { inner_->train(on); }
+
+  // The graph of the first shape traced (the training shape) as a module with its parameters.
+  std::string export_module() const {
+    torch::jit::Module m(c10::QualifiedName("__torch__.keel.TracedModel"));
+    const auto named = inner_->named_parameters();
+    auto attr = [](std::string n) {
+      for (size_t p = 0; (p = n.find('.', p)) != std::string::npos; p += 2) n.replace(p, 1, "__");
+      return n;
+    };
+    for (const auto& [n, p] : named) m.register_parameter(attr(n), p.detach(), /*is_buffer=*/false);
+    auto g = first_graph_->copy();
+    auto* self = g->insertInput(0, "self");
+    self->setType(m._ivalue()->type());
+    {
+      torch::jit::WithInsertPoint at(g->block()->nodes().front());
+      for (size_t i = 0; i < named.size(); ++i)
+        g->inputs()[2 + i]->replaceAllUsesWith(g->insertGetAttr(self, attr(named[i].first)));
+    }
+    for (size_t i = named.size(); i-- > 0;) g->eraseInput(2 + i);
+    auto* fn = m._ivalue()->compilation_unit()->create_function(c10::QualifiedName(*m.type()->name(), "forward"), g);
+    m.type()->addMethod(fn);
+    std::ostringstream os;
+    m.save(os);
+    return os.str();
+  }
 
  private:
   using Graphs = std::map<std::vector<int64_t>, std::unique_ptr<torch::jit::GraphFunction>>;
@@ -132,10 +160,16 @@ class TracedModel : public models::Model {
   CompileConfig cfg_;
   CompileReport& report_;
   std::vector<torch::Tensor> params_;
+  std::shared_ptr<torch::jit::Graph> first_graph_;
   Graphs graphs_;
 };
 
 }  // namespace
+
+std::string export_traced_module(models::Model& model) {
+  auto* t = dynamic_cast<TracedModel*>(&model);
+  return t ? t->export_module() : std::string();
+}
 
 const std::vector<std::string>& nondeterministic_ops() {
   static const std::vector<std::string> ops = {

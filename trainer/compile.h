@@ -51,6 +51,13 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
                                              const torch::Tensor& example, CompileReport& report,
                                              const std::string& identity = "");
 
+/// The traced graph of `model` (as returned by compile_model) for its training input shape, as
+/// a self-contained TorchScript module: the parameters become attributes (dots in their names
+/// replaced by "__"), forward(input) runs the graph. torch::jit::load / torch.jit.load serve it
+/// without keel's model code. Returns "" when `model` is not a traced model (compile.mode =
+/// off, or an eager fallback).
+std::string export_traced_module(models::Model& model);
+
 /// Node kinds treated as non-deterministic inside a graph.
 const std::vector<std::string>& nondeterministic_ops();
 

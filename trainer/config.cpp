@@ -338,12 +338,10 @@ void validate(Config& cfg) {
 #endif
   // fault.inject syntax and types (the rank bound is checked when the world size is known).
   FaultPlan(cfg.fault.inject, std::numeric_limits<int64_t>::max());
-  // Keys whose features have not landed yet are refused rather than silently ignored.
-  auto not_yet = [&](bool set, const std::string& what) {
-    if (set)
-      fail(what + " is not implemented in keel yet; remove it or leave it at its default");
-  };
-  not_yet(cfg.checkpoint.save_graph, "checkpoint.save_graph");
+  if (cfg.checkpoint.save_graph && cfg.compile.mode != "trace")
+    fail("checkpoint.save_graph = true stores the traced graph and needs compile.mode = \"trace\" (got \"" +
+         cfg.compile.mode + "\")");
+  if (cfg.checkpoint.save_graph && cfg.checkpoint.dir.empty()) fail("checkpoint.save_graph = true needs checkpoint.dir");
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
 }

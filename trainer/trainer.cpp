@@ -24,6 +24,7 @@
 #include "dist/process_group.h"
 #include "keel/version.h"
 #include "models/model.h"
+#include "trainer/compile.h"
 #include "trainer/compile_cache.h"
 #include "trainer/data.h"
 #include "trainer/fault.h"
@@ -276,6 +277,11 @@ nlohmann::json Trainer::run() {
                              {"growth_interval", ss.growth_interval}};
     }
     st.rank_tensors = rng_states(device);
+    if (cfg.checkpoint.save_graph) {
+      st.graph = export_traced_module(dmodel.model());
+      if (st.graph.empty() && world.is_main())
+        spdlog::warn("checkpoint.save_graph: the model is not traced (compile fell back to eager); no graph.pt");
+    }
     const auto pos = sampler->position();
     st.shared["data_position"] = {{"epoch", pos.epoch}, {"batch", pos.batch}};
     st.shared["batch_size"] = cfg.train.batch_size;
