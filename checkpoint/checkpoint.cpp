@@ -217,21 +217,42 @@ double Checkpointer::last_write_ms() const { return pending_ ? pending_->write_m
 
 void Checkpointer::write_shards(Pending& p) {
   const auto t0 = Clock::now();
-  try {
-    WriteOptions fault;
-    if (p.inject_errno) {
-      fault.fail_errno = p.inject_errno;
-      fault.fail_after_bytes = 64;  // the header makes it to disk, the data does not
+  // The model shard is written on a second thread while this one writes the optimizer shard
+  // and the rest: measured here, one writer leaves the disk idle while it copies and hashes.
+  WrittenFile model_written;
+  std::string model_error;
+  std::thread model_writer([&] {
+    try {
+      WriteOptions fault;
+      if (p.inject_errno) {
+        fault.fail_errno = p.inject_errno;
+        fault.fail_after_bytes = 64;  // the header makes it to disk, the data does not
+      }
+      model_written = write_safetensors(p.dir + "/" + model_file(rank_, world_), p.model_shard,
+                                        {{"format", "pt"}, {"keel_step", std::to_string(p.step)}}, fault);
+    } catch (const std::exception& e) {
+      model_error = e.what();
     }
-    std::map<std::string, std::string> meta = {{"format", "pt"}, {"keel_step", std::to_string(p.step)}};
-    p.files.push_back(write_safetensors(p.dir + "/" + model_file(rank_, world_), p.model_shard, meta, fault));
-    p.files.push_back(write_safetensors(p.dir + "/" + optimizer_file(rank_, world_), p.optimizer_shard,
-                                        {{"keel_step", std::to_string(p.step)}}));
-    p.files.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta));
-    if (rank_ == 0 && !p.graph.empty()) p.files.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
-    fsync_dir(p.dir);
+  });
+  std::vector<WrittenFile> rest;
+  try {
+    rest.push_back(write_safetensors(p.dir + "/" + optimizer_file(rank_, world_), p.optimizer_shard,
+                                     {{"keel_step", std::to_string(p.step)}}));
+    rest.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta));
+    if (rank_ == 0 && !p.graph.empty()) rest.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
   } catch (const std::exception& e) {
     p.error = e.what();
+  }
+  model_writer.join();
+  if (!model_error.empty()) p.error = model_error;  // the first file's error is the one to report
+  if (p.error.empty()) {
+    p.files.push_back(model_written);
+    p.files.insert(p.files.end(), rest.begin(), rest.end());
+    try {
+      fsync_dir(p.dir);
+    } catch (const std::exception& e) {
+      p.error = e.what();
+    }
   }
   p.write_ms = ms_since(t0);
   p.done.store(true);
@@ -277,21 +298,31 @@ void Checkpointer::save(int64_t step, const State& state) {
                       "; model and optimizer state must be replicated");
   }
   // 2. This rank's share: owned replicated tensors, and its own state (copied for async).
-  const auto take = [&](const torch::Tensor& t) {
+  // Async: copied into staging buffers kept from one save to the next (pinned host memory for
+  // device tensors), so a snapshot is a memcpy, not an allocation (fresh pages are slow to
+  // fault in). Reusing them is safe: this save waited above for the previous write.
+  const auto take = [&](const std::string& key, const torch::Tensor& t) {
     torch::Tensor d = t.detach();
-    return opts_.async ? d.to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true) : d;
+    if (!opts_.async) return d;
+    auto it = staging_.find(key);
+    if (it == staging_.end() || it->second.sizes() != d.sizes() || it->second.scalar_type() != d.scalar_type()) {
+      auto o = torch::TensorOptions().dtype(d.scalar_type()).device(torch::kCPU).pinned_memory(d.is_cuda());
+      it = staging_.insert_or_assign(key, torch::empty(d.sizes(), o)).first;
+    }
+    it->second.copy_(d);
+    return it->second;
   };
   size_t i = 0;
   for (const auto& [name, t] : state.model) {
     p->model_names.push_back(name);
     p->model_owner.push_back(owner[i]);
     p->model_bytes += nbytes(t);
-    if (owner[i++] == rank_) p->model_shard.emplace_back(name, take(t));
+    if (owner[i++] == rank_) p->model_shard.emplace_back(name, take("m:" + name, t));
   }
   for (const auto& [name, t] : state.optimizer)
-    if (owner[i++] == rank_) p->optimizer_shard.emplace_back(name, take(t));
+    if (owner[i++] == rank_) p->optimizer_shard.emplace_back(name, take("o:" + name, t));
   const std::string prefix = "rank." + std::to_string(rank_) + ".";
-  for (const auto& [name, t] : state.rank_tensors) p->rank_tensors.emplace_back(prefix + name, take(t));
+  for (const auto& [name, t] : state.rank_tensors) p->rank_tensors.emplace_back(prefix + name, take("r:" + name, t));
   p->rank_meta[kRankStateKey] = state.rank_state.dump();
   p->rank_meta["keel_step"] = std::to_string(step);
   if (rank_ == 0) p->graph = state.graph;
@@ -433,10 +464,31 @@ Loaded read_step(const std::string& dir, int64_t rank) {
   const int64_t W = L.saved_world_size;
   if (L.meta.contains("state") && L.meta["state"].is_object()) L.state.shared = L.meta["state"];
   std::set<std::string> seen;
+  // The shards are mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s on one core).
+  std::vector<std::string> names;
+  for (int64_t r = 0; r < W; ++r) names.push_back(model_file(r, W)), names.push_back(optimizer_file(r, W));
+  std::vector<SafetensorsFile> files(names.size());
+  std::vector<std::string> errors(names.size());
+  const size_t workers = std::max<size_t>(1, std::min<size_t>(names.size(), std::thread::hardware_concurrency()));
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  for (size_t w = 0; w < workers; ++w)
+    pool.emplace_back([&] {
+      for (size_t k; (k = next.fetch_add(1)) < names.size();) {
+        try {
+          files[k] = read_safetensors(dir + "/" + names[k], expected_sha(L.meta, dir, names[k]));
+        } catch (const std::exception& e) {
+          errors[k] = e.what();
+        }
+      }
+    });
+  for (auto& t : pool) t.join();
+  for (const auto& e : errors)
+    if (!e.empty()) throw FormatError(e);
   for (int64_t r = 0; r < W; ++r) {
     for (bool model : {true, false}) {
       const std::string name = model ? model_file(r, W) : optimizer_file(r, W);
-      auto f = read_safetensors(dir + "/" + name, expected_sha(L.meta, dir, name));
+      auto& f = files[2 * r + (model ? 0 : 1)];
       for (auto& [n, t] : f.tensors) {
         if (!seen.insert((model ? "m:" : "o:") + n).second)
           throw FormatError(dir + "/" + name + ": tensor \"" + n + "\" is also stored in another shard");

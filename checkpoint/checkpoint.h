@@ -36,6 +36,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <memory>
 #include <optional>
 #include <stdexcept>
@@ -154,6 +155,7 @@ class Checkpointer {
   int64_t pending_step_ = -1;
   int64_t last_committed_ = -1;
   int inject_errno_ = 0;
+  std::map<std::string, torch::Tensor> staging_;  // async snapshot buffers, reused
   double last_blocking_ms_ = 0;
   double last_write_ms_ = 0;
 };

@@ -52,6 +52,7 @@ class AtomicFile {
   WrittenFile commit();
 
  private:
+  void write_raw(const char* p, size_t n);
   std::string path_, tmp_;
   int fd_ = -1;
   Sha256 sha_;
@@ -68,6 +69,25 @@ void fsync_dir(const std::string& dir);
 
 /// Reads a whole file; throws std::runtime_error naming it when it cannot.
 std::string read_all(const std::string& path);
+
+/// A file mapped into memory (private, copy-on-write: writes never reach the file), unmapped
+/// when the last reference goes. Throws std::runtime_error naming the file when it cannot.
+class MappedFile {
+ public:
+  static std::shared_ptr<MappedFile> open(const std::string& path);
+  ~MappedFile();
+  MappedFile(const MappedFile&) = delete;
+  MappedFile& operator=(const MappedFile&) = delete;
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  /// SHA-256 of the contents (hex).
+  std::string sha256() const;
+
+ private:
+  MappedFile() = default;
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+};
 
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);

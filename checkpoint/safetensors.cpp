@@ -67,22 +67,32 @@ WrittenFile write_safetensors(const std::string& path, const NamedTensors& tenso
 
 SafetensorsFile read_safetensors(const std::string& path, const std::string& expected_sha256, bool load_tensors) {
   SafetensorsFile out;
-  const std::string bytes = read_all(path);
-  out.bytes = bytes.size();
+  // Mapped, not read: the tensors are views of the page cache (copy-on-write), so a load costs
+  // one pass for the checksum and one copy into the model, not a read plus copies.
+  auto file = MappedFile::open(path);
+  out.bytes = file->size();
   if (!expected_sha256.empty()) {
-    Sha256 sha;
-    sha.update(bytes.data(), bytes.size());
-    out.sha256 = sha.hex();
+    out.sha256 = file->sha256();
     if (out.sha256 != expected_sha256)
       throw FormatError(path + ": checksum mismatch: SHA-256 " + out.sha256 + ", meta.json records " +
                         expected_sha256 + " (the file was changed or cut after the checkpoint was committed)");
   }
-  const auto* p = reinterpret_cast<const uint8_t*>(bytes.data());
-  out.header = parse_safetensors_header(p, bytes.size(), bytes.size(), path);
+  const uint8_t* p = file->data();
+  out.header = parse_safetensors_header(p, file->size(), file->size(), path);
   if (!load_tensors) return out;
   for (const auto& i : out.header.tensors) {
-    torch::Tensor t = torch::empty(i.shape, torch::TensorOptions().dtype(scalar_type_of(i.dtype)));
-    if (i.end > i.begin) std::memcpy(t.data_ptr(), p + out.header.data_start + i.begin, i.end - i.begin);
+    const auto dtype = scalar_type_of(i.dtype);
+    const uint64_t off = out.header.data_start + i.begin;
+    const size_t es = c10::elementSize(dtype);
+    torch::Tensor t;
+    if (i.end > i.begin && off % es == 0) {
+      // A view of the mapping; the mapping lives as long as any tensor of the file.
+      t = torch::from_blob(file->data() + off, i.shape, [file](void*) {}, torch::TensorOptions().dtype(dtype));
+    } else {
+      // Misaligned for its dtype (another writer's layout), or empty: copied.
+      t = torch::empty(i.shape, torch::TensorOptions().dtype(dtype));
+      if (i.end > i.begin) std::memcpy(t.data_ptr(), p + off, i.end - i.begin);
+    }
     out.tensors.emplace_back(i.name, std::move(t));
   }
   return out;
