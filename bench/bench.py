@@ -21,6 +21,7 @@ Never run two benchmarks at once on the same machine: the numbers would be meani
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -122,6 +123,7 @@ def main():
             print(json.dumps(line), flush=True)
             log.write(json.dumps(line) + "\n")
 
+        rows = []
         for line in comm_figures(worlds):
             emit(line)
         for model in args.models.split(","):
@@ -148,7 +150,36 @@ def main():
                 summary["validate_always_over_off"] = (
                     med[("keel", 2)]["median_step_ms"] / med[("keel-off", 2)]["median_step_ms"])
             emit(summary)
+            rows += [(f"{model} {w} rank{'s' if w > 1 else ''}", med[("keel", w)]["median_step_ms"],
+                      med[("pytorch", w)]["median_step_ms"]) for w in worlds]
     print(f"# results: {log_path}", file=sys.stderr)
+    png = write_png(rows, log_path[:-len(".jsonl")] + ".png")
+    if png:
+        print(f"# plot: {png}", file=sys.stderr)
+
+
+def write_png(rows, path):
+    """Grouped bars of the median step time, keel next to PyTorch (log scale), via gnuplot."""
+    if not rows or shutil.which("gnuplot") is None:
+        return None
+    dat = path[:-4] + ".dat"
+    with open(dat, "w") as f:
+        for label, k, t in rows:
+            f.write(f'"{label}" {k} {t}\n')
+    script = f"""set terminal pngcairo size 900,500 noenhanced
+set output '{path}'
+set title 'median step time, keel vs PyTorch DDP (lower is better)'
+set style data histograms
+set style histogram clustered gap 1
+set style fill solid 0.8 border -1
+set logscale y
+set ylabel 'ms per step (log scale)'
+set grid ytics
+set xtics rotate by -20
+plot '{dat}' using 2:xtic(1) title 'keel', '' using 3 title 'PyTorch'
+"""
+    subprocess.run(["gnuplot"], input=script, text=True, check=True)
+    return path
 
 
 def amp_bench(args):

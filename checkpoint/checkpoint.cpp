@@ -102,6 +102,9 @@ std::string model_file(int64_t rank, int64_t world) {
 std::string optimizer_file(int64_t rank, int64_t world) {
   return numbered("optimizer-%05ld-of-%05ld.safetensors", rank + 1, world);
 }
+std::string extra_file(int64_t rank, int64_t world) {
+  return numbered("extra-%05ld-of-%05ld.safetensors", rank + 1, world);
+}
 std::string rank_file(int64_t rank) { return numbered("rank-%05ld.safetensors", rank, 0); }
 
 std::vector<int64_t> assign_shards(const std::vector<uint64_t>& sizes, int64_t world) {
@@ -171,7 +174,8 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
 struct Checkpointer::Pending {
   int64_t step = 0;
   std::string dir;
-  NamedTensors model_shard, optimizer_shard, rank_tensors;
+  NamedTensors model_shard, optimizer_shard, extra_shard, rank_tensors;
+  bool has_extra = false;
   std::map<std::string, std::string> rank_meta;
   std::string graph;
   // Every rank's view of the whole plan (for the index).
@@ -238,6 +242,9 @@ void Checkpointer::write_shards(Pending& p) {
   try {
     rest.push_back(write_safetensors(p.dir + "/" + optimizer_file(rank_, world_), p.optimizer_shard,
                                      {{"keel_step", std::to_string(p.step)}}));
+    if (p.has_extra)
+      rest.push_back(write_safetensors(p.dir + "/" + extra_file(rank_, world_), p.extra_shard,
+                                       {{"keel_step", std::to_string(p.step)}}));
     rest.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta));
     if (rank_ == 0 && !p.graph.empty()) rest.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
   } catch (const std::exception& e) {
@@ -276,7 +283,7 @@ void Checkpointer::save(int64_t step, const State& state) {
   // 1. The plan, identical on every rank by construction; checked across ranks.
   std::vector<uint64_t> sizes;
   std::string layout = "world=" + std::to_string(world_) + ";";
-  for (const auto* list : {&state.model, &state.optimizer})
+  for (const auto* list : {&state.model, &state.optimizer, &state.extra})
     for (const auto& [name, t] : *list) {
       sizes.push_back(nbytes(t));
       layout += name + ":" + c10::toString(t.scalar_type()) + ":" + std::to_string(t.numel()) + ";";
@@ -321,6 +328,9 @@ void Checkpointer::save(int64_t step, const State& state) {
   }
   for (const auto& [name, t] : state.optimizer)
     if (owner[i++] == rank_) p->optimizer_shard.emplace_back(name, take("o:" + name, t));
+  for (const auto& [name, t] : state.extra)
+    if (owner[i++] == rank_) p->extra_shard.emplace_back(name, take("e:" + name, t));
+  p->has_extra = !state.extra.empty();
   const std::string prefix = "rank." + std::to_string(rank_) + ".";
   for (const auto& [name, t] : state.rank_tensors) p->rank_tensors.emplace_back(prefix + name, take("r:" + name, t));
   p->rank_meta[kRankStateKey] = state.rank_state.dump();
@@ -423,6 +433,18 @@ void Checkpointer::commit() {
   spdlog::info("checkpoint: step {} committed ({:.1f} MB in {} files; this rank wrote in {:.0f} ms) -> {}", p->step,
                total / 1e6, nfiles, p->write_ms, p->dir);
   if (rank_ == 0) cleanup(p->step);
+  if (corrupt_step_ == p->step) {
+    const std::string path = p->dir + "/" + model_file(rank_, world_);
+    const auto bytes = read_all(path);
+    if (!bytes.empty()) {
+      std::string flipped = bytes;
+      flipped[bytes.size() - bytes.size() / 3] ^= 0x20;
+      AtomicFile f(path);
+      f.write(flipped.data(), flipped.size());
+      f.commit();
+      spdlog::warn("fault injection: checkpoint_corruption: flipped a byte of {}", path);
+    }
+  }
 }
 
 void Checkpointer::cleanup(int64_t keep_step) {
@@ -465,8 +487,13 @@ Loaded read_step(const std::string& dir, int64_t rank) {
   if (L.meta.contains("state") && L.meta["state"].is_object()) L.state.shared = L.meta["state"];
   std::set<std::string> seen;
   // The shards are mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s on one core).
+  const bool has_extra = L.meta["files"].contains(extra_file(0, W));
   std::vector<std::string> names;
-  for (int64_t r = 0; r < W; ++r) names.push_back(model_file(r, W)), names.push_back(optimizer_file(r, W));
+  for (int64_t r = 0; r < W; ++r) {
+    names.push_back(model_file(r, W));
+    names.push_back(optimizer_file(r, W));
+    if (has_extra) names.push_back(extra_file(r, W));
+  }
   std::vector<SafetensorsFile> files(names.size());
   std::vector<std::string> errors(names.size());
   const size_t workers = std::max<size_t>(1, std::min<size_t>(names.size(), std::thread::hardware_concurrency()));
@@ -485,15 +512,13 @@ Loaded read_step(const std::string& dir, int64_t rank) {
   for (auto& t : pool) t.join();
   for (const auto& e : errors)
     if (!e.empty()) throw FormatError(e);
-  for (int64_t r = 0; r < W; ++r) {
-    for (bool model : {true, false}) {
-      const std::string name = model ? model_file(r, W) : optimizer_file(r, W);
-      auto& f = files[2 * r + (model ? 0 : 1)];
-      for (auto& [n, t] : f.tensors) {
-        if (!seen.insert((model ? "m:" : "o:") + n).second)
-          throw FormatError(dir + "/" + name + ": tensor \"" + n + "\" is also stored in another shard");
-        (model ? L.state.model : L.state.optimizer).emplace_back(n, std::move(t));
-      }
+  for (size_t k = 0; k < names.size(); ++k) {
+    const char kind = names[k][0];  // m(odel), o(ptimizer), e(xtra)
+    NamedTensors& into = kind == 'm' ? L.state.model : kind == 'o' ? L.state.optimizer : L.state.extra;
+    for (auto& [n, t] : files[k].tensors) {
+      if (!seen.insert(std::string(1, kind) + ":" + n).second)
+        throw FormatError(dir + "/" + names[k] + ": tensor \"" + n + "\" is also stored in another shard");
+      into.emplace_back(n, std::move(t));
     }
   }
   // The Hugging Face index must agree with the shards.

@@ -4,6 +4,7 @@
 //   step_<N>/model-0000r-of-0000W.safetensors     model tensors, sharded over the W ranks
 //   step_<N>/model.safetensors.index.json         Hugging Face's index: weight_map, metadata.total_size
 //   step_<N>/optimizer-0000r-of-0000W.safetensors optimizer state, sharded the same way
+//   step_<N>/extra-0000r-of-0000W.safetensors     State::extra (a library user's own tensors), if any
 //   step_<N>/rank-0000r.safetensors               rank r's own state (RNG states, data position)
 //                                                 under keys "rank.<r>." and its metadata
 //   step_<N>/graph.pt                             the traced module (checkpoint.save_graph)
@@ -62,6 +63,7 @@ class SaveError : public std::runtime_error {
 struct State {
   NamedTensors model;          // parameters and buffers, by name
   NamedTensors optimizer;      // optimizer state tensors, by name
+  NamedTensors extra;          // your own replicated tensors (sharded like the optimizer state)
   nlohmann::json shared = nlohmann::json::object();      // small replicated state (-> meta.json)
   NamedTensors rank_tensors;   // e.g. RNG states (stored as "rank.<r>.<name>")
   nlohmann::json rank_state = nlohmann::json::object();  // e.g. the data position
@@ -98,6 +100,7 @@ std::vector<StepInfo> list_steps(const std::string& dir);
 /// "model-00001-of-00002.safetensors" etc.
 std::string model_file(int64_t rank, int64_t world);
 std::string optimizer_file(int64_t rank, int64_t world);
+std::string extra_file(int64_t rank, int64_t world);
 std::string rank_file(int64_t rank);
 
 /// Owner rank of each tensor of `sizes` (bytes), balanced: largest first to the least-loaded
@@ -131,6 +134,9 @@ class Checkpointer {
   int64_t last_committed() const { return last_committed_; }
   /// Fault injection: this rank's next save fails while writing its model shard with `errno_value`.
   void inject_write_failure(int errno_value) { inject_errno_ = errno_value; }
+  /// Fault injection: after step `step` is committed, flip a byte in the middle of this rank's
+  /// model shard (silent corruption, found by the checksum on the next load).
+  void inject_corruption_after_commit(int64_t step) { corrupt_step_ = step; }
 
   /// Collective. Loads the newest committed step that verifies on every rank (or exactly
   /// `resume_from`, a step directory or step number, when non-empty). nullopt when there is
@@ -155,6 +161,7 @@ class Checkpointer {
   int64_t pending_step_ = -1;
   int64_t last_committed_ = -1;
   int inject_errno_ = 0;
+  int64_t corrupt_step_ = -1;
   std::map<std::string, torch::Tensor> staging_;  // async snapshot buffers, reused
   double last_blocking_ms_ = 0;
   double last_write_ms_ = 0;

@@ -175,7 +175,8 @@ void fsync_dir(const std::string& dir) {
   if (rc != 0 && e != EINVAL) fail(dir, "fsync of the directory failed", e);
 }
 
-std::string read_all(const std::string& path) {
+// Opens a regular file for reading; its size in `size`.
+int open_regular(const std::string& path, size_t& size) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) fail(path, "cannot open", errno);
   struct stat st {};
@@ -188,7 +189,14 @@ std::string read_all(const std::string& path) {
     ::close(fd);
     throw std::runtime_error(path + ": not a regular file");
   }
-  std::string out(static_cast<size_t>(st.st_size), '\0');
+  size = static_cast<size_t>(st.st_size);
+  return fd;
+}
+
+std::string read_all(const std::string& path) {
+  size_t size = 0;
+  const int fd = open_regular(path, size);
+  std::string out(size, '\0');
   size_t off = 0;
   while (off < out.size()) {
     ssize_t n = ::read(fd, &out[off], out.size() - off);
@@ -207,20 +215,10 @@ std::string read_all(const std::string& path) {
 }
 
 std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path, "cannot open", errno);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    fail(path, "cannot stat", e);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw std::runtime_error(path + ": not a regular file");
-  }
+  size_t size = 0;
+  const int fd = open_regular(path, size);
   std::shared_ptr<MappedFile> m(new MappedFile());
-  m->size_ = static_cast<size_t>(st.st_size);
+  m->size_ = size;
   if (m->size_ > 0) {
     // No MAP_POPULATE: on a writable private mapping it would copy every page up front; read
     // faults map the page-cache pages themselves.

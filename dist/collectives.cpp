@@ -2,6 +2,7 @@
 
 #include <cstring>
 #include <sstream>
+#include <thread>
 
 #include "dist/compat.h"
 
@@ -73,6 +74,13 @@ uint64_t fingerprint(const std::vector<int64_t>& words) {
 Collectives::Collectives(std::shared_ptr<Group> group, const std::string& validate)
     : group_(std::move(group)), mode_(validate) {}
 
+// NCCL moves only CUDA tensors: host tensors (validation probes, the per-step record,
+// checkpoint coordination, metric totals) travel through a copy on the group's device.
+torch::Tensor Collectives::on_comm_device(const torch::Tensor& t) const {
+  const torch::Device dev = group_->comm_device();
+  return t.device() == dev ? t.contiguous() : t.to(dev).contiguous();
+}
+
 bool Collectives::validating() const {
   return mode_ == "always" || (mode_ == "first_step" && step_ <= 1);
 }
@@ -100,14 +108,69 @@ std::string Collectives::describe(const Desc& d) const {
   return os.str();
 }
 
+namespace {
+// Keyed by the restart count, like the rendezvous (torchrun's agent store outlives a restart).
+std::string failed_key(const World& w, int64_t rank) {
+  return "keel/" + std::to_string(w.restart_count) + "/failed/" + std::to_string(rank);
+}
+std::string abort_key(const World& w) { return "keel/" + std::to_string(w.restart_count) + "/abort"; }
+}  // namespace
+
+std::string Collectives::missing_ranks(const std::string& what) {
+  const auto& store = group_->store();
+  if (!store || size() == 1) return "";
+  try {
+    const World& w = group_->world();
+    store->set(failed_key(w, rank()), std::vector<uint8_t>(what.begin(), what.end()));
+    store->set(abort_key(w), std::vector<uint8_t>(what.begin(), what.end()));
+    // The healthy ranks fail in the same collective at about the same time; give them a
+    // moment (at most 2 s, or a quarter of the timeout) to say so.
+    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(2000), group_->timeout() / 4);
+    const auto deadline = std::chrono::steady_clock::now() + grace;
+    std::string missing;
+    for (;;) {
+      missing.clear();
+      for (int64_t r = 0; r < size(); ++r)
+        if (!store->check({failed_key(w, r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    return missing;
+  } catch (const std::exception&) {
+    return "";  // the store is gone too (its host, rank 0 or the agent, died)
+  }
+}
+
+std::string Collectives::hang_until_peers_fail(std::chrono::milliseconds max_wait) {
+  const auto& store = group_->store();
+  const auto deadline = std::chrono::steady_clock::now() + max_wait;
+  while (std::chrono::steady_clock::now() < deadline) {
+    try {
+      if (!store || store->check({abort_key(group_->world())})) {
+        if (!store) return "";
+        auto v = store->get(abort_key(group_->world()));
+        return std::string(v.begin(), v.end());
+      }
+    } catch (const std::exception& e) {
+      return std::string("the store is unreachable: ") + e.what();
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  return "";
+}
+
 void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
   try {
     w->wait(group_->timeout());
   } catch (const std::exception& e) {
     std::string what = e.what();
-    throw CollectiveError("[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " + d.what +
-                          ": " + describe(d) + " at step " + std::to_string(step_) + " failed: " +
-                          what.substr(0, what.find('\n')));
+    std::string msg = "[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " + d.what + ": " +
+                      describe(d) + " at step " + std::to_string(step_) + " failed: " + what.substr(0, what.find('\n'));
+    const std::string missing = missing_ranks(msg);
+    if (!missing.empty())
+      msg += "; rank(s) " + missing + " never reached or never finished this collective (hung or dead; dist.timeout_s = " +
+             std::to_string(group_->timeout().count() / 1000) + ")";
+    throw CollectiveError(msg);
   }
 }
 
@@ -116,7 +179,7 @@ void Collectives::check(const Desc& d_in) {
   d.seq = static_cast<int64_t>(seq_++);
   if (!validating()) return;
   const int64_t f = static_cast<int64_t>(fingerprint(d.words()));
-  auto pair = torch::tensor({f, -f}, torch::kLong);
+  auto pair = on_comm_device(torch::tensor({f, -f}, torch::kLong));
   std::vector<at::Tensor> v{pair};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MIN;
@@ -124,14 +187,16 @@ void Collectives::check(const Desc& d_in) {
   probe.what = "validation of a collective";
   probe.seq = d.seq;
   wait(group_->pg()->allreduce(v, o), probe);
+  pair = pair.cpu();
   const int64_t mn = pair[0].item<int64_t>(), mx = -pair[1].item<int64_t>();
   if (mn == mx) return;
   // Mismatch: exchange the descriptors to say who wanted what.
-  auto mine = torch::tensor(d.words(), torch::kLong);
+  auto mine = on_comm_device(torch::tensor(d.words(), torch::kLong));
   std::vector<std::vector<at::Tensor>> out(1);
   for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
   std::vector<at::Tensor> in{mine};
   wait(group_->pg()->allgather(out, in), probe);
+  for (auto& o : out[0]) o = o.cpu();
   std::ostringstream os;
   os << "collective mismatch at step " << step_ << " (" << d.what << "):";
   for (int64_t r = 0; r < size(); ++r)
@@ -146,10 +211,12 @@ void Collectives::all_reduce(torch::Tensor& t, ReduceOp op, const char* what) {
   d.reduce = static_cast<int64_t>(op);
   d.what = what;
   check(d);
-  std::vector<at::Tensor> v{t};
+  torch::Tensor c = on_comm_device(t);
+  std::vector<at::Tensor> v{c};
   c10d::AllreduceOptions o;
   o.reduceOp = op == ReduceOp::Min ? c10d::ReduceOp::MIN : op == ReduceOp::Max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
   wait(group_->pg()->allreduce(v, o), d);
+  if (!c.is_same(t)) t.copy_(c);
   if (op == ReduceOp::Avg) t.div_(static_cast<double>(size()));
 }
 
@@ -159,10 +226,12 @@ void Collectives::broadcast(torch::Tensor& t, int64_t root, const char* what) {
   d.root = root;
   d.what = what;
   check(d);
-  std::vector<at::Tensor> v{t};
+  torch::Tensor c = on_comm_device(t);
+  std::vector<at::Tensor> v{c};
   c10d::BroadcastOptions o;
   o.rootRank = root;
   wait(group_->pg()->broadcast(v, o), d);
+  if (!c.is_same(t)) t.copy_(c);
 }
 
 std::vector<torch::Tensor> Collectives::all_gather(const torch::Tensor& t, const char* what) {
@@ -170,10 +239,13 @@ std::vector<torch::Tensor> Collectives::all_gather(const torch::Tensor& t, const
   Desc d = Desc::of(OpCode::AllGather, t);
   d.what = what;
   check(d);
+  torch::Tensor c = on_comm_device(t);
   std::vector<std::vector<at::Tensor>> out(1);
-  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(t));
-  std::vector<at::Tensor> in{t.contiguous()};
+  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(c));
+  std::vector<at::Tensor> in{c};
   wait(group_->pg()->allgather(out, in), d);
+  for (auto& o : out[0])
+    if (o.device() != t.device()) o = o.to(t.device());
   return out[0];
 }
 
@@ -185,7 +257,7 @@ void Collectives::barrier(const char* what) {
   check(d);
   // A barrier is an all-reduce of one element: Gloo's barrier does not take the timeout
   // from the options on every version, an all-reduce does.
-  auto one = torch::ones({1});
+  auto one = on_comm_device(torch::ones({1}));
   std::vector<at::Tensor> v{one};
   wait(group_->pg()->allreduce(v), d);
 }
@@ -238,10 +310,13 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   auto mine = torch::tensor({static_cast<int64_t>(fingerprint(d.words())), step, d.extra, loss_bits,
                              int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
                             torch::kLong);
+  mine = on_comm_device(mine);
   std::vector<std::vector<at::Tensor>> out(1);
   for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
   std::vector<at::Tensor> in{mine};
   wait(group_->pg()->allgather(out, in), d);
+  for (auto& o : out[0]) o = o.cpu();
+  mine = mine.cpu();
   bool agree = true;
   double sum = 0;
   c.all_flags = ~0u;

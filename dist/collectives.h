@@ -13,11 +13,16 @@
 // checks the step number and the bucket plan before the optimizer applies the gradients.
 //
 // dist.validate: always (every call), first_step (calls made while step <= 1), off.
+//
+// A collective that fails (dist.timeout_s passed, or a peer's connection dropped) raises
+// CollectiveError on this rank naming the op, the step and the ranks that never reported a
+// failure of their own through the store within a short grace period: the hung or dead ones.
 // Thread-compatible: one thread issues collectives (as c10d requires of a group).
 #pragma once
 
 #include <torch/torch.h>
 
+#include <chrono>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -81,11 +86,20 @@ class Collectives {
   StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
                           uint32_t flags = 0);
 
+  /// Fault injection (collective_hang): this rank stops taking part in collectives and waits
+  /// until a peer reports a failed collective through the store (or `max_wait` passes).
+  /// Returns what the peer reported.
+  std::string hang_until_peers_fail(std::chrono::milliseconds max_wait);
+
  private:
   struct Desc;
   void check(const Desc& d);
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
   std::string describe(const Desc& d) const;
+  torch::Tensor on_comm_device(const torch::Tensor& t) const;
+  // After a failed collective: records this rank's failure in the store and waits briefly for
+  // the other ranks to do the same; returns the ranks that did not (hung or dead).
+  std::string missing_ranks(const std::string& what);
 
   std::shared_ptr<Group> group_;
   std::string mode_;

@@ -24,7 +24,9 @@ std::string local_hostname() {
 // arrives is named in the error instead of leaving the others blocked forever.
 void wait_for_all_ranks(c10d::Store& store, const World& w, std::chrono::milliseconds timeout,
                         const std::string& where) {
-  const std::string prefix = "keel/joined/";
+  // Keyed by the restart count: torchrun's agent store outlives a restart, the keys of the
+  // previous round must not count.
+  const std::string prefix = "keel/" + std::to_string(w.restart_count) + "/joined/";
   store.set(prefix + std::to_string(w.rank), std::vector<uint8_t>{1});
   std::vector<std::string> keys;
   for (int64_t r = 0; r < w.size; ++r) keys.push_back(prefix + std::to_string(r));
@@ -104,6 +106,7 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   }
 #ifdef KEEL_WITH_CUDA
   else {
+    g->comm_device_ = device;
     g->pg_ = compat::make_nccl_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size),
                                      g->timeout_);
   }

@@ -39,6 +39,8 @@ class Group {
   const World& world() const { return world_; }
   const std::string& backend() const { return backend_; }
   std::chrono::milliseconds timeout() const { return timeout_; }
+  /// Where the backend wants tensors: the rank's CUDA device for NCCL, else the CPU.
+  const torch::Device& comm_device() const { return comm_device_; }
   /// The c10d group; null when size() == 1.
   const c10::intrusive_ptr<c10d::ProcessGroup>& pg() const { return pg_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
@@ -48,6 +50,7 @@ class Group {
   World world_;
   std::string backend_ = "none";
   std::chrono::milliseconds timeout_{300000};
+  torch::Device comm_device_{torch::kCPU};
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   bool mpi_initialized_here_ = false;

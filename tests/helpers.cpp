@@ -1,6 +1,11 @@
 #include "helpers.h"
 
+#include <nlohmann/json.hpp>
+
+#include <arpa/inet.h>
 #include <fcntl.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -99,6 +104,49 @@ ProcResult run_keel(const std::vector<std::string>& args, const std::vector<std:
   std::vector<std::string> argv = {KEEL_BINARY};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, env, timeout_s);
+}
+
+int free_port() {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  a.sin_port = 0;
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a);
+  socklen_t len = sizeof a;
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  int port = ntohs(a.sin_port);
+  close(fd);
+  return port;
+}
+
+ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, const std::string& log_dir,
+                             int max_restarts, double timeout_s) {
+  // Not --standalone: it always puts the rendezvous store on port 29400, so two jobs running
+  // at once (ctest -j) would share it and one would lose it when the other ends.
+  std::vector<std::string> argv = {"/usr/bin/env", "torchrun", "--nnodes=1", "--rdzv_backend=c10d",
+                                   "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_port()),
+                                   "--rdzv_id=keel-test-" + std::to_string(::getpid()), "--nproc_per_node=" + std::to_string(nproc),
+                                   "--max_restarts=" + std::to_string(max_restarts), "--no_python", "--redirects", "1",
+                                   "--tee", "1", "--log_dir", log_dir, KEEL_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, {}, timeout_s);
+}
+
+std::string summary_field(const std::string& run_dir, const std::string& key) {
+  auto j = nlohmann::json::parse(read_text(run_dir + "/summary.json"));
+  return j.contains(key) ? j[key].dump() : "<absent>";
+}
+
+std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir) {
+  std::vector<std::pair<long, double>> out;
+  std::ifstream in(run_dir + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    out.emplace_back(j["step"].get<long>(), j["loss"].get<double>());
+  }
+  return out;
 }
 
 void write_text(const std::string& path, const std::string& text) {

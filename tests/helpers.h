@@ -3,6 +3,7 @@
 #pragma once
 
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace keel::testing {
@@ -44,6 +45,18 @@ ProcResult run_process(const std::vector<std::string>& argv, const std::vector<s
 /// Runs build/keel with `args`.
 ProcResult run_keel(const std::vector<std::string>& args, const std::vector<std::string>& env = {},
                     double timeout_s = 300);
+
+/// A TCP port that was free a moment ago on 127.0.0.1.
+int free_port();
+
+/// Runs build/keel `args` under torchrun (--standalone, `nproc` ranks, --max_restarts,
+/// Debian's required --redirects/--tee/--log_dir).
+ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, const std::string& log_dir,
+                             int max_restarts = 0, double timeout_s = 300);
+
+/// A training run's files: RUN/summary.json, and (step, loss) of every line of RUN/metrics.jsonl.
+std::string summary_field(const std::string& run_dir, const std::string& key);
+std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir);
 
 void write_text(const std::string& path, const std::string& text);
 std::string read_text(const std::string& path);

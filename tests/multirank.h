@@ -20,8 +20,6 @@
 namespace keel::testing {
 
 bool is_rank_process();
-/// A TCP port that was free a moment ago on 127.0.0.1.
-int free_port();
 std::vector<ProcResult> run_ranks(int n, const std::function<void(const keel::dist::World&)>& body,
                                   double timeout_s = 120, const std::vector<std::string>& extra_env = {});
 /// Runs build/keel `args` as `n` ranks with torchrun's environment (a fresh port); returns each

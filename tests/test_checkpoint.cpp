@@ -22,6 +22,7 @@
 #include "multirank.h"
 #include "models/model.h"
 #include "trainer/optim.h"
+#include "trainer/trainer.h"
 
 #include <torch/script.h>
 
@@ -51,6 +52,17 @@ std::string parse_error(const std::string& bytes) {
   try {
     parse_safetensors_header(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), bytes.size(), "f");
   } catch (const FormatError& e) {
+    return e.what();
+  }
+  return "";
+}
+
+// The message of the E that `f` throws ("" when it throws none).
+template <class E = std::exception, class F>
+std::string error_of(F&& f) {
+  try {
+    f();
+  } catch (const E& e) {
     return e.what();
   }
   return "";
@@ -102,13 +114,9 @@ TEST(Safetensors, ChecksumMismatchNamesTheFile) {
   TempDir d;
   auto w = write_safetensors(d.file("a.safetensors"), {{"x", torch::ones({64})}});
   flip_byte(d.file("a.safetensors"), 3);
-  try {
-    read_safetensors(d.file("a.safetensors"), w.sha256);
-    FAIL() << "no error";
-  } catch (const FormatError& e) {
-    EXPECT_NE(std::string(e.what()).find(d.file("a.safetensors")), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
-  }
+  const std::string e = error_of<FormatError>([&] { read_safetensors(d.file("a.safetensors"), w.sha256); });
+  EXPECT_NE(e.find(d.file("a.safetensors")), std::string::npos) << e;
+  EXPECT_NE(e.find("checksum mismatch"), std::string::npos) << e;
 }
 
 TEST(SafetensorsHeader, RefusesEveryKindOfBadHeader) {
@@ -258,12 +266,8 @@ TEST(Checkpointer, CorruptOrTruncatedNewestStepFallsBackToThePrevious) {
     ASSERT_TRUE(L.has_value());
     EXPECT_EQ(L->step, 4) << (truncate ? "truncated" : "flipped");
     // An explicit resume_from of the bad step is an error naming the file.
-    try {
-      c.load("8");
-      FAIL() << "no error";
-    } catch (const std::runtime_error& e) {
-      EXPECT_NE(std::string(e.what()).find("optimizer-00001-of-00001.safetensors"), std::string::npos) << e.what();
-    }
+    const std::string e = error_of<std::runtime_error>([&] { c.load("8"); });
+    EXPECT_NE(e.find("optimizer-00001-of-00001.safetensors"), std::string::npos) << e;
   }
 }
 
@@ -285,12 +289,8 @@ TEST(Checkpointer, IndexEntriesOutsideTheDirectoryAreRefused) {
   meta["files"]["model.safetensors.index.json"]["bytes"] = index.dump().size();
   write_text(d.file("ck/step_4/meta.json"), meta.dump());
   Checkpointer c(o, local_collectives());
-  try {
-    c.load("step_4");
-    FAIL() << "no error";
-  } catch (const std::runtime_error& e) {
-    EXPECT_NE(std::string(e.what()).find("points outside the checkpoint directory"), std::string::npos) << e.what();
-  }
+  const std::string e = error_of<std::runtime_error>([&] { c.load("step_4"); });
+  EXPECT_NE(e.find("points outside the checkpoint directory"), std::string::npos) << e;
 }
 
 TEST(Checkpointer, WriteFailureCommitsNothingAndKeepsThePrevious) {
@@ -416,12 +416,9 @@ std::vector<std::pair<int64_t, double>> losses_of(const std::string& dir) {
 TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
   TempDir d;
   auto torchrun = [&](const std::string& sub, std::vector<std::string> extra) {
-    std::vector<std::string> argv = {"/usr/bin/env", "torchrun", "--standalone", "--nproc_per_node=2",
-                                     "--max_restarts=2", "--no_python", "--redirects", "1", "--tee", "1",
-                                     "--log_dir", d.file(sub + "/logs"), KEEL_BINARY};
-    for (auto& a : train_args(d.file(sub), 40, 10)) argv.push_back(a);
-    for (auto& a : extra) argv.push_back(a);
-    return run_process(argv, {}, 300);
+    auto args = train_args(d.file(sub), 40, 10);
+    args.insert(args.end(), extra.begin(), extra.end());
+    return run_torchrun_keel(2, args, d.file(sub + "/logs"), /*max_restarts=*/2);
   };
   auto clean = torchrun("clean", {});
   ASSERT_EQ(clean.exit_code, 0) << clean.output;
@@ -632,18 +629,64 @@ TEST(CheckpointGraph, SaveGraphStoresAServableTracedModule) {
   auto cnn = keel::models::create_model(other, keel::models::InputKind::Image);
   NamedTensors cnn_targets;
   for (auto& [n, t] : cnn->named_parameters()) cnn_targets.emplace_back(n, t);
-  try {
-    copy_into(cnn_targets, tensors, step);
-    FAIL() << "no error";
-  } catch (const BindError& e) {
-    EXPECT_NE(std::string(e.what()).find("missing from the checkpoint"), std::string::npos) << e.what();
-    EXPECT_NE(std::string(e.what()).find("unexpected (not in the model)"), std::string::npos) << e.what();
-  }
+  const std::string e = error_of<BindError>([&] { copy_into(cnn_targets, tensors, step); });
+  EXPECT_NE(e.find("missing from the checkpoint"), std::string::npos) << e;
+  EXPECT_NE(e.find("unexpected (not in the model)"), std::string::npos) << e;
   // save_graph without compile.mode = trace is a config error.
   auto bad = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--checkpoint.dir=" + d.file("x"),
                        "--checkpoint.save_graph=true"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.output.find("compile.mode"), std::string::npos) << bad.output;
+}
+
+// keel as a library: the Trainer's checkpoints carry your own state (Callbacks::save_state /
+// load_state) and tell you when a step is committed (on_checkpoint).
+TEST(TrainerCheckpoints, CallbacksSaveAndRestoreYourOwnState) {
+  TempDir d;
+  keel::Config cfg;
+  cfg.run.dir = d.file("run");
+  cfg.run.threads = 1;
+  cfg.model.name = "mlp";
+  cfg.data.name = "synthetic";
+  cfg.data.synthetic_size = 512;
+  cfg.train.steps = 6;
+  cfg.train.batch_size = 16;
+  cfg.checkpoint.dir = d.file("ck");
+  cfg.checkpoint.interval = 3;
+  keel::validate(cfg);
+  std::vector<int64_t> committed;
+  int saves = 0;
+  keel::Callbacks cb;
+  cb.on_checkpoint = [&](int64_t step, const std::string& dir) {
+    committed.push_back(step);
+    EXPECT_TRUE(exists(dir + "/meta.json")) << dir;
+  };
+  cb.save_state = [&](State& st) {
+    ++saves;
+    st.extra.emplace_back("user.ema", torch::full({3}, float(saves)));
+    st.shared["user"] = {{"saves", saves}};
+    st.rank_tensors.emplace_back("user.noise", torch::arange(4));
+  };
+  keel::Trainer(cfg, keel::dist::World{}, cb).run();
+  EXPECT_EQ(committed, (std::vector<int64_t>{3, 6}));
+  EXPECT_TRUE(exists(d.file("ck/step_6/extra-00001-of-00001.safetensors")));
+
+  cfg.train.steps = 9;
+  bool loaded = false;
+  keel::Callbacks cb2;
+  cb2.load_state = [&](const State& st) {
+    loaded = true;
+    ASSERT_EQ(st.extra.size(), 1u);
+    EXPECT_EQ(st.extra[0].first, "user.ema");
+    EXPECT_TRUE(torch::equal(st.extra[0].second, torch::full({3}, 2.f)));
+    EXPECT_EQ(st.shared["user"]["saves"], 2);
+    bool noise = false;
+    for (const auto& [n, t] : st.rank_tensors) noise |= n == "user.noise" && torch::equal(t, torch::arange(4));
+    EXPECT_TRUE(noise);
+  };
+  auto s = keel::Trainer(cfg, keel::dist::World{}, cb2).run();
+  EXPECT_TRUE(loaded);
+  EXPECT_EQ(s["resumed_from_step"], 6);
 }
 
 }  // namespace

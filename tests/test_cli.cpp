@@ -151,4 +151,20 @@ TEST(CliBadInput, PartialLauncherEnvironment) {
                      "missing MASTER_ADDR");
 }
 
+// keel plot: PNG curves from metrics.jsonl (loss, throughput, loss scale, per-rank compute).
+TEST(KeelPlot, WritesPngCurvesFromMetrics) {
+  TempDir d;
+  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=12", "--train.batch_size=16",
+                     "--train.eval_interval=6", "--amp.loss_scaling=dynamic", "--run.threads=1", "--run.dir=" + d.file("run")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto p = run_keel({"plot", d.file("run")});
+  ASSERT_EQ(p.exit_code, 0) << p.output;
+  for (const char* f : {"loss.png", "throughput.png", "loss_scale.png"}) {
+    const std::string png = keel::testing::read_text(d.file(std::string("run/plots/") + f));
+    ASSERT_GT(png.size(), 2000u) << f;
+    EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8)) << f;  // the PNG signature
+  }
+  EXPECT_EQ(run_keel({"plot", d.file("no-such-run")}).exit_code, 2);
+}
+
 }  // namespace

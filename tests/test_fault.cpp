@@ -8,6 +8,13 @@
 #include "multirank.h"
 #include "trainer/config.h"
 #include "trainer/fault.h"
+#include "checkpoint/checkpoint.h"
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <signal.h>
 
 using keel::FaultPlan;
 using namespace keel::testing;
@@ -32,12 +39,21 @@ TEST(FaultPlan, ParsesEntriesAndFiresOncePerJob) {
   EXPECT_FALSE(p.fires("nonfinite_grad", 5, 1, /*restart_count=*/1));  // not again after a restart
   EXPECT_TRUE(p.fires("nonfinite_grad", 7, 0, 2));                      // unless `always`
   EXPECT_TRUE(FaultPlan({}, 1).entries().empty());
+  // restart=K: only in the K-th restart; straggler lasts from its step on.
+  FaultPlan q({"crash@step=9,rank=1,restart=2", "straggler@step=4,rank=0,ms=30"}, 2);
+  EXPECT_FALSE(q.fires("crash", 9, 1, 0));
+  EXPECT_TRUE(q.fires("crash", 9, 1, 2));
+  EXPECT_FALSE(q.fires("crash", 9, 1, 3));
+  EXPECT_EQ(q.active("straggler", 3, 0, 0), nullptr);
+  ASSERT_NE(q.active("straggler", 10, 0, 0), nullptr);
+  EXPECT_EQ(q.active("straggler", 10, 0, 0)->ms, 30);
+  EXPECT_NE(q.any_rank("crash", 9, 2), nullptr);
 }
 
 TEST(FaultPlan, BadEntriesNameTheEntry) {
   EXPECT_NE(plan_error({"nonfinite_grad"}).find("missing '@'"), std::string::npos);
   EXPECT_NE(plan_error({"meteor@step=1,rank=0"}).find("unknown fault type 'meteor'"), std::string::npos);
-  EXPECT_NE(plan_error({"oom@step=1,rank=0"}).find("not implemented"), std::string::npos);
+  EXPECT_NE(plan_error({"crash@step=1,rank=0,always,restart=1"}).find("exclude each other"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@rank=0"}).find("step=S"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@step=x,rank=0"}).find("non-negative integer"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@step=1,rank=2"}, 2).find("rank 2 does not exist"), std::string::npos);
@@ -86,6 +102,173 @@ TEST(FaultNonfiniteGrad, SkipNonfiniteSkipsOnEveryRank) {
   auto s = nlohmann::json::parse(read_text(d.file("run/summary.json")));
   EXPECT_EQ(s["skipped_steps"], 1);
   EXPECT_TRUE(std::isfinite(s["final_loss"].get<double>()));
+}
+
+// ---- the other fault types (docs/faults.md) --------------------------------------------------
+
+std::vector<std::string> run_args(const std::string& dir, int steps, std::vector<std::string> extra) {
+  std::vector<std::string> a = {"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=" + std::to_string(steps),
+                                "--train.batch_size=16", "--run.threads=1", "--run.dir=" + dir + "/run",
+                                "--dist.timeout_s=30"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+TEST(FaultCollectiveHang, PeersTimeOutNamingTheCollectiveAndTheMissingRank) {
+  TempDir d;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=collective_hang@step=5,rank=1", "--dist.timeout_s=6"}));
+  const double s = seconds_since(t0);
+  for (auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_FALSE(r.timed_out) << r.output;
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+  }
+  EXPECT_NE(ranks[0].output.find("step_sync at step 5"), std::string::npos) << ranks[0].output;
+  EXPECT_NE(ranks[0].output.find("rank(s) 1 never reached or never finished this collective"), std::string::npos)
+      << ranks[0].output;
+  EXPECT_NE(ranks[1].output.find("collective_hang: rank 1 stopped at step 5; its peers gave up"), std::string::npos)
+      << ranks[1].output;
+  std::printf("collective_hang, dist.timeout_s = 6: both ranks ended %.1f s after launch\n", s);
+}
+
+TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRank) {
+  TempDir d;
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=crash@step=5,rank=1"}));
+  const double s = seconds_since(t0);
+  EXPECT_TRUE(ranks[1].signaled);
+  EXPECT_EQ(ranks[1].signal, SIGKILL);
+  EXPECT_FALSE(ranks[0].signaled) << ranks[0].output;
+  EXPECT_EQ(ranks[0].exit_code, 1) << ranks[0].output;
+  EXPECT_NE(ranks[0].output.find("rank(s) 1 never reached or never finished"), std::string::npos) << ranks[0].output;
+  std::printf("crash: the surviving rank ended %.1f s after launch (dist.timeout_s = 30)\n", s);
+}
+
+TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
+  TempDir d;
+  auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=oom@step=5,rank=1", "--checkpoint.dir=" + d.file("ck"),
+                                                  "--checkpoint.interval=2"}));
+  for (auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+  }
+  EXPECT_NE(ranks[1].output.find("out of memory at step 5 on rank 1"), std::string::npos) << ranks[1].output;
+  EXPECT_NE(ranks[1].output.find("70368744177664 bytes"), std::string::npos) << ranks[1].output;
+  EXPECT_NE(ranks[1].output.find("the last committed checkpoint is step 4 (intact)"), std::string::npos) << ranks[1].output;
+  EXPECT_TRUE(keel::checkpoint::verify_step(d.file("ck/step_4")).empty());
+}
+
+TEST(FaultShapeMismatch, CaughtByValidationOnEveryRankWithBothShapes) {
+  TempDir d;
+  auto ranks = keel_ranks(run_args(d.path(), 10, {"--fault.inject=shape_mismatch@step=3,rank=1"}));
+  for (auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("collective mismatch at step 3"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("rank 0: all_reduce(sum) Float [4]"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("rank 1: all_reduce(sum) Float [5]"), std::string::npos) << r.output;
+  }
+}
+
+TEST(FaultGraphBreak, FullgraphStopsEveryRankOtherwiseTheRankFallsBack) {
+  TempDir d;
+  auto ranks = keel_ranks(run_args(d.path(), 6, {"--fault.inject=graph_break@step=1,rank=1", "--compile.mode=trace",
+                                                 "--compile.fullgraph=true"}));
+  for (auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+  }
+  EXPECT_NE(ranks[1].output.find("compile (fullgraph): graph break"), std::string::npos) << ranks[1].output;
+  EXPECT_NE(ranks[0].output.find("compile failed on rank 1"), std::string::npos) << ranks[0].output;
+  auto soft = keel_ranks(run_args(d.file("soft"), 6, {"--fault.inject=graph_break@step=1,rank=1", "--compile.mode=trace"}));
+  for (auto& r : soft) ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(soft[1].output.find("graph break"), std::string::npos) << soft[1].output;
+  EXPECT_NE(soft[1].output.find("training the eager model instead"), std::string::npos) << soft[1].output;
+}
+
+TEST(FaultStraggler, RunCompletesAndTheSlowRankIsNamed) {
+  TempDir d;
+  auto ranks = keel_ranks(run_args(d.path(), 40, {"--fault.inject=straggler@step=2,rank=1,ms=40"}));
+  for (auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(ranks[0].output.find("rank 1 is consistently slower"), std::string::npos) << ranks[0].output;
+  // metrics.jsonl: each rank's compute time per step; rank 1's includes the 40 ms sleep.
+  std::ifstream in(d.file("run/metrics.jsonl"));
+  std::string line;
+  int slower = 0, lines = 0;
+  while (std::getline(in, line)) {
+    auto j = nlohmann::json::parse(line);
+    if (j["step"].get<int>() < 3) continue;
+    ++lines;
+    slower += j["rank_compute_ms"][1].get<double>() > j["rank_compute_ms"][0].get<double>() + 30.0;
+  }
+  EXPECT_EQ(slower, lines);
+}
+
+// checkpoint_corruption: rank 1 flips a byte of its model shard right after step 10 is
+// committed; rank 0 is killed at step 13; torchrun restarts the job, which must detect the
+// corrupt step 10 by its checksum, warn naming the file, resume from step 5 and still end
+// bit-identical to a clean run.
+TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) {
+  TempDir d;
+  auto args = [&](const std::string& sub, std::vector<std::string> extra) {
+    auto a = run_args(d.file(sub), 20, {"--checkpoint.dir=" + d.file(sub + "/ck"), "--checkpoint.interval=5"});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
+  auto r = run_torchrun_keel(2, args("bad", {"--fault.inject=checkpoint_corruption@step=10,rank=1",
+                                             "--fault.inject=crash@step=13,rank=0"}),
+                             d.file("bad/logs"), /*max_restarts=*/1);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("step_10/model-00002-of-00002.safetensors: checksum mismatch"), std::string::npos) << r.output;
+  EXPECT_EQ(summary_field(d.file("bad/run"), "resumed_from_step"), "5");
+  EXPECT_EQ(metrics_losses(d.file("clean/run")), metrics_losses(d.file("bad/run")));
+  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
+    EXPECT_EQ(keel::checkpoint::sha256_file(d.file(std::string("clean/ck/step_20/") + f)),
+              keel::checkpoint::sha256_file(d.file(std::string("bad/ck/step_20/") + f)))
+        << f;
+}
+
+// The chaos test: a 2-rank torchrun job with restarts, in which a rank is SIGKILLed at three
+// random steps (one per restart, random ranks, async checkpoints every 4 steps): its final
+// parameters, optimizer state and every loss equal an uninterrupted run's, bit for bit.
+TEST(FaultChaos, RandomKillsUnderTorchrunEndBitIdenticalToACleanRun) {
+  TempDir d;
+  const unsigned seed = std::random_device{}();
+  std::mt19937 gen(seed);
+  std::vector<std::string> kills;
+  int step = 0;
+  for (int restart = 0; restart < 3; ++restart) {
+    step += 3 + static_cast<int>(gen() % 7);  // 3..9 steps after the previous kill
+    kills.push_back("--fault.inject=crash@step=" + std::to_string(step) + ",rank=" + std::to_string(gen() % 2) +
+                    ",restart=" + std::to_string(restart));
+  }
+  std::string plan;
+  for (auto& k : kills) plan += " " + k;
+  SCOPED_TRACE("seed " + std::to_string(seed) + ":" + plan);
+  std::printf("chaos plan (seed %u):%s\n", seed, plan.c_str());
+  auto args = [&](const std::string& sub, std::vector<std::string> extra) {
+    auto a = run_args(d.file(sub), 32, {"--checkpoint.dir=" + d.file(sub + "/ck"), "--checkpoint.interval=4",
+                                        "--checkpoint.async=true"});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
+  auto r = run_torchrun_keel(2, args("chaos", kills), d.file("chaos/logs"), /*max_restarts=*/3);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(summary_field(d.file("chaos/run"), "restart_count"), "3");
+  EXPECT_EQ(metrics_losses(d.file("clean/run")), metrics_losses(d.file("chaos/run")));
+  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
+    EXPECT_EQ(keel::checkpoint::sha256_file(d.file(std::string("clean/ck/step_32/") + f)),
+              keel::checkpoint::sha256_file(d.file(std::string("chaos/ck/step_32/") + f)))
+        << f;
 }
 
 }  // namespace

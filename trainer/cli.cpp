@@ -11,6 +11,7 @@
 #include "dist/world.h"
 #include "keel/version.h"
 #include "trainer/config.h"
+#include "trainer/plot.h"
 #include "trainer/trainer.h"
 
 namespace keel {
@@ -34,6 +35,10 @@ int run_cli(int argc, char** argv) {
 
   auto* reference = app.add_subcommand("config-reference", "print every config key as Markdown (docs/config.md)");
   auto* train = app.add_subcommand("train", "train a model described by a TOML config");
+  auto* plot = app.add_subcommand("plot", "PNG curves of a run (loss, throughput, loss scale) from its metrics.jsonl");
+  std::string plot_dir, plot_out;
+  plot->add_option("run_dir", plot_dir, "a run directory (run.dir)")->required();
+  plot->add_option("--out", plot_out, "where to write the PNGs (default RUN_DIR/plots)");
   auto* inspect = app.add_subcommand("inspect", "list checkpoint steps: committed, checksums verified, tensors");
   std::string inspect_dir;
   bool inspect_json = false;
@@ -84,6 +89,18 @@ int run_cli(int argc, char** argv) {
   if (reference->parsed()) {
     std::cout << config_reference_markdown();
     return 0;
+  }
+  if (plot->parsed()) {
+    try {
+      for (const auto& f : plot_run(plot_dir, plot_out)) std::cout << f << "\n";
+      return 0;
+    } catch (const InputError& e) {
+      std::cerr << "keel: error: " << e.what() << "\n";
+      return kExitInput;
+    } catch (const std::exception& e) {
+      std::cerr << "keel: error: " << e.what() << "\n";
+      return kExitFailure;
+    }
   }
   if (inspect->parsed()) {
     // Exit 0: every committed step verifies; 1: some step is corrupt or uncommitted; 2: no

@@ -335,6 +335,9 @@ void validate(Config& cfg) {
   if (cfg.compile.cuda_graphs) fail("compile.cuda_graphs = true needs a CUDA build of keel");
   if (cfg.amp.dtype == "fp16")
     fail("amp.dtype = \"fp16\" needs CUDA (fp16 autocast is CUDA-only); this build is CPU-only: use \"bf16\"");
+#else
+  // Not built yet (it needs a GPU to develop and verify): refused rather than ignored.
+  if (cfg.compile.cuda_graphs) fail("compile.cuda_graphs = true is not implemented in keel yet; remove it");
 #endif
   // fault.inject syntax and types (the rank bound is checked when the world size is known).
   FaultPlan(cfg.fault.inject, std::numeric_limits<int64_t>::max());

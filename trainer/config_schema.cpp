@@ -145,15 +145,15 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("amp", &C::amp, "growth_interval", &AmpConfig::growth_interval, "clean steps between scale growths"), 1, 1e12);
 
   // [checkpoint]
-  b.add("checkpoint", &C::checkpoint, "dir", &CheckpointConfig::dir, "checkpoint root directory; \"\" = no checkpoints");
+  b.add("checkpoint", &C::checkpoint, "dir", &CheckpointConfig::dir, "checkpoint root directory; \"\" = no checkpoints; a run whose directory holds committed steps resumes from the newest (docs/checkpoints.md)");
   range(b.add("checkpoint", &C::checkpoint, "interval", &CheckpointConfig::interval, "steps between saves; 0 = only the final save"), 0, 1e12);
   range(b.add("checkpoint", &C::checkpoint, "keep", &CheckpointConfig::keep, "committed steps to keep (at least 2 with async saves)"), 1, 1e6);
   b.add("checkpoint", &C::checkpoint, "async", &CheckpointConfig::async, "write checkpoints in a background thread");
-  b.add("checkpoint", &C::checkpoint, "resume_from", &CheckpointConfig::resume_from, "step directory to resume from; \"\" = the newest committed step");
-  b.add("checkpoint", &C::checkpoint, "save_graph", &CheckpointConfig::save_graph, "also store the traced TorchScript module (compile.mode = trace)");
+  b.add("checkpoint", &C::checkpoint, "resume_from", &CheckpointConfig::resume_from, "step directory or step number to resume from (an error if it does not load); \"\" = the newest committed step that verifies");
+  b.add("checkpoint", &C::checkpoint, "save_graph", &CheckpointConfig::save_graph, "also store the traced TorchScript module as graph.pt (needs compile.mode = \"trace\")");
 
   // [fault]
-  b.add("fault", &C::fault, "inject", &FaultConfig::inject, "faults to inject: TYPE@step=S,rank=R entries (repeat the option for several)");
+  b.add("fault", &C::fault, "inject", &FaultConfig::inject, "faults to inject: TYPE@step=S,rank=R[,always][,restart=K][,ms=M] entries, TYPE one of collective_hang, crash, oom, nonfinite_grad, shape_mismatch, checkpoint_write_failure, checkpoint_corruption, graph_break, straggler (docs/faults.md; repeat the option for several)");
   return v;
 }
 

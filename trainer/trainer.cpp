@@ -119,6 +119,32 @@ torch::Tensor lm_or_class_loss(const torch::Tensor& logits, const torch::Tensor&
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
 }
 
+// fault.inject = graph_break: the model's forward gains a branch on a tensor's value, which a
+// trace cannot capture (the compile stage must refuse it or fall back to eager).
+class GraphBreakModel : public models::Model {
+ public:
+  explicit GraphBreakModel(std::shared_ptr<models::Model> m) : m_(std::move(m)) {}
+  std::string name() const override { return m_->name(); }
+  models::InputSpec input_spec() const override { return m_->input_spec(); }
+  torch::Tensor forward(const torch::Tensor& x) override {
+    auto y = m_->forward(x);
+    if (y.sum().item<double>() > 0) return y * 1.0;  // data-dependent control flow
+    return y;
+  }
+  models::NamedTensors named_parameters() const override { return m_->named_parameters(); }
+  models::NamedTensors named_buffers() const override { return m_->named_buffers(); }
+  void to(const torch::Device& d) override { m_->to(d); }
+  void train(bool on) override { m_->train(on); }
+
+ private:
+  std::shared_ptr<models::Model> m_;
+};
+
+bool is_out_of_memory(const std::string& what) {
+  return what.find("can't allocate memory") != std::string::npos ||
+         what.find("out of memory") != std::string::npos || what.find("std::bad_alloc") != std::string::npos;
+}
+
 // Bits of the per-step consensus (dist::Collectives::step_sync).
 constexpr uint32_t kFlagStop = 1u << 0;              // this rank received SIGINT/SIGTERM
 constexpr uint32_t kFlagCheckpointWritten = 1u << 1; // this rank's async checkpoint write is done
@@ -214,21 +240,41 @@ nlohmann::json Trainer::run() {
     throw InputError("amp.dtype = \"fp16\" needs a CUDA device (run.device resolved to " + device.str() +
                      "); use \"bf16\" on CPU");
   const c10::ScalarType amp_dtype = cfg.amp.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
+  const FaultPlan faults(cfg.fault.inject, world.size);
+  if (faults.fires("graph_break", 1, world.rank, world.restart_count)) {
+    spdlog::warn("fault injection: graph_break: rank {}'s model branches on a tensor value", world.rank);
+    model = std::make_shared<GraphBreakModel>(model);
+  }
   std::unique_ptr<amp::GradScaler> scaler;
   if (amp::loss_scaling_enabled(cfg.amp)) scaler = std::make_unique<amp::GradScaler>(cfg.amp);
   const torch::Tensor example = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0)).input;
-  auto compiled = [&] {
+  auto compile = [&] {
     amp::Autocast ac(device.type(), amp_dtype, autocast_on);
     // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
     const std::string identity =
         cfg.compile.cache_dir.empty() ? "" : model_identity(cfg.model) + "amp.dtype=" + cfg.amp.dtype;
     return place(model, device).compile(cfg.compile, example, identity);
-  }();
-  DistributedModel dmodel = std::move(compiled).distribute(coll, cfg.dist);
+  };
+  // A compile error on one rank stops every rank (agreed here), instead of leaving the others
+  // waiting in DDP's first collective.
+  std::optional<CompiledModel> compiled;
+  std::string compile_error;
+  try {
+    compiled.emplace(compile());
+  } catch (const CompileError& e) {
+    compile_error = e.what();
+  }
+  auto compile_failed = torch::tensor({compile_error.empty() ? int64_t{0} : world.rank + 1}, torch::kLong);
+  coll->all_reduce(compile_failed, dist::ReduceOp::Max, "compile outcome");
+  if (compile_failed.item<int64_t>() != 0) {
+    if (!compile_error.empty()) throw CompileError(compile_error);
+    throw CompileError("compile failed on rank " + std::to_string(compile_failed.item<int64_t>() - 1) +
+                       " (its log says why); every rank stops");
+  }
+  DistributedModel dmodel = std::move(*compiled).distribute(coll, cfg.dist);
   const bool is_lm = spec.kind == models::InputKind::Tokens;
   const int64_t tokens_per_sample = is_lm ? spec.sample_shape.at(0) : 0;
 
-  const FaultPlan faults(cfg.fault.inject, world.size);
   std::unique_ptr<data::DistributedSampler> sampler;
   try {
     sampler = std::make_unique<data::DistributedSampler>(splits.train->size(), world.size, world.rank,
@@ -277,6 +323,7 @@ nlohmann::json Trainer::run() {
                              {"growth_interval", ss.growth_interval}};
     }
     st.rank_tensors = rng_states(device);
+    if (s_->cb.save_state) s_->cb.save_state(st);
     if (cfg.checkpoint.save_graph) {
       st.graph = export_traced_module(dmodel.model());
       if (st.graph.empty() && world.is_main())
@@ -298,6 +345,9 @@ nlohmann::json Trainer::run() {
     o.async = cfg.checkpoint.async;
     o.config_sha256 = sha256_hex(dump_toml(cfg));
     ckpt = std::make_unique<checkpoint::Checkpointer>(o, coll);
+    for (const auto& e : faults.entries())
+      if (e.type == "checkpoint_corruption" && faults.fires(e.type, e.step, world.rank, world.restart_count))
+        ckpt->inject_corruption_after_commit(e.step);
     std::optional<checkpoint::Loaded> loaded;
     try {
       loaded = ckpt->load(cfg.checkpoint.resume_from);
@@ -354,6 +404,7 @@ nlohmann::json Trainer::run() {
                      saved_world, saved_batch, world.size, cfg.train.batch_size, e, b, nb, consumed,
                      consumed % per_global ? "; the partial global batch is skipped" : "");
       }
+      if (s_->cb.load_state) s_->cb.load_state(st);
       spdlog::info("resumed from {} (step {} of {})", loaded->path, start_step, total_steps);
     } else {
       spdlog::info("checkpoint: no committed step under {}; starting fresh", cfg.checkpoint.dir);
@@ -429,6 +480,48 @@ nlohmann::json Trainer::run() {
   bool stopped = false;
   double checkpoint_stall_ms = 0;
 
+  // Callbacks::on_checkpoint, once per newly committed step.
+  int64_t notified_step = ckpt ? ckpt->last_committed() : -1;
+  auto notify_checkpoint = [&] {
+    if (!ckpt || ckpt->last_committed() == notified_step) return;
+    notified_step = ckpt->last_committed();
+    if (s_->cb.on_checkpoint) s_->cb.on_checkpoint(notified_step, cfg.checkpoint.dir + "/step_" + std::to_string(notified_step));
+  };
+
+  // Faults that strike during a step (after backward, before the step's consensus).
+  std::vector<int64_t> slow_streak(static_cast<size_t>(world.size), 0);
+  auto inject_step_faults = [&](int64_t s) {
+    const int64_t r = world.rank, rc = world.restart_count;
+    if (const FaultEntry* e = faults.active("straggler", s, r, rc)) {
+      if (s == e->step) spdlog::warn("fault injection: straggler: rank {} sleeps {} ms per step from step {}", r, e->ms, s);
+      std::this_thread::sleep_for(std::chrono::milliseconds(e->ms));
+    }
+    if (faults.fires("crash", s, r, rc)) {
+      spdlog::error("fault injection: crash (SIGKILL) at step {} on rank {}", s, r);
+      spdlog::default_logger()->flush();
+      std::raise(SIGKILL);
+    }
+    if (faults.fires("oom", s, r, rc)) {
+      spdlog::warn("fault injection: oom at step {} on rank {}: allocating 64 TiB", s, r);
+      auto huge = torch::empty({int64_t{1} << 44}, torch::TensorOptions().dtype(torch::kFloat).device(device));
+      huge.zero_();
+    }
+    if (faults.fires("collective_hang", s, r, rc)) {
+      spdlog::warn("fault injection: collective_hang at step {}: rank {} stops taking part in collectives", s, r);
+      const std::string why = coll->hang_until_peers_fail(std::chrono::milliseconds(2 * cfg.dist.timeout_s * 1000 + 10000));
+      throw std::runtime_error("fault injection: collective_hang: rank " + std::to_string(r) + " stopped at step " +
+                               std::to_string(s) + (why.empty() ? std::string("; no peer reported")
+                                                                : "; its peers gave up: " + why.substr(0, 300)));
+    }
+    if (const FaultEntry* e = faults.any_rank("shape_mismatch", s, rc)) {
+      // Every rank issues the same collective; the faulty rank's tensor has another shape.
+      auto probe = torch::zeros({e->rank == r ? 5 : 4}, torch::TensorOptions().device(device));
+      if (e->rank == r) spdlog::warn("fault injection: shape_mismatch at step {}: rank {} all-reduces shape [5]", s, r);
+      coll->all_reduce(probe, dist::ReduceOp::Sum, "fault probe (shape_mismatch)");
+    }
+  };
+
+  try {
   for (int64_t step = start_step; step < total_steps; ++step) {
     const auto t0 = Clock::now();
     coll->set_step(step + 1);
@@ -468,11 +561,7 @@ nlohmann::json Trainer::run() {
           local_nonfinite = true;
           break;
         }
-    if (faults.fires("crash", step + 1, world.rank, world.restart_count)) {
-      spdlog::error("fault injection: crash (SIGKILL) at step {} on rank {}", step + 1, world.rank);
-      spdlog::default_logger()->flush();
-      std::raise(SIGKILL);
-    }
+    if (!faults.empty()) inject_step_faults(step + 1);
     const double compute_ms = ms_since(t0);
     uint32_t flags = 0;
     if (g_stop_signal.load()) flags |= kFlagStop;
@@ -482,8 +571,26 @@ nlohmann::json Trainer::run() {
     const dist::StepConsensus consensus =
         coll->step_sync(step + 1, dmodel.plan(), local_loss, local_nonfinite, compute_ms, flags);
     // An async checkpoint is committed once every rank has written its share.
-    if (ckpt && ckpt->pending() && (consensus.all_flags & kFlagCheckpointWritten)) ckpt->commit();
+    if (ckpt && ckpt->pending() && (consensus.all_flags & kFlagCheckpointWritten)) {
+      ckpt->commit();
+      notify_checkpoint();
+    }
     const double loss = consensus.mean_loss;
+    // A rank that is consistently slower than the others sets the pace of the whole job.
+    if (world.size > 1) {
+      const auto& c = consensus.rank_compute_ms;
+      for (int64_t rr = 0; rr < world.size; ++rr) {
+        std::vector<double> others;
+        for (int64_t o = 0; o < world.size; ++o)
+          if (o != rr) others.push_back(c[o]);
+        const double m = median(others);
+        slow_streak[rr] = c[rr] > 1.5 * m && c[rr] > m + 5.0 ? slow_streak[rr] + 1 : 0;
+        if (slow_streak[rr] == 20 && world.is_main())
+          spdlog::warn("rank {} is consistently slower: its forward+backward took {:.1f} ms vs {:.1f} ms (median of the "
+                       "other ranks) for 20 steps in a row; every rank waits for it (rank_compute_ms in metrics.jsonl)",
+                       rr, c[rr], m);
+      }
+    }
     const bool skip = consensus.any_nonfinite;
     if (skip && !scaler && !cfg.train.skip_nonfinite)
       throw std::runtime_error("non-finite training loss or gradients at step " + std::to_string(step + 1) +
@@ -545,6 +652,7 @@ nlohmann::json Trainer::run() {
       }
       ckpt->save(steps_done, make_checkpoint_state(steps_done));
       checkpoint_stall_ms += ckpt->last_save_blocking_ms();
+      notify_checkpoint();
     }
     if (steps_done % cfg.train.log_interval == 0 || steps_done == total_steps) {
       spdlog::log(show_progress ? spdlog::level::debug : spdlog::level::info,
@@ -556,6 +664,20 @@ nlohmann::json Trainer::run() {
       break;
     }
   }
+  } catch (const c10::Error& e) {
+    // Out of memory (injected or real): say where, how much, and what survives.
+    const std::string what = e.what_without_backtrace();
+    if (!is_out_of_memory(what)) throw;
+    throw std::runtime_error("out of memory at step " + std::to_string(steps_done + 1) + " on rank " +
+                             std::to_string(world.rank) + ": " + what.substr(0, what.find('\n')) +
+                             "; the last committed checkpoint is " +
+                             (ckpt && ckpt->last_committed() >= 0 ? "step " + std::to_string(ckpt->last_committed()) + " (intact)"
+                                                                   : std::string("none")) +
+                             "; lower train.batch_size or use train.grad_accum");
+  } catch (const std::bad_alloc&) {
+    throw std::runtime_error("out of memory at step " + std::to_string(steps_done + 1) + " on rank " +
+                             std::to_string(world.rank) + " (std::bad_alloc); lower train.batch_size");
+  }
   if (show_progress) std::printf("\n");
   // The final checkpoint (also after a stop signal), then the pending commit.
   if (ckpt) {
@@ -566,6 +688,7 @@ nlohmann::json Trainer::run() {
       checkpoint_stall_ms += ckpt->last_save_blocking_ms();
     }
     ckpt->finish();
+    notify_checkpoint();
   }
 
   // Leave together: a rank that tears down its connections while a peer still uses them makes

@@ -14,6 +14,7 @@
 #include <memory>
 #include <string>
 
+#include "checkpoint/checkpoint.h"
 #include "dist/world.h"
 #include "models/model.h"
 #include "trainer/config.h"
@@ -41,6 +42,15 @@ struct Callbacks {
   std::function<void(const EvalResult&)> on_eval;
   /// After the last step (or a stop signal), with the trained model.
   std::function<void(models::Model&)> on_end;
+  /// After a checkpoint is committed on every rank: its step and directory.
+  std::function<void(int64_t step, const std::string& dir)> on_checkpoint;
+  /// Your own state in the trainer's checkpoints. save_state is called when a checkpoint is
+  /// taken: add replicated tensors to `state.extra`, small values under
+  /// `state.shared["user"]`, and this rank's own tensors to `state.rank_tensors` (names not
+  /// starting with "rng."). load_state is called on resume with what was saved (`extra`,
+  /// `shared`, and this rank's `rank_tensors` when the saved job had this rank).
+  std::function<void(checkpoint::State& state)> save_state;
+  std::function<void(const checkpoint::State& state)> load_state;
 };
 
 class Trainer {

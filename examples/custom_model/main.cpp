@@ -54,10 +54,21 @@ int main() {
   cfg.train.batch_size = 32;
   cfg.train.lr = 1e-2;
   cfg.train.eval_interval = 100;
+  cfg.checkpoint.dir = "runs/custom_model/ckpt";  // run it again: it resumes from step 100
+  cfg.checkpoint.interval = 50;
   keel::validate(cfg);
 
+  int64_t evals_seen = 0;  // your own state: it travels in keel's checkpoints
   keel::Callbacks cb;
-  cb.on_eval = [](const keel::EvalResult& r) { std::cout << "eval: accuracy " << r.accuracy << "\n"; };
+  cb.on_eval = [&](const keel::EvalResult& r) {
+    ++evals_seen;
+    std::cout << "eval: accuracy " << r.accuracy << "\n";
+  };
+  cb.save_state = [&](keel::checkpoint::State& st) { st.shared["user"] = {{"evals_seen", evals_seen}}; };
+  cb.load_state = [&](const keel::checkpoint::State& st) {
+    evals_seen = st.shared.value("user", nlohmann::json::object()).value("evals_seen", int64_t{0});
+  };
+  cb.on_checkpoint = [](int64_t step, const std::string& dir) { std::cout << "checkpoint " << step << ": " << dir << "\n"; };
   auto world = keel::dist::detect_world(keel::dist::current_env());
   auto summary = keel::Trainer(cfg, world, cb).run();
   std::cout << "world " << summary["world_size"] << ", final loss " << summary["final_loss"] << "\n";
