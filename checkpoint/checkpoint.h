@@ -132,7 +132,8 @@ class Checkpointer {
   void finish() { commit(); }
   /// The newest committed step, or -1.
   int64_t last_committed() const { return last_committed_; }
-  /// Fault injection: this rank's next save fails while writing its model shard with `errno_value`.
+  /// Fault injection: this rank's next save fails while writing its model shard with `errno_value`
+  /// (negative: the process is SIGKILLed there).
   void inject_write_failure(int errno_value) { inject_errno_ = errno_value; }
   /// Fault injection: after step `step` is committed, flip a byte in the middle of this rank's
   /// model shard (silent corruption, found by the checksum on the next load).

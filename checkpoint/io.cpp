@@ -9,6 +9,7 @@
 #include <openssl/evp.h>
 
 #include <cerrno>
+#include <csignal>
 #include <algorithm>
 #include <cstring>
 #include <exception>
@@ -129,7 +130,10 @@ void AtomicFile::write_raw(const char* p, size_t n) {
     size_t chunk = std::min<size_t>(n - off, 64u << 20);
     if (bytes_ + chunk > fail_at_) {
       chunk = static_cast<size_t>(fail_at_ - bytes_);
-      if (chunk == 0) fail(path_, "write failed (fault injection)", fail_errno_);
+      if (chunk == 0) {
+        if (fail_errno_ < 0) std::raise(SIGKILL);  // a crash in the middle of a save
+        fail(path_, "write failed (fault injection)", fail_errno_);
+      }
     }
     ssize_t w = ::write(fd_, p + off, chunk);
     if (w < 0 && errno == EINTR) continue;

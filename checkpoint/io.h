@@ -47,7 +47,7 @@ class AtomicFile {
   AtomicFile& operator=(const AtomicFile&) = delete;
   void write(const void* data, size_t n);
   /// Makes every later write() fail with `errno_value` after `after_bytes` more bytes (fault
-  /// injection: ENOSPC, EIO).
+  /// injection: ENOSPC, EIO; a negative value kills the process with SIGKILL there instead).
   void fail_after(uint64_t after_bytes, int errno_value);
   WrittenFile commit();
 

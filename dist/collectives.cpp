@@ -124,9 +124,8 @@ std::string Collectives::missing_ranks(const std::string& what) {
     store->set(failed_key(w, rank()), std::vector<uint8_t>(what.begin(), what.end()));
     store->set(abort_key(w), std::vector<uint8_t>(what.begin(), what.end()));
     // The healthy ranks fail in the same collective at about the same time; give them a
-    // moment (at most 2 s, or a quarter of the timeout) to say so.
-    const auto grace = std::min<std::chrono::milliseconds>(std::chrono::milliseconds(2000), group_->timeout() / 4);
-    const auto deadline = std::chrono::steady_clock::now() + grace;
+    // moment to say so (wait() kept that moment out of the collective's own timeout).
+    const auto deadline = std::chrono::steady_clock::now() + report_grace();
     std::string missing;
     for (;;) {
       missing.clear();
@@ -159,9 +158,14 @@ std::string Collectives::hang_until_peers_fail(std::chrono::milliseconds max_wai
   return "";
 }
 
+std::chrono::milliseconds Collectives::report_grace() const {
+  return std::min<std::chrono::milliseconds>(std::chrono::milliseconds(2000), group_->timeout() / 4);
+}
+
 void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
   try {
-    w->wait(group_->timeout());
+    // dist.timeout_s bounds the whole failure: the wait, then the grace to name missing ranks.
+    w->wait(group_->timeout() - report_grace());
   } catch (const std::exception& e) {
     std::string what = e.what();
     std::string msg = "[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " + d.what + ": " +

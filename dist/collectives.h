@@ -100,6 +100,7 @@ class Collectives {
   // After a failed collective: records this rank's failure in the store and waits briefly for
   // the other ranks to do the same; returns the ranks that did not (hung or dead).
   std::string missing_ranks(const std::string& what);
+  std::chrono::milliseconds report_grace() const;
 
   std::shared_ptr<Group> group_;
   std::string mode_;

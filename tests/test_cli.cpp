@@ -41,6 +41,15 @@ TEST(Cli, HelpListsEveryKeyWithDefaultAndDoc) {
     EXPECT_NE(entry.find("=" + keel::to_toml_literal(f.get(defaults))), std::string::npos) << entry;
     EXPECT_NE(entry.find(f.doc.substr(0, 20)), std::string::npos) << entry;
   }
+  // docs/config.md (kept equal to `keel config-reference` below) shows the same defaults and docs.
+  const std::string doc = keel::testing::read_text(keel::testing::source_path("docs/config.md"));
+  for (const auto& f : keel::config_schema()) {
+    std::string escaped = f.doc;
+    for (size_t p = 0; (p = escaped.find('|', p)) != std::string::npos; p += 2) escaped.replace(p, 1, "\\|");
+    EXPECT_NE(doc.find("| `" + f.key + "` | "), std::string::npos) << f.dotted();
+    EXPECT_NE(doc.find("`" + keel::to_toml_literal(f.get(defaults)) + "` | " + escaped + " |"), std::string::npos)
+        << f.dotted() << ": its default or doc in docs/config.md differs from --help";
+  }
 }
 
 TEST(Cli, ConfigReferenceDocIsInSync) {

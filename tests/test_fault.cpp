@@ -54,6 +54,7 @@ TEST(FaultPlan, BadEntriesNameTheEntry) {
   EXPECT_NE(plan_error({"nonfinite_grad"}).find("missing '@'"), std::string::npos);
   EXPECT_NE(plan_error({"meteor@step=1,rank=0"}).find("unknown fault type 'meteor'"), std::string::npos);
   EXPECT_NE(plan_error({"crash@step=1,rank=0,always,restart=1"}).find("exclude each other"), std::string::npos);
+  EXPECT_NE(plan_error({"oom@step=1,rank=0,crash"}).find("checkpoint_write_failure only"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@rank=0"}).find("step=S"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@step=x,rank=0"}).find("non-negative integer"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@step=1,rank=2"}, 2).find("rank 2 does not exist"), std::string::npos);
@@ -230,6 +231,29 @@ TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) {
   EXPECT_EQ(metrics_losses(d.file("clean/run")), metrics_losses(d.file("bad/run")));
   for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
                         "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
+    EXPECT_EQ(keel::checkpoint::sha256_file(d.file(std::string("clean/ck/step_20/") + f)),
+              keel::checkpoint::sha256_file(d.file(std::string("bad/ck/step_20/") + f)))
+        << f;
+}
+
+// checkpoint_write_failure with `crash`: rank 1 is SIGKILLed halfway through writing its shard
+// of step 10; the restarted job never sees step 10 (no commit marker), resumes from step 5 and
+// ends bit-identical to a clean run.
+TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecovers) {
+  TempDir d;
+  auto args = [&](const std::string& sub, std::vector<std::string> extra) {
+    auto a = run_args(d.file(sub), 20, {"--checkpoint.dir=" + d.file(sub + "/ck"), "--checkpoint.interval=5"});
+    a.insert(a.end(), extra.begin(), extra.end());
+    return a;
+  };
+  ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
+  auto r = run_torchrun_keel(2, args("bad", {"--fault.inject=checkpoint_write_failure@step=10,rank=1,crash"}),
+                             d.file("bad/logs"), /*max_restarts=*/1);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("checkpoint_write_failure (SIGKILL) at step 10 on rank 1"), std::string::npos) << r.output;
+  EXPECT_EQ(summary_field(d.file("bad/run"), "resumed_from_step"), "5");
+  EXPECT_EQ(metrics_losses(d.file("clean/run")), metrics_losses(d.file("bad/run")));
+  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
     EXPECT_EQ(keel::checkpoint::sha256_file(d.file(std::string("clean/ck/step_20/") + f)),
               keel::checkpoint::sha256_file(d.file(std::string("bad/ck/step_20/") + f)))
         << f;

@@ -153,7 +153,7 @@ std::vector<FieldInfo> build_schema() {
   b.add("checkpoint", &C::checkpoint, "save_graph", &CheckpointConfig::save_graph, "also store the traced TorchScript module as graph.pt (needs compile.mode = \"trace\")");
 
   // [fault]
-  b.add("fault", &C::fault, "inject", &FaultConfig::inject, "faults to inject: TYPE@step=S,rank=R[,always][,restart=K][,ms=M] entries, TYPE one of collective_hang, crash, oom, nonfinite_grad, shape_mismatch, checkpoint_write_failure, checkpoint_corruption, graph_break, straggler (docs/faults.md; repeat the option for several)");
+  b.add("fault", &C::fault, "inject", &FaultConfig::inject, "faults to inject: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash] entries, TYPE one of collective_hang, crash, oom, nonfinite_grad, shape_mismatch, checkpoint_write_failure, checkpoint_corruption, graph_break, straggler (docs/faults.md; repeat the option for several)");
   return v;
 }
 

@@ -19,7 +19,7 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
   for (const auto& text : entries) {
     auto bad = [&](const std::string& why) {
       return InputError("fault.inject entry \"" + text + "\": " + why +
-                        " (format: TYPE@step=S,rank=R[,always][,restart=K][,ms=M])");
+                        " (format: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash])");
     };
     FaultEntry e;
     const auto at = text.find('@');
@@ -42,6 +42,10 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
         e.always = true;
         continue;
       }
+      if (item == "crash") {
+        e.crash = true;
+        continue;
+      }
       const auto eq = item.find('=');
       if (eq == std::string::npos) throw bad("'" + item + "' is not key=value");
       const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
@@ -59,6 +63,7 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
     if (e.rank >= world_size)
       throw bad("rank " + std::to_string(e.rank) + " does not exist in a world of " + std::to_string(world_size));
     if (e.always && e.restart >= 0) throw bad("'always' and 'restart=K' exclude each other");
+    if (e.crash && e.type != "checkpoint_write_failure") throw bad("'crash' applies to checkpoint_write_failure only");
     entries_.push_back(e);
   }
 }

@@ -1,6 +1,6 @@
 // trainer/fault.h: the fault injector (fault.inject).
 //
-// Owns: parsing `TYPE@step=S,rank=R[,always][,restart=K][,ms=M]` entries into a plan and
+// Owns: parsing `TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash]` entries into a plan and
 // answering "does a fault of this type fire on this rank at this step?". A fault fires once per
 // job: not again after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) unless the entry
 // says `always`; `restart=K` makes it fire only in the K-th restart (the chaos test kills a
@@ -21,6 +21,7 @@ struct FaultEntry {
   bool always = false;  // fire again after a restart
   int64_t restart = -1; // fire only when TORCHELASTIC_RESTART_COUNT == restart (-1: see `always`)
   int64_t ms = 100;     // straggler: milliseconds of sleep per step
+  bool crash = false;   // checkpoint_write_failure: SIGKILL halfway through the write, not ENOSPC
 };
 
 class FaultPlan {

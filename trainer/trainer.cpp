@@ -480,6 +480,15 @@ nlohmann::json Trainer::run() {
   bool stopped = false;
   double checkpoint_stall_ms = 0;
 
+  // fault.inject = checkpoint_write_failure: ENOSPC (or, with `crash`, SIGKILL) halfway through
+  // this rank's model shard of the checkpoint of step `s`.
+  auto inject_save_fault = [&](int64_t s) {
+    if (const FaultEntry* e = faults.find("checkpoint_write_failure", s, world.rank, world.restart_count)) {
+      spdlog::warn("fault injection: checkpoint_write_failure ({}) at step {} on rank {}", e->crash ? "SIGKILL" : "ENOSPC",
+                   s, world.rank);
+      ckpt->inject_write_failure(e->crash ? -1 : ENOSPC);
+    }
+  };
   // Callbacks::on_checkpoint, once per newly committed step.
   int64_t notified_step = ckpt ? ckpt->last_committed() : -1;
   auto notify_checkpoint = [&] {
@@ -646,10 +655,7 @@ nlohmann::json Trainer::run() {
       std::fflush(stdout);
     }
     if (ckpt && cfg.checkpoint.interval > 0 && steps_done % cfg.checkpoint.interval == 0 && steps_done < total_steps) {
-      if (faults.fires("checkpoint_write_failure", steps_done, world.rank, world.restart_count)) {
-        spdlog::warn("fault injection: checkpoint_write_failure (ENOSPC) at step {} on rank {}", steps_done, world.rank);
-        ckpt->inject_write_failure(ENOSPC);
-      }
+      inject_save_fault(steps_done);
       ckpt->save(steps_done, make_checkpoint_state(steps_done));
       checkpoint_stall_ms += ckpt->last_save_blocking_ms();
       notify_checkpoint();
@@ -682,8 +688,7 @@ nlohmann::json Trainer::run() {
   // The final checkpoint (also after a stop signal), then the pending commit.
   if (ckpt) {
     if (steps_done > 0 && steps_done != ckpt->last_committed()) {
-      if (faults.fires("checkpoint_write_failure", steps_done, world.rank, world.restart_count))
-        ckpt->inject_write_failure(ENOSPC);
+      inject_save_fault(steps_done);
       ckpt->save(steps_done, make_checkpoint_state(steps_done));
       checkpoint_stall_ms += ckpt->last_save_blocking_ms();
     }
