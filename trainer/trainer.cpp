@@ -511,9 +511,10 @@ nlohmann::json Trainer::run() {
       std::raise(SIGKILL);
     }
     if (faults.fires("oom", s, r, rc)) {
-      spdlog::warn("fault injection: oom at step {} on rank {}: allocating 64 TiB", s, r);
-      auto huge = torch::empty({int64_t{1} << 44}, torch::TensorOptions().dtype(torch::kFloat).device(device));
-      huge.zero_();
+      // 1 PiB: more than a 47-bit address space holds, so the allocation fails even where the
+      // kernel overcommits memory (nothing is ever touched).
+      spdlog::warn("fault injection: oom at step {} on rank {}: allocating 1 PiB", s, r);
+      auto huge = torch::empty({int64_t{1} << 48}, torch::TensorOptions().dtype(torch::kFloat).device(device));
     }
     if (faults.fires("collective_hang", s, r, rc)) {
       spdlog::warn("fault injection: collective_hang at step {}: rank {} stops taking part in collectives", s, r);
