@@ -467,6 +467,24 @@ TEST(CheckpointResume, LossScalerStateIsRestored) {
             sha256_file(d.file("resumed/ckpt/step_15/model-00001-of-00001.safetensors")));
 }
 
+// Running a finished job again resumes at its last step, trains nothing and reports the same
+// results (the loss comes from the checkpoint, the evaluation is repeated).
+TEST(CheckpointResume, RerunningAFinishedRunReportsItsResults) {
+  TempDir d;
+  auto args = train_args(d.path(), 10, 5);
+  args.push_back("--train.eval_interval=10");
+  ASSERT_EQ(run_keel(args).exit_code, 0);
+  const auto first = summary_of(d.path());
+  auto again = run_keel(args);
+  ASSERT_EQ(again.exit_code, 0) << again.output;
+  const auto second = summary_of(d.path());
+  EXPECT_EQ(second["resumed_from_step"], 10);
+  EXPECT_EQ(second["steps"], 10);
+  EXPECT_EQ(second["final_loss"], first["final_loss"]);
+  EXPECT_EQ(second["test_accuracy"], first["test_accuracy"]);
+  EXPECT_NE(again.output.find("nothing to train"), std::string::npos) << again.output;
+}
+
 TEST(CheckpointResume, SavedAtTwoRanksLoadsAtOne) {
   TempDir d;
   for (auto& r : run_keel_ranks(2, train_args(d.path(), 10, 5))) ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -294,6 +294,7 @@ nlohmann::json Trainer::run() {
   LrSchedule schedule(cfg.train, total_steps);
   const models::NamedTensors named_params = model->named_parameters();
   int64_t skipped_steps = 0;
+  double last_loss = std::nan("");
 
   // Checkpoints: resume from the newest committed step (checkpoint/checkpoint.h).
   std::unique_ptr<checkpoint::Checkpointer> ckpt;
@@ -311,6 +312,7 @@ nlohmann::json Trainer::run() {
     st.optimizer = optimizer_state(*optimizer, named_params);
     st.shared = {{"step", step},
                  {"skipped_steps", skipped_steps},
+                 {"loss", std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr)},
                  {"total_steps", total_steps},
                  {"global_batch", global_batch},
                  {"scaler", nullptr}};
@@ -365,6 +367,7 @@ nlohmann::json Trainer::run() {
       start_step = loaded->step;
       resumed_from = loaded->step;
       skipped_steps = st.shared.value("skipped_steps", int64_t{0});
+      if (st.shared.contains("loss") && st.shared["loss"].is_number()) last_loss = st.shared["loss"].get<double>();
       if (st.shared.contains("scaler") && st.shared["scaler"].is_object() && scaler) {
         const auto& j = st.shared["scaler"];
         amp::ScalerState ss;
@@ -473,7 +476,6 @@ nlohmann::json Trainer::run() {
   const bool show_progress = cfg.run.progress && world.is_main() && ::isatty(STDOUT_FILENO);
   std::vector<double> step_times;
   step_times.reserve(total_steps);
-  double last_loss = std::nan("");
   std::optional<EvalResult> last_eval;
   int64_t steps_done = start_step;
   double ema_ms = 0;
@@ -686,6 +688,14 @@ nlohmann::json Trainer::run() {
                              std::to_string(world.rank) + " (std::bad_alloc); lower train.batch_size");
   }
   if (show_progress) std::printf("\n");
+  if (start_step >= total_steps) {
+    // Resumed from the final step: nothing to train; evaluate so the summary is complete.
+    spdlog::info("checkpoint step {} is the end of this run ({} steps): nothing to train", start_step, total_steps);
+    if (cfg.train.eval_interval > 0) {
+      last_eval = evaluate(steps_done);
+      if (s_->cb.on_eval) s_->cb.on_eval(*last_eval);
+    }
+  }
   // The final checkpoint (also after a stop signal), then the pending commit.
   if (ckpt) {
     if (steps_done > 0 && steps_done != ckpt->last_committed()) {
