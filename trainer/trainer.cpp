@@ -588,16 +588,15 @@ nlohmann::json Trainer::run() {
       notify_checkpoint();
     }
     const double loss = consensus.mean_loss;
-    // A rank that is consistently slower than the others sets the pace of the whole job.
-    if (world.size > 1) {
+    // A rank that is consistently slower than the others sets the pace of the whole job
+    // (rank 0 watches; O(world) per step: one median, the other rank's time for 2 ranks).
+    if (world.size > 1 && world.is_main()) {
       const auto& c = consensus.rank_compute_ms;
+      const double m_all = median(c);
       for (int64_t rr = 0; rr < world.size; ++rr) {
-        std::vector<double> others;
-        for (int64_t o = 0; o < world.size; ++o)
-          if (o != rr) others.push_back(c[o]);
-        const double m = median(others);
+        const double m = world.size == 2 ? c[1 - rr] : m_all;
         slow_streak[rr] = c[rr] > 1.5 * m && c[rr] > m + 5.0 ? slow_streak[rr] + 1 : 0;
-        if (slow_streak[rr] == 20 && world.is_main())
+        if (slow_streak[rr] == 20)
           spdlog::warn("rank {} is consistently slower: its forward+backward took {:.1f} ms vs {:.1f} ms (median of the "
                        "other ranks) for 20 steps in a row; every rank waits for it (rank_compute_ms in metrics.jsonl)",
                        rr, c[rr], m);
