@@ -53,25 +53,7 @@ std::string Sha256::hex() {
   return out;
 }
 
-std::string sha256_file(const std::string& path) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path, "cannot open", errno);
-  Sha256 sha;
-  std::vector<char> buf(1 << 20);
-  for (;;) {
-    ssize_t n = ::read(fd, buf.data(), buf.size());
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int e = errno;
-      ::close(fd);
-      fail(path, "read failed", e);
-    }
-    if (n == 0) break;
-    sha.update(buf.data(), static_cast<size_t>(n));
-  }
-  ::close(fd);
-  return sha.hex();
-}
+std::string sha256_file(const std::string& path) { return MappedFile::open(path)->sha256(); }
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)) {
   tmp_ = path_ + ".tmp." + std::to_string(::getpid());

@@ -399,16 +399,6 @@ std::vector<std::string> train_args(const std::string& dir, int steps, int inter
 
 nlohmann::json summary_of(const std::string& dir) { return nlohmann::json::parse(read_text(dir + "/run/summary.json")); }
 
-std::vector<std::pair<int64_t, double>> losses_of(const std::string& dir) {
-  std::vector<std::pair<int64_t, double>> out;
-  std::ifstream in(dir + "/run/metrics.jsonl");
-  std::string line;
-  while (std::getline(in, line)) {
-    auto j = nlohmann::json::parse(line);
-    out.emplace_back(j["step"].get<int64_t>(), j["loss"].get<double>());
-  }
-  return out;
-}
 
 // The acceptance of the checkpoint and fault issues: a 2-rank torchrun job whose rank 1 is
 // SIGKILLed at step 25, with checkpoints every 10 steps (async) and --max_restarts=2, resumes
@@ -436,7 +426,7 @@ TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
     EXPECT_EQ(sha256_file(d.file(std::string("clean/ckpt/step_40/") + f)),
               sha256_file(d.file(std::string("crash/ckpt/step_40/") + f)))
         << f << " differs";
-  const auto a = losses_of(d.file("clean")), b = losses_of(d.file("crash"));
+  const auto a = metrics_losses(d.file("clean/run")), b = metrics_losses(d.file("crash/run"));
   ASSERT_EQ(a.size(), 40u);
   EXPECT_EQ(a, b);  // every step's loss, to the last bit (metrics.jsonl is rewritten past step 20)
 }

@@ -210,6 +210,17 @@ TEST(FaultStraggler, RunCompletesAndTheSlowRankIsNamed) {
   EXPECT_EQ(slower, lines);
 }
 
+// A faulty run ended exactly like a clean one: every loss and the SHA-256 of every model and
+// optimizer shard of the final step (2 ranks).
+void expect_same_end(const std::string& clean, const std::string& faulty, int step) {
+  EXPECT_EQ(metrics_losses(clean + "/run"), metrics_losses(faulty + "/run"));
+  for (const char* kind : {"model", "optimizer"})
+    for (int r = 1; r <= 2; ++r) {
+      const std::string f = "/ck/step_" + std::to_string(step) + "/" + kind + "-0000" + std::to_string(r) + "-of-00002.safetensors";
+      EXPECT_EQ(keel::checkpoint::sha256_file(clean + f), keel::checkpoint::sha256_file(faulty + f)) << f;
+    }
+}
+
 // checkpoint_corruption: rank 1 flips a byte of its model shard right after step 10 is
 // committed; rank 0 is killed at step 13; torchrun restarts the job, which must detect the
 // corrupt step 10 by its checksum, warn naming the file, resume from step 5 and still end
@@ -228,12 +239,7 @@ TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("step_10/model-00002-of-00002.safetensors: checksum mismatch"), std::string::npos) << r.output;
   EXPECT_EQ(summary_field(d.file("bad/run"), "resumed_from_step"), "5");
-  EXPECT_EQ(metrics_losses(d.file("clean/run")), metrics_losses(d.file("bad/run")));
-  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
-    EXPECT_EQ(keel::checkpoint::sha256_file(d.file(std::string("clean/ck/step_20/") + f)),
-              keel::checkpoint::sha256_file(d.file(std::string("bad/ck/step_20/") + f)))
-        << f;
+  expect_same_end(d.file("clean"), d.file("bad"), 20);
 }
 
 // checkpoint_write_failure with `crash`: rank 1 is SIGKILLed halfway through writing its shard
@@ -252,11 +258,7 @@ TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecover
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("checkpoint_write_failure (SIGKILL) at step 10 on rank 1"), std::string::npos) << r.output;
   EXPECT_EQ(summary_field(d.file("bad/run"), "resumed_from_step"), "5");
-  EXPECT_EQ(metrics_losses(d.file("clean/run")), metrics_losses(d.file("bad/run")));
-  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
-    EXPECT_EQ(keel::checkpoint::sha256_file(d.file(std::string("clean/ck/step_20/") + f)),
-              keel::checkpoint::sha256_file(d.file(std::string("bad/ck/step_20/") + f)))
-        << f;
+  expect_same_end(d.file("clean"), d.file("bad"), 20);
 }
 
 // The chaos test: a 2-rank torchrun job with restarts, in which a rank is SIGKILLed at three
@@ -287,12 +289,7 @@ TEST(FaultChaos, RandomKillsUnderTorchrunEndBitIdenticalToACleanRun) {
   auto r = run_torchrun_keel(2, args("chaos", kills), d.file("chaos/logs"), /*max_restarts=*/3);
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(summary_field(d.file("chaos/run"), "restart_count"), "3");
-  EXPECT_EQ(metrics_losses(d.file("clean/run")), metrics_losses(d.file("chaos/run")));
-  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors"})
-    EXPECT_EQ(keel::checkpoint::sha256_file(d.file(std::string("clean/ck/step_32/") + f)),
-              keel::checkpoint::sha256_file(d.file(std::string("chaos/ck/step_32/") + f)))
-        << f;
+  expect_same_end(d.file("clean"), d.file("chaos"), 32);
 }
 
 }  // namespace
