@@ -149,18 +149,8 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
   for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
     const std::string path = step_dir + "/" + it.key();
     try {
-      struct stat st {};
-      if (::stat(path.c_str(), &st) != 0) {
-        problems.push_back(path + ": missing");
-        continue;
-      }
-      const uint64_t want = it.value()["bytes"].get<uint64_t>();
-      if (static_cast<uint64_t>(st.st_size) != want) {
-        problems.push_back(path + ": " + std::to_string(st.st_size) + " bytes, meta.json records " +
-                           std::to_string(want) + " (truncated or extended)");
-        continue;
-      }
-      if (sha256_file(path) != it.value()["sha256"].get<std::string>())
+      // expected_sha checks presence and size (the same checks a load makes).
+      if (sha256_file(path) != expected_sha(meta, step_dir, it.key()))
         problems.push_back(path + ": SHA-256 differs from meta.json (corrupted)");
     } catch (const std::exception& e) {
       problems.push_back(e.what());

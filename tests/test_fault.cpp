@@ -210,6 +210,12 @@ TEST(FaultStraggler, RunCompletesAndTheSlowRankIsNamed) {
   EXPECT_EQ(slower, lines);
 }
 
+// run_args with checkpoints in DIR/ck every `interval` steps, then `extra`.
+std::vector<std::string> checkpointed_args(const std::string& dir, int steps, int interval, std::vector<std::string> extra) {
+  extra.insert(extra.begin(), {"--checkpoint.dir=" + dir + "/ck", "--checkpoint.interval=" + std::to_string(interval)});
+  return run_args(dir, steps, extra);
+}
+
 // A faulty run ended exactly like a clean one: every loss and the SHA-256 of every model and
 // optimizer shard of the final step (2 ranks).
 void expect_same_end(const std::string& clean, const std::string& faulty, int step) {
@@ -228,9 +234,7 @@ void expect_same_end(const std::string& clean, const std::string& faulty, int st
 TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) {
   TempDir d;
   auto args = [&](const std::string& sub, std::vector<std::string> extra) {
-    auto a = run_args(d.file(sub), 20, {"--checkpoint.dir=" + d.file(sub + "/ck"), "--checkpoint.interval=5"});
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
+    return checkpointed_args(d.file(sub), 20, 5, std::move(extra));
   };
   ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
   auto r = run_torchrun_keel(2, args("bad", {"--fault.inject=checkpoint_corruption@step=10,rank=1",
@@ -248,9 +252,7 @@ TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) {
 TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecovers) {
   TempDir d;
   auto args = [&](const std::string& sub, std::vector<std::string> extra) {
-    auto a = run_args(d.file(sub), 20, {"--checkpoint.dir=" + d.file(sub + "/ck"), "--checkpoint.interval=5"});
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
+    return checkpointed_args(d.file(sub), 20, 5, std::move(extra));
   };
   ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
   auto r = run_torchrun_keel(2, args("bad", {"--fault.inject=checkpoint_write_failure@step=10,rank=1,crash"}),
@@ -280,10 +282,8 @@ TEST(FaultChaos, RandomKillsUnderTorchrunEndBitIdenticalToACleanRun) {
   SCOPED_TRACE("seed " + std::to_string(seed) + ":" + plan);
   std::printf("chaos plan (seed %u):%s\n", seed, plan.c_str());
   auto args = [&](const std::string& sub, std::vector<std::string> extra) {
-    auto a = run_args(d.file(sub), 32, {"--checkpoint.dir=" + d.file(sub + "/ck"), "--checkpoint.interval=4",
-                                        "--checkpoint.async=true"});
-    a.insert(a.end(), extra.begin(), extra.end());
-    return a;
+    extra.push_back("--checkpoint.async=true");
+    return checkpointed_args(d.file(sub), 32, 4, std::move(extra));
   };
   ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
   auto r = run_torchrun_keel(2, args("chaos", kills), d.file("chaos/logs"), /*max_restarts=*/3);
