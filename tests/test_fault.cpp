@@ -10,6 +10,7 @@
 #include "trainer/fault.h"
 #include "checkpoint/checkpoint.h"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
@@ -197,17 +198,23 @@ TEST(FaultStraggler, RunCompletesAndTheSlowRankIsNamed) {
   auto ranks = keel_ranks(run_args(d.path(), 40, {"--fault.inject=straggler@step=2,rank=1,ms=40"}));
   for (auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(ranks[0].output.find("rank 1 is consistently slower"), std::string::npos) << ranks[0].output;
-  // metrics.jsonl: each rank's compute time per step; rank 1's includes the 40 ms sleep.
+  // metrics.jsonl: each rank's compute time per step. Rank 1's includes the 40 ms sleep on every
+  // step from step 2; rank 0's own time can spike when the machine is busy (ctest -j), so the
+  // two are compared through their medians, not step by step.
   std::ifstream in(d.file("run/metrics.jsonl"));
   std::string line;
-  int slower = 0, lines = 0;
+  std::vector<double> r0, r1;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
-    if (j["step"].get<int>() < 3) continue;
-    ++lines;
-    slower += j["rank_compute_ms"][1].get<double>() > j["rank_compute_ms"][0].get<double>() + 30.0;
+    if (j["step"].get<int>() < 2) continue;
+    r0.push_back(j["rank_compute_ms"][0].get<double>());
+    r1.push_back(j["rank_compute_ms"][1].get<double>());
+    EXPECT_GE(r1.back(), 40.0) << "step " << j["step"];
   }
-  EXPECT_EQ(slower, lines);
+  ASSERT_EQ(r1.size(), 39u);
+  std::sort(r0.begin(), r0.end());
+  std::sort(r1.begin(), r1.end());
+  EXPECT_GT(r1[r1.size() / 2], r0[r0.size() / 2] + 30.0);
 }
 
 // run_args with checkpoints in DIR/ck every `interval` steps, then `extra`.
