@@ -1,11 +1,9 @@
-// amp/autocast.h: mixed-precision autocast as a scope object, behind the LibTorch version shim.
+// amp/autocast.h: mixed-precision autocast as a scope object.
 //
 // Owns: turning autocast on for a device type and dtype for the lifetime of an Autocast object
 // (nested scopes work; the cast cache is cleared when the outermost scope ends). bf16 works on
 // CPU and CUDA; fp16 only on CUDA (config validation refuses fp16 on CPU).
-// 1.13 has per-device setters (set_cpu_enabled / set_autocast_cpu_dtype, set_enabled /
-// set_autocast_gpu_dtype); 2.4+ adds set_autocast_enabled(device_type, ...) and keeps the old
-// names as deprecated aliases. Only this header knows.
+// Uses the device-generic ATen API (at::autocast::set_autocast_enabled(device, ...)).
 #pragma once
 
 #include <ATen/autocast_mode.h>
@@ -19,29 +17,17 @@ class Autocast {
   /// dtype: kBFloat16 or kHalf; enabled = false makes the scope a no-op.
   Autocast(c10::DeviceType device, c10::ScalarType dtype, bool enabled = true) : device_(device), enabled_(enabled) {
     if (!enabled_) return;
-    if (device_ == c10::DeviceType::CPU) {
-      prev_enabled_ = at::autocast::is_cpu_enabled();
-      prev_dtype_ = at::autocast::get_autocast_cpu_dtype();
-      at::autocast::set_cpu_enabled(true);
-      at::autocast::set_autocast_cpu_dtype(dtype);
-    } else {
-      prev_enabled_ = at::autocast::is_enabled();
-      prev_dtype_ = at::autocast::get_autocast_gpu_dtype();
-      at::autocast::set_enabled(true);
-      at::autocast::set_autocast_gpu_dtype(dtype);
-    }
+    prev_enabled_ = at::autocast::is_autocast_enabled(device_);
+    prev_dtype_ = at::autocast::get_autocast_dtype(device_);
+    at::autocast::set_autocast_enabled(device_, true);
+    at::autocast::set_autocast_dtype(device_, dtype);
     at::autocast::increment_nesting();
   }
   ~Autocast() {
     if (!enabled_) return;
     if (at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
-    if (device_ == c10::DeviceType::CPU) {
-      at::autocast::set_cpu_enabled(prev_enabled_);
-      at::autocast::set_autocast_cpu_dtype(prev_dtype_);
-    } else {
-      at::autocast::set_enabled(prev_enabled_);
-      at::autocast::set_autocast_gpu_dtype(prev_dtype_);
-    }
+    at::autocast::set_autocast_enabled(device_, prev_enabled_);
+    at::autocast::set_autocast_dtype(device_, prev_dtype_);
   }
   Autocast(const Autocast&) = delete;
   Autocast& operator=(const Autocast&) = delete;

@@ -1,11 +1,15 @@
 """keel vs PyTorch on identical work, side by side in one run.
 
-  /usr/bin/python3 bench/bench.py                        # mlp, cnn, gpt at worlds 1 and 2
-  /usr/bin/python3 bench/bench.py --models cnn --worlds 1 --steps 100
+  PY=~/.cache/keel/venv/bin/python       # the venv scripts/setup.sh made (PyTorch 2.11)
+  $PY bench/bench.py                        # mlp, cnn, gpt at worlds 1 and 2
+  $PY bench/bench.py --models cnn --worlds 1 --steps 100
+  $PY bench/bench.py --validate-pairs 15    # dist.validate = always vs off, paired runs
 
 For each model and world size: runs `build/keel train` on synthetic data and
-bench/torch_ref.py (PyTorch, DistributedDataParallel over Gloo when world > 1) with the same
-model, per-rank batch (mlp 32, cnn 64, gpt 8), AdamW, and one intra-op thread per rank. Ranks
+bench/torch_ref.py twice, PyTorch eager and torch.compile (Inductor; place -> compile -> DDP),
+both with DistributedDataParallel over Gloo when world > 1, with the same model, per-rank
+batch (mlp 32, cnn 64, gpt 8), AdamW, and one intra-op thread per rank. The PyTorch peers run
+with the Python running this script (sys.executable), which must hold torch. Ranks
 are started directly with torchrun's environment variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)
 for both, so launcher overhead is not measured. Prints one JSON line per run ({impl, model,
 world, batch, median_step_ms, throughput}), then per model: keel / PyTorch step-time ratios,
@@ -30,7 +34,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BATCH = {"mlp": 32, "cnn": 64, "gpt": 8}  # per rank, as in the dist/ issue's targets
-PY = "/usr/bin/python3"
+PY = sys.executable
 
 
 def free_port():
@@ -76,9 +80,9 @@ def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="
     return out
 
 
-def run_torch(model, batch, steps, world):
+def run_torch(model, batch, steps, world, compiled=False):
     cmd = [PY, os.path.join(ROOT, "bench", "torch_ref.py"), "--model", model, "--batch", str(batch),
-           "--steps", str(steps), "--threads", "1"]
+           "--steps", str(steps), "--threads", "1"] + (["--compile"] if compiled else [])
     return json.loads(launch(cmd, world).strip().splitlines()[-1])
 
 
@@ -110,7 +114,11 @@ def main():
                     help="instead: keel with amp.dtype = bf16 vs fp32 (cnn and gpt, 1 rank)")
     ap.add_argument("--compile", action="store_true",
                     help="instead: keel with compile.mode = trace vs off, and cold vs warm compile time")
+    ap.add_argument("--validate-pairs", type=int, default=0,
+                    help="instead: N back-to-back pairs of dist.validate = always and off (mlp, 2 ranks), order alternating")
     args = ap.parse_args()
+    if args.validate_pairs:
+        return validate_bench(args)
     if args.compile:
         return compile_bench(args)
     if args.amp:
@@ -133,6 +141,8 @@ def main():
                 for world in worlds:
                     runs.setdefault(("keel", world), []).append(run_keel(model, BATCH[model], steps, world, args.keel))
                     runs.setdefault(("pytorch", world), []).append(run_torch(model, BATCH[model], steps, world))
+                    runs.setdefault(("pytorch-compile", world), []).append(
+                        run_torch(model, BATCH[model], steps, world, compiled=True))
                 if 1 in worlds and 2 in worlds:
                     runs.setdefault(("keel-off", 2), []).append(
                         run_keel(model, BATCH[model], steps, 2, args.keel, validate="off"))
@@ -143,6 +153,8 @@ def main():
             for world in worlds:
                 summary[f"keel_over_pytorch_step_time_w{world}"] = (
                     med[("keel", world)]["median_step_ms"] / med[("pytorch", world)]["median_step_ms"])
+                summary[f"keel_over_pytorch_compile_step_time_w{world}"] = (
+                    med[("keel", world)]["median_step_ms"] / med[("pytorch-compile", world)]["median_step_ms"])
             if 1 in worlds and 2 in worlds:
                 summary["scaling_efficiency_keel"] = med[("keel", 1)]["median_step_ms"] / med[("keel", 2)]["median_step_ms"]
                 summary["scaling_efficiency_pytorch"] = (
@@ -151,7 +163,8 @@ def main():
                     med[("keel", 2)]["median_step_ms"] / med[("keel-off", 2)]["median_step_ms"])
             emit(summary)
             rows += [(f"{model} {w} rank{'s' if w > 1 else ''}", med[("keel", w)]["median_step_ms"],
-                      med[("pytorch", w)]["median_step_ms"]) for w in worlds]
+                      med[("pytorch", w)]["median_step_ms"], med[("pytorch-compile", w)]["median_step_ms"])
+                     for w in worlds]
     print(f"# results: {log_path}", file=sys.stderr)
     png = write_png(rows, log_path[:-len(".jsonl")] + ".png")
     if png:
@@ -164,11 +177,11 @@ def write_png(rows, path):
         return None
     dat = path[:-4] + ".dat"
     with open(dat, "w") as f:
-        for label, k, t in rows:
-            f.write(f'"{label}" {k} {t}\n')
+        for label, k, t, c in rows:
+            f.write(f'"{label}" {k} {t} {c}\n')
     script = f"""set terminal pngcairo size 900,500 noenhanced
 set output '{path}'
-set title 'median step time, keel vs PyTorch DDP (lower is better)'
+set title 'median step time, keel vs PyTorch 2.11 DDP, eager and torch.compile (lower is better)'
 set style data histograms
 set style histogram clustered gap 1
 set style fill solid 0.8 border -1
@@ -176,10 +189,35 @@ set logscale y
 set ylabel 'ms per step (log scale)'
 set grid ytics
 set xtics rotate by -20
-plot '{dat}' using 2:xtic(1) title 'keel', '' using 3 title 'PyTorch'
+plot '{dat}' using 2:xtic(1) title 'keel', '' using 3 title 'PyTorch eager DDP', '' using 4 title 'PyTorch compiled DDP'
 """
     subprocess.run(["gnuplot"], input=script, text=True, check=True)
     return path
+
+
+def validate_bench(args):
+    """dist.validate = always vs off on mlp at 2 ranks: N pairs run back to back, the order
+    alternating, so that drift in the machine's speed hits both sides alike. Reports each
+    pair's ratio, their median, and how many pairs had `always` slower (a sign test)."""
+    log_path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + "-validate.jsonl")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    ratios = []
+    with open(log_path, "w") as log:
+        for i in range(args.validate_pairs):
+            order = ("always", "off") if i % 2 == 0 else ("off", "always")
+            got = {v: run_keel("mlp", BATCH["mlp"], args.steps, 2, args.keel, validate=v) for v in order}
+            ratios.append(got["always"]["median_step_ms"] / got["off"]["median_step_ms"])
+            line = {"pair": i, "always_ms": got["always"]["median_step_ms"], "off_ms": got["off"]["median_step_ms"],
+                    "ratio": ratios[-1]}
+            print(json.dumps(line), flush=True)
+            log.write(json.dumps(line) + "\n")
+        srt = sorted(ratios)
+        summary = {"model": "mlp", "world": 2, "steps": args.steps, "pairs": len(ratios),
+                   "median_always_over_off": srt[len(srt) // 2], "min": srt[0], "max": srt[-1],
+                   "pairs_always_slower": sum(r > 1 for r in ratios)}
+        print(json.dumps(summary), flush=True)
+        log.write(json.dumps(summary) + "\n")
+    print(f"# results: {log_path}", file=sys.stderr)
 
 
 def amp_bench(args):

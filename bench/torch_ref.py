@@ -1,10 +1,14 @@
-"""PyTorch reference for bench.py: the same model, batch, optimizer, thread count and
-synthetic data as a keel run, timed the same way (median step time after the first 5 steps).
+"""PyTorch reference for bench.py and scripts/gpu_check.sh: the same model, batch, optimizer,
+thread count and synthetic data as a keel run, timed the same way (median step time after the
+first 5 steps).
 
-  /usr/bin/python3 bench/torch_ref.py --model cnn --batch 64 --steps 60 --threads 1
+  ~/.cache/keel/venv/bin/python bench/torch_ref.py --model cnn --batch 64 --steps 60 --threads 1
+  ... --compile            # torch.compile (Inductor), in the order place -> compile -> DDP
+  ... --device cuda        # on the GPU (DDP over NCCL under torchrun)
 
-Prints one JSON line. Under torchrun (WORLD_SIZE > 1) the model is wrapped in
-DistributedDataParallel over Gloo and each rank uses --batch samples per step.
+Prints one JSON line. Under a launcher (WORLD_SIZE > 1, or MASTER_ADDR set) the model is
+wrapped in DistributedDataParallel (Gloo on CPU, NCCL on CUDA) and each rank uses --batch
+samples per step. compile_ms is the time of the first step (Inductor compiles there).
 """
 import argparse
 import json
@@ -27,13 +31,19 @@ def main():
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--compile", action="store_true", help="torch.compile the model before wrapping it in DDP")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
-    model = {"mlp": Mlp, "cnn": Cnn, "gpt": Gpt}[args.model]()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    model = {"mlp": Mlp, "cnn": Cnn, "gpt": Gpt}[args.model]().to(device)  # place
     n = 4096
     if args.model == "gpt":
         data = torch.randint(0, 256, (n, 129))
@@ -42,16 +52,22 @@ def main():
         data = torch.randn(n, 1, 28, 28)
         labels = torch.randint(0, 10, (n,))
         tokens_per_sample = 0
-    if world > 1:
+    data = data.to(device)
+    if args.model != "gpt":
+        labels = labels.to(device)
+    if args.compile:
+        model = torch.compile(model)  # compile, then distribute (as keel's pipeline)
+    if world > 1 or "MASTER_ADDR" in os.environ:
         import torch.distributed as dist
-        dist.init_process_group("gloo")
-        model = torch.nn.parallel.DistributedDataParallel(model)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        model = torch.nn.parallel.DistributedDataParallel(
+            model, device_ids=[local_rank] if device.type == "cuda" else None)
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
     gen = torch.Generator().manual_seed(rank)
     times = []
     for step in range(args.steps):
         t0 = time.perf_counter()
-        idx = torch.randint(0, n, (args.batch,), generator=gen)
+        idx = torch.randint(0, n, (args.batch,), generator=gen).to(device)
         if args.model == "gpt":
             w = data.index_select(0, idx)
             x, y = w[:, :-1], w[:, 1:]
@@ -63,10 +79,13 @@ def main():
         loss.backward()
         loss.item()
         opt.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000.0)
     med = statistics.median(times[5:] if len(times) > 5 else times)
     if rank == 0:
-        out = {"impl": "pytorch", "torch": torch.__version__, "model": args.model, "world": world,
+        out = {"impl": "pytorch-compile" if args.compile else "pytorch", "torch": torch.__version__,
+               "model": args.model, "world": world, "device": device.type, "compile_ms": times[0],
                "batch": args.batch, "threads": args.threads, "median_step_ms": med,
                "throughput": world * args.batch * 1000.0 / med}
         if tokens_per_sample:

@@ -14,7 +14,7 @@
 #include <set>
 #include <thread>
 
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
 #include "dist/collectives.h"
 #include "keel/version.h"
@@ -277,7 +277,7 @@ void Checkpointer::save(int64_t step, const State& state) {
   const auto t0 = Clock::now();
   commit();  // the previous async save, if any
   if (step == last_committed_) {
-    spdlog::debug("checkpoint: step {} is already committed", step);
+    logging::debug("checkpoint: step {} is already committed", step);
     last_blocking_ms_ = ms_since(t0);
     return;
   }
@@ -438,7 +438,7 @@ void Checkpointer::commit() {
   size_t nfiles = 0;
   for (const auto& r : results)
     for (const auto& f : r["files"]) total += f["bytes"].get<uint64_t>(), ++nfiles;
-  spdlog::info("checkpoint: step {} committed ({:.1f} MB in {} files; this rank wrote in {:.0f} ms) -> {}", p->step,
+  logging::info("checkpoint: step {} committed ({:.1f} MB in {} files; this rank wrote in {:.0f} ms) -> {}", p->step,
                total / 1e6, nfiles, p->write_ms, p->dir);
   if (rank_ == 0) cleanup(p->step);
   if (corrupt_step_ == p->step) {
@@ -446,7 +446,7 @@ void Checkpointer::commit() {
     // cleanup removes concurrently (a temp+rename here raced with it and failed under load).
     const std::string path = p->dir + "/" + model_file(rank_, world_);
     if (flip_byte_in_place(path))
-      spdlog::warn("fault injection: checkpoint_corruption: flipped a byte of {}", path);
+      logging::warn("fault injection: checkpoint_corruption: flipped a byte of {}", path);
   }
 }
 
@@ -455,7 +455,7 @@ void Checkpointer::cleanup(int64_t keep_step) {
   for (const auto& s : list_steps(opts_.dir)) {
     if (s.committed) committed.push_back(s);
     else if (s.step != keep_step) {
-      spdlog::info("checkpoint: removing uncommitted {}", s.path);
+      logging::info("checkpoint: removing uncommitted {}", s.path);
       remove_tree(s.path);
     }
   }
@@ -469,7 +469,7 @@ void Checkpointer::cleanup(int64_t keep_step) {
   const int64_t excess = static_cast<int64_t>(committed.size()) - opts_.keep;
   for (int64_t k = 0; k < excess; ++k) {
     if (committed[k].step == keep_step) continue;
-    spdlog::debug("checkpoint: removing {} (checkpoint.keep = {})", committed[k].path, opts_.keep);
+    logging::debug("checkpoint: removing {} (checkpoint.keep = {})", committed[k].path, opts_.keep);
     // The marker goes first, so a half-removed step is never taken for a committed one.
     std::remove((committed[k].path + "/" + kMeta).c_str());
     remove_tree(committed[k].path);
@@ -598,7 +598,7 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
     const auto steps = list_steps(opts_.dir);
     for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
       if (it->committed) candidates.push_back(it->path);
-      else if (rank_ == 0) spdlog::info("checkpoint: ignoring {} (never committed)", it->path);
+      else if (rank_ == 0) logging::info("checkpoint: ignoring {} (never committed)", it->path);
     }
   }
   for (const auto& dir : candidates) {
@@ -618,7 +618,7 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
     const std::string why = problem.empty() ? "it failed to load on another rank" : problem;
     if (!resume_from.empty())
       throw std::runtime_error("checkpoint.resume_from = \"" + resume_from + "\" cannot be loaded: " + why);
-    spdlog::warn("checkpoint: {} cannot be used: {}; falling back to the previous committed step", dir, why);
+    logging::warn("checkpoint: {} cannot be used: {}; falling back to the previous committed step", dir, why);
   }
   return std::nullopt;
 }

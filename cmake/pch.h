@@ -2,7 +2,7 @@
 // (~20 s per translation unit on the 2-core build machine); compiling them once saves minutes.
 #pragma once
 #include <torch/torch.h>
-#include <spdlog/spdlog.h>
+
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>

@@ -210,7 +210,7 @@ void Collectives::check(const Desc& d_in) {
 }
 
 void Collectives::all_reduce(torch::Tensor& t, ReduceOp op, const char* what) {
-  if (size() == 1) return;
+  if (!group_->pg()) return;
   Desc d = Desc::of(OpCode::AllReduce, t);
   d.reduce = static_cast<int64_t>(op);
   d.what = what;
@@ -225,7 +225,7 @@ void Collectives::all_reduce(torch::Tensor& t, ReduceOp op, const char* what) {
 }
 
 void Collectives::broadcast(torch::Tensor& t, int64_t root, const char* what) {
-  if (size() == 1) return;
+  if (!group_->pg()) return;
   Desc d = Desc::of(OpCode::Broadcast, t);
   d.root = root;
   d.what = what;
@@ -239,7 +239,7 @@ void Collectives::broadcast(torch::Tensor& t, int64_t root, const char* what) {
 }
 
 std::vector<torch::Tensor> Collectives::all_gather(const torch::Tensor& t, const char* what) {
-  if (size() == 1) return {t.clone()};
+  if (!group_->pg()) return {t.clone()};
   Desc d = Desc::of(OpCode::AllGather, t);
   d.what = what;
   check(d);
@@ -254,7 +254,7 @@ std::vector<torch::Tensor> Collectives::all_gather(const torch::Tensor& t, const
 }
 
 void Collectives::barrier(const char* what) {
-  if (size() == 1) return;
+  if (!group_->pg()) return;
   Desc d;
   d.op = static_cast<int64_t>(OpCode::Barrier);
   d.what = what;
@@ -267,7 +267,7 @@ void Collectives::barrier(const char* what) {
 }
 
 void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root, const char* what) {
-  if (size() == 1 || tensors.empty()) return;
+  if (!group_->pg() || tensors.empty()) return;
   Desc d;
   d.op = static_cast<int64_t>(OpCode::BroadcastCoalesced);
   d.root = root;
@@ -294,7 +294,7 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
 StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
                                      uint32_t flags) {
   StepConsensus c;
-  if (size() == 1) {
+  if (!group_->pg()) {
     c.mean_loss = loss;
     c.any_nonfinite = nonfinite;
     c.rank_compute_ms = {compute_ms};

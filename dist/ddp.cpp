@@ -1,6 +1,6 @@
 #include "dist/ddp.h"
 
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
 #include <sstream>
 
@@ -112,7 +112,7 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     auto r = param_record(named[i].first, named[i].second);
     words.insert(words.end(), r.begin(), r.end());
   }
-  if (coll_->size() == 1) {
+  if (!coll_->group()->pg()) {
     plan_ = fingerprint(words);
     return;
   }
@@ -125,19 +125,19 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   for (size_t i = 0; i < params.size(); ++i) order[i] = static_cast<int64_t>(params.size() - 1 - i);
   std::vector<torch::Tensor> reversed;
   for (auto i : order) reversed.push_back(params[i]);
-  auto [buckets, limits] = c10d::compute_bucket_assignment_by_size(reversed, {first, cap}, {}, order);
+  const auto buckets = std::get<0>(c10d::compute_bucket_assignment_by_size(reversed, {first, cap}, {}, order));
   num_buckets_ = static_cast<int64_t>(buckets.size());
   for (auto& b : buckets) {
     words.push_back(-7);
     for (auto i : b) words.push_back(static_cast<int64_t>(i));
   }
   plan_ = fingerprint(words);
-  reducer_ = compat::make_reducer(params, buckets, limits, coll_->group()->pg(), static_cast<int64_t>(cap),
+  reducer_ = compat::make_reducer(params, buckets, coll_->group()->pg(), static_cast<int64_t>(cap),
                                   cfg.find_unused_parameters, names, static_cast<int64_t>(first));
   if (cfg.comm_hook == "fp16" || cfg.comm_hook == "bf16")
     reducer_->register_comm_hook(std::make_unique<CompressHook>(
         coll_->group()->pg(), cfg.comm_hook == "fp16" ? at::kHalf : at::kBFloat16, coll_->size()));
-  spdlog::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
+  logging::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
                num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, cfg.comm_hook);
 }
 

@@ -2,7 +2,7 @@
 
 #include <unistd.h>
 
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
 #include "dist/compat.h"
 #include "dist/mpi_bootstrap.h"
@@ -51,7 +51,8 @@ std::string resolve_backend(const std::string& backend, const torch::Device& dev
     throw InputError("dist.backend = \"nccl\" needs a CUDA build of keel; this build is CPU-only");
 #else
     if (!device.is_cuda())
-      throw InputError("dist.backend = \"nccl\" needs CUDA devices, but run.device resolved to " + device.str());
+      throw InputError("dist.backend = \"nccl\" needs CUDA devices, but run.device resolved to " + device.str() +
+                       (torch::cuda::is_available() ? "" : " (no GPU on this machine): use dist.backend = \"gloo\" or \"auto\""));
     return "nccl";
 #endif
   }
@@ -62,8 +63,11 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   std::shared_ptr<Group> g(new Group());
   g->world_ = world;
   g->timeout_ = std::chrono::milliseconds(cfg.timeout_s * 1000);
-  if (world.size == 1) return g;
-  g->backend_ = resolve_backend(cfg.backend, device);
+  // Resolved at every world size, so that dist.backend = "nccl" without a GPU is refused
+  // even for one process.
+  const std::string backend = resolve_backend(cfg.backend, device);
+  if (world.size == 1 && cfg.backend == "auto") return g;  // no process group: backend() stays "none"
+  g->backend_ = backend;
 
   std::string host = world.master_addr;
   uint16_t port = static_cast<uint16_t>(world.master_port);
@@ -81,6 +85,11 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
       host = addr.substr(0, addr.rfind(':'));
       port = static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
       if (world.rank != 0) g->store_ = compat::make_tcp_store(host, port, false, world.size, g->timeout_);
+    } else if (world.launcher == "none") {
+      // One process without a launcher and an explicit backend: a private store on loopback.
+      host = "127.0.0.1";
+      g->store_ = compat::make_tcp_store(host, 0, /*is_server=*/true, 1, g->timeout_);
+      port = compat::tcp_store_port(g->store_);
     } else {
       // torchrun may host the store in its agent (TORCHELASTIC_USE_AGENT_STORE=True); then
       // every worker is a client.
@@ -111,7 +120,7 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
                                      g->timeout_);
   }
 #endif
-  spdlog::info("process group: {} ranks over {} ({}), store {}, timeout {} s", world.size, g->backend_,
+  logging::info("process group: {} ranks over {} ({}), store {}, timeout {} s", world.size, g->backend_,
                world.launcher, where, cfg.timeout_s);
   return g;
 }

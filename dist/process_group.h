@@ -27,8 +27,10 @@ namespace keel::dist {
 
 class Group {
  public:
-  /// Rendezvous for `world` and create its process group. For world.size == 1 no store or
-  /// group is created (collectives are then local no-ops). Throws InputError for a bad
+  /// Rendezvous for `world` and create its process group. For world.size == 1 with
+  /// dist.backend = "auto" no store or group is created (collectives are then local no-ops);
+  /// an explicit backend builds a one-rank group (as PyTorch's DDP does at world 1), so that
+  /// NCCL or Gloo is exercised on a single device. Throws InputError for a bad
   /// backend choice, std::runtime_error (naming the address and missing ranks) when the
   /// rendezvous fails or times out.
   static std::shared_ptr<Group> create(const World& world, const DistConfig& cfg, const torch::Device& device);
@@ -41,7 +43,7 @@ class Group {
   std::chrono::milliseconds timeout() const { return timeout_; }
   /// Where the backend wants tensors: the rank's CUDA device for NCCL, else the CPU.
   const torch::Device& comm_device() const { return comm_device_; }
-  /// The c10d group; null when size() == 1.
+  /// The c10d group; null for one rank without an explicit backend.
   const c10::intrusive_ptr<c10d::ProcessGroup>& pg() const { return pg_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
 

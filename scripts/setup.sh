@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# Sets up a Debian 12 machine for keel and builds it. Idempotent: installs only the packages
-# that are missing, makes sure LibTorch uses OpenBLAS, then configures and builds into build/.
+# Sets up a Debian 12 machine for keel and builds it. Idempotent: installs only what is missing.
+#  1. Debian packages (build tools, Gloo headers, MPI, CLI11, spdlog, toml++, ...).
+#  2. LibTorch: PyTorch 2.11.0's, from PyPI's torch wheel, pip-installed into a virtual
+#     environment OUTSIDE the clone, ${KEEL_VENV:-$HOME/.cache/keel/venv}, shared by every clone
+#     and CI run on the machine (a second clone does not download torch again). Its bin/python
+#     and bin/torchrun are the PyTorch reference of tests, golden files and benchmarks.
+#     A user with a LibTorch of their own sets Torch_DIR (its share/cmake/Torch folder): the
+#     pip step is skipped (tests that need Python then want KEEL_PYTHON=<python with torch>).
+#  3. Configures (CMake, C++20; a CUDA build when the LibTorch has CUDA) and builds into build/.
 #
 #   scripts/setup.sh            # as root, or as a user with sudo; builds everything
 #   scripts/setup.sh keel       # builds only the given targets (scripts/train.sh does this)
 #   KEEL_BUILD_DIR=out scripts/setup.sh
 #
-# Environment: KEEL_BUILD_DIR (default build), KEEL_BUILD_TYPE (default Release),
-# KEEL_SKIP_APT=1 to skip the package step (e.g. when packages come from elsewhere).
+# Environment: KEEL_BUILD_DIR (default build), KEEL_BUILD_TYPE (default Release), KEEL_VENV,
+# Torch_DIR, KEEL_PYTHON, KEEL_SKIP_APT=1 to skip the package step (packages from elsewhere).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -17,12 +24,12 @@ BUILD_TYPE="${KEEL_BUILD_TYPE:-Release}"
 # Everything keel builds, tests and benchmarks with (see ../shared/notes/environment.md).
 PACKAGES=(
   g++ cmake ninja-build ccache pkg-config
-  libtorch-dev libgloo-dev libopenblas0-openmp
+  libgloo-dev
   libopenmpi-dev openmpi-bin
   libcli11-dev libspdlog-dev libfmt-dev libtomlplusplus-dev nlohmann-json3-dev
   libssl-dev zlib1g-dev libgtest-dev
   dataset-fashion-mnist
-  python3-torch python3-numpy
+  python3-venv
   gnuplot-nox
   clang libclang-rt-dev
 )
@@ -46,22 +53,44 @@ if [ "${KEEL_SKIP_APT:-0}" != 1 ]; then
   else
     log "all ${#PACKAGES[@]} packages present"
   fi
-  # LibTorch links the generic libblas.so.3; without OpenBLAS selected it gets the reference
-  # BLAS and matmul is ~7x slower. Installing libopenblas0-openmp normally selects it.
-  alt=libblas.so.3-x86_64-linux-gnu
-  openblas=/usr/lib/x86_64-linux-gnu/openblas-openmp/libblas.so.3
-  if [ -e "$openblas" ] && [ "$(readlink -f /etc/alternatives/$alt 2>/dev/null)" != "$(readlink -f $openblas)" ]; then
-    log "selecting OpenBLAS for $alt"
-    as_root update-alternatives --set "$alt" "$openblas" >&2
+fi
+
+TORCH_VERSION_WANTED=2.11.0
+cmake_torch=()
+if [ -n "${Torch_DIR:-}" ]; then
+  log "using the LibTorch at Torch_DIR=$Torch_DIR (no pip step)"
+  cmake_torch=(-DTorch_DIR="$Torch_DIR")
+  [ -n "${KEEL_PYTHON:-}" ] && cmake_torch+=(-DKEEL_PYTHON="$KEEL_PYTHON")
+else
+  venv="${KEEL_VENV:-$HOME/.cache/keel/venv}"
+  py="$venv/bin/python"
+  mkdir -p "$(dirname "$venv")"
+  # One installer at a time per venv (two clones set up at once share it).
+  exec 9>"$venv.lock"
+  flock 9
+  if ! "$py" -c "import torch, numpy, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION_WANTED')" 2>/dev/null; then
+    log "installing torch==$TORCH_VERSION_WANTED (PyPI wheel, CUDA 13.0 build, ~4.5 GB) into $venv"
+    [ -x "$py" ] || python3 -m venv "$venv"
+    "$py" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION_WANTED" numpy >&2
+  else
+    log "torch $TORCH_VERSION_WANTED present in $venv"
   fi
+  flock -u 9
+  prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+  cmake_torch=(-DTorch_DIR="$prefix/Torch" -DKEEL_PYTHON="$py")
 fi
 
 launcher=()
-command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  # Paths relative to the tree in ccache's keys: other clones and build folders (the build half
+  # of scripts/gpu_check.sh in ctest) reuse the objects.
+  export CCACHE_BASEDIR="$PWD"
+fi
 generator=()
 command -v ninja >/dev/null && [ ! -f "$BUILD_DIR/CMakeCache.txt" ] && generator=(-G Ninja)
 log "configuring $BUILD_DIR ($BUILD_TYPE)"
-cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE="$BUILD_TYPE" "${launcher[@]}" >&2
+cmake -S . -B "$BUILD_DIR" "${generator[@]}" -DCMAKE_BUILD_TYPE="$BUILD_TYPE" "${launcher[@]}" "${cmake_torch[@]}" >&2
 log "building (this takes a few minutes the first time: LibTorch headers are heavy)"
 targets=()
 for t in "$@"; do targets+=(--target "$t"); done

@@ -11,7 +11,8 @@ config=configs/fashion_mnist_cnn.toml
 if [ "$ranks" = 1 ]; then
   exec build/keel train --config "$config" "$@"
 fi
-# Debian's torchrun (python3-torch 1.13 on Python 3.11) needs --redirects/--tee/--log_dir.
-exec torchrun --standalone --nproc_per_node "$ranks" --no_python \
-  --redirects 1 --tee 1 --log_dir runs/torchrun_logs \
-  build/keel train --config "$config" "$@"
+# torchrun of the venv that holds keel's LibTorch (scripts/setup.sh), unless Torch_DIR chose
+# another LibTorch: then the torchrun on PATH.
+torchrun="${KEEL_VENV:-$HOME/.cache/keel/venv}/bin/torchrun"
+[ -z "${Torch_DIR:-}" ] && [ -x "$torchrun" ] || torchrun=torchrun
+exec "$torchrun" --standalone --nproc_per_node "$ranks" --no_python build/keel train --config "$config" "$@"

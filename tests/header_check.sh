@@ -1,12 +1,33 @@
 #!/usr/bin/env bash
-# Every public header compiles on its own (-fsyntax-only, one translation unit per header).
+# Every public header compiles on its own (-fsyntax-only, one translation unit per header), with
+# the flags keel's own sources are compiled with (taken from BUILD_DIR/compile_commands.json).
 #   tests/header_check.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src="$1"; build="$2"
-export FLAGS="-std=c++17 -fsyntax-only -DUSE_C10D_GLOO -DUSE_DISTRIBUTED -DTOML_HEADER_ONLY=1 -I$src -I$build/generated -I$src/cmake/stubs -isystem /usr/include/torch/csrc/api/include -isystem /usr/lib/x86_64-linux-gnu/openmpi/include"
+db="$build/compile_commands.json"
+[ -f "$db" ] || { echo "FAIL: $db missing (configure with CMAKE_EXPORT_COMPILE_COMMANDS=ON)"; exit 1; }
+# The command of one keel_core source, less its output, input and dependency-file arguments.
+FLAGS=$(python3 - "$db" "$src/dist/ddp.cpp" <<'PY'
+import json, shlex, sys
+db, want = sys.argv[1], sys.argv[2]
+for e in json.load(open(db)):
+    if e["file"] == want:
+        args = shlex.split(e["command"])[1:]
+        out, skip = [], False
+        for a in args:
+            if skip: skip = False; continue
+            if a in ("-o", "-c", "-MF", "-MT", "-MQ"): skip = True; continue
+            if a in ("-MD", "-MMD") or a == want or a.endswith("ccache") or a.endswith("c++") or a.endswith("g++"): continue
+            out.append(a)
+        print(shlex.join(out)); break
+else:
+    sys.exit("no compile command for " + want)
+PY
+)
+export FLAGS="$FLAGS -fsyntax-only"
 cd "$src"
 check() {
-  if out=$(printf '#include "%s"\n' "$1" | g++ $FLAGS -x c++ - 2>&1); then echo "ok   $1"; else echo "FAIL $1"; echo "$out" | head -10; return 1; fi
+  if out=$(printf '#include "%s"\n' "$1" | eval g++ $FLAGS -x c++ - 2>&1); then echo "ok   $1"; else echo "FAIL $1"; echo "$out" | head -10; return 1; fi
 }
 export -f check
-ls trainer/*.h models/*.h dist/*.h amp/*.h checkpoint/*.h | xargs -P "$(nproc)" -I{} bash -c 'check {}'
+ls common/*.h trainer/*.h models/*.h dist/*.h amp/*.h checkpoint/*.h | xargs -P "$(nproc)" -I{} bash -c 'check {}'

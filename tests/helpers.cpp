@@ -124,11 +124,12 @@ ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, co
                              int max_restarts, double timeout_s) {
   // Not --standalone: it always puts the rendezvous store on port 29400, so two jobs running
   // at once (ctest -j) would share it and one would lose it when the other ends.
-  std::vector<std::string> argv = {"/usr/bin/env", "torchrun", "--nnodes=1", "--rdzv_backend=c10d",
+  std::vector<std::string> argv = {KEEL_TORCHRUN, "--nnodes=1", "--rdzv_backend=c10d",
                                    "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_port()),
                                    "--rdzv_id=keel-test-" + std::to_string(::getpid()), "--nproc_per_node=" + std::to_string(nproc),
-                                   "--max_restarts=" + std::to_string(max_restarts), "--no_python", "--redirects", "1",
-                                   "--tee", "1", "--log_dir", log_dir, KEEL_BINARY};
+                                   "--max_restarts=" + std::to_string(max_restarts), "--no_python",
+                                   // --tee 3 keeps each attempt's output under log_dir as well.
+                                   "--tee", "3", "--log_dir", log_dir, KEEL_BINARY};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, {}, timeout_s);
 }

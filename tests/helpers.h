@@ -49,8 +49,8 @@ ProcResult run_keel(const std::vector<std::string>& args, const std::vector<std:
 /// A TCP port that was free a moment ago on 127.0.0.1.
 int free_port();
 
-/// Runs build/keel `args` under torchrun (--standalone, `nproc` ranks, --max_restarts,
-/// Debian's required --redirects/--tee/--log_dir).
+/// Runs build/keel `args` under the venv's torchrun (c10d rendezvous on a free port, `nproc`
+/// ranks, --max_restarts; each attempt's output also under `log_dir`).
 ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, const std::string& log_dir,
                              int max_restarts = 0, double timeout_s = 300);
 

@@ -8,8 +8,11 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-cmake -S "$src/examples/custom_model" -B "$work/ex" "${gen[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" > "$work/configure.log"
-cmake --build "$work/ex" > "$work/build.log"
+# The prefix and LibTorch (from keel's own build cache: the venv's torch, or the user's Torch_DIR).
+torch_dir=$(sed -n 's/^Torch_DIR:[A-Z]*=//p' "$build/CMakeCache.txt")
+cmake -S "$src/examples/custom_model" -B "$work/ex" "${gen[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" \
+  -DTorch_DIR="$torch_dir" > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+cmake --build "$work/ex" > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cd "$work"
 pids=()

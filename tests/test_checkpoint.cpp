@@ -552,7 +552,7 @@ TEST(CheckpointPython, ASpecReaderReadsTheShards) {
   TempDir d;
   for (auto& r : run_keel_ranks(2, train_args(d.path(), 5, 0))) ASSERT_EQ(r.exit_code, 0) << r.output;
   const std::string step = d.file("ckpt/step_5");
-  auto py = run_process({"/usr/bin/python3", source_path("tests/safetensors_reader.py"), "index", step});
+  auto py = run_process({KEEL_PYTHON, source_path("tests/safetensors_reader.py"), "index", step});
   ASSERT_EQ(py.exit_code, 0) << py.output;
   auto j = nlohmann::json::parse(py.output);
   std::map<std::string, torch::Tensor> mine;
@@ -572,7 +572,7 @@ TEST(CheckpointPython, ASpecReaderReadsTheShards) {
     ts.emplace_back(safetensors_dtype(t), torch::arange(6, torch::kDouble).reshape({2, 3}).to(t));
   ts.emplace_back("BOOL", torch::tensor({true, false, true}));
   write_safetensors(d.file("all.safetensors"), ts, {{"format", "pt"}});
-  auto f = run_process({"/usr/bin/python3", source_path("tests/safetensors_reader.py"), "file", d.file("all.safetensors")});
+  auto f = run_process({KEEL_PYTHON, source_path("tests/safetensors_reader.py"), "file", d.file("all.safetensors")});
   ASSERT_EQ(f.exit_code, 0) << f.output;
   auto k = nlohmann::json::parse(f.output);
   EXPECT_EQ(k["metadata"]["format"], "pt");

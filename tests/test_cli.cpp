@@ -4,6 +4,8 @@
 
 #include <fstream>
 
+#include <torch/cuda.h>
+
 #include "helpers.h"
 #include "idx_fixture.h"
 #include "trainer/config.h"
@@ -20,6 +22,27 @@ void expect_input_error(const keel::testing::ProcResult& r, const std::string& n
   EXPECT_FALSE(r.timed_out);
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find(needle), std::string::npos) << "expected '" << needle << "' in:\n" << r.output;
+}
+
+// A CUDA build on a machine without a GPU (CI): the same binary trains on the CPU, and asking
+// for CUDA or NCCL is bad input naming the key, never a crash.
+TEST(CliNoGpu, CudaDeviceNcclAndFp16ExitTwoSayingThereIsNoGpu) {
+  if (!KEEL_CUDA_BUILD) GTEST_SKIP() << "a CPU build refuses these while loading the config (ConfigErrors.*)";
+  if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has a GPU";
+  TempDir d;
+  const std::vector<std::string> base = {"train", "--config", keel::testing::source_path("configs/synthetic_smoke.toml"),
+                                         "--train.steps=2", "--run.dir=" + d.file("run")};
+  auto with = [&](const std::string& extra) {
+    auto a = base;
+    a.push_back(extra);
+    return run_keel(a);
+  };
+  expect_input_error(with("--run.device=cuda"), "run.device = \"cuda\" but no CUDA device is available");
+  expect_input_error(with("--dist.backend=nccl"), "dist.backend = \"nccl\" needs CUDA devices");
+  expect_input_error(with("--amp.dtype=fp16"), "amp.dtype = \"fp16\" needs a CUDA device");
+  // And the same binary trains on the CPU.
+  auto ok = run_keel(base);
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
 TEST(Cli, Version) {

@@ -294,9 +294,9 @@ double final_loss(const std::string& dir) {
 
 TEST(Launch, TorchrunMpirunAndSingleProcessRunTheSameConfig) {
   TempDir d;
-  std::vector<std::string> torchrun = {"/usr/bin/torchrun", "--nproc_per_node", "2", "--no_python",
-                                       "--master_port", std::to_string(free_port()), "--redirects", "1",
-                                       "--tee", "1", "--log_dir", d.file("torchrun_logs"), KEEL_BINARY};
+  // torchrun's default (static) rendezvous, as users type it.
+  std::vector<std::string> torchrun = {KEEL_TORCHRUN, "--nproc_per_node", "2", "--no_python",
+                                       "--master_port", std::to_string(free_port()), KEEL_BINARY};
   auto args = smoke_args(d.file("torchrun"));
   torchrun.insert(torchrun.end(), args.begin(), args.end());
   auto r = run_process(torchrun, {}, 180);

@@ -50,7 +50,7 @@ TEST(Sampler, ReshufflesEveryEpochDeterministically) {
 }
 
 TEST(Sampler, MatchesTorchDistributedSamplerOrder) {
-  // Values printed by python3-torch 1.13:
+  // Values printed by PyTorch 1.13 and again by 2.11 (the same):
   //   s = torch.utils.data.DistributedSampler(list(range(10)), num_replicas=2, rank=1,
   //                                           shuffle=True, seed=0, drop_last=True)
   //   s.set_epoch(0); list(s) -> [1, 5, 9, 8, 2];   s.set_epoch(3); list(s) -> [0, 7, 5, 9, 4]

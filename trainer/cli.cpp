@@ -1,7 +1,7 @@
 #include "trainer/cli.h"
 
 #include <CLI/CLI.hpp>
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 #include <torch/torch.h>
 
 #include <iostream>
@@ -151,7 +151,7 @@ int run_cli(int argc, char** argv) {
       return 128 + summary["stop_signal"].get<int>();
     return 0;
   } catch (const InputError& e) {
-    spdlog::error("{}", e.what());
+    logging::error("{}", e.what());
     std::cerr << "keel: error: " << e.what() << "\n";
     return kExitInput;
   } catch (const c10::Error& e) {

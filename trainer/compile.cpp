@@ -9,7 +9,7 @@
 #include <torch/csrc/jit/ir/ir.h>
 
 #include <nlohmann/json.hpp>
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
 #include <chrono>
 #include <map>
@@ -149,7 +149,7 @@ class TracedModel : public models::Model {
                          std::to_string(report_.recompiles + 1) + ", above compile.max_recompiles = " +
                          std::to_string(cfg_.max_recompiles) + "; keep shapes static (data.drop_last = true)");
     ++report_.recompiles;
-    spdlog::info("compile: re-specialising the graph for input shape {} (#{} of at most {})",
+    logging::info("compile: re-specialising the graph for input shape {} (#{} of at most {})",
                  c10::str(input.sizes()), report_.recompiles, cfg_.max_recompiles);
     torch::NoGradGuard ng;
     auto graph = trace(*inner_, input.detach()).graph;
@@ -199,7 +199,7 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
       report.cache = "hit";
       auto traced = std::make_shared<TracedModel>(model, graph, example.sizes().vec(), cfg, report);
       finish();
-      spdlog::info("compile: cache hit {} ({:.0f} ms)", cache->entry_path(key), report.compile_ms);
+      logging::info("compile: cache hit {} ({:.0f} ms)", cache->entry_path(key), report.compile_ms);
       return traced;
     }
     report.cache = "miss";
@@ -207,7 +207,7 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
   // Problems that prevent one whole static graph: an error with fullgraph, else a fallback.
   auto refuse = [&](const std::string& why) -> std::shared_ptr<models::Model> {
     if (cfg.fullgraph) throw CompileError("compile (fullgraph): " + why);
-    spdlog::warn("compile: {}; training the eager model instead (set compile.fullgraph = true to make this an error)", why);
+    logging::warn("compile: {}; training the eager model instead (set compile.fullgraph = true to make this an error)", why);
     report.warnings.push_back(why);
     report.mode = "eager-fallback";
     finish();
@@ -243,7 +243,7 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
     for (const auto& r : std::set<std::string>(random.begin(), random.end())) list += (list.empty() ? "" : ", ") + r;
     if (cfg.deterministic)
       throw CompileError("compile.deterministic = true, but the graph holds non-deterministic ops: " + list);
-    spdlog::warn("compile: the graph holds non-deterministic ops: {}", list);
+    logging::warn("compile: the graph holds non-deterministic ops: {}", list);
     report.warnings.push_back("non-deterministic ops: " + list);
   }
   auto traced = std::make_shared<TracedModel>(model, first.graph, x.sizes().vec(), cfg, report);
@@ -269,7 +269,7 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
     cache->store(key, *first.graph, meta.dump());
   }
   finish();
-  spdlog::info("compile: traced {} into a graph of {} nodes in {:.0f} ms", model->name(),
+  logging::info("compile: traced {} into a graph of {} nodes in {:.0f} ms", model->name(),
                std::distance(first.graph->nodes().begin(), first.graph->nodes().end()), report.compile_ms);
   return traced;
 }

@@ -4,7 +4,7 @@
 #include <openssl/evp.h>
 #include <unistd.h>
 
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/serialization/import.h>
@@ -61,7 +61,7 @@ std::shared_ptr<torch::jit::Graph> CompileCache::load(const std::string& key) co
     return graph;
   } catch (const std::exception& e) {
     std::string what = e.what();
-    spdlog::warn("compile cache: entry {} is unreadable ({}); removing it and tracing again", path,
+    logging::warn("compile cache: entry {} is unreadable ({}); removing it and tracing again", path,
                  what.substr(0, what.find('\n')));
     std::remove(path.c_str());
     return nullptr;
@@ -87,7 +87,7 @@ void CompileCache::store(const std::string& key, torch::jit::Graph& graph, const
   } catch (const std::exception& e) {
     std::remove(tmp.c_str());
     std::string what = e.what();
-    spdlog::warn("compile cache: cannot write {}: {}", path, what.substr(0, what.find('\n')));
+    logging::warn("compile cache: cannot write {}: {}", path, what.substr(0, what.find('\n')));
   }
 }
 

@@ -15,7 +15,7 @@
 #include <optional>
 #include <thread>
 
-#include <spdlog/spdlog.h>
+#include "common/log.h"
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
@@ -67,7 +67,7 @@ class StopSignals {
 void tune_allocator() {
 #ifdef __GLIBC__
   const bool ok = mallopt(M_MMAP_THRESHOLD, 1 << 30) == 1 && mallopt(M_TRIM_THRESHOLD, 1 << 30) == 1;
-  spdlog::debug("glibc malloc tuning (mmap/trim threshold 1 GiB): {}", ok ? "applied" : "refused");
+  logging::debug("glibc malloc tuning (mmap/trim threshold 1 GiB): {}", ok ? "applied" : "refused");
 #endif
 }
 
@@ -89,7 +89,8 @@ torch::Device resolve_device(const RunConfig& run, const dist::World& world) {
   if (run.device == "cpu") return torch::kCPU;
   if (run.device == "cuda" || (run.device == "auto" && torch::cuda::is_available())) {
     if (!torch::cuda::is_available())
-      throw InputError("run.device = \"cuda\" but no CUDA device is available");
+      throw InputError("run.device = \"cuda\" but no CUDA device is available on this machine (no GPU or no "
+                       "driver); use run.device = \"cpu\" or \"auto\"");
     return torch::Device(torch::kCUDA, static_cast<int16_t>(world.local_rank % torch::cuda::device_count()));
   }
   return torch::kCPU;
@@ -242,7 +243,7 @@ nlohmann::json Trainer::run() {
   const c10::ScalarType amp_dtype = cfg.amp.dtype == "fp16" ? c10::kHalf : c10::kBFloat16;
   const FaultPlan faults(cfg.fault.inject, world.size);
   if (faults.fires("graph_break", 1, world.rank, world.restart_count)) {
-    spdlog::warn("fault injection: graph_break: rank {}'s model branches on a tensor value", world.rank);
+    logging::warn("fault injection: graph_break: rank {}'s model branches on a tensor value", world.rank);
     model = std::make_shared<GraphBreakModel>(model);
   }
   std::unique_ptr<amp::GradScaler> scaler;
@@ -329,7 +330,7 @@ nlohmann::json Trainer::run() {
     if (cfg.checkpoint.save_graph) {
       st.graph = export_traced_module(dmodel.model());
       if (st.graph.empty() && world.is_main())
-        spdlog::warn("checkpoint.save_graph: the model is not traced (compile fell back to eager); no graph.pt");
+        logging::warn("checkpoint.save_graph: the model is not traced (compile fell back to eager); no graph.pt");
     }
     const auto pos = sampler->position();
     st.shared["data_position"] = {{"epoch", pos.epoch}, {"batch", pos.batch}};
@@ -378,7 +379,7 @@ nlohmann::json Trainer::run() {
         ss.growth_interval = j.at("growth_interval").get<int64_t>();
         scaler->load_state(ss);
       } else if (scaler) {
-        spdlog::warn("checkpoint {} has no loss-scaler state; starting from amp.init_scale", loaded->path);
+        logging::warn("checkpoint {} has no loss-scaler state; starting from amp.init_scale", loaded->path);
       }
       const int64_t saved_world = loaded->saved_world_size;
       const auto& rs = st.rank_state;
@@ -402,15 +403,15 @@ nlohmann::json Trainer::run() {
         int64_t nb = consumed / per_global;
         if (nb > sampler->batches_per_epoch()) nb = sampler->batches_per_epoch();
         sampler->restore({e, nb});
-        spdlog::warn("resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
+        logging::warn("resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
                      "remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed){}",
                      saved_world, saved_batch, world.size, cfg.train.batch_size, e, b, nb, consumed,
                      consumed % per_global ? "; the partial global batch is skipped" : "");
       }
       if (s_->cb.load_state) s_->cb.load_state(st);
-      spdlog::info("resumed from {} (step {} of {})", loaded->path, start_step, total_steps);
+      logging::info("resumed from {} (step {} of {})", loaded->path, start_step, total_steps);
     } else {
-      spdlog::info("checkpoint: no committed step under {}; starting fresh", cfg.checkpoint.dir);
+      logging::info("checkpoint: no committed step under {}; starting fresh", cfg.checkpoint.dir);
     }
   }
 
@@ -423,9 +424,9 @@ nlohmann::json Trainer::run() {
     else std::remove((cfg.run.dir + "/metrics.jsonl").c_str());  // a fresh run starts a fresh file
     metrics = JsonlWriter(cfg.run.dir + "/metrics.jsonl");
   }
-  spdlog::info("keel {} | LibTorch {} | {} threads | device {}", KEEL_VERSION, TORCH_VERSION, threads,
+  logging::info("keel {} | LibTorch {} | {} threads | device {}", KEEL_VERSION, TORCH_VERSION, threads,
                device.str());
-  spdlog::info("model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
+  logging::info("model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
                "({} per rank x {} accum x {} ranks), {} batches per epoch",
                model->name(), model->num_parameters(), cfg.data.name, splits.train->size(),
                splits.test ? splits.test->size() : 0, total_steps, global_batch, cfg.train.batch_size,
@@ -486,7 +487,7 @@ nlohmann::json Trainer::run() {
   // this rank's model shard of the checkpoint of step `s`.
   auto inject_save_fault = [&](int64_t s) {
     if (const FaultEntry* e = faults.find("checkpoint_write_failure", s, world.rank, world.restart_count)) {
-      spdlog::warn("fault injection: checkpoint_write_failure ({}) at step {} on rank {}", e->crash ? "SIGKILL" : "ENOSPC",
+      logging::warn("fault injection: checkpoint_write_failure ({}) at step {} on rank {}", e->crash ? "SIGKILL" : "ENOSPC",
                    s, world.rank);
       ckpt->inject_write_failure(e->crash ? -1 : ENOSPC);
     }
@@ -504,22 +505,22 @@ nlohmann::json Trainer::run() {
   auto inject_step_faults = [&](int64_t s) {
     const int64_t r = world.rank, rc = world.restart_count;
     if (const FaultEntry* e = faults.active("straggler", s, r, rc)) {
-      if (s == e->step) spdlog::warn("fault injection: straggler: rank {} sleeps {} ms per step from step {}", r, e->ms, s);
+      if (s == e->step) logging::warn("fault injection: straggler: rank {} sleeps {} ms per step from step {}", r, e->ms, s);
       std::this_thread::sleep_for(std::chrono::milliseconds(e->ms));
     }
     if (faults.fires("crash", s, r, rc)) {
-      spdlog::error("fault injection: crash (SIGKILL) at step {} on rank {}", s, r);
-      spdlog::default_logger()->flush();
+      logging::error("fault injection: crash (SIGKILL) at step {} on rank {}", s, r);
+      logging::flush();
       std::raise(SIGKILL);
     }
     if (faults.fires("oom", s, r, rc)) {
       // 1 PiB: more than a 47-bit address space holds, so the allocation fails even where the
       // kernel overcommits memory (nothing is ever touched).
-      spdlog::warn("fault injection: oom at step {} on rank {}: allocating 1 PiB", s, r);
+      logging::warn("fault injection: oom at step {} on rank {}: allocating 1 PiB", s, r);
       auto huge = torch::empty({int64_t{1} << 48}, torch::TensorOptions().dtype(torch::kFloat).device(device));
     }
     if (faults.fires("collective_hang", s, r, rc)) {
-      spdlog::warn("fault injection: collective_hang at step {}: rank {} stops taking part in collectives", s, r);
+      logging::warn("fault injection: collective_hang at step {}: rank {} stops taking part in collectives", s, r);
       const std::string why = coll->hang_until_peers_fail(std::chrono::milliseconds(2 * cfg.dist.timeout_s * 1000 + 10000));
       throw std::runtime_error("fault injection: collective_hang: rank " + std::to_string(r) + " stopped at step " +
                                std::to_string(s) + (why.empty() ? std::string("; no peer reported")
@@ -528,7 +529,7 @@ nlohmann::json Trainer::run() {
     if (const FaultEntry* e = faults.any_rank("shape_mismatch", s, rc)) {
       // Every rank issues the same collective; the faulty rank's tensor has another shape.
       auto probe = torch::zeros({e->rank == r ? 5 : 4}, torch::TensorOptions().device(device));
-      if (e->rank == r) spdlog::warn("fault injection: shape_mismatch at step {}: rank {} all-reduces shape [5]", s, r);
+      if (e->rank == r) logging::warn("fault injection: shape_mismatch at step {}: rank {} all-reduces shape [5]", s, r);
       coll->all_reduce(probe, dist::ReduceOp::Sum, "fault probe (shape_mismatch)");
     }
   };
@@ -557,7 +558,7 @@ nlohmann::json Trainer::run() {
     }
     const double local_loss = loss_sum / cfg.train.grad_accum;
     if (faults.fires("nonfinite_grad", step + 1, world.rank, world.restart_count)) {
-      spdlog::warn("fault injection: nonfinite_grad at step {} on rank {}", step + 1, world.rank);
+      logging::warn("fault injection: nonfinite_grad at step {} on rank {}", step + 1, world.rank);
       for (auto& p : model_params)
         if (p.grad().defined()) {
           p.grad().view(-1)[0] = std::numeric_limits<float>::infinity();
@@ -597,7 +598,7 @@ nlohmann::json Trainer::run() {
         const double m = world.size == 2 ? c[1 - rr] : m_all;
         slow_streak[rr] = c[rr] > 1.5 * m && c[rr] > m + 5.0 ? slow_streak[rr] + 1 : 0;
         if (slow_streak[rr] == 20)
-          spdlog::warn("rank {} is consistently slower: its forward+backward took {:.1f} ms vs {:.1f} ms (median of the "
+          logging::warn("rank {} is consistently slower: its forward+backward took {:.1f} ms vs {:.1f} ms (median of the "
                        "other ranks) for 20 steps in a row; every rank waits for it (rank_compute_ms in metrics.jsonl)",
                        rr, c[rr], m);
       }
@@ -615,7 +616,7 @@ nlohmann::json Trainer::run() {
       optimizer->step();
     } else {
       ++skipped_steps;
-      spdlog::warn("step {}: inf/NaN on some rank; every rank skips this update{}", step + 1,
+      logging::warn("step {}: inf/NaN on some rank; every rank skips this update{}", step + 1,
                    scaler ? fmt::format(" (loss scale {} -> {})", scaler->scale_value(),
                                         scaler->scale_value() * cfg.amp.backoff_factor)
                           : std::string());
@@ -643,7 +644,7 @@ nlohmann::json Trainer::run() {
       last_eval = evaluate(steps_done);
       line["test_loss"] = last_eval->loss;
       line["test_accuracy"] = last_eval->accuracy;
-      spdlog::info("eval step {}: test_loss {:.4f} test_accuracy {:.4f} ({} {})", steps_done, last_eval->loss,
+      logging::info("eval step {}: test_loss {:.4f} test_accuracy {:.4f} ({} {})", steps_done, last_eval->loss,
                    last_eval->accuracy, last_eval->count, is_lm ? "tokens" : "samples");
       if (s_->cb.on_eval) s_->cb.on_eval(*last_eval);
     }
@@ -663,7 +664,7 @@ nlohmann::json Trainer::run() {
       notify_checkpoint();
     }
     if (steps_done % cfg.train.log_interval == 0 || steps_done == total_steps) {
-      spdlog::log(show_progress ? spdlog::level::debug : spdlog::level::info,
+      logging::log(show_progress ? logging::Level::debug : logging::Level::info,
                   "step {}/{} | loss {:.4f} | lr {:.3g} | {:.1f} ms/step | {:.0f} samples/s", steps_done,
                   total_steps, loss, lr, step_ms, info.samples_per_s);
     }
@@ -689,7 +690,7 @@ nlohmann::json Trainer::run() {
   if (show_progress) std::printf("\n");
   if (start_step >= total_steps) {
     // Resumed from the final step: nothing to train; evaluate so the summary is complete.
-    spdlog::info("checkpoint step {} is the end of this run ({} steps): nothing to train", start_step, total_steps);
+    logging::info("checkpoint step {} is the end of this run ({} steps): nothing to train", start_step, total_steps);
     if (cfg.train.eval_interval > 0) {
       last_eval = evaluate(steps_done);
       if (s_->cb.on_eval) s_->cb.on_eval(*last_eval);
@@ -712,7 +713,7 @@ nlohmann::json Trainer::run() {
   if (s_->cb.on_end) s_->cb.on_end(*model);
   const int stop_signal = stopped ? (g_stop_signal.load() ? g_stop_signal.load() : SIGTERM) : 0;
   if (stop_signal)
-    spdlog::warn("stopped by signal {} after step {} of {}", stop_signal, steps_done, total_steps);
+    logging::warn("stopped by signal {} after step {} of {}", stop_signal, steps_done, total_steps);
 
   // Summary: the median excludes the first 5 steps (warm-up: allocator, caches, lazy init).
   const size_t warm = step_times.size() > 5 ? 5 : 0;
@@ -760,7 +761,7 @@ nlohmann::json Trainer::run() {
     summary["test_loss"] = last_eval->loss;
   }
   if (world.is_main()) write_file_atomic(cfg.run.dir + "/summary.json", summary.dump(2) + "\n");
-  spdlog::info("done: {} steps, median {:.2f} ms/step, final loss {:.4f}{}", steps_done, median_ms, last_loss,
+  logging::info("done: {} steps, median {:.2f} ms/step, final loss {:.4f}{}", steps_done, median_ms, last_loss,
                last_eval ? fmt::format(", test accuracy {:.4f}", last_eval->accuracy) : std::string());
   return summary;
 }

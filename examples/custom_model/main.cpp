@@ -1,6 +1,6 @@
 // A custom C++ model and dataset trained by keel's Trainer, as a user's own binary.
 // Run alone, or on 2 ranks:
-//   torchrun --standalone --nproc_per_node 2 --no_python --redirects 1 --tee 1 --log_dir /tmp/l ./custom_model
+//   torchrun --standalone --nproc_per_node 2 --no_python ./custom_model
 #include <trainer/config.h>
 #include <trainer/data.h>
 #include <trainer/trainer.h>

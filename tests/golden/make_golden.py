@@ -1,7 +1,7 @@
 """Writes the golden files of tests/test_models.cpp: weights, input, target, logits and
-parameter gradients of the cnn and a small gpt, computed by PyTorch (python3-torch).
+parameter gradients of the cnn and a small gpt, computed by PyTorch 2.11 (the venv of scripts/setup.sh).
 
-Run from the repository root:  /usr/bin/python3 tests/golden/make_golden.py
+Run from the repository root:  ~/.cache/keel/venv/bin/python tests/golden/make_golden.py
 The C++ test loads the weights into keel's models by parameter name, runs the same input
 and compares logits and gradients (tolerances in the test, with the reasons).
 """

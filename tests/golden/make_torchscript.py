@@ -1,6 +1,6 @@
 """Writes tests/golden/tiny_classifier.pt, a small TorchScript classifier (784 -> 32 -> 10) that
 tests/test_models.cpp trains through keel's torchscript model. Run from the repository root:
-/usr/bin/python3 tests/golden/make_torchscript.py"""
+~/.cache/keel/venv/bin/python tests/golden/make_torchscript.py"""
 import os
 
 import torch

@@ -1,0 +1,222 @@
+#!/usr/bin/env bash
+# keel on a GPU machine, in one go (at most ~8 minutes on one H200 with 16 cores).
+#
+#   scripts/gpu_check.sh OUTDIR               # build, then every GPU check; results in OUTDIR
+#   scripts/gpu_check.sh --build-only OUTDIR  # the build half alone (ctest runs it on the CPU)
+#
+# The machine it is made for: torch 2.11 (CUDA) in its python3 (or KEEL_PYTHON), nvcc, cmake,
+# ninja, no network. keel's other build dependencies travel as Debian packages unpacked into
+# .gpu_deps/ (scripts/gpu_deps.sh makes it; without it the system's packages are used).
+#
+# What runs (each step's log in OUTDIR/<step>.log, one JSON line per step in OUTDIR/results.jsonl,
+# a table in OUTDIR/summary.md):
+#   build      configure (CUDA build) + build keel; tests/link_check.sh
+#   cnn_nccl   cnn on the GPU, one rank, NCCL process group (dist.backend = nccl)
+#   gpt_nccl   gpt on the GPU, one rank, NCCL
+#   gloo_2r    two ranks on the one GPU, Gloo on CUDA tensors (NCCL refuses two ranks per device)
+#   fp16       fp16 autocast + GradScaler, initial scale 2^40: real fp16 overflows, steps skipped
+#   bf16       bf16 autocast
+#   resume     checkpoint every 10 steps; rank killed at step 25 under torchrun; the resumed
+#              run's step-40 shards equal a clean run's, byte for byte (SHA-256)
+#   bench      step time: keel vs PyTorch 2.11 eager DDP and torch.compile'd DDP, cnn and gpt,
+#              one rank on the GPU (NCCL), same batch, data and optimizer
+# Exit status: 0 when every step passed, 1 otherwise (the summary says which).
+# KEEL_GPU_CHECK_DEVICE=cpu rehearses the GPU half on a CPU machine (Gloo for NCCL, no fp16,
+# short benchmarks): it checks the script, not the GPU. KEEL_GPU_CHECK_KEEL=PATH skips the build
+# and uses that binary (rehearsals only). KEEL_GPU_CHECK_ONLY=REGEX runs only the steps whose
+# names match (after the build), e.g. KEEL_GPU_CHECK_ONLY='^bench_gpt'.
+set -uo pipefail
+
+build_only=0
+if [ "${1:-}" = --build-only ]; then build_only=1; shift; fi
+out="${1:?usage: scripts/gpu_check.sh [--build-only] OUTDIR}"
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+cd "$(dirname "$0")/.."
+root=$PWD
+t_start=$(date +%s)
+
+py="${KEEL_PYTHON:-}"
+if [ -z "$py" ]; then
+  for c in /opt/torch/.venv/bin/python3 "${KEEL_VENV:-$HOME/.cache/keel/venv}/bin/python" python3; do
+    if "$c" -c 'import torch' 2>/dev/null; then py=$c; break; fi
+  done
+fi
+[ -n "$py" ] || { echo "gpu_check: no Python with torch found (set KEEL_PYTHON)"; exit 1; }
+pybin="$(dirname "$(command -v "$py")")"
+export PATH="$PATH:$pybin"  # cmake and ninja may come as Python packages
+torchrun="$pybin/torchrun"
+[ -x "$torchrun" ] || torchrun=torchrun
+bdir="${KEEL_GPU_CHECK_BUILD_DIR:-$root/build-gpu-check}"
+keel="$bdir/keel"
+results="$out/results.jsonl"
+: > "$results"
+failures=0
+
+log() { printf '[gpu_check %4ds] %s\n' "$(( $(date +%s) - t_start ))" "$*"; }
+record() {  # record STEP OK(true|false) JSON-OBJECT-BODY
+  printf '{"step": "%s", "ok": %s, %s}\n' "$1" "$2" "$3" >> "$results"
+  if [ "$2" = true ]; then log "PASS $1"; else log "FAIL $1 (see $out/$1.log)"; failures=$((failures + 1)); fi
+}
+field() {  # field SUMMARY_JSON KEY
+  "$py" -c 'import json,sys; v=json.load(open(sys.argv[1])).get(sys.argv[2]); print(json.dumps(v))' "$1" "$2" 2>/dev/null
+}
+
+# ------------------------------------------------------------------------------------------
+# Build half
+# ------------------------------------------------------------------------------------------
+prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
+gen=Ninja; command -v ninja >/dev/null || gen="Unix Makefiles"
+cmake_args=(-S "$root" -B "$bdir" -G "$gen" -DCMAKE_BUILD_TYPE=Release -DKEEL_BUILD_TESTS=OFF
+            -DTorch_DIR="$prefix/Torch" -DKEEL_PYTHON="$py")
+deps="$root/.gpu_deps/root/usr" logdeps="$root/.gpu_deps/logroot/usr"
+if [ -d "$deps" ]; then
+  libs="$deps/lib/x86_64-linux-gnu;$logdeps/lib/x86_64-linux-gnu"
+  cmake_args+=(-DCMAKE_PREFIX_PATH="$deps;$logdeps" -DCMAKE_INCLUDE_PATH="$deps/include"
+               -DCMAKE_LIBRARY_PATH="$libs" -DOPENSSL_ROOT_DIR="$deps" -DZLIB_ROOT="$deps"
+               -DCMAKE_BUILD_RPATH="$libs")
+  export LD_LIBRARY_PATH="$deps/lib/x86_64-linux-gnu:$logdeps/lib/x86_64-linux-gnu${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
+# ccache, where there is one, with paths relative to the source tree: the build half in ctest
+# then reuses the objects of the main build.
+if command -v ccache >/dev/null; then
+  cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  export CCACHE_BASEDIR="$root"
+fi
+if [ -n "${KEEL_GPU_CHECK_KEEL:-}" ]; then
+  keel="$KEEL_GPU_CHECK_KEEL"
+  log "rehearsal: using $keel, no build"
+else
+  log "python $py ($("$py" -c 'import torch; print(torch.__version__)')), build dir $bdir"
+  {
+    echo "== configure"; cmake "${cmake_args[@]}" 2>&1
+    echo "== build"; cmake --build "$bdir" -j "$(nproc)" --target keel 2>&1
+  } > "$out/build.log"
+  build_rc=$?
+  if [ $build_rc -eq 0 ] && [ -x "$keel" ]; then
+    "$root/tests/link_check.sh" "$keel" 1 >> "$out/build.log" 2>&1
+    link_rc=$?
+  else
+    link_rc=1
+  fi
+  [ $link_rc -eq 0 ] && ok=true || ok=false
+  record build "$ok" "\"seconds\": $(( $(date +%s) - t_start )), \"version\": $("$keel" --version 2>/dev/null | "$py" -c 'import json,sys; print(json.dumps(sys.stdin.read().strip()))')"
+  if [ "$ok" != true ]; then tail -40 "$out/build.log"; exit 1; fi
+fi
+if [ $build_only = 1 ]; then log "build half done"; exit 0; fi
+
+# ------------------------------------------------------------------------------------------
+# GPU half
+# ------------------------------------------------------------------------------------------
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
+  "$py" -c 'import torch; print(torch.__version__, torch.cuda.get_device_name(0), torch.cuda.nccl.version())'
+  g++ --version | head -1; nvcc --version | tail -1; } > "$out/env.txt" 2>&1
+port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
+# keel under torchrun (static rendezvous on a free port), N ranks: launch N DIR ARGS...
+launch() {
+  local n=$1 dir=$2; shift 2
+  mkdir -p "$dir"
+  timeout 240 "$torchrun" --nproc_per_node "$n" --master_port "$(port)" --no_python "$@" --run.dir="$dir/run"
+}
+dev="${KEEL_GPU_CHECK_DEVICE:-cuda}"
+nccl=nccl bench_specs=("cnn 64 150" "gpt 8 60" "cnn 512 100" "gpt 64 40")
+if [ "$dev" = cpu ]; then nccl=gloo bench_specs=("cnn 64 20" "gpt 8 8"); fi
+common=(--data.name=synthetic --data.synthetic_size=4096 --train.lr=1e-3 --train.schedule=constant
+        --train.eval_interval=0 --run.device="$dev" --run.threads=4 --run.log_level=info)
+
+want() { [[ "$1" =~ ${KEEL_GPU_CHECK_ONLY:-.} ]]; }
+train_step() {  # train_step NAME NRANKS EXPECT(python condition on s) ARGS...
+  local name=$1 n=$2 cond=$3; shift 3
+  want "$name" || return 0
+  local dir="$out/$name"
+  launch "$n" "$dir" "$keel" train "${common[@]}" "$@" > "$out/$name.log" 2>&1
+  local rc=$? s="$dir/run/summary.json"
+  local verdict
+  verdict=$("$py" - "$s" "$rc" "$cond" <<'PY'
+import json, math, sys
+path, rc, cond = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+try:
+    s = json.load(open(path))
+except Exception as e:
+    print(json.dumps({"ok": False, "rc": rc, "error": f"no summary.json: {e}"})); sys.exit()
+keep = ["device", "backend", "world_size", "final_loss", "median_step_ms", "samples_per_s", "amp_dtype",
+        "loss_scale", "skipped_steps", "steps", "resumed_from_step", "torch_version"]
+ok = rc == 0 and bool(eval(cond, {"math": math}, {"s": s}))
+print(json.dumps({"ok": ok, "rc": rc, **{k: s.get(k) for k in keep if k in s}}))
+PY
+)
+  local ok
+  ok=$(printf '%s' "$verdict" | "$py" -c 'import json,sys; print("true" if json.load(sys.stdin)["ok"] else "false")')
+  record "$name" "$ok" "\"detail\": $verdict"
+}
+
+finite='math.isfinite(s["final_loss"])'
+train_step cnn_nccl 1 "s['device'].startswith('$dev') and s['backend'] == '$nccl' and $finite" \
+  --model.name=cnn --train.batch_size=64 --train.steps=150 --dist.backend=$nccl
+train_step gpt_nccl 1 "s['device'].startswith('$dev') and s['backend'] == '$nccl' and $finite" \
+  --model.name=gpt --train.batch_size=8 --train.steps=60 --dist.backend=$nccl
+train_step gloo_2r 2 "s['world_size'] == 2 and s['backend'] == 'gloo' and $finite" \
+  --model.name=cnn --train.batch_size=64 --train.steps=60 --dist.backend=gloo
+# 2^40 overflows fp16 gradients for real: GradScaler skips those steps and backs off.
+[ "$dev" = cpu ] || train_step fp16 1 "s['amp_dtype'] == 'fp16' and s.get('skipped_steps', 0) > 0 and $finite" \
+  --model.name=cnn --train.batch_size=64 --train.steps=80 --amp.dtype=fp16 --amp.init_scale=1099511627776
+train_step bf16 1 "s['amp_dtype'] == 'bf16' and $finite" \
+  --model.name=gpt --train.batch_size=8 --train.steps=40 --amp.dtype=bf16
+
+# Bit-exact resume of GPU state (model, optimizer, CUDA RNG, sampler) after a SIGKILL.
+if want resume; then
+resume_args=(--model.name=mlp --train.batch_size=32 --train.steps=40 --dist.backend=$nccl
+             --checkpoint.interval=10 --checkpoint.keep=5)
+launch 1 "$out/resume_clean" "$keel" train "${common[@]}" "${resume_args[@]}" \
+  --checkpoint.dir="$out/resume_clean/ckpt" > "$out/resume.log" 2>&1
+rc_clean=$?
+launch 1 "$out/resume_crash" --max_restarts 1 "$keel" train "${common[@]}" "${resume_args[@]}" \
+  --checkpoint.dir="$out/resume_crash/ckpt" --fault.inject=crash@step=25,rank=0 >> "$out/resume.log" 2>&1
+rc_crash=$?
+sums() { (cd "$1/ckpt/step_40" 2>/dev/null && sha256sum model-*.safetensors optimizer-*.safetensors 2>/dev/null); }
+a=$(sums "$out/resume_clean"); b=$(sums "$out/resume_crash")
+resumed=$(field "$out/resume_crash/run/summary.json" resumed_from_step)
+if [ $rc_clean -eq 0 ] && [ $rc_crash -eq 0 ] && [ -n "$a" ] && [ "$a" = "$b" ] && [ "$resumed" = 20 ]; then ok=true; else ok=false; fi
+record resume "$ok" "\"rc_clean\": $rc_clean, \"rc_crash\": $rc_crash, \"resumed_from_step\": ${resumed:-null}, \"shards_identical\": $([ -n "$a" ] && [ "$a" = "$b" ] && echo true || echo false)"
+fi
+
+# Step time next to PyTorch 2.11 (eager DDP and torch.compile'd DDP) on the same GPU.
+for spec in "${bench_specs[@]}"; do
+  set -- $spec
+  model=$1 batch=$2 steps=$3 bench_ok=true
+  tag="bench_${model}_b${batch}"
+  want "$tag" || continue
+  launch 1 "$out/$tag" "$keel" train "${common[@]}" --model.name="$model" --train.batch_size="$batch" \
+    --train.steps="$steps" --dist.backend=$nccl --run.log_level=warn > "$out/$tag.log" 2>&1 || bench_ok=false
+  k=$(field "$out/$tag/run/summary.json" median_step_ms)
+  for mode in eager compile; do
+    extra=(); [ $mode = compile ] && extra=(--compile)
+    line=$(timeout 300 "$torchrun" --nproc_per_node 1 --master_port "$(port)" "$root/bench/torch_ref.py" \
+      --model "$model" --batch "$batch" --steps "$steps" --threads 4 --device "$dev" "${extra[@]}" 2>>"$out/$tag.log" | tail -1)
+    printf '%s\n' "$line" >> "$out/$tag.log"
+    t=$(printf '%s' "$line" | "$py" -c 'import json,sys; print(json.load(sys.stdin)["median_step_ms"])' 2>/dev/null) || { t=null; bench_ok=false; }
+    eval "t_$mode=\$t"
+  done
+  ratios=$("$py" -c 'import sys
+k, e, c = (None if v in ("", "null") else float(v) for v in sys.argv[1:])
+r = lambda a, b: round(a / b, 3) if a and b else None
+print(f"\"keel_ms\": {k}, \"pytorch_eager_ms\": {e}, \"pytorch_compile_ms\": {c}, \"keel_over_eager\": {r(k, e)}, \"keel_over_compile\": {r(k, c)}".replace("None", "null"))' "$k" "$t_eager" "$t_compile")
+  [ "$k" != null ] && [ -n "$k" ] || bench_ok=false
+  record "$tag" "$bench_ok" "\"model\": \"$model\", \"batch\": $batch, $ratios"
+done
+
+# Summary table
+"$py" - "$results" "$out/summary.md" "$out/env.txt" <<'PY'
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+with open(sys.argv[3]) as f:
+    env = f.read().strip().replace("\n", "; ")
+lines = [f"# keel GPU check\n", f"machine: {env}\n", "| step | ok | detail |", "| --- | --- | --- |"]
+for r in rows:
+    d = {k: v for k, v in r.items() if k not in ("step", "ok")}
+    lines.append(f"| {r['step']} | {'PASS' if r['ok'] else 'FAIL'} | {json.dumps(d)} |")
+open(sys.argv[2], "w").write("\n".join(lines) + "\n")
+print("\n".join(lines))
+PY
+log "done: $failures failing step(s), $(( $(date +%s) - t_start )) s"
+[ $failures -eq 0 ]
