@@ -588,11 +588,15 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
   std::vector<std::string> candidates;
   if (!resume_from.empty()) {
     std::string d = resume_from;
-    if (std::all_of(d.begin(), d.end(), ::isdigit)) d = step_dir(std::stoll(d));
+    if (!d.empty() && std::all_of(d.begin(), d.end(), ::isdigit)) {
+      if (d.size() > 18)
+        throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\": not a step number (too large)");
+      d = step_dir(std::stoll(d));
+    }
     else if (!is_directory(d) && is_directory(opts_.dir + "/" + d)) d = opts_.dir + "/" + d;
     if (!path_exists(d + "/" + kMeta))
-      throw std::runtime_error("checkpoint.resume_from = \"" + resume_from + "\": " + d +
-                               " is not a committed checkpoint step (no meta.json)");
+      throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\": " + d +
+                        " is not a committed checkpoint step (no meta.json)");
     candidates.push_back(d);
   } else {
     const auto steps = list_steps(opts_.dir);
@@ -617,7 +621,7 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
     }
     const std::string why = problem.empty() ? "it failed to load on another rank" : problem;
     if (!resume_from.empty())
-      throw std::runtime_error("checkpoint.resume_from = \"" + resume_from + "\" cannot be loaded: " + why);
+      throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\" cannot be loaded: " + why);
     logging::warn("checkpoint: {} cannot be used: {}; falling back to the previous committed step", dir, why);
   }
   return std::nullopt;

@@ -53,6 +53,12 @@ class Collectives;
 namespace keel::checkpoint {
 
 /// A save failed on some rank; thrown on every rank. The previous checkpoint is intact.
+/// checkpoint.resume_from names a step that is not there or does not load: the user's input.
+class ResumeError : public std::runtime_error {
+ public:
+  using std::runtime_error::runtime_error;
+};
+
 class SaveError : public std::runtime_error {
  public:
   using std::runtime_error::runtime_error;
@@ -141,7 +147,8 @@ class Checkpointer {
 
   /// Collective. Loads the newest committed step that verifies on every rank (or exactly
   /// `resume_from`, a step directory or step number, when non-empty). nullopt when there is
-  /// none. Throws std::runtime_error when `resume_from` does not load.
+  /// none. Throws ResumeError when `resume_from` does not load; a failure of the collectives
+  /// (a peer died) is a dist::CollectiveError, never a ResumeError.
   std::optional<Loaded> load(const std::string& resume_from = "");
 
   /// Milliseconds the last save() blocked the caller (the async stall).

@@ -29,6 +29,7 @@ struct Collectives::Desc {
   int64_t op = 0, reduce = 0, dtype = -1, ndim = 0, dims[kDims] = {0};
   int64_t root = -1, device = 0, numel = 0, seq = 0, step = 0, extra = 0;
   const char* what = "";
+  bool validation = false;  // the cross-rank check that runs before the collective `what`
 
   std::vector<int64_t> words() const {
     std::vector<int64_t> w = {op, reduce, dtype, ndim};
@@ -168,7 +169,8 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
     w->wait(group_->timeout() - report_grace());
   } catch (const std::exception& e) {
     std::string what = e.what();
-    std::string msg = "[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " + d.what + ": " +
+    std::string msg = "[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " +
+                      (d.validation ? "validation of " : "") + d.what + ": " +
                       describe(d) + " at step " + std::to_string(step_) + " failed: " + what.substr(0, what.find('\n'));
     const std::string missing = missing_ranks(msg);
     if (!missing.empty())
@@ -187,9 +189,8 @@ void Collectives::check(const Desc& d_in) {
   std::vector<at::Tensor> v{pair};
   c10d::AllreduceOptions o;
   o.reduceOp = c10d::ReduceOp::MIN;
-  Desc probe;
-  probe.what = "validation of a collective";
-  probe.seq = d.seq;
+  Desc probe = d;  // a failure here names the collective it guards ("checkpoint load verdict")
+  probe.validation = true;
   wait(group_->pg()->allreduce(v, o), probe);
   pair = pair.cpu();
   const int64_t mn = pair[0].item<int64_t>(), mx = -pair[1].item<int64_t>();

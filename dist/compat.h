@@ -7,6 +7,7 @@
 #pragma once
 
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
@@ -30,6 +31,11 @@ inline c10::intrusive_ptr<c10d::Store> make_tcp_store(const std::string& host, u
   o.waitWorkers = false;  // keel waits for every rank itself, with a message naming the missing ones
   o.timeout = timeout;
   return c10::make_intrusive<c10d::TCPStore>(host, o);
+}
+
+// Every key through `store` gets `prefix` + "/" in front (what the ranks of one attempt share).
+inline c10::intrusive_ptr<c10d::Store> prefix_store(const std::string& prefix, c10::intrusive_ptr<c10d::Store> store) {
+  return c10::make_intrusive<c10d::PrefixStore>(prefix, std::move(store));
 }
 
 inline uint16_t tcp_store_port(const c10::intrusive_ptr<c10d::Store>& store) {

@@ -95,6 +95,12 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
       // every worker is a client.
       const bool server = world.rank == 0 && !world.agent_store;
       g->store_ = compat::make_tcp_store(host, port, server, world.size, g->timeout_);
+      // The agent's store outlives a restart: without a per-attempt prefix, the restarted ranks
+      // (the process group's own rendezvous included) read the dead attempt's keys, e.g. its
+      // peers' addresses, and hang in Gloo's connectFullMesh or get "connection refused".
+      // Same prefix as PyTorch's env:// rendezvous under torchrun.
+      if (world.agent_store)
+        g->store_ = compat::prefix_store("/worker/attempt_" + std::to_string(world.restart_count), g->store_);
     }
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();

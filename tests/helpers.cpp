@@ -122,8 +122,8 @@ int free_port() {
 
 ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, const std::string& log_dir,
                              int max_restarts, double timeout_s) {
-  // Not --standalone: it always puts the rendezvous store on port 29400, so two jobs running
-  // at once (ctest -j) would share it and one would lose it when the other ends.
+  // An explicit endpoint on a free port (PyTorch 1.13's --standalone always took port 29400, so
+  // two jobs at once shared it; 2.11's picks a free one, and Restart.* tests it).
   std::vector<std::string> argv = {KEEL_TORCHRUN, "--nnodes=1", "--rdzv_backend=c10d",
                                    "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_port()),
                                    "--rdzv_id=keel-test-" + std::to_string(::getpid()), "--nproc_per_node=" + std::to_string(nproc),

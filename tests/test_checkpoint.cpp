@@ -216,6 +216,42 @@ TEST(Checkpointer, SavesCommitsAndLoadsEverything) {
   EXPECT_EQ(L->state.rank_state["sampler"]["batch"], 2);
 }
 
+// The trainer turns ResumeError into exit 2 (the user's checkpoint.resume_from) and lets every
+// other failure exit 1: a peer that dies while the checkpoint is being loaded is a
+// CollectiveError, never bad input.
+TEST(CheckpointResume, BadResumeFromIsInputAPeerDyingDuringLoadIsNot) {
+  TempDir d;
+  Options o;
+  o.dir = d.file("ck");
+  Checkpointer c(o, local_collectives());
+  c.save(5, small_state(1.0f));
+  EXPECT_THROW(c.load("7"), ResumeError);
+  EXPECT_THROW(c.load("99999999999999999999"), ResumeError);  // was: "error: stoll", exit 1
+  EXPECT_THROW(c.load(d.file("nowhere")), ResumeError);
+
+  const std::string dir = d.file("ck2");
+  auto ranks = run_ranks(2, [&](const keel::dist::World& w) {
+    keel::DistConfig cfg;
+    cfg.timeout_s = 10;
+    auto coll = std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU), "always");
+    Options o2;
+    o2.dir = dir;
+    Checkpointer ck(o2, coll);
+    ck.save(5, small_state(2.0f));
+    if (w.rank == 1) return;  // rank 1 is gone before the load
+    try {
+      ck.load();
+      ADD_FAILURE() << "load() succeeded without rank 1";
+    } catch (const ResumeError& e) {
+      ADD_FAILURE() << "a dead peer was reported as the user's input: " << e.what();
+    } catch (const keel::dist::CollectiveError& e) {
+      EXPECT_NE(std::string(e.what()).find("checkpoint load verdict"), std::string::npos) << e.what();
+    }
+  });
+  if (is_rank_process()) return;
+  for (auto& r : ranks) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
 TEST(Checkpointer, KeepsTheNewestStepsAndRemovesUncommittedOnes) {
   TempDir d;
   Options o;

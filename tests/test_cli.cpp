@@ -45,6 +45,24 @@ TEST(CliNoGpu, CudaDeviceNcclAndFp16ExitTwoSayingThereIsNoGpu) {
   EXPECT_EQ(ok.exit_code, 0) << ok.output;
 }
 
+// The command line wins over the file, also for the two keys that exclude each other.
+TEST(Cli, CommandLineStepsOrEpochsReplaceTheFilesOther) {
+  TempDir d;
+  write_text(d.file("epochs.toml"), "[train]\nepochs = 2\n");
+  write_text(d.file("steps.toml"), "[train]\nsteps = 7\n");
+  auto r = run_keel({"train", "--config", d.file("epochs.toml"), "--train.steps=20", "--print-config"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("steps = 20"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("epochs = 0"), std::string::npos) << r.output;
+  r = run_keel({"train", "--config", d.file("steps.toml"), "--train.epochs=3", "--print-config"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("epochs = 3"), std::string::npos) << r.output;
+  // Both on the same layer stay an error, on the command line as in a file.
+  expect_input_error(run_keel({"train", "--train.steps=20", "--train.epochs=3"}), "not both");
+  write_text(d.file("both.toml"), "[train]\nsteps = 7\nepochs = 2\n");
+  expect_input_error(run_keel({"train", "--config", d.file("both.toml")}), "not both");
+}
+
 TEST(Cli, Version) {
   auto r = run_keel({"--version"});
   EXPECT_EQ(r.exit_code, 0);

@@ -155,9 +155,10 @@ TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
   TempDir d;
   auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=oom@step=5,rank=1", "--checkpoint.dir=" + d.file("ck"),
                                                   "--checkpoint.interval=2"}));
-  for (auto& r : ranks) {
-    EXPECT_FALSE(r.signaled) << r.output;
-    EXPECT_EQ(r.exit_code, 1) << r.output;
+  for (size_t k = 0; k < ranks.size(); ++k) {
+    const auto& r = ranks[k];
+    EXPECT_FALSE(r.signaled) << "rank " << k << " ended by signal " << r.signal << "; its output:\n" << r.output;
+    EXPECT_EQ(r.exit_code, 1) << "rank " << k << ":\n" << r.output;
   }
   EXPECT_NE(ranks[1].output.find("out of memory at step 5 on rank 1"), std::string::npos) << ranks[1].output;
   EXPECT_NE(ranks[1].output.find("1125899906842624 bytes"), std::string::npos) << ranks[1].output;

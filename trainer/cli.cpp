@@ -4,7 +4,9 @@
 #include "common/log.h"
 #include <torch/torch.h>
 
+#include <csignal>
 #include <iostream>
+#include <set>
 #include <map>
 
 #include "checkpoint/inspect.h"
@@ -29,6 +31,11 @@ std::string version_string() {
 }
 
 int run_cli(int argc, char** argv) {
+  // As every PyTorch process (Python ignores SIGPIPE at start): a write to a socket whose peer
+  // is gone (Gloo's TCP pairs write without MSG_NOSIGNAL) must fail with EPIPE and reach keel's
+  // error handling, not kill the rank silently. Set here, in the binary's entry: a library
+  // user's own process keeps its own disposition (docs/getting-started.md).
+  std::signal(SIGPIPE, SIG_IGN);
   CLI::App app{"keel: data-parallel training on LibTorch, from C++", "keel"};
   app.set_version_flag("--version", version_string());
   app.require_subcommand(1);
@@ -120,9 +127,11 @@ int run_cli(int argc, char** argv) {
   Config cfg;
   try {
     if (!config_path.empty()) load_toml_file(config_path, cfg);
+    std::set<std::string> cli_keys;
     for (const auto& f : config_schema()) {
       const auto& values = given[f.dotted()];
       if (train->count("--" + f.dotted()) == 0) continue;
+      cli_keys.insert(f.dotted());
       if (values.empty()) {  // a bare flag: true for a bool, "" (or an empty list) otherwise
         apply_override(cfg, f.dotted(), f.type == FieldType::Bool ? "true" : "");
         continue;
@@ -133,6 +142,7 @@ int run_cli(int argc, char** argv) {
         apply_override(cfg, f.dotted(), values.back());
       }
     }
+    command_line_wins(cfg, cli_keys);
     validate(cfg);
   } catch (const InputError& e) {
     std::cerr << "keel: error: " << e.what() << "\n";

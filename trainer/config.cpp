@@ -308,6 +308,18 @@ void apply_override(Config& cfg, const std::string& dotted, const std::string& t
   cfg.explicit_keys.insert(f->dotted());
 }
 
+void command_line_wins(Config& cfg, const std::set<std::string>& cli_keys) {
+  const bool steps = cli_keys.count("train.steps") > 0, epochs = cli_keys.count("train.epochs") > 0;
+  if (steps && !epochs && cfg.is_explicit("train.epochs")) {
+    cfg.train.epochs = TrainConfig{}.epochs;  // 0: train.steps counts
+    cfg.explicit_keys.erase("train.epochs");
+  }
+  if (epochs && !steps && cfg.is_explicit("train.steps")) {
+    cfg.train.steps = TrainConfig{}.steps;
+    cfg.explicit_keys.erase("train.steps");
+  }
+}
+
 void validate(Config& cfg) {
   auto fail = [](const std::string& m) { throw InputError("config: " + m); };
   if (cfg.run.name.empty()) fail("run.name must not be empty");

@@ -176,6 +176,11 @@ std::string to_toml_literal(const Value& v);
 /// naming file:line:column and the key for syntax errors, unknown sections or keys, and wrong
 /// types or out-of-range values.
 void load_toml_file(const std::string& path, Config& cfg);
+
+/// After the command-line layer: where the command line set one of two keys that exclude each
+/// other (train.steps, train.epochs) and the file set the other, the command line wins and
+/// the file's value is dropped. `cli_keys`: the "section.key" names given on the command line.
+void command_line_wins(Config& cfg, const std::set<std::string>& cli_keys);
 /// Parses TOML text (for tests); `origin` names the source in messages.
 void load_toml_string(const std::string& text, const std::string& origin, Config& cfg);
 

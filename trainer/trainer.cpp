@@ -354,8 +354,8 @@ nlohmann::json Trainer::run() {
     std::optional<checkpoint::Loaded> loaded;
     try {
       loaded = ckpt->load(cfg.checkpoint.resume_from);
-    } catch (const std::runtime_error& e) {
-      throw InputError(e.what());
+    } catch (const checkpoint::ResumeError& e) {
+      throw InputError(e.what());  // the step the user named; a failed peer or disk stays exit 1
     }
     if (loaded) {
       const auto& st = loaded->state;

@@ -5,6 +5,7 @@
 #include <trainer/data.h>
 #include <trainer/trainer.h>
 
+#include <csignal>
 #include <iostream>
 
 namespace {
@@ -37,6 +38,7 @@ TORCH_MODULE(Tiny);
 }  // namespace
 
 int main() {
+  std::signal(SIGPIPE, SIG_IGN);  // as every PyTorch process: a gone peer is an error, not a silent death
   const keel::models::InputSpec spec{keel::models::InputKind::Image, {16}, 2};
   keel::models::register_model("tiny", [spec](const keel::ModelConfig&, std::optional<keel::models::InputKind>) {
     return std::make_shared<keel::models::ModuleModel<Tiny>>("tiny", Tiny(), spec);
