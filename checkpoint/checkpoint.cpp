@@ -148,7 +148,9 @@ std::vector<StepInfo> list_steps(const std::string& dir) {
     StepInfo s;
     s.step = std::stoll(digits);
     s.path = dir + "/" + n;
-    if (!is_directory(s.path)) continue;
+    // A linked step is not this directory's: never loaded, never rotated away (rotation would
+    // delete files where the link points). docs/checkpoints.md.
+    if (is_symlink(s.path) || !is_directory(s.path)) continue;
     s.committed = path_exists(s.path + "/" + kMeta);
     out.push_back(s);
   }
@@ -599,6 +601,11 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
                         " is not a committed checkpoint step (no meta.json)");
     candidates.push_back(d);
   } else {
+    if (rank_ == 0)
+      for (const auto& n : list_dir(opts_.dir))
+        if (n.rfind("step_", 0) == 0 && is_symlink(opts_.dir + "/" + n))
+          logging::warn("checkpoint: ignoring {}/{}: a symbolic link (steps must be directories of checkpoint.dir)",
+                        opts_.dir, n);
     const auto steps = list_steps(opts_.dir);
     for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
       if (it->committed) candidates.push_back(it->path);

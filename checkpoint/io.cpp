@@ -1,5 +1,7 @@
 #include "checkpoint/io.h"
 
+#include "common/file.h"
+
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -161,21 +163,12 @@ void fsync_dir(const std::string& dir) {
   if (rc != 0 && e != EINVAL) fail(dir, "fsync of the directory failed", e);
 }
 
-// Opens a regular file for reading; its size in `size`.
+// Opens a regular file for reading (common/file.h: the kind is checked before anything can
+// block); its size in `size`.
 int open_regular(const std::string& path, size_t& size) {
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
-  if (fd < 0) fail(path, "cannot open", errno);
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    int e = errno;
-    ::close(fd);
-    fail(path, "cannot stat", e);
-  }
-  if (!S_ISREG(st.st_mode)) {
-    ::close(fd);
-    throw std::runtime_error(path + ": not a regular file");
-  }
-  size = static_cast<size_t>(st.st_size);
+  uint64_t n = 0;
+  const int fd = open_regular_file(path, n);
+  size = static_cast<size_t>(n);
   return fd;
 }
 
@@ -234,6 +227,11 @@ std::string MappedFile::sha256() const {
 bool path_exists(const std::string& path) {
   struct stat st {};
   return ::stat(path.c_str(), &st) == 0;
+}
+
+bool is_symlink(const std::string& path) {
+  struct stat st {};
+  return ::lstat(path.c_str(), &st) == 0 && S_ISLNK(st.st_mode);
 }
 
 bool is_directory(const std::string& path) {

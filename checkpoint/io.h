@@ -91,6 +91,8 @@ class MappedFile {
 
 bool path_exists(const std::string& path);
 bool is_directory(const std::string& path);
+/// Whether `path` itself is a symbolic link (not followed).
+bool is_symlink(const std::string& path);
 /// Names of the entries of `dir` (not . and ..); empty when it cannot be read.
 std::vector<std::string> list_dir(const std::string& dir);
 /// rm -rf; errors are ignored (best effort, used for cleanup).

@@ -3,6 +3,8 @@
 // InputSpec; its input kind comes from model.input, or from the data when that is "auto".
 #include <torch/script.h>
 
+#include "common/file.h"
+
 #include "models/model.h"
 
 namespace keel::models {
@@ -41,6 +43,9 @@ class TorchScriptModel : public Model {
 
 std::shared_ptr<Model> make_torchscript(const ModelConfig& cfg, std::optional<InputKind> data_kind) {
   torch::jit::Module m;
+  if (const std::string what = not_a_regular_file(cfg.path); !what.empty())
+    throw InputError("model.path = \"" + cfg.path + "\": " + (what == "missing" ? "file not found" : "is " + what +
+                     ", not a TorchScript file"));
   try {
     m = torch::jit::load(cfg.path);
   } catch (const c10::Error& e) {

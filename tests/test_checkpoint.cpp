@@ -252,6 +252,28 @@ TEST(CheckpointResume, BadResumeFromIsInputAPeerDyingDuringLoadIsNot) {
   for (auto& r : ranks) EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
+// Hardening class 6: a step directory that is a symbolic link is not this checkpoint's: it is
+// never loaded and keep-rotation never deletes through it (it used to remove the linked
+// step's meta.json).
+TEST(Checkpointer, LinkedStepsAreNeitherLoadedNorRotated) {
+  TempDir d;
+  Options other;
+  other.dir = d.file("elsewhere");
+  Checkpointer(other, local_collectives()).save(99, small_state(9.f));
+  Options o;
+  o.dir = d.file("ck");
+  o.keep = 2;
+  Checkpointer c(o, local_collectives());
+  c.save(1, small_state(1.f));
+  ASSERT_EQ(::symlink(d.file("elsewhere/step_99").c_str(), d.file("ck/step_99").c_str()), 0);
+  EXPECT_EQ(c.load()->step, 1);  // not the linked step 99
+  for (int64_t s = 2; s <= 5; ++s) c.save(s, small_state(float(s)));
+  EXPECT_TRUE(exists(d.file("elsewhere/step_99/meta.json")));
+  EXPECT_TRUE(verify_step(d.file("elsewhere/step_99")).empty());
+  EXPECT_FALSE(exists(d.file("ck/step_1")));  // rotation still removes the real old steps
+  EXPECT_TRUE(exists(d.file("ck/step_5/meta.json")));
+}
+
 TEST(Checkpointer, KeepsTheNewestStepsAndRemovesUncommittedOnes) {
   TempDir d;
   Options o;

@@ -2,6 +2,9 @@
 // (never a signal), --help listing every key, --version, --print-config.
 #include <gtest/gtest.h>
 
+#include <sys/stat.h>
+
+#include <cstdio>
 #include <fstream>
 
 #include <torch/cuda.h>
@@ -61,6 +64,63 @@ TEST(Cli, CommandLineStepsOrEpochsReplaceTheFilesOther) {
   expect_input_error(run_keel({"train", "--train.steps=20", "--train.epochs=3"}), "not both");
   write_text(d.file("both.toml"), "[train]\nsteps = 7\nepochs = 2\n");
   expect_input_error(run_keel({"train", "--config", d.file("both.toml")}), "not both");
+}
+
+// Hardening class 2: a word on the command line that no option takes is bad usage naming the
+// word, wherever it stands; it never becomes a value.
+TEST(CliBadInput, StrayWordsAreUsageErrors) {
+  expect_input_error(run_keel({"train", "--train.lr=0.5", "0.7", "--print-config"}), "unexpected argument '0.7'");
+  expect_input_error(run_keel({"train", "--run.name=my", "experiment"}), "unexpected argument 'experiment'");
+  expect_input_error(run_keel({"train", "--train.steps", "5", "runs/x"}), "unexpected argument 'runs/x'");
+  expect_input_error(run_keel({"train", "stray", "--train.steps=5"}), "unexpected argument 'stray'");
+  expect_input_error(run_keel({"train", "--print-config", "extra"}), "unexpected argument 'extra'");
+  // Values given apart from their option, negative numbers and quoted spaces still work.
+  auto r = run_keel({"train", "--train.steps", "5", "--train.lr", "1e-3", "--amp.init_scale", "-1", "--print-config"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;  // -1 reaches the range check: the value was taken
+  EXPECT_NE(r.output.find("amp.init_scale"), std::string::npos) << r.output;
+  r = run_keel({"train", "--run.name", "my experiment", "--train.steps", "5", "--print-config"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("name = \"my experiment\""), std::string::npos) << r.output;
+}
+
+// Hardening class 1: every input path is checked for its kind before a byte is read: a
+// directory, a FIFO or a device is refused at once naming the path, never read without bound
+// (/dev/zero) or waited on (a FIFO). Each run is given 60 s; none may need it.
+TEST(CliBadInput, InputsThatAreNotRegularFilesAreRefusedAtOnce) {
+  TempDir d;
+  const std::string fifo = d.file("fifo");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
+  const std::string dir = d.path();
+  const std::vector<std::string> smoke = {"train", "--config", keel::testing::source_path("configs/synthetic_smoke.toml"),
+                                          "--train.steps=2", "--run.dir=" + d.file("run")};
+  auto with = [&](std::vector<std::string> extra) {
+    auto a = smoke;
+    a.insert(a.end(), extra.begin(), extra.end());
+    return run_keel(a, {}, 60);
+  };
+  expect_input_error(run_keel({"train", "-c", "/dev/zero"}, {}, 60), "/dev/zero: is a character device");
+  expect_input_error(run_keel({"train", "-c", dir}, {}, 60), "is a directory");
+  expect_input_error(run_keel({"train", "-c", fifo}, {}, 60), "is a FIFO");
+  expect_input_error(with({"--model.name=gpt", "--data.name=text", "--data.path=" + fifo}), "is a FIFO");
+  expect_input_error(with({"--model.name=gpt", "--data.name=text", "--data.path=/dev/zero"}), "character device");
+  expect_input_error(with({"--model.name=torchscript", "--model.path=" + dir}), "is a directory");
+  expect_input_error(with({"--model.name=torchscript", "--model.path=" + fifo}), "is a FIFO");
+  expect_input_error(run_keel({"plot", dir}, {}, 60), "metrics.jsonl");
+
+  // A checkpoint whose meta.json is a FIFO: inspect reports it, train falls back; neither waits.
+  const std::string ck = d.file("ck");
+  auto r = with({"--checkpoint.dir=" + ck, "--checkpoint.interval=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  ASSERT_EQ(std::remove((ck + "/step_2/meta.json").c_str()), 0);
+  ASSERT_EQ(::mkfifo((ck + "/step_2/meta.json").c_str(), 0644), 0);
+  auto insp = run_keel({"inspect", ck}, {}, 60);
+  EXPECT_FALSE(insp.timed_out);
+  EXPECT_EQ(insp.exit_code, 1) << insp.output;
+  EXPECT_NE(insp.output.find("is a FIFO"), std::string::npos) << insp.output;
+  r = with({"--checkpoint.dir=" + ck, "--checkpoint.interval=1", "--train.steps=3"});
+  EXPECT_FALSE(r.timed_out);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("is a FIFO"), std::string::npos) << r.output;
 }
 
 TEST(Cli, Version) {
@@ -215,6 +275,22 @@ TEST(KeelPlot, WritesPngCurvesFromMetrics) {
     EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8)) << f;  // the PNG signature
   }
   EXPECT_EQ(run_keel({"plot", d.file("no-such-run")}).exit_code, 2);
+}
+
+// Hardening class 11: a run directory whose path holds an apostrophe plots; a metrics line
+// with values of the wrong type is named by file and line, not a raw JSON error.
+TEST(KeelPlot, OddPathsAndBadValuesInMetrics) {
+  TempDir d;
+  const std::string run = d.file("bob's run");
+  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=4", "--train.batch_size=16",
+                     "--run.threads=1", "--run.dir=" + run});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto p = run_keel({"plot", run});
+  EXPECT_EQ(p.exit_code, 0) << p.output;
+  EXPECT_TRUE(keel::testing::exists(run + "/plots/loss.png"));
+  ASSERT_EQ(::mkdir(d.file("bad").c_str(), 0755), 0);
+  write_text(d.file("bad/metrics.jsonl"), "{\"step\": 1, \"loss\": \"high\"}\n{\"step\": \"two\", \"loss\": 1.0}\n");
+  expect_input_error(run_keel({"plot", d.file("bad")}), "metrics.jsonl:2: \"step\" is \"two\"");
 }
 
 }  // namespace

@@ -86,6 +86,18 @@ TEST(FashionMnist, NotGzipAtAll) {
   EXPECT_NE(msg.find("train-images-idx3-ubyte.gz"), std::string::npos) << msg;
 }
 
+// Hardening class 11: a well-formed IDX file with zero items is named, not a torch error.
+TEST(FashionMnist, ZeroItemsNamesTheFile) {
+  TempDir d;
+  write_small_fashion_mnist(d.path());
+  write_gz(d.file("train-images-idx3-ubyte.gz"), idx_bytes(0x803, {0, 28, 28}, 10));
+  write_gz(d.file("train-labels-idx1-ubyte.gz"), idx_bytes(0x801, {0}, 10));
+  keel::DataConfig cfg;
+  cfg.path = d.path();
+  auto msg = error_of([&] { keel::data::make_fashion_mnist(cfg, image_spec()); });
+  EXPECT_NE(msg.find("idx3-ubyte.gz: the IDX file holds no items"), std::string::npos) << msg;
+}
+
 TEST(FashionMnist, WrongMagic) {
   TempDir d;
   write_small_fashion_mnist(d.path());

@@ -292,6 +292,44 @@ double final_loss(const std::string& dir) {
   return nlohmann::json::parse(read_text(dir + "/summary.json"))["final_loss"].get<double>();
 }
 
+// Hardening class 3: ranks started with different configurations (two command lines under
+// mpirun, or by hand) stop before the first collective, on every rank, with exit 2 and a
+// message naming the first key that differs and each rank's value. A different bucket size
+// used to abort one rank inside Gloo; a different lr trained and checkpointed two models.
+TEST(RankAgreement, DifferentConfigsStopEveryRankNamingTheKey) {
+  TempDir d;
+  auto launch = [&](const std::string& tag, const std::vector<std::string>& rank0, const std::vector<std::string>& rank1) {
+    const int port = free_port();
+    std::vector<Child> kids;
+    for (int r = 0; r < 2; ++r) {
+      auto args = smoke_args(d.file(tag + std::to_string(r)));
+      const auto& extra = r == 0 ? rank0 : rank1;
+      args.insert(args.end(), extra.begin(), extra.end());
+      kids.push_back(spawn_keel(args, {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "LOCAL_RANK=" + std::to_string(r),
+                                       "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)}));
+    }
+    std::vector<ProcResult> out;
+    for (auto& k : kids) out.push_back(wait_process(k, 120));
+    return out;
+  };
+  auto ranks = launch("lr", {"--train.lr=0.5"}, {"--train.lr=0.7"});
+  for (const auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("train.lr = 0.5 on rank 0, 0.7 on rank 1"), std::string::npos) << r.output;
+  }
+  ranks = launch("bucket", {}, {"--dist.bucket_cap_mb=1", "--dist.first_bucket_mb=2"});
+  for (const auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("dist.bucket_cap_mb = "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("(1 more key(s) differ)"), std::string::npos) << r.output;
+  }
+  // What may differ per rank does not stop the job.
+  ranks = launch("ok", {"--run.log_level=debug"}, {"--run.threads=1", "--run.dir=" + d.file("elsewhere")});
+  for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
 TEST(Launch, TorchrunMpirunAndSingleProcessRunTheSameConfig) {
   TempDir d;
   // torchrun's default (static) rendezvous, as users type it.

@@ -2,6 +2,10 @@
 // detection.
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <fstream>
@@ -115,6 +119,51 @@ TEST(Schedule, WarmupThenCosineExactValues) {
   keel::LrSchedule c(t, 14);
   EXPECT_DOUBLE_EQ(c.at(1), 0.5);
   EXPECT_DOUBLE_EQ(c.at(13), 1.0);
+}
+
+// Hardening class 7: when the disk fills up, metrics.jsonl keeps only whole lines (a write
+// cut short is rolled back) and the lost lines are counted. RLIMIT_FSIZE stops a write in the
+// middle of a line exactly as a full disk does; it is set in a child process.
+TEST(Metrics, AFullDiskLeavesOnlyWholeLinesAndCountsTheLostOnes) {
+  keel::testing::TempDir d;
+  const std::string path = d.file("metrics.jsonl");
+  const pid_t pid = ::fork();
+  ASSERT_GE(pid, 0);
+  if (pid == 0) {
+    ::signal(SIGXFSZ, SIG_IGN);  // the write then fails with EFBIG instead of killing
+    struct rlimit lim {100, 100};
+    ::setrlimit(RLIMIT_FSIZE, &lim);
+    keel::JsonlWriter w(path);
+    int ok = 0;
+    for (int i = 0; i < 5; ++i) ok += w.write({{"step", i}, {"pad", std::string(20, 'x')}}) ? 1 : 0;
+    std::_Exit(ok * 10 + static_cast<int>(w.lines_lost()));
+  }
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  ASSERT_TRUE(WIFEXITED(status));
+  const int written = WEXITSTATUS(status) / 10, lost = WEXITSTATUS(status) % 10;
+  EXPECT_EQ(written + lost, 5);
+  EXPECT_GT(lost, 0);
+  std::ifstream in(path);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    EXPECT_NO_THROW(nlohmann::json::parse(line)) << "a torn line: " << line;
+    ++lines;
+  }
+  EXPECT_EQ(lines, written);
+}
+
+// summary.json that cannot be written is a failure of the disk (exit 1), not bad input (2).
+TEST(Metrics, SummaryThatCannotBeWrittenExitsOne) {
+  keel::testing::TempDir d;
+  ASSERT_EQ(::mkdir(d.file("run").c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(d.file("run/summary.json").c_str(), 0755), 0);  // a directory where the file goes
+  keel::testing::write_text(d.file("run/summary.json/blocker"), "x");
+  auto r = keel::testing::run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=2",
+                                    "--run.threads=1", "--run.dir=" + d.file("run")});
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("summary.json"), std::string::npos) << r.output;
 }
 
 TEST(Metrics, Median) {

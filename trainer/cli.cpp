@@ -4,8 +4,10 @@
 #include "common/log.h"
 #include <torch/torch.h>
 
+#include <cctype>
 #include <csignal>
 #include <iostream>
+#include <optional>
 #include <set>
 #include <map>
 
@@ -29,6 +31,30 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 std::string version_string() {
   return std::string("keel ") + KEEL_VERSION + " (LibTorch " + TORCH_VERSION + ")";
 }
+
+namespace {
+
+bool looks_like_option(const std::string& a) {
+  return a.size() > 1 && a[0] == '-' && !std::isdigit(static_cast<unsigned char>(a[1])) && a[1] != '.';
+}
+
+// The first word after `train` that is neither an option nor the one value of the option
+// before it: "--train.lr=0.5 0.7", "--run.name=my experiment", a trailing word. CLI11 would
+// append such words to the previous option's values (and the last one would win).
+std::optional<std::string> stray_train_argument(int argc, char** argv) {
+  int k = 1;
+  while (k < argc && std::string(argv[k]) != "train") ++k;
+  for (++k; k < argc; ++k) {
+    const std::string a = argv[k];
+    if (a == "--") return std::nullopt;
+    if (!looks_like_option(a)) return a;
+    const bool no_value = a == "--print-config" || a == "--help" || a == "-h";
+    if (a.find('=') == std::string::npos && !no_value && k + 1 < argc && !looks_like_option(argv[k + 1])) ++k;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
 
 int run_cli(int argc, char** argv) {
   // As every PyTorch process (Python ignores SIGPIPE at start): a write to a socket whose peer
@@ -80,6 +106,12 @@ int run_cli(int argc, char** argv) {
     }
   }
 
+  if (const auto stray = stray_train_argument(argc, argv)) {
+    std::cerr << "keel: error: unexpected argument '" << *stray
+              << "': every value belongs to an option, one value each (--section.key=value; quote a value "
+                 "that holds spaces)\n";
+    return kExitInput;
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {

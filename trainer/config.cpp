@@ -3,6 +3,8 @@
 // schema in config_schema.cpp, so there is one place that decides what a valid config is.
 #include "trainer/config.h"
 
+#include "common/file.h"
+
 #include <toml++/toml.h>
 
 #include "trainer/fault.h"
@@ -222,18 +224,17 @@ std::string to_toml_literal(const Value& v) {
   return std::visit(Visitor{}, v);
 }
 
-std::string read_file(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw InputError(path + ": cannot open file: " + std::strerror(errno));
-  std::ostringstream ss;
-  ss << in.rdbuf();
-  if (in.bad()) throw InputError(path + ": read error");
-  return ss.str();
+std::string read_file(const std::string& path, uint64_t max_bytes) {
+  try {
+    return read_regular_file(path, max_bytes);  // kind first, then a bounded read
+  } catch (const std::runtime_error& e) {
+    throw InputError(e.what());
+  }
 }
 
 void load_toml_string(const std::string& text, const std::string& origin, Config& cfg) {
   // A config is small text; refuse binary files before the parser sees them.
-  if (text.size() > (16u << 20))
+  if (text.size() > kMaxConfigBytes)
     throw InputError(origin + ": " + std::to_string(text.size()) +
                      " bytes is too large for a config file");
   if (auto nul = text.find('\0'); nul != std::string::npos)
@@ -250,7 +251,7 @@ void load_toml_string(const std::string& text, const std::string& origin, Config
 }
 
 void load_toml_file(const std::string& path, Config& cfg) {
-  load_toml_string(read_file(path), path, cfg);
+  load_toml_string(read_file(path, kMaxConfigBytes), path, cfg);
 }
 
 void apply_override(Config& cfg, const std::string& dotted, const std::string& text) {

@@ -197,7 +197,13 @@ std::string dump_toml(const Config& cfg);
 /// The config reference as Markdown (docs/config.md is this text; a test keeps them equal).
 std::string config_reference_markdown();
 
-/// Reads a whole file into a string. Throws InputError naming the file if it cannot be read.
-std::string read_file(const std::string& path);
+/// Reads a whole regular file of at most `max_bytes` into a string (a directory, FIFO or device
+/// is refused before anything is read). Throws InputError naming the file.
+std::string read_file(const std::string& path, uint64_t max_bytes);
+
+/// Largest config file keel reads.
+constexpr uint64_t kMaxConfigBytes = 16u << 20;
+/// Largest text, model or data file keel reads whole.
+constexpr uint64_t kMaxInputBytes = uint64_t(2) << 30;
 
 }  // namespace keel

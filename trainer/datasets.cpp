@@ -2,10 +2,12 @@
 // (byte-level language-model windows of any file) and synthetic (deterministic from the seed,
 // shaped for whichever model is chosen, and learnable so that a falling loss means something).
 #include <sys/stat.h>
+#include <unistd.h>
 #include <zlib.h>
 
 #include <cstring>
 
+#include "common/file.h"
 #include "trainer/data.h"
 
 namespace keel::data {
@@ -14,10 +16,6 @@ namespace {
 bool is_dir(const std::string& p) {
   struct stat st;
   return ::stat(p.c_str(), &st) == 0 && S_ISDIR(st.st_mode);
-}
-bool is_file(const std::string& p) {
-  struct stat st;
-  return ::stat(p.c_str(), &st) == 0 && S_ISREG(st.st_mode);
 }
 
 torch::Tensor to_index_tensor(const std::vector<int64_t>& idx) {
@@ -29,9 +27,18 @@ torch::Tensor to_index_tensor(const std::vector<int64_t>& idx) {
 // truncated stream) become InputErrors naming the file.
 std::vector<uint8_t> read_maybe_gz(const std::string& path) {
   constexpr size_t kMaxBytes = size_t(1) << 31;  // refuse decompression bombs
-  if (!is_file(path)) throw InputError(path + ": file not found");
-  gzFile f = gzopen(path.c_str(), "rb");
-  if (!f) throw InputError(path + ": cannot open: " + std::strerror(errno));
+  uint64_t size = 0;
+  int fd = -1;
+  try {
+    fd = open_regular_file(path, size);  // a FIFO, device or directory is refused here
+  } catch (const std::runtime_error& e) {
+    throw InputError(e.what());
+  }
+  gzFile f = gzdopen(fd, "rb");
+  if (!f) {
+    ::close(fd);
+    throw InputError(path + ": cannot open: " + std::strerror(errno));
+  }
   std::vector<uint8_t> out;
   std::vector<uint8_t> chunk(1 << 20);
   for (;;) {
@@ -150,6 +157,7 @@ torch::Tensor read_idx(const std::string& path, uint32_t expect_magic,
                        ", expected " + std::to_string(expect_dims[i]));
     count *= dims[i];
   }
+  if (count == 0) throw InputError(path + ": the IDX file holds no items (a dimension is 0)");
   const size_t header = 4 + 4 * ndim;
   const size_t have = bytes.size() - header;
   if (have != static_cast<size_t>(count))
@@ -185,7 +193,7 @@ Splits make_text(const DataConfig& cfg, const models::InputSpec& spec) {
   if (cfg.path.empty()) throw InputError("data.name = \"text\" needs data.path (any file; bytes are tokens)");
   if (spec.num_classes < 256)
     throw InputError("text data is byte-level (256 tokens) but model.vocab = " + std::to_string(spec.num_classes));
-  const std::string raw = read_file(cfg.path);
+  const std::string raw = read_file(cfg.path, kMaxInputBytes);
   const int64_t T = spec.sample_shape.at(0);
   auto all = torch::from_blob(const_cast<char*>(raw.data()), {int64_t(raw.size())}, torch::kByte).clone();
   const int64_t n = all.size(0);

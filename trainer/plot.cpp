@@ -1,5 +1,7 @@
 #include "trainer/plot.h"
 
+#include "common/file.h"
+
 #include <unistd.h>
 
 #include <nlohmann/json.hpp>
@@ -18,7 +20,15 @@ namespace {
 
 bool have_gnuplot() { return std::system("command -v gnuplot >/dev/null 2>&1") == 0; }
 
+// A gnuplot single-quoted string: a quote inside is written twice.
 std::string quote(const std::string& s) {
+  std::string q = "'";
+  for (char c : s) q += c == '\'' ? std::string("''") : std::string(1, c);
+  return q + "'";
+}
+
+// A shell single-quoted word: a quote inside closes, escapes and reopens ('\'').
+std::string shell_quote(const std::string& s) {
   std::string q = "'";
   for (char c : s) q += c == '\'' ? std::string("'\\''") : std::string(1, c);
   return q + "'";
@@ -28,6 +38,9 @@ std::string quote(const std::string& s) {
 
 std::vector<std::string> plot_run(const std::string& run_dir, const std::string& out_dir_in) {
   const std::string metrics = run_dir + "/metrics.jsonl";
+  if (const std::string what = not_a_regular_file(metrics); !what.empty())
+    throw InputError(metrics + ": " + (what == "missing" ? "not found" : "is " + what) + " (is " + run_dir +
+                     " a run directory?)");
   std::ifstream in(metrics);
   if (!in) throw InputError(metrics + ": cannot read (is " + run_dir + " a run directory?)");
   if (!have_gnuplot()) throw InputError("keel plot needs gnuplot (apt-get install gnuplot-nox; scripts/setup.sh does)");
@@ -37,16 +50,21 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
   // Columns: step loss samples_per_s tokens_per_s loss_scale test_loss rank_compute_ms...
   std::ostringstream train, eval, ranks;
   bool tokens = false, scale = false, has_eval = false;
-  size_t nranks = 0, lines = 0;
+  size_t nranks = 0, lines = 0, line_no = 0;
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(line);
     } catch (const std::exception&) {
+      ++line_no;
       continue;  // a line cut by a crash
     }
-    if (!j.contains("step") || !j.contains("loss")) continue;
+    ++line_no;
+    if (!j.is_object() || !j.contains("step") || !j.contains("loss")) continue;
+    if (!j["step"].is_number_integer())
+      throw InputError(metrics + ":" + std::to_string(line_no) + ": \"step\" is " + j["step"].dump() +
+                       ", not an integer");
     ++lines;
     auto num = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
     tokens |= j.contains("tokens_per_s");
@@ -60,7 +78,7 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     if (j.contains("rank_compute_ms") && j["rank_compute_ms"].is_array()) {
       nranks = std::max(nranks, j["rank_compute_ms"].size());
       ranks << j["step"].get<int64_t>();
-      for (const auto& v : j["rank_compute_ms"]) ranks << '\t' << v.get<double>();
+      for (const auto& v : j["rank_compute_ms"]) ranks << '\t' << (v.is_number() ? v.get<double>() : NAN);
       ranks << '\n';
     }
   }
@@ -99,7 +117,7 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
   gp << "unset output\n";
   const std::string script = out + "/plots.gp";
   write_file_atomic(script, gp.str());
-  const std::string cmd = "gnuplot " + quote(script) + " 2>&1";
+  const std::string cmd = "gnuplot " + shell_quote(script) + " 2>&1";
   std::FILE* p = ::popen(cmd.c_str(), "r");
   if (!p) throw std::runtime_error("cannot run gnuplot");
   std::string output;

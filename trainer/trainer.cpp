@@ -1,5 +1,7 @@
 #include "trainer/trainer.h"
 
+#include "trainer/rank_agreement.h"
+
 #include <unistd.h>
 #ifdef __GLIBC__
 #include <malloc.h>
@@ -104,7 +106,7 @@ std::string model_identity(const ModelConfig& m) {
   std::string id;
   for (const auto& f : config_schema())
     if (f.section == "model") id += f.key + "=" + to_toml_literal(f.get(c)) + ";";
-  if (m.name == "torchscript") id += "file_sha256=" + sha256_hex(read_file(m.path));
+  if (m.name == "torchscript") id += "file_sha256=" + sha256_hex(read_file(m.path, kMaxInputBytes));
   return id;
 }
 
@@ -224,6 +226,7 @@ nlohmann::json Trainer::run() {
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   const torch::Device device = resolve_device(cfg.run, world);
   auto group = dist::Group::create(world, cfg.dist, device);
+  agree_on_config(*group, cfg);  // before the first collective
   auto coll = std::make_shared<dist::Collectives>(group, cfg.dist.validate);
 
   // Model and data, from their registries. The data's native input kind is asked first so that
@@ -731,6 +734,7 @@ nlohmann::json Trainer::run() {
       {"launcher", world.launcher},
       {"backend", group->backend()},
       {"restart_count", world.restart_count},
+      {"metrics_lines_lost", metrics.lines_lost()},
       {"threads_per_rank", threads},
       {"batch_size", cfg.train.batch_size},
       {"grad_accum", cfg.train.grad_accum},

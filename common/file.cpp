@@ -1,0 +1,79 @@
+#include "common/file.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <stdexcept>
+
+namespace keel {
+namespace {
+
+std::string kind_of(mode_t m) {
+  if (S_ISDIR(m)) return "a directory";
+  if (S_ISFIFO(m)) return "a FIFO";
+  if (S_ISSOCK(m)) return "a socket";
+  if (S_ISCHR(m)) return "a character device";
+  if (S_ISBLK(m)) return "a block device";
+  return "not a regular file";
+}
+
+[[noreturn]] void fail(const std::string& path, const std::string& what) {
+  throw std::runtime_error(path + ": " + what);
+}
+
+}  // namespace
+
+std::string not_a_regular_file(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) return errno == ENOENT ? "missing" : std::strerror(errno);
+  return S_ISREG(st.st_mode) ? "" : kind_of(st.st_mode);
+}
+
+int open_regular_file(const std::string& path, uint64_t& size) {
+  // O_NONBLOCK: opening a FIFO with no writer would otherwise wait forever.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY);
+  if (fd < 0) fail(path, std::string("cannot open: ") + std::strerror(errno));
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) {
+    const int e = errno;
+    ::close(fd);
+    fail(path, std::string("cannot stat: ") + std::strerror(e));
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    fail(path, "is " + kind_of(st.st_mode) + ", not a regular file");
+  }
+  ::fcntl(fd, F_SETFL, ::fcntl(fd, F_GETFL) & ~O_NONBLOCK);
+  size = static_cast<uint64_t>(st.st_size);
+  return fd;
+}
+
+std::string read_regular_file(const std::string& path, uint64_t max_bytes) {
+  uint64_t size = 0;
+  const int fd = open_regular_file(path, size);
+  if (size > max_bytes) {
+    ::close(fd);
+    fail(path, std::to_string(size) + " bytes, more than the " + std::to_string(max_bytes) + " this file may have");
+  }
+  std::string out(size, '\0');
+  size_t off = 0;
+  while (off < out.size()) {
+    const ssize_t n = ::read(fd, &out[off], out.size() - off);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int e = errno;
+      ::close(fd);
+      fail(path, std::string("read failed: ") + std::strerror(e));
+    }
+    if (n == 0) break;  // the file shrank meanwhile
+    off += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  out.resize(off);
+  return out;
+}
+
+}  // namespace keel
