@@ -172,26 +172,7 @@ int open_regular(const std::string& path, size_t& size) {
   return fd;
 }
 
-std::string read_all(const std::string& path) {
-  size_t size = 0;
-  const int fd = open_regular(path, size);
-  std::string out(size, '\0');
-  size_t off = 0;
-  while (off < out.size()) {
-    ssize_t n = ::read(fd, &out[off], out.size() - off);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) {
-      int e = errno;
-      ::close(fd);
-      fail(path, "read failed", e);
-    }
-    if (n == 0) break;
-    off += static_cast<size_t>(n);
-  }
-  ::close(fd);
-  out.resize(off);
-  return out;
-}
+std::string read_all(const std::string& path) { return read_regular_file(path, UINT64_MAX); }
 
 std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
   size_t size = 0;

@@ -460,7 +460,8 @@ nlohmann::json summary_of(const std::string& dir) { return nlohmann::json::parse
 
 // The acceptance of the checkpoint and fault issues: a 2-rank torchrun job whose rank 1 is
 // SIGKILLed at step 25, with checkpoints every 10 steps (async) and --max_restarts=2, resumes
-// from step 20 and ends with the same parameters, optimizer state and losses as a clean run.
+// from the last step committed before the kill (20, or 10 under heavy load) and ends with the
+// same parameters, optimizer state and losses as a clean run.
 TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
   TempDir d;
   auto torchrun = [&](const std::string& sub, std::vector<std::string> extra) {
@@ -473,8 +474,13 @@ TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
   auto crashed = torchrun("crash", {"--fault.inject=crash@step=25,rank=1", "--checkpoint.async=true"});
   ASSERT_EQ(crashed.exit_code, 0) << crashed.output;
   EXPECT_NE(crashed.output.find("fault injection: crash (SIGKILL) at step 25 on rank 1"), std::string::npos);
+  // With async saves, step 20 is committed at the first step boundary after every rank's
+  // background write has finished: normally before the kill at step 25, on a heavily loaded
+  // machine possibly not, and then step 10 is the newest committed step and resuming from it is
+  // right. (Which one cannot be read from the log: torchrun relays each rank's output on its
+  // own, so lines of two ranks are not in order.) Either way the end must be bit-identical.
   auto s = summary_of(d.file("crash"));
-  EXPECT_EQ(s["resumed_from_step"], 20);
+  EXPECT_TRUE(s["resumed_from_step"] == 10 || s["resumed_from_step"] == 20) << s.dump();
   EXPECT_EQ(s["restart_count"], 1);
   EXPECT_EQ(s["steps"], 40);
   EXPECT_TRUE(summary_of(d.file("clean"))["resumed_from_step"].is_null());
