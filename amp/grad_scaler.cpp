@@ -1,14 +1,27 @@
-#include "amp/grad_scaler.h"
+#include "keel/amp/grad_scaler.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
 #include <cmath>
+#include <cstdio>
 #include <stdexcept>
 
+#include "keel/common/log.h"
+
 namespace keel::amp {
+namespace {
+
+std::string fmt_bound(double v) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%g", v);
+  return buf;
+}
+
+}  // namespace
+
 
 bool loss_scaling_enabled(const AmpConfig& cfg) {
-  return cfg.loss_scaling == "dynamic" || (cfg.loss_scaling == "auto" && cfg.dtype == "fp16");
+  return cfg.loss_scaling == LossScaling::Dynamic || (cfg.loss_scaling == LossScaling::Auto && cfg.dtype == AmpDtype::Fp16);
 }
 
 GradScaler::GradScaler(const AmpConfig& cfg) {
@@ -66,6 +79,48 @@ void GradScaler::update(bool found_inf) {
   }
   s_.scale = scale;
   unscaled_ = false;
+}
+
+void GradScaler::save(checkpoint::State& state) const {
+  state.shared["scaler"] = {{"scale", s_.scale},
+                            {"growth_tracker", s_.growth_tracker},
+                            {"growth_factor", s_.growth_factor},
+                            {"backoff_factor", s_.backoff_factor},
+                            {"growth_interval", s_.growth_interval}};
+}
+
+void GradScaler::load(const checkpoint::Loaded& loaded) {
+  const auto& shared = loaded.state.shared;
+  if (!shared.contains("scaler") || !shared["scaler"].is_object()) {
+    logging::warn("checkpoint {} has no loss-scaler state; starting from amp.init_scale", loaded.path);
+    return;
+  }
+  const auto& j = shared["scaler"];
+  ScalerState ss;
+  ss.scale = j.at("scale").get<double>();
+  ss.growth_tracker = j.at("growth_tracker").get<int64_t>();
+  ss.growth_factor = j.at("growth_factor").get<double>();
+  ss.backoff_factor = j.at("backoff_factor").get<double>();
+  ss.growth_interval = j.at("growth_interval").get<int64_t>();
+  load_state(ss);
+}
+
+std::string GradScaler::check(const checkpoint::Loaded& loaded) const {
+  const auto& shared = loaded.state.shared;
+  if (!shared.contains("scaler") || !shared["scaler"].is_object()) return "";
+  const auto& j = shared["scaler"];
+  auto number = [&](const char* key, double lo, double hi, bool integer) -> std::string {
+    const auto& v = j.value(key, nlohmann::json());
+    const bool ok = (integer ? v.is_number_integer() : v.is_number()) && std::isfinite(v.get<double>()) &&
+                    v.get<double>() >= lo && v.get<double>() <= hi;
+    return ok ? "" : std::string("state.scaler.") + key + " = " + v.dump() + " is not " + (integer ? "an integer" : "a number") +
+                         " in [" + fmt_bound(lo) + ", " + fmt_bound(hi) + "]";
+  };
+  for (const auto& problem : {number("scale", 1e-30, 3e38, false), number("growth_tracker", 0, 1e15, true),
+                              number("growth_factor", 1, 1e6, false), number("backoff_factor", 1e-6, 1, false),
+                              number("growth_interval", 1, 1e12, true)})
+    if (!problem.empty()) return problem;
+  return "";
 }
 
 }  // namespace keel::amp

@@ -10,6 +10,7 @@
 // dispatcher has one for the gradients' device (CUDA; CPU from LibTorch 2.3), and the same
 // arithmetic in plain ATen ops otherwise (LibTorch 1.13 on CPU). The scale itself lives on the
 // host, since the agreed verdict does.
+// Its checkpoint state is meta.json's "scaler" object (checkpoint::Stateful).
 // Thread-compatible.
 #pragma once
 
@@ -18,7 +19,8 @@
 #include <string>
 #include <vector>
 
-#include "trainer/config.h"
+#include "keel/amp/config.h"
+#include "keel/checkpoint/stateful.h"
 
 namespace keel::amp {
 
@@ -30,7 +32,7 @@ struct ScalerState {
   int64_t growth_interval = 2000;
 };
 
-class GradScaler {
+class GradScaler : public checkpoint::Stateful {
  public:
   explicit GradScaler(const AmpConfig& cfg);
   explicit GradScaler(ScalerState s) : s_(s) {}
@@ -46,6 +48,13 @@ class GradScaler {
   double scale_value() const { return s_.scale; }
   const ScalerState& state() const { return s_; }
   void load_state(const ScalerState& s) { s_ = s; }
+  /// shared["scaler"] = {scale, growth_tracker, growth_factor, backoff_factor, growth_interval}.
+  void save(checkpoint::State& state) const override;
+  /// Restores shared["scaler"]; a checkpoint without it (saved without loss scaling) keeps the
+  /// configured initial scale, with a warning.
+  void load(const checkpoint::Loaded& loaded) override;
+  /// A present "scaler" must hold finite numbers in the ranges amp.* allows (scale > 0).
+  std::string check(const checkpoint::Loaded& loaded) const override;
   /// Whether the fused kernel serves `device` (for logs and tests).
   static bool has_fused_unscale(c10::DeviceType device);
 

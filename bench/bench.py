@@ -4,6 +4,7 @@
   $PY bench/bench.py                        # mlp, cnn, gpt at worlds 1 and 2
   $PY bench/bench.py --models cnn --worlds 1 --steps 100
   $PY bench/bench.py --validate-pairs 15    # dist.validate = always vs off, paired runs
+  $PY bench/bench.py --baseline /tmp/keel-old --worlds 2   # this build vs another keel binary
 
 For each model and world size: runs `build/keel train` on synthetic data and
 bench/torch_ref.py twice, PyTorch eager and torch.compile (Inductor; place -> compile -> DDP),
@@ -23,6 +24,7 @@ world size, and cold vs warm compile time with compile.cache_dir).
 Never run two benchmarks at once on the same machine: the numbers would be meaningless.
 """
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -114,9 +116,14 @@ def main():
                     help="instead: keel with amp.dtype = bf16 vs fp32 (cnn and gpt, 1 rank)")
     ap.add_argument("--compile", action="store_true",
                     help="instead: keel with compile.mode = trace vs off, and cold vs warm compile time")
+    ap.add_argument("--baseline", default="",
+                    help="instead: --keel against this other keel binary (e.g. the previous commit's build), "
+                         "--repeat pairs per model and world run back to back, order alternating")
     ap.add_argument("--validate-pairs", type=int, default=0,
                     help="instead: N back-to-back pairs of dist.validate = always and off (mlp, 2 ranks), order alternating")
     args = ap.parse_args()
+    if args.baseline:
+        return baseline_bench(args)
     if args.validate_pairs:
         return validate_bench(args)
     if args.compile:
@@ -220,6 +227,44 @@ def validate_bench(args):
     print(f"# results: {log_path}", file=sys.stderr)
 
 
+@contextlib.contextmanager
+def results(suffix):
+    """bench/results/<timestamp><suffix>.jsonl; yields emit(line), which prints one JSON line and logs it."""
+    path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + suffix + ".jsonl")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as log:
+        def emit(line):
+            print(json.dumps(line), flush=True)
+            log.write(json.dumps(line) + "\n")
+
+        yield emit
+    print(f"# results: {path}", file=sys.stderr)
+
+
+def baseline_bench(args):
+    """--keel vs --baseline (two keel binaries, e.g. before and after a change) on the same work:
+    per model and world, --repeat pairs run back to back with the order alternating, so that
+    drift in the machine's speed hits both sides alike. Reports the median of the per-pair
+    step-time ratios (new / baseline; 1.0 = unchanged) and how many pairs had the new one slower."""
+    worlds = [int(w) for w in args.worlds.split(",")]
+    with results("-baseline") as emit:
+        for model in args.models.split(","):
+            steps = max(args.steps // 5, 12) if model == "gpt" else args.steps
+            for world in worlds:
+                ratios, new_ms, base_ms = [], [], []
+                for i in range(args.repeat):
+                    order = (args.keel, args.baseline) if i % 2 == 0 else (args.baseline, args.keel)
+                    got = {exe: run_keel(model, BATCH[model], steps, world, exe)["median_step_ms"] for exe in order}
+                    new_ms.append(got[args.keel])
+                    base_ms.append(got[args.baseline])
+                    ratios.append(got[args.keel] / got[args.baseline])
+                srt = sorted(ratios)
+                emit({"model": model, "world": world, "steps": steps, "pairs": len(ratios),
+                      "new": args.keel, "baseline": args.baseline, "new_ms": new_ms, "baseline_ms": base_ms,
+                      "median_new_over_baseline": srt[len(srt) // 2], "min": srt[0], "max": srt[-1],
+                      "pairs_new_slower": sum(r > 1 for r in ratios)})
+
+
 def amp_bench(args):
     """amp.dtype = bf16 vs off (fp32) step time, one rank, one thread."""
     log_path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + "-amp.jsonl")
@@ -243,13 +288,7 @@ def amp_bench(args):
 def compile_bench(args):
     """compile.mode = trace vs off (step time) at each world size, and cold vs warm compile."""
     worlds = [int(w) for w in args.worlds.split(",")]
-    log_path = os.path.join(ROOT, "bench", "results", time.strftime("%Y%m%d-%H%M%S") + "-compile.jsonl")
-    os.makedirs(os.path.dirname(log_path), exist_ok=True)
-    with open(log_path, "w") as log:
-        def emit(line):
-            print(json.dumps(line), flush=True)
-            log.write(json.dumps(line) + "\n")
-
+    with results("-compile") as emit:
         for model in args.models.split(","):
             steps = max(args.steps // 5, 12) if model == "gpt" else args.steps
             runs = {}
@@ -273,7 +312,6 @@ def compile_bench(args):
                 summary[f"compile_ms_{phase}"] = ms[len(ms) // 2]
                 summary[f"compile_cache_{phase}"] = runs[(phase, 1)][0]["compile_cache"]
             emit(summary)
-    print(f"# results: {log_path}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -14,9 +14,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "checkpoint/checkpoint.h"
-#include "dist/collectives.h"
-#include "dist/process_group.h"
+#include "keel/checkpoint/checkpoint.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/process_group.h"
 
 namespace {
 
@@ -45,7 +45,7 @@ int main(int argc, char** argv) {
   }
   using namespace keel;
   const dist::World world = dist::detect_world(dist::current_env());
-  auto coll = std::make_shared<dist::Collectives>(dist::Group::create(world, DistConfig{}, torch::kCPU), "always");
+  auto coll = std::make_shared<dist::Collectives>(dist::Group::create(world, DistConfig{}, torch::kCPU), keel::Validate::Always);
 
   checkpoint::State st;
   const int64_t n_tensors = 24;

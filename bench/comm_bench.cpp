@@ -11,9 +11,9 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dist/collectives.h"
-#include "dist/process_group.h"
-#include "models/model.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/process_group.h"
+#include "keel/models/model.h"
 
 namespace {
 
@@ -43,7 +43,7 @@ int main(int argc, char** argv) {
   auto world = keel::dist::detect_world(keel::dist::current_env());
   keel::DistConfig cfg;
   auto group = keel::dist::Group::create(world, cfg, torch::kCPU);
-  keel::dist::Collectives validated(group, "always"), plain(group, "off");
+  keel::dist::Collectives validated(group, keel::Validate::Always), plain(group, keel::Validate::Off);
   auto emit = [&](nlohmann::json j) {
     j["world"] = world.size;
     if (world.rank == 0) std::printf("%s\n", j.dump().c_str());

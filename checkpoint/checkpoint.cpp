@@ -1,4 +1,6 @@
-#include "checkpoint/checkpoint.h"
+#include "keel/checkpoint/checkpoint.h"
+
+#include "keel/checkpoint/meta.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -14,18 +16,16 @@
 #include <set>
 #include <thread>
 
-#include "common/log.h"
+#include "keel/common/log.h"
 
-#include "dist/collectives.h"
+#include "keel/dist/collectives.h"
+#include "keel/common/clock.h"
+#include "keel/common/file.h"
 #include "keel/version.h"
 
 namespace keel::checkpoint {
 namespace {
 
-using Clock = std::chrono::steady_clock;
-double ms_since(Clock::time_point t0) {
-  return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
-}
 
 constexpr size_t kRecordBytes = 8192;  // one rank's save result, gathered at commit
 const char* kMeta = "meta.json";
@@ -39,29 +39,9 @@ std::string numbered(const char* fmt, int64_t a, int64_t b) {
   return buf;
 }
 
-// Flips one bit of the byte two thirds into `path`, in place (silent corruption, found by the
-// checksum on the next load). False when the file is empty or cannot be changed.
-bool flip_byte_in_place(const std::string& path) {
-  const int fd = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (fd < 0) return false;
-  struct stat st {};
-  bool ok = ::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_size > 0;
-  const off_t at = ok ? st.st_size - st.st_size / 3 : 0;
-  char c = 0;
-  ok = ok && ::pread(fd, &c, 1, at) == 1;
-  c ^= 0x20;
-  ok = ok && ::pwrite(fd, &c, 1, at) == 1 && ::fsync(fd) == 0;
-  ::close(fd);
-  return ok;
-}
-
 uint64_t nbytes(const torch::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
 // A file name that stays inside the step directory.
-bool plain_name(const std::string& n) {
-  return !n.empty() && n.find('/') == std::string::npos && n != "." && n != ".." && n.find('\0') == std::string::npos;
-}
-
 void make_dir(const std::string& d) {
   if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST)
     throw SaveError(d + ": cannot create the checkpoint directory: " + std::strerror(errno));
@@ -75,26 +55,8 @@ std::string utc_now() {
 }
 
 nlohmann::json read_meta(const std::string& step_dir) {
-  const std::string path = step_dir + "/" + kMeta;
-  nlohmann::json meta;
-  try {
-    meta = nlohmann::json::parse(read_all(path));
-  } catch (const nlohmann::json::exception& e) {
-    throw FormatError(path + ": not valid JSON: " + e.what());
-  }
-  if (!meta.is_object() || !meta.contains("step") || !meta["step"].is_number_integer() ||
-      !meta.contains("world_size") || !meta["world_size"].is_number_integer() || meta["world_size"].get<int64_t>() < 1 ||
-      !meta.contains("files") || !meta["files"].is_object())
-    throw FormatError(path + ": missing or malformed step / world_size / files");
-  for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
-    if (!plain_name(it.key()))
-      throw FormatError(path + ": file entry \"" + it.key() + "\" points outside the step directory");
-    const auto& f = it.value();
-    if (!f.is_object() || !f.contains("sha256") || !f["sha256"].is_string() || !f.contains("bytes") ||
-        !f["bytes"].is_number_unsigned())
-      throw FormatError(path + ": file entry \"" + it.key() + "\" lacks sha256 / bytes");
-  }
-  return meta;
+  return parse_meta(read_all(step_dir + "/" + kMeta), step_dir + "/" + kMeta,
+                    step_dir.substr(step_dir.find_last_of('/') + 1));
 }
 
 // The SHA-256 meta.json records for `name`, after checking that the file has the recorded size
@@ -158,6 +120,13 @@ std::vector<StepInfo> list_steps(const std::string& dir) {
   return out;
 }
 
+namespace {
+Loaded read_step(const std::string& dir, int64_t rank);
+}  // namespace
+
+// Every file's checksum (each problem listed), then the loader's own checks (read_step: the
+// shard set of the saved world, the index against the shards, each rank's file): what
+// `keel inspect` calls verified is exactly what training would load.
 std::vector<std::string> verify_step(const std::string& step_dir) {
   std::vector<std::string> problems;
   nlohmann::json meta;
@@ -176,6 +145,13 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
       problems.push_back(e.what());
     }
   }
+  if (!problems.empty()) return problems;
+  try {
+    const Loaded L = read_step(step_dir, 0);
+    for (int64_t r = 1; r < L.saved_world_size; ++r) expected_sha(meta, step_dir, rank_file(r));
+  } catch (const std::exception& e) {
+    problems.push_back(e.what());
+  }
   return problems;
 }
 
@@ -193,7 +169,6 @@ struct Checkpointer::Pending {
   std::vector<int64_t> model_owner;
   uint64_t model_bytes = 0;
   nlohmann::json shared;
-  int inject_errno = 0;
   // Results of the write.
   std::thread thread;
   std::atomic<bool> done{false};
@@ -208,14 +183,8 @@ Checkpointer::Checkpointer(Options opts, std::shared_ptr<dist::Collectives> coll
   world_ = coll_->size();
   if (opts_.dir.empty()) throw std::invalid_argument("Checkpointer: empty checkpoint directory");
   // mkdir -p of the root (every rank: nodes may not share a view until it exists).
-  std::string acc;
-  for (size_t i = 0; i <= opts_.dir.size(); ++i) {
-    if (i == opts_.dir.size() || opts_.dir[i] == '/') {
-      if (!acc.empty() && ::mkdir(acc.c_str(), 0755) != 0 && errno != EEXIST)
-        throw SaveError(acc + ": cannot create the checkpoint directory: " + std::strerror(errno));
-    }
-    if (i < opts_.dir.size()) acc += opts_.dir[i];
-  }
+  if (const std::string err = make_dirs(opts_.dir); !err.empty())
+    throw SaveError("checkpoint.dir: " + err);
 }
 
 Checkpointer::~Checkpointer() {
@@ -233,17 +202,19 @@ void Checkpointer::write_shards(Pending& p) {
   const auto t0 = Clock::now();
   // The model shard is written on a second thread while this one writes the optimizer shard
   // and the rest: measured here, one writer leaves the disk idle while it copies and hashes.
+  auto hooked = [&](const std::string& file) {
+    WriteOptions o;
+    if (const auto& h = opts_.hooks.before_write)
+      o.before_write = [h, step = p.step, file](uint64_t offset) { return h(step, file, offset); };
+    return o;
+  };
   WrittenFile model_written;
   std::string model_error;
   std::thread model_writer([&] {
     try {
-      WriteOptions fault;
-      if (p.inject_errno) {
-        fault.fail_errno = p.inject_errno;
-        fault.fail_after_bytes = 64;  // the header makes it to disk, the data does not
-      }
-      model_written = write_safetensors(p.dir + "/" + model_file(rank_, world_), p.model_shard,
-                                        {{"format", "pt"}, {"keel_step", std::to_string(p.step)}}, fault);
+      const std::string file = model_file(rank_, world_);
+      model_written = write_safetensors(p.dir + "/" + file, p.model_shard,
+                                        {{"format", "pt"}, {"keel_step", std::to_string(p.step)}}, hooked(file));
     } catch (const std::exception& e) {
       model_error = e.what();
     }
@@ -251,11 +222,11 @@ void Checkpointer::write_shards(Pending& p) {
   std::vector<WrittenFile> rest;
   try {
     rest.push_back(write_safetensors(p.dir + "/" + optimizer_file(rank_, world_), p.optimizer_shard,
-                                     {{"keel_step", std::to_string(p.step)}}));
+                                     {{"keel_step", std::to_string(p.step)}}, hooked(optimizer_file(rank_, world_))));
     if (p.has_extra)
       rest.push_back(write_safetensors(p.dir + "/" + extra_file(rank_, world_), p.extra_shard,
-                                       {{"keel_step", std::to_string(p.step)}}));
-    rest.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta));
+                                       {{"keel_step", std::to_string(p.step)}}, hooked(extra_file(rank_, world_))));
+    rest.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta, hooked(rank_file(rank_))));
     if (rank_ == 0 && !p.graph.empty()) rest.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
   } catch (const std::exception& e) {
     p.error = e.what();
@@ -287,8 +258,6 @@ void Checkpointer::save(int64_t step, const State& state) {
   p->step = step;
   p->dir = step_dir(step);
   p->shared = state.shared;
-  p->inject_errno = inject_errno_;
-  inject_errno_ = 0;
 
   // 1. The plan, identical on every rank by construction; checked across ranks.
   std::vector<uint64_t> sizes;
@@ -443,13 +412,7 @@ void Checkpointer::commit() {
   logging::info("checkpoint: step {} committed ({:.1f} MB in {} files; this rank wrote in {:.0f} ms) -> {}", p->step,
                total / 1e6, nfiles, p->write_ms, p->dir);
   if (rank_ == 0) cleanup(p->step);
-  if (corrupt_step_ == p->step) {
-    // In place: no temporary file beside the committed step, whose stray files rank 0's
-    // cleanup removes concurrently (a temp+rename here raced with it and failed under load).
-    const std::string path = p->dir + "/" + model_file(rank_, world_);
-    if (flip_byte_in_place(path))
-      logging::warn("fault injection: checkpoint_corruption: flipped a byte of {}", path);
-  }
+  if (opts_.hooks.after_commit) opts_.hooks.after_commit(p->step, p->dir);
 }
 
 void Checkpointer::cleanup(int64_t keep_step) {
@@ -533,29 +496,10 @@ Loaded read_step(const std::string& dir, int64_t rank) {
     Sha256 h;
     h.update(text.data(), text.size());
     if (h.hex() != expected_sha(L.meta, dir, kIndex)) throw FormatError(path + ": checksum mismatch");
-    nlohmann::json index;
-    try {
-      index = nlohmann::json::parse(text);
-    } catch (const nlohmann::json::exception& e) {
-      throw FormatError(path + ": not valid JSON: " + e.what());
-    }
-    if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw FormatError(path + ": no weight_map");
-    std::set<std::string> shard_names;
+    std::set<std::string> shard_names, model_tensors;
     for (int64_t r = 0; r < W; ++r) shard_names.insert(model_file(r, W));
-    for (auto it = index["weight_map"].begin(); it != index["weight_map"].end(); ++it) {
-      if (!it.value().is_string()) throw FormatError(path + ": weight_map[\"" + it.key() + "\"] is not a file name");
-      const std::string file = it.value().get<std::string>();
-      if (!plain_name(file))
-        throw FormatError(path + ": weight_map[\"" + it.key() + "\"] = \"" + file + "\" points outside the checkpoint directory");
-      if (!shard_names.count(file))
-        throw FormatError(path + ": weight_map[\"" + it.key() + "\"] names " + file + ", which is not a shard of this step");
-      if (!seen.count("m:" + it.key()))
-        throw FormatError(path + ": weight_map lists \"" + it.key() + "\", which no shard holds");
-    }
-    if (index["weight_map"].size() != L.state.model.size())
-      throw FormatError(path + ": weight_map lists " + std::to_string(index["weight_map"].size()) + " tensors, the shards hold " +
-                        std::to_string(L.state.model.size()));
+    for (const auto& [n, t] : L.state.model) model_tensors.insert(n);
+    check_index(text, path, shard_names, model_tensors);
   }
   if (rank < W) {
     const std::string name = rank_file(rank);
@@ -586,7 +530,8 @@ Loaded read_step(const std::string& dir, int64_t rank) {
 
 }  // namespace
 
-std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
+std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
+                                         const std::function<std::string(const Loaded&)>& validate) {
   std::vector<std::string> candidates;
   if (!resume_from.empty()) {
     std::string d = resume_from;
@@ -617,6 +562,8 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from) {
     Loaded L;
     try {
       L = read_step(dir, rank_);
+      if (validate) problem = validate(L);
+      if (!problem.empty()) problem = dir + "/" + kMeta + ": " + problem;
     } catch (const std::exception& e) {
       problem = e.what();
     }

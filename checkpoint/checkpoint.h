@@ -37,6 +37,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -44,7 +46,7 @@
 #include <string>
 #include <vector>
 
-#include "checkpoint/safetensors.h"
+#include "keel/checkpoint/safetensors.h"
 
 namespace keel::dist {
 class Collectives;
@@ -76,11 +78,22 @@ struct State {
   std::string graph;           // serialized TorchScript module (rank 0 writes it), may be empty
 };
 
+/// Seams where tests and fault injection (trainer/fault/) step in; production runs set none.
+struct Hooks {
+  /// Before each write to one of this rank's files of step `step` (on the writer thread):
+  /// `file` is its name in the step directory, `offset` the bytes already written. A non-zero
+  /// return is the errno that write fails with (a full or failing disk).
+  std::function<int(int64_t step, const std::string& file, uint64_t offset)> before_write;
+  /// After step `step` is committed and old steps are cleaned up, on every rank.
+  std::function<void(int64_t step, const std::string& step_dir)> after_commit;
+};
+
 struct Options {
   std::string dir;             // checkpoint.dir
   int64_t keep = 3;            // committed steps kept
   bool async = false;
   std::string config_sha256;   // the resolved config's hash, recorded in meta.json
+  Hooks hooks;
 };
 
 /// What load() found.
@@ -138,18 +151,15 @@ class Checkpointer {
   void finish() { commit(); }
   /// The newest committed step, or -1.
   int64_t last_committed() const { return last_committed_; }
-  /// Fault injection: this rank's next save fails while writing its model shard with `errno_value`
-  /// (negative: the process is SIGKILLed there).
-  void inject_write_failure(int errno_value) { inject_errno_ = errno_value; }
-  /// Fault injection: after step `step` is committed, flip a byte in the middle of this rank's
-  /// model shard (silent corruption, found by the checksum on the next load).
-  void inject_corruption_after_commit(int64_t step) { corrupt_step_ = step; }
 
   /// Collective. Loads the newest committed step that verifies on every rank (or exactly
   /// `resume_from`, a step directory or step number, when non-empty). nullopt when there is
   /// none. Throws ResumeError when `resume_from` does not load; a failure of the collectives
   /// (a peer died) is a dist::CollectiveError, never a ResumeError.
-  std::optional<Loaded> load(const std::string& resume_from = "");
+  /// `validate` (may be empty) checks the values of a step that verified, on every rank (e.g.
+  /// StateRegistry::check); a problem on any rank counts as a failed verification.
+  std::optional<Loaded> load(const std::string& resume_from = "",
+                             const std::function<std::string(const Loaded&)>& validate = {});
 
   /// Milliseconds the last save() blocked the caller (the async stall).
   double last_save_blocking_ms() const { return last_blocking_ms_; }
@@ -168,8 +178,6 @@ class Checkpointer {
   std::unique_ptr<Pending> pending_;
   int64_t pending_step_ = -1;
   int64_t last_committed_ = -1;
-  int inject_errno_ = 0;
-  int64_t corrupt_step_ = -1;
   std::map<std::string, torch::Tensor> staging_;  // async snapshot buffers, reused
   double last_blocking_ms_ = 0;
   double last_write_ms_ = 0;

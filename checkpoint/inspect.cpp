@@ -1,11 +1,11 @@
-#include "checkpoint/inspect.h"
+#include "keel/checkpoint/inspect.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
 #include <stdexcept>
 
-#include "checkpoint/checkpoint.h"
+#include "keel/checkpoint/checkpoint.h"
 
 namespace keel::checkpoint {
 namespace {

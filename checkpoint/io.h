@@ -1,71 +1,30 @@
-// checkpoint/io.h: durable file I/O for checkpoints.
+// checkpoint/io.h: file I/O for checkpoints.
 //
-// Owns: streaming SHA-256 (OpenSSL EVP), an atomic file writer (temp name in the target
-// directory, checksum while writing, fsync, rename; the temp file is removed on failure),
-// fsync of a directory, and whole-file reads that name the file in every error.
+// Owns: whole-file reads and read-only mappings that name the file in every error, and the
+// directory helpers a checkpoint root needs. The atomic writer and SHA-256 are common/'s
+// (common/atomic_file.h), brought into this namespace below.
 // Failures are std::runtime_error with the path and strerror.
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
+#include "keel/common/atomic_file.h"
+
 namespace keel::checkpoint {
 
-class Sha256 {
- public:
-  Sha256();
-  ~Sha256();
-  Sha256(const Sha256&) = delete;
-  Sha256& operator=(const Sha256&) = delete;
-  void update(const void* data, size_t n);
-  /// Lower-case hex digest; the object is finished afterwards.
-  std::string hex();
-
- private:
-  struct Ctx;
-  std::unique_ptr<Ctx> ctx_;
-};
+using keel::AtomicFile;
+using keel::fsync_dir;
+using keel::Sha256;
+using keel::write_atomic;
+using keel::WriteCheck;
+using keel::WrittenFile;
 
 /// SHA-256 of a whole file, streamed (hex).
 std::string sha256_file(const std::string& path);
-
-struct WrittenFile {
-  std::string name;     // file name within its directory
-  uint64_t bytes = 0;
-  std::string sha256;   // hex
-};
-
-/// Writes `path` atomically. Bytes go to "<path>.tmp.<pid>"; commit() fsyncs and renames it
-/// into place. Destroying an uncommitted writer removes the temp file.
-class AtomicFile {
- public:
-  explicit AtomicFile(std::string path);
-  ~AtomicFile();
-  AtomicFile(const AtomicFile&) = delete;
-  AtomicFile& operator=(const AtomicFile&) = delete;
-  void write(const void* data, size_t n);
-  /// Makes every later write() fail with `errno_value` after `after_bytes` more bytes (fault
-  /// injection: ENOSPC, EIO; a negative value kills the process with SIGKILL there instead).
-  void fail_after(uint64_t after_bytes, int errno_value);
-  WrittenFile commit();
-
- private:
-  void write_raw(const char* p, size_t n);
-  std::string path_, tmp_;
-  int fd_ = -1;
-  Sha256 sha_;
-  uint64_t bytes_ = 0;
-  uint64_t fail_at_ = UINT64_MAX;
-  int fail_errno_ = 0;
-};
-
-/// Writes `text` to `path` atomically (AtomicFile) and returns its size and checksum.
-WrittenFile write_atomic(const std::string& path, const std::string& text);
-
-/// fsync of a directory, so that renames inside it are durable.
-void fsync_dir(const std::string& dir);
 
 /// Reads a whole file; throws std::runtime_error naming it when it cannot.
 std::string read_all(const std::string& path);

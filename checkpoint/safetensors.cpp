@@ -1,4 +1,4 @@
-#include "checkpoint/safetensors.h"
+#include "keel/checkpoint/safetensors.h"
 
 #include <cstring>
 #include <set>
@@ -59,7 +59,7 @@ WrittenFile write_safetensors(const std::string& path, const NamedTensors& tenso
   }
   const std::string header = make_safetensors_header(infos, metadata);
   AtomicFile f(path);
-  if (opts.fail_errno) f.fail_after(opts.fail_after_bytes, opts.fail_errno);
+  f.before_write(opts.before_write);
   f.write(header.data(), header.size());
   for (const auto& c : cpu) f.write(c.data_ptr(), static_cast<size_t>(c.numel()) * c.element_size());
   return f.commit();

@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "checkpoint/io.h"
-#include "checkpoint/safetensors_header.h"
+#include "keel/checkpoint/io.h"
+#include "keel/checkpoint/safetensors_header.h"
 
 namespace keel::checkpoint {
 
@@ -26,9 +26,8 @@ std::string safetensors_dtype(c10::ScalarType t);
 c10::ScalarType scalar_type_of(const std::string& dtype);
 
 struct WriteOptions {
-  /// Fault injection: fail the write with this errno after `fail_after_bytes` bytes (0 = off).
-  int fail_errno = 0;
-  uint64_t fail_after_bytes = 0;
+  /// AtomicFile::before_write of the file (a seam for tests and fault injection); may be empty.
+  WriteCheck before_write;
 };
 
 /// Writes `tensors` (in this order) with `metadata` to `path` atomically; returns its size and

@@ -1,4 +1,4 @@
-#include "common/file.h"
+#include "keel/common/file.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -74,6 +74,19 @@ std::string read_regular_file(const std::string& path, uint64_t max_bytes) {
   ::close(fd);
   out.resize(off);
   return out;
+}
+
+std::string make_dirs(const std::string& path) {
+  if (path.empty()) return "";
+  for (size_t pos = path.find('/', 1);; pos = path.find('/', pos + 1)) {
+    const std::string cur = path.substr(0, pos);
+    if (::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST)
+      return cur + ": cannot create directory: " + std::strerror(errno);
+    if (pos == std::string::npos) break;
+  }
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return path + ": not a directory";
+  return "";
 }
 
 }  // namespace keel

@@ -22,4 +22,8 @@ std::string read_regular_file(const std::string& path, uint64_t max_bytes);
 /// "" when `path` is a regular file, else what it is ("a directory", "a FIFO", "missing", ...).
 std::string not_a_regular_file(const std::string& path);
 
+/// mkdir -p `path` (mode 0755). "" on success, else a message naming the directory that could
+/// not be made and why; the caller raises its own error class with it.
+std::string make_dirs(const std::string& path);
+
 }  // namespace keel

@@ -22,7 +22,7 @@
 #endif
 #include <fmt/format.h>
 
-#include "common/log_level.h"
+#include "keel/common/log_level.h"
 
 namespace keel::logging {
 

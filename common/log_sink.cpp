@@ -7,7 +7,7 @@
 #include <string>
 #include <string_view>
 
-#include "common/log_level.h"
+#include "keel/common/log_level.h"
 
 namespace keel::logging {
 

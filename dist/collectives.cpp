@@ -1,10 +1,10 @@
-#include "dist/collectives.h"
+#include "keel/dist/collectives.h"
 
 #include <cstring>
 #include <sstream>
 #include <thread>
 
-#include "dist/compat.h"
+#include "keel/dist/compat.h"
 
 namespace keel::dist {
 
@@ -72,7 +72,7 @@ uint64_t fingerprint(const std::vector<int64_t>& words) {
   return h & ((1ull << 62) - 1);
 }
 
-Collectives::Collectives(std::shared_ptr<Group> group, const std::string& validate)
+Collectives::Collectives(std::shared_ptr<Group> group, Validate validate)
     : group_(std::move(group)), mode_(validate) {}
 
 // NCCL moves only CUDA tensors: host tensors (validation probes, the per-step record,
@@ -83,7 +83,7 @@ torch::Tensor Collectives::on_comm_device(const torch::Tensor& t) const {
 }
 
 bool Collectives::validating() const {
-  return mode_ == "always" || (mode_ == "first_step" && step_ <= 1);
+  return mode_ == Validate::Always || (mode_ == Validate::FirstStep && step_ <= 1);
 }
 
 std::string Collectives::describe(const Desc& d) const {
@@ -141,22 +141,16 @@ std::string Collectives::missing_ranks(const std::string& what) {
   }
 }
 
-std::string Collectives::hang_until_peers_fail(std::chrono::milliseconds max_wait) {
+std::optional<std::string> Collectives::peer_failure() const {
   const auto& store = group_->store();
-  const auto deadline = std::chrono::steady_clock::now() + max_wait;
-  while (std::chrono::steady_clock::now() < deadline) {
-    try {
-      if (!store || store->check({abort_key(group_->world())})) {
-        if (!store) return "";
-        auto v = store->get(abort_key(group_->world()));
-        return std::string(v.begin(), v.end());
-      }
-    } catch (const std::exception& e) {
-      return std::string("the store is unreachable: ") + e.what();
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  if (!store) return std::string();
+  try {
+    if (!store->check({abort_key(group_->world())})) return std::nullopt;
+    auto v = store->get(abort_key(group_->world()));
+    return std::string(v.begin(), v.end());
+  } catch (const std::exception& e) {
+    return std::string("the store is unreachable: ") + e.what();
   }
-  return "";
 }
 
 std::chrono::milliseconds Collectives::report_grace() const {
@@ -336,7 +330,7 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
     c.any_flags |= static_cast<uint32_t>(w[6]);
     c.all_flags &= static_cast<uint32_t>(w[6]);
   }
-  if (!agree && mode_ != "off") {
+  if (!agree && mode_ != Validate::Off) {
     std::ostringstream os;
     os << "ranks disagree at the end of step " << step << "'s backward; no update was applied:";
     for (int64_t r = 0; r < size(); ++r) {

@@ -24,11 +24,13 @@
 
 #include <chrono>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
-#include "dist/process_group.h"
+#include "keel/dist/config.h"
+#include "keel/dist/process_group.h"
 
 namespace keel::dist {
 
@@ -58,8 +60,8 @@ struct StepConsensus {
 
 class Collectives {
  public:
-  /// `validate`: "always" | "first_step" | "off".
-  Collectives(std::shared_ptr<Group> group, const std::string& validate);
+  /// `validate`: dist.validate.
+  Collectives(std::shared_ptr<Group> group, Validate validate);
 
   int64_t rank() const { return group_->rank(); }
   int64_t size() const { return group_->size(); }
@@ -86,10 +88,9 @@ class Collectives {
   StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
                           uint32_t flags = 0);
 
-  /// Fault injection (collective_hang): this rank stops taking part in collectives and waits
-  /// until a peer reports a failed collective through the store (or `max_wait` passes).
-  /// Returns what the peer reported.
-  std::string hang_until_peers_fail(std::chrono::milliseconds max_wait);
+  /// What a rank whose collective failed reported through the store (see above), or nullopt
+  /// while none has. Does not block. "" for one rank without a store.
+  std::optional<std::string> peer_failure() const;
 
  private:
   struct Desc;
@@ -103,7 +104,7 @@ class Collectives {
   std::chrono::milliseconds report_grace() const;
 
   std::shared_ptr<Group> group_;
-  std::string mode_;
+  Validate mode_;
   int64_t step_ = 0;
   uint64_t seq_ = 0;
 };

@@ -1,10 +1,10 @@
-#include "dist/ddp.h"
+#include "keel/dist/ddp.h"
 
-#include "common/log.h"
+#include "keel/common/log.h"
 
 #include <sstream>
 
-#include "dist/compat.h"
+#include "keel/dist/compat.h"
 
 namespace keel::dist {
 namespace {
@@ -134,11 +134,11 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   plan_ = fingerprint(words);
   reducer_ = compat::make_reducer(params, buckets, coll_->group()->pg(), static_cast<int64_t>(cap),
                                   cfg.find_unused_parameters, names, static_cast<int64_t>(first));
-  if (cfg.comm_hook == "fp16" || cfg.comm_hook == "bf16")
+  if (cfg.comm_hook != CommHook::Allreduce)
     reducer_->register_comm_hook(std::make_unique<CompressHook>(
-        coll_->group()->pg(), cfg.comm_hook == "fp16" ? at::kHalf : at::kBFloat16, coll_->size()));
+        coll_->group()->pg(), cfg.comm_hook == CommHook::Fp16 ? at::kHalf : at::kBFloat16, coll_->size()));
   logging::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
-               num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, cfg.comm_hook);
+               num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, choice_name(kCommHooks, cfg.comm_hook));
 }
 
 DataParallel::~DataParallel() = default;

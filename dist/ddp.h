@@ -19,9 +19,9 @@
 #include <memory>
 #include <string>
 
-#include "dist/collectives.h"
-#include "models/model.h"
-#include "trainer/config.h"
+#include "keel/dist/collectives.h"
+#include "keel/models/model.h"
+#include "keel/dist/config.h"
 
 namespace c10d {
 class Reducer;

@@ -1,4 +1,4 @@
-#include "dist/mpi_bootstrap.h"
+#include "keel/dist/mpi_bootstrap.h"
 
 #include <stdexcept>
 #include <vector>

@@ -1,11 +1,12 @@
-#include "dist/process_group.h"
+#include "keel/dist/process_group.h"
 
 #include <unistd.h>
 
-#include "common/log.h"
+#include "keel/common/error.h"
+#include "keel/common/log.h"
 
-#include "dist/compat.h"
-#include "dist/mpi_bootstrap.h"
+#include "keel/dist/compat.h"
+#include "keel/dist/mpi_bootstrap.h"
 
 namespace keel::dist {
 namespace {
@@ -20,33 +21,42 @@ std::string local_hostname() {
   return buf;
 }
 
-// Every rank announces itself; each then waits for all announcements, so a rank that never
-// arrives is named in the error instead of leaving the others blocked forever.
+// Ranks that are named one by one when the rendezvous fails (above, the count is given).
+constexpr int64_t kNameMissingUpTo = 4096;
+
+// Every rank announces itself and counts itself in; the rank that completes the count opens
+// the door, for which the others wait (one key, whatever the world size, within
+// dist.timeout_s). A rank that never arrives is named in the error instead of leaving the
+// others blocked forever.
 void wait_for_all_ranks(c10d::Store& store, const World& w, std::chrono::milliseconds timeout,
                         const std::string& where) {
   // Keyed by the restart count: torchrun's agent store outlives a restart, the keys of the
   // previous round must not count.
   const std::string prefix = "keel/" + std::to_string(w.restart_count) + "/joined/";
   store.set(prefix + std::to_string(w.rank), std::vector<uint8_t>{1});
-  std::vector<std::string> keys;
-  for (int64_t r = 0; r < w.size; ++r) keys.push_back(prefix + std::to_string(r));
+  if (store.add(prefix + "count", 1) == w.size) store.set(prefix + "all", std::vector<uint8_t>{1});
   try {
-    store.wait(keys, timeout);
+    store.wait({prefix + "all"}, timeout);
   } catch (const std::exception&) {
-    std::string missing;
-    for (int64_t r = 0; r < w.size; ++r)
-      if (!store.check({keys[r]})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
-    throw std::runtime_error("rendezvous at " + where + " timed out after " +
-                             std::to_string(timeout.count() / 1000) + " s (dist.timeout_s): rank(s) " + missing +
-                             " of " + std::to_string(w.size) + " never joined");
+    const int64_t joined = store.add(prefix + "count", 0);
+    std::string who;
+    if (w.size <= kNameMissingUpTo) {
+      for (int64_t r = 0; r < w.size; ++r)
+        if (!store.check({prefix + std::to_string(r)})) who += (who.empty() ? "" : ", ") + std::to_string(r);
+      who = "rank(s) " + who + " of " + std::to_string(w.size) + " never joined";
+    } else {
+      who = std::to_string(w.size - joined) + " of " + std::to_string(w.size) + " ranks never joined";
+    }
+    throw std::runtime_error("rendezvous at " + where + " timed out after " + std::to_string(timeout.count() / 1000) +
+                             " s (dist.timeout_s): " + who);
   }
 }
 
 }  // namespace
 
-std::string resolve_backend(const std::string& backend, const torch::Device& device) {
-  if (backend == "gloo") return "gloo";
-  if (backend == "nccl" || (backend == "auto" && device.is_cuda())) {
+std::string resolve_backend(Backend backend, const torch::Device& device) {
+  if (backend == Backend::Gloo) return "gloo";
+  if (backend == Backend::Nccl || (backend == Backend::Auto && device.is_cuda())) {
 #ifndef KEEL_WITH_CUDA
     throw InputError("dist.backend = \"nccl\" needs a CUDA build of keel; this build is CPU-only");
 #else
@@ -66,7 +76,7 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   // Resolved at every world size, so that dist.backend = "nccl" without a GPU is refused
   // even for one process.
   const std::string backend = resolve_backend(cfg.backend, device);
-  if (world.size == 1 && cfg.backend == "auto") return g;  // no process group: backend() stays "none"
+  if (world.size == 1 && cfg.backend == Backend::Auto) return g;  // no process group: backend() stays "none"
   g->backend_ = backend;
 
   std::string host = world.master_addr;

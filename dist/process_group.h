@@ -14,8 +14,8 @@
 #include <memory>
 #include <string>
 
-#include "dist/world.h"
-#include "trainer/config.h"
+#include "keel/dist/world.h"
+#include "keel/dist/config.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -58,8 +58,8 @@ class Group {
   bool mpi_initialized_here_ = false;
 };
 
-/// "gloo" or "nccl" for `backend` ("auto" | "gloo" | "nccl") on `device`. Throws InputError
+/// "gloo" or "nccl" for `backend` on `device`. Throws InputError
 /// for nccl without CUDA, or nccl on a CPU device.
-std::string resolve_backend(const std::string& backend, const torch::Device& device);
+std::string resolve_backend(Backend backend, const torch::Device& device);
 
 }  // namespace keel::dist

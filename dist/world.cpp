@@ -1,10 +1,10 @@
-#include "dist/world.h"
+#include "keel/dist/world.h"
 
 #include <cerrno>
 #include <cstdlib>
 #include <vector>
 
-#include "trainer/config.h"
+#include "keel/common/error.h"
 
 extern char** environ;
 
@@ -45,6 +45,8 @@ void check_ranges(const World& w) {
     throw InputError("inconsistent " + w.launcher + " environment: " + m);
   };
   if (w.size < 1) bad("world size " + std::to_string(w.size) + " < 1");
+  if (w.size > kMaxWorldSize)
+    bad("world size " + std::to_string(w.size) + " is more than keel supports (" + std::to_string(kMaxWorldSize) + ")");
   if (w.rank >= w.size) bad("rank " + std::to_string(w.rank) + " >= world size " + std::to_string(w.size));
   if (w.local_size < 1 || w.local_size > w.size)
     bad("local world size " + std::to_string(w.local_size) + " is not in [1, " + std::to_string(w.size) + "]");

@@ -10,7 +10,13 @@
 #include <map>
 #include <string>
 
+#include "keel/common/error.h"
+
 namespace keel::dist {
+
+/// The largest world detect_world() accepts (beyond any job run today; the bound keeps an
+/// absurd WORLD_SIZE from sizing anything).
+constexpr int64_t kMaxWorldSize = int64_t{1} << 18;
 
 struct World {
   int64_t rank = 0;

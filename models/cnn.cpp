@@ -1,7 +1,7 @@
 // cnn: the "2 Conv + pooling" net of the Fashion-MNIST benchmark table (421,642 parameters):
 // Conv(1->32, 3x3, pad 1), ReLU, MaxPool 2; Conv(32->64, 3x3, pad 1), ReLU, MaxPool 2;
 // Linear(3136->128), ReLU; Linear(128->num_classes).
-#include "models/model.h"
+#include "keel/models/model.h"
 
 namespace keel::models {
 namespace {

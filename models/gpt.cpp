@@ -4,7 +4,7 @@
 // and the output projection tied to the token embedding (wte).
 #include <cmath>
 
-#include "models/model.h"
+#include "keel/models/model.h"
 
 namespace keel::models {
 namespace {

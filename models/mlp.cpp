@@ -1,6 +1,6 @@
 // mlp: flatten 784 -> `depth` hidden Linear(width) layers with ReLU -> Linear(num_classes).
 // Defaults (width 256, depth 8) are the shape bench/ compares against PyTorch.
-#include "models/model.h"
+#include "keel/models/model.h"
 
 namespace keel::models {
 namespace {

@@ -17,16 +17,20 @@
 #include <utility>
 #include <vector>
 
-#include "trainer/config.h"
+#include "keel/common/error.h"
+#include "keel/models/config.h"
 
 namespace keel::models {
 
-enum class InputKind { Image, Tokens };
+/// Image and Tokens are what keel's datasets produce and its built-in models eat; Features is
+/// anything else a user's own model and dataset agree on (train it with Callbacks::loss).
+enum class InputKind { Image, Tokens, Features };
 const char* input_kind_name(InputKind k);
 
 /// What one sample fed to a model looks like.
 ///   Image:  input (B, C, H, W) float32, target (B) int64 in [0, num_classes)
 ///   Tokens: input (B, T) int64 in [0, num_classes), target (B, T) int64 (next tokens)
+///   Features: input (B, *sample_shape) float32, target as the user's loss expects
 /// The model returns logits (B, num_classes) for images and (B, T, num_classes) for tokens;
 /// the loss is cross-entropy over the last dimension in both cases.
 struct InputSpec {
@@ -90,7 +94,8 @@ class ModuleModel : public Model {
 using ModelFactory =
     std::function<std::shared_ptr<Model>(const ModelConfig&, std::optional<InputKind> data_kind)>;
 
-/// Registers (or replaces) a model under `name`. Thread-safe.
+/// Registers a model under `name` (model.name in the config). Thread-safe. Throws
+/// std::invalid_argument when the name is empty or already taken (built-ins included).
 void register_model(const std::string& name, ModelFactory factory);
 /// Names of every registered model, sorted.
 std::vector<std::string> registered_models();

@@ -1,11 +1,19 @@
 #include <map>
 #include <mutex>
+#include <stdexcept>
 
-#include "models/model.h"
+#include "keel/models/model.h"
 
 namespace keel::models {
 
-const char* input_kind_name(InputKind k) { return k == InputKind::Image ? "image" : "tokens"; }
+const char* input_kind_name(InputKind k) {
+  switch (k) {
+    case InputKind::Image: return "image";
+    case InputKind::Tokens: return "tokens";
+    case InputKind::Features: return "features";
+  }
+  return "?";
+}
 
 std::vector<torch::Tensor> Model::parameters() const {
   std::vector<torch::Tensor> out;
@@ -45,7 +53,10 @@ Registry& registry() {
 void register_model(const std::string& name, ModelFactory factory) {
   auto& r = registry();
   std::lock_guard<std::mutex> lock(r.mu);
-  r.factories[name] = std::move(factory);
+  if (name.empty()) throw std::invalid_argument("register_model: empty model name");
+  if (!r.factories.emplace(name, std::move(factory)).second)
+    throw std::invalid_argument("register_model: a model named \"" + name +
+                                "\" is already registered (each name once; pick another name)");
 }
 
 std::vector<std::string> registered_models() {

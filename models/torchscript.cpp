@@ -3,9 +3,9 @@
 // InputSpec; its input kind comes from model.input, or from the data when that is "auto".
 #include <torch/script.h>
 
-#include "common/file.h"
+#include "keel/common/file.h"
 
-#include "models/model.h"
+#include "keel/models/model.h"
 
 namespace keel::models {
 namespace {
@@ -53,8 +53,8 @@ std::shared_ptr<Model> make_torchscript(const ModelConfig& cfg, std::optional<In
     throw InputError("model.path = \"" + cfg.path + "\": cannot load TorchScript module: " +
                      what.substr(0, what.find('\n')));
   }
-  InputKind kind = cfg.input == "tokens" ? InputKind::Tokens
-                   : cfg.input == "image" ? InputKind::Image
+  InputKind kind = cfg.input == ModelInput::Tokens ? InputKind::Tokens
+                   : cfg.input == ModelInput::Image ? InputKind::Image
                    : data_kind.value_or(InputKind::Image);
   InputSpec spec = kind == InputKind::Image ? InputSpec{InputKind::Image, {1, 28, 28}, cfg.num_classes}
                                             : InputSpec{InputKind::Tokens, {cfg.context}, cfg.vocab};

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every public header compiles on its own (-fsyntax-only, one translation unit per header), with
+# Every header of keel compiles on its own (-fsyntax-only, one translation unit per header), with
 # the flags keel's own sources are compiled with (taken from BUILD_DIR/compile_commands.json).
 #   tests/header_check.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
@@ -27,7 +27,7 @@ PY
 export FLAGS="$FLAGS -fsyntax-only"
 cd "$src"
 check() {
-  if out=$(printf '#include "%s"\n' "$1" | eval g++ $FLAGS -x c++ - 2>&1); then echo "ok   $1"; else echo "FAIL $1"; echo "$out" | head -10; return 1; fi
+  if out=$(printf '#include "keel/%s"\n' "$1" | eval g++ $FLAGS -x c++ - 2>&1); then echo "ok   $1"; else echo "FAIL $1"; echo "$out" | head -10; return 1; fi
 }
 export -f check
-ls common/*.h trainer/*.h models/*.h dist/*.h amp/*.h checkpoint/*.h | xargs -P "$(nproc)" -I{} bash -c 'check {}'
+find common trainer models dist amp checkpoint -name '*.h' | sort | xargs -P "$(nproc)" -I{} bash -c 'check {}'

@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# Installs keel from BUILD_DIR into a temporary prefix, builds examples/custom_model against
-# that prefix alone (find_package(keel)), and trains it on 2 ranks.
+# Installs keel from BUILD_DIR into a temporary prefix, checks the installed headers (each
+# compiles alone against the prefix: the allowlist is closed under #include; nothing is
+# reachable without the keel/ prefix), builds examples/custom_model against that prefix alone
+# (find_package(keel)), and trains it on 2 ranks.
 #   tests/install_example_check.sh SOURCE_DIR BUILD_DIR
 set -euo pipefail
 src="$1"; build="$2"
@@ -11,8 +13,35 @@ gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
 # The prefix and LibTorch (from keel's own build cache: the venv's torch, or the user's Torch_DIR).
 torch_dir=$(sed -n 's/^Torch_DIR:[A-Z]*=//p' "$build/CMakeCache.txt")
 cmake -S "$src/examples/custom_model" -B "$work/ex" "${gen[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" \
-  -DTorch_DIR="$torch_dir" > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+  -DTorch_DIR="$torch_dir" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
 cmake --build "$work/ex" > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
+
+# The installed headers, each alone, with the example's own compile flags (the prefix and
+# LibTorch, nothing from keel's source tree).
+flags=$(python3 - "$work/ex/compile_commands.json" <<'PY'
+import json, shlex, sys
+e = json.load(open(sys.argv[1]))[0]
+args = shlex.split(e["command"])[1:]
+out, skip = [], False
+for a in args:
+    if skip: skip = False; continue
+    if a in ("-o", "-c", "-MF", "-MT", "-MQ"): skip = True; continue
+    if a in ("-MD", "-MMD") or a == e["file"] or a.endswith("ccache") or a.endswith("++"): continue
+    out.append(a)
+print(shlex.join(out))
+PY
+)
+headers=$(cd "$work/prefix/include" && find keel -name '*.h' | sort)
+[ -n "$headers" ] || { echo "FAIL: no headers installed"; exit 1; }
+for h in $headers; do
+  echo "#include <$h>" | eval g++ $flags -fsyntax-only -x c++ - > "$work/header.log" 2>&1 ||
+    { echo "FAIL: installed header $h does not compile alone:"; head -20 "$work/header.log"; exit 1; }
+done
+echo "ok: $(echo "$headers" | wc -l) installed headers compile alone"
+[ ! -e "$work/prefix/include/keel/trainer/trainer.cpp" ] || { echo "FAIL: sources installed"; exit 1; }
+if echo "#include <trainer/trainer.h>" | eval g++ $flags -fsyntax-only -x c++ - > /dev/null 2>&1; then
+  echo "FAIL: <trainer/trainer.h> (no keel/ prefix) resolves against the installed prefix"; exit 1
+fi
 port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 cd "$work"
 pids=()

@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "dist/world.h"
+#include "keel/dist/world.h"
 #include "helpers.h"
 
 namespace keel::testing {

@@ -4,12 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "amp/autocast.h"
-#include "amp/grad_scaler.h"
+#include "keel/amp/autocast.h"
+#include "keel/amp/grad_scaler.h"
 #include "helpers.h"
 #include "multirank.h"
-#include "trainer/compile.h"
-#include "trainer/trainer.h"
+#include "keel/trainer/compile/compile.h"
+#include "keel/trainer/trainer.h"
 
 using keel::amp::GradScaler;
 using namespace keel::testing;
@@ -18,7 +18,7 @@ namespace {
 
 keel::AmpConfig amp_cfg(double init, int64_t interval) {
   keel::AmpConfig a;
-  a.loss_scaling = "dynamic";
+  a.loss_scaling = keel::LossScaling::Dynamic;
   a.init_scale = init;
   a.growth_interval = interval;
   return a;  // growth 2.0, backoff 0.5: PyTorch's defaults
@@ -106,7 +106,7 @@ TEST(Autocast, TraceAndEagerAgreeUnderBf16) {
   mc.name = "cnn";
   auto m = keel::models::create_model(mc);
   keel::CompileConfig cc;
-  cc.mode = "trace";
+  cc.mode = keel::CompileMode::Trace;
   cc.fullgraph = true;
   keel::CompileReport r;
   auto x = torch::randn({8, 1, 28, 28});
@@ -166,15 +166,15 @@ TEST(AmpDist, OnlyRankOneSeesInfAndBothRanksSkip) {
     cfg.data.synthetic_size = 512;
     cfg.train.steps = 20;
     cfg.train.batch_size = 16;
-    cfg.amp.loss_scaling = "dynamic";
+    cfg.amp.loss_scaling = keel::LossScaling::Dynamic;
     keel::validate(cfg);
     keel::Callbacks cb;
     cb.on_end = [&](keel::models::Model& m) {
       torch::save(m.parameters(), std::string(std::getenv("KEEL_TEST_OUT")) + "/rank" + std::to_string(w.rank) + ".pt");
     };
     auto summary = keel::Trainer(cfg, w, cb).run();
-    EXPECT_EQ(summary["skipped_steps"], 1);
-    EXPECT_EQ(summary["loss_scale"].get<double>(), 32768.0);  // one backoff from 65536
+    EXPECT_EQ(summary.skipped_steps, 1);
+    EXPECT_EQ(summary.loss_scale.value_or(0), 32768.0);  // one backoff from 65536
   }, 120, {"KEEL_TEST_OUT=" + d.path()});
   if (is_rank_process()) return;
   expect_all_ok(ranks);

@@ -12,17 +12,19 @@
 #include <chrono>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <thread>
 
-#include "checkpoint/checkpoint.h"
-#include "checkpoint/inspect.h"
-#include "dist/collectives.h"
-#include "dist/process_group.h"
+#include "keel/checkpoint/checkpoint.h"
+#include "keel/checkpoint/inspect.h"
+#include "keel/checkpoint/meta.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/process_group.h"
 #include "helpers.h"
 #include "multirank.h"
-#include "models/model.h"
-#include "trainer/optim.h"
-#include "trainer/trainer.h"
+#include "keel/models/model.h"
+#include "keel/trainer/optim.h"
+#include "keel/trainer/trainer.h"
 
 #include <torch/script.h>
 
@@ -34,7 +36,7 @@ namespace {
 std::shared_ptr<keel::dist::Collectives> local_collectives() {
   keel::dist::World w;
   auto g = keel::dist::Group::create(w, keel::DistConfig{}, torch::kCPU);
-  return std::make_shared<keel::dist::Collectives>(g, "always");
+  return std::make_shared<keel::dist::Collectives>(g, keel::Validate::Always);
 }
 
 std::string le64(uint64_t n) {
@@ -166,6 +168,32 @@ TEST(SafetensorsHeader, FuzzCorpusReplaysWithoutCrashing) {
   EXPECT_LT(refused, n);  // the corpus has valid headers too
 }
 
+// The meta.json / index fuzz corpus (scripts/fuzz.sh) replayed through the same checks: only
+// FormatError, never another exception; valid and invalid seeds both present.
+TEST(CheckpointMeta, FuzzCorpusReplaysWithoutCrashing) {
+  const std::string dir = source_path("tests/fuzz/corpus_meta");
+  int n = 0, metas = 0, indexes = 0;
+  for (const auto& name : list_dir(dir)) {
+    const std::string text = read_all(dir + "/" + name);
+    ++n;
+    try {
+      parse_meta(text, name, "step_5");
+      ++metas;
+    } catch (const FormatError&) {
+    }
+    try {
+      check_index(text, name, {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"},
+                  {"w", "b", "fc.0.weight"});
+      ++indexes;
+    } catch (const FormatError&) {
+    }
+  }
+  EXPECT_GE(n, 8) << "corpus missing: " << dir;
+  EXPECT_GE(metas, 1);
+  EXPECT_GE(indexes, 1);
+  EXPECT_LT(metas + indexes, n);  // refused inputs too
+}
+
 TEST(AssignShards, BalancesBytesAcrossRanks) {
   const auto owner = assign_shards({100, 60, 50, 40, 10, 10}, 2);
   uint64_t load[2] = {0, 0};
@@ -233,7 +261,7 @@ TEST(CheckpointResume, BadResumeFromIsInputAPeerDyingDuringLoadIsNot) {
   auto ranks = run_ranks(2, [&](const keel::dist::World& w) {
     keel::DistConfig cfg;
     cfg.timeout_s = 10;
-    auto coll = std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU), "always");
+    auto coll = std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU), keel::Validate::Always);
     Options o2;
     o2.dir = dir;
     Checkpointer ck(o2, coll);
@@ -355,9 +383,12 @@ TEST(Checkpointer, WriteFailureCommitsNothingAndKeepsThePrevious) {
   TempDir d;
   Options o;
   o.dir = d.file("ck");
+  // The disk fills up halfway through step 8's model shard (its header is written, its data not).
+  o.hooks.before_write = [](int64_t step, const std::string& file, uint64_t offset) {
+    return step == 8 && file.rfind("model-", 0) == 0 && offset >= 64 ? ENOSPC : 0;
+  };
   Checkpointer c(o, local_collectives());
   c.save(4, small_state(4.f));
-  c.inject_write_failure(ENOSPC);
   try {
     c.save(8, small_state(8.f));
     FAIL() << "no error";
@@ -418,7 +449,7 @@ TEST(CopyInto, ListsMissingUnexpectedAndMismatchedEntries) {
 TEST(OptimizerState, RoundTripContinuesBitExactly) {
   for (const std::string kind : {"adamw", "sgd"}) {
     keel::TrainConfig tc;
-    tc.optimizer = kind;
+    ASSERT_TRUE(keel::parse_choice(keel::kOptimizers, kind, tc.optimizer));
     tc.momentum = 0.9;
     torch::manual_seed(1);
     auto w = torch::randn({5, 3}, torch::requires_grad());
@@ -521,6 +552,57 @@ TEST(CheckpointResume, LossScalerStateIsRestored) {
             sha256_file(d.file("resumed/ckpt/step_15/model-00001-of-00001.safetensors")));
 }
 
+// Values read back from a checkpoint are never trusted: a meta.json whose fields are out of
+// range, of the wrong type or disagree with the step directory (the commit marker is not
+// checksummed) is treated like a failed checksum: a warning naming the file and the field, and
+// the previous committed step is used.
+TEST(CheckpointResume, TamperedMetadataFallsBackNamingTheField) {
+  TempDir d;
+  auto args = [&](int steps) {
+    auto a = train_args(d.path(), steps, 5);
+    a.push_back("--amp.loss_scaling=dynamic");  // so that meta.json holds the scaler's state
+    return a;
+  };
+  ASSERT_EQ(run_keel(args(10)).exit_code, 0);
+  const std::string meta_path = d.file("ckpt/step_10/meta.json");
+  const auto pristine = nlohmann::json::parse(read_text(meta_path));
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json&)> tamper;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"negative step", [](nlohmann::json& m) { m["step"] = -5; }, "\"step\" must be an integer in [0"},
+      {"step of another directory", [](nlohmann::json& m) { m["step"] = 7; }, "\"step\" is 7 in the directory step_10"},
+      {"step as a string", [](nlohmann::json& m) { m["step"] = "ten"; }, "\"step\" must be an integer"},
+      {"absurd world size", [](nlohmann::json& m) { m["world_size"] = 1000000000; }, "\"world_size\" must be an integer"},
+      {"another format", [](nlohmann::json& m) { m["format_version"] = 2; }, "format_version"},
+      {"loss scale 0", [](nlohmann::json& m) { m["state"]["scaler"]["scale"] = 0; }, "state.scaler.scale = 0"},
+      {"skipped steps as a string", [](nlohmann::json& m) { m["state"]["skipped_steps"] = "x"; }, "state.skipped_steps"},
+      {"negative data position", [](nlohmann::json& m) { m["state"]["data_position"]["batch"] = -1; },
+       "state.data_position.batch = -1"},
+  };
+  for (const auto& c : cases) {
+    nlohmann::json m = pristine;
+    c.tamper(m);
+    write_text(meta_path, m.dump());
+    auto a = args(10);  // the same run: resumed from step 5 it saves step 10 again, bit-identical
+    const auto r = run_keel(a);
+    ASSERT_EQ(r.exit_code, 0) << c.what << "\n" << r.output;
+    EXPECT_NE(r.output.find("step_10/meta.json"), std::string::npos) << c.what << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.what << "\n" << r.output;
+    EXPECT_NE(r.output.find("falling back to the previous committed step"), std::string::npos) << c.what;
+    EXPECT_EQ(summary_of(d.path())["resumed_from_step"], 5) << c.what;
+    // checkpoint.resume_from naming the tampered step: the user's input, exit 2. (The run
+    // above saved step 10 anew: tamper with it again.)
+    write_text(meta_path, m.dump());
+    a.push_back("--checkpoint.resume_from=10");
+    const auto named = run_keel(a);
+    EXPECT_EQ(named.exit_code, 2) << c.what << "\n" << named.output;
+    EXPECT_NE(named.output.find(c.says), std::string::npos) << c.what << "\n" << named.output;
+  }
+}
+
 // Running a finished job again resumes at its last step, trains nothing and reports the same
 // results (the loss comes from the checkpoint, the evaluation is repeated).
 TEST(CheckpointResume, RerunningAFinishedRunReportsItsResults) {
@@ -537,6 +619,30 @@ TEST(CheckpointResume, RerunningAFinishedRunReportsItsResults) {
   EXPECT_EQ(second["final_loss"], first["final_loss"]);
   EXPECT_EQ(second["test_accuracy"], first["test_accuracy"]);
   EXPECT_NE(again.output.find("nothing to train"), std::string::npos) << again.output;
+}
+
+// A checkpoint that does not fit the resumed run's config is the user's input, whichever
+// component it does not fit: another model (the tensors do not bind) or another optimizer
+// (its state does not fit): exit 2 naming what differs, and nothing is overwritten.
+TEST(CheckpointResume, AnotherModelOrOptimizerOnResumeIsInputError) {
+  TempDir d;
+  ASSERT_EQ(run_keel(train_args(d.path(), 10, 5)).exit_code, 0);
+  const std::string meta_before = read_text(d.file("ckpt/step_10/meta.json"));
+  struct Case {
+    const char* option;
+    const char* says;
+  };
+  for (const Case& c : {Case{"--train.optimizer=sgd", "optimizer state does not fit"},
+                        Case{"--model.name=cnn", "missing from the checkpoint"}}) {
+    auto args = train_args(d.path(), 20, 5);
+    args.push_back(c.option);
+    const auto r = run_keel(args);
+    EXPECT_EQ(r.exit_code, 2) << c.option << "\n" << r.output;
+    EXPECT_NE(r.output.find(c.says), std::string::npos) << c.option << "\n" << r.output;
+    EXPECT_NE(r.output.find("step_10"), std::string::npos) << c.option << "\n" << r.output;
+  }
+  EXPECT_EQ(read_text(d.file("ckpt/step_10/meta.json")), meta_before);
+  EXPECT_FALSE(exists(d.file("ckpt/step_15")));
 }
 
 TEST(CheckpointResume, SavedAtTwoRanksLoadsAtOne) {
@@ -669,6 +775,71 @@ TEST(KeelInspect, ReportsStepsChecksumsAndTensors) {
   EXPECT_EQ(run_keel({"inspect", d.file("nothing-here")}).exit_code, 2);
 }
 
+// `keel inspect` calls verified exactly what training would load: steps that verify file by
+// file yet do not load (a shard gone from disk and from meta.json, a world size the shards do
+// not match, an index entry pointing elsewhere or naming a tensor no shard holds) are refused
+// by both, with the same message.
+TEST(KeelInspect, VerifiesWhatTheLoaderVerifies) {
+  TempDir d;
+  ASSERT_EQ(run_keel(train_args(d.path(), 5, 5)).exit_code, 0);
+  const std::string step = d.file("ckpt/step_5");
+  const auto meta0 = nlohmann::json::parse(read_text(step + "/meta.json"));
+  const std::string index_name = "model.safetensors.index.json";
+  const auto index0 = nlohmann::json::parse(read_text(step + "/" + index_name));
+  auto write_index = [&](const nlohmann::json& index, nlohmann::json& meta) {
+    write_text(step + "/" + index_name, index.dump());
+    meta["files"][index_name]["sha256"] = sha256_file(step + "/" + index_name);
+    meta["files"][index_name]["bytes"] = index.dump().size();
+  };
+  struct Case {
+    const char* what;
+    std::function<void(nlohmann::json& meta)> tamper;
+    const char* says;
+  };
+  const std::vector<Case> cases = {
+      {"optimizer shard gone from disk and meta.json",
+       [&](nlohmann::json& m) {
+         std::rename((step + "/optimizer-00001-of-00001.safetensors").c_str(), (step + "/moved").c_str());
+         m["files"].erase("optimizer-00001-of-00001.safetensors");
+       },
+       "optimizer-00001-of-00001.safetensors"},
+      {"index entry outside the step",
+       [&](nlohmann::json& m) {
+         auto index = index0;
+         index["weight_map"].begin().value() = "../step_5/model-00001-of-00001.safetensors";
+         write_index(index, m);
+       },
+       "points outside the checkpoint directory"},
+      {"world size the shards do not match", [&](nlohmann::json& m) { m["world_size"] = 2; },
+       "model-00001-of-00002.safetensors"},
+      {"index naming a tensor no shard holds",
+       [&](nlohmann::json& m) {
+         auto index = index0;
+         index["weight_map"]["no.such.tensor"] = "model-00001-of-00001.safetensors";
+         write_index(index, m);
+       },
+       "which no shard holds"},
+  };
+  for (const auto& c : cases) {
+    nlohmann::json m = meta0;
+    c.tamper(m);
+    write_text(step + "/meta.json", m.dump());
+    const auto inspected = run_keel({"inspect", step, "--json"});
+    EXPECT_EQ(inspected.exit_code, 1) << c.what << "\n" << inspected.output;
+    EXPECT_NE(inspected.output.find(c.says), std::string::npos) << c.what << "\n" << inspected.output;
+    auto a = train_args(d.path(), 6, 5);
+    a.push_back("--checkpoint.resume_from=5");
+    const auto loaded = run_keel(a);
+    EXPECT_EQ(loaded.exit_code, 2) << c.what << "\n" << loaded.output;
+    EXPECT_NE(loaded.output.find(c.says), std::string::npos) << c.what << "\n" << loaded.output;
+    // Undo for the next case.
+    std::rename((step + "/moved").c_str(), (step + "/optimizer-00001-of-00001.safetensors").c_str());
+    write_text(step + "/" + index_name, index0.dump(2) + "\n");
+    write_text(step + "/meta.json", meta0.dump(2) + "\n");
+  }
+  EXPECT_EQ(run_keel({"inspect", step}).exit_code, 0);  // undone: verifies again
+}
+
 // checkpoint.save_graph: the step holds the traced module, which runs without keel's model
 // code and gives the same outputs as the model rebuilt from the step's tensors.
 TEST(CheckpointGraph, SaveGraphStoresAServableTracedModule) {
@@ -758,7 +929,7 @@ TEST(TrainerCheckpoints, CallbacksSaveAndRestoreYourOwnState) {
   };
   auto s = keel::Trainer(cfg, keel::dist::World{}, cb2).run();
   EXPECT_TRUE(loaded);
-  EXPECT_EQ(s["resumed_from_step"], 6);
+  EXPECT_EQ(s.resumed_from_step.value_or(-1), 6);
 }
 
 }  // namespace

@@ -11,7 +11,7 @@
 
 #include "helpers.h"
 #include "idx_fixture.h"
-#include "trainer/config.h"
+#include "keel/trainer/config/config.h"
 
 using keel::testing::run_keel;
 using keel::testing::TempDir;
@@ -259,6 +259,25 @@ TEST(CliBadInput, ModelAndDataDisagree) {
 TEST(CliBadInput, PartialLauncherEnvironment) {
   expect_input_error(run_keel({"train", "--data.name=synthetic", "--train.steps=1"}, {"RANK=0", "WORLD_SIZE=2"}),
                      "missing MASTER_ADDR");
+}
+
+// What the launcher's environment may say is bounded, and a rendezvous that cannot complete
+// ends within dist.timeout_s naming who never came, whatever the world size.
+TEST(CliBadInput, AbsurdWorldSizesAreRefusedOrTimeOutNamingTheMissing) {
+  const std::string port = "MASTER_PORT=" + std::to_string(keel::testing::free_port());
+  const std::vector<std::string> train = {"train", "--data.name=synthetic", "--train.steps=1", "--dist.timeout_s=3",
+                                          "--run.threads=1"};
+  for (const char* huge : {"WORLD_SIZE=1000000", "WORLD_SIZE=100000000000"})
+    expect_input_error(run_keel(train, {"RANK=0", huge, "MASTER_ADDR=127.0.0.1", port}), "more than keel supports");
+  keel::testing::TempDir d;
+  auto args = train;
+  args.push_back("--run.dir=" + d.file("run"));
+  auto big = run_keel(args, {"RANK=0", "WORLD_SIZE=200000", "MASTER_ADDR=127.0.0.1", port}, 120);
+  EXPECT_EQ(big.exit_code, 1) << big.output;
+  EXPECT_NE(big.output.find("199999 of 200000 ranks never joined"), std::string::npos) << big.output;
+  auto three = run_keel(args, {"RANK=0", "WORLD_SIZE=3", "MASTER_ADDR=127.0.0.1", port}, 120);
+  EXPECT_EQ(three.exit_code, 1) << three.output;
+  EXPECT_NE(three.output.find("rank(s) 1, 2 of 3 never joined"), std::string::npos) << three.output;
 }
 
 // keel plot: PNG curves from metrics.jsonl (loss, throughput, loss scale, per-rank compute).

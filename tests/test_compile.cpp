@@ -1,13 +1,16 @@
 // The compile stage (compile.mode = trace): each known pitfall reproduced by a small model.
 #include <gtest/gtest.h>
+#include <sys/stat.h>
+
+#include <fstream>
 #include <torch/library.h>
 
 #include <nlohmann/json.hpp>
 
 #include "helpers.h"
-#include "models/model.h"
-#include "trainer/compile.h"
-#include "trainer/compile_cache.h"
+#include "keel/models/model.h"
+#include "keel/trainer/compile/compile.h"
+#include "keel/trainer/compile/compile_cache.h"
 
 using keel::CompileConfig;
 using keel::CompileError;
@@ -32,7 +35,7 @@ std::shared_ptr<keel::models::Model> make(LambdaImpl::Fn fn) {
 
 CompileConfig trace_cfg(bool fullgraph = false) {
   CompileConfig c;
-  c.mode = "trace";
+  c.mode = keel::CompileMode::Trace;
   c.fullgraph = fullgraph;
   return c;
 }
@@ -229,6 +232,33 @@ TEST(CompileCache, SecondRunOfTheBinaryHits) {
   EXPECT_EQ(cache[0], "miss");
   EXPECT_EQ(cache[1], "hit");
   EXPECT_EQ(loss[0], loss[1]);  // the same graph, the same kernels: bit-identical
+}
+
+// A rebuilt binary (its models' code may have changed: a registered C++ model's relu turned
+// into tanh) never gets the graph the old binary cached. The "rebuild" here is a copy of keel
+// with one byte appended (ELF ignores trailing bytes): other code, same everything else.
+TEST(CompileCache, AnotherBuildOfTheCodeMisses) {
+  keel::testing::TempDir d;
+  const std::string rebuilt = d.file("keel-rebuilt");
+  {
+    std::ifstream in(KEEL_BINARY, std::ios::binary);
+    std::ofstream out(rebuilt, std::ios::binary);
+    out << in.rdbuf() << '\n';
+  }
+  ASSERT_EQ(::chmod(rebuilt.c_str(), 0755), 0);
+  std::string cache[3];
+  int i = 0;
+  for (const std::string& exe : {std::string(KEEL_BINARY), std::string(KEEL_BINARY), rebuilt}) {
+    const std::string dir = d.file("run" + std::to_string(i));
+    auto r = keel::testing::run_process({exe, "train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=3",
+                                         "--compile.mode=trace", "--compile.cache_dir=" + d.file("cache"),
+                                         "--run.threads=1", "--run.dir=" + dir});
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+    cache[i++] = nlohmann::json::parse(keel::testing::read_text(dir + "/summary.json"))["compile_cache"];
+  }
+  EXPECT_EQ(cache[0], "miss");
+  EXPECT_EQ(cache[1], "hit");
+  EXPECT_EQ(cache[2], "miss");
 }
 
 // trace and off give the same final loss on the cnn after 20 steps.

@@ -2,7 +2,7 @@
 #include <gtest/gtest.h>
 
 #include "helpers.h"
-#include "trainer/config.h"
+#include "keel/trainer/config/config.h"
 
 using keel::Config;
 using keel::InputError;

@@ -4,7 +4,7 @@
 
 #include "helpers.h"
 #include "idx_fixture.h"
-#include "trainer/data.h"
+#include "keel/trainer/data/data.h"
 
 using keel::InputError;
 using keel::testing::TempDir;

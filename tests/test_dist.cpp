@@ -4,12 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
-#include "dist/collectives.h"
-#include "dist/ddp.h"
-#include "dist/process_group.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/ddp.h"
+#include "keel/dist/process_group.h"
 #include "helpers.h"
 #include "multirank.h"
-#include "trainer/trainer.h"
+#include "keel/trainer/trainer.h"
 
 using keel::dist::Collectives;
 using keel::dist::World;
@@ -17,7 +17,7 @@ using namespace keel::testing;
 
 namespace {
 
-std::shared_ptr<Collectives> make_collectives(const World& w, int64_t timeout_s = 30, const std::string& validate = "always") {
+std::shared_ptr<Collectives> make_collectives(const World& w, int64_t timeout_s = 30, keel::Validate validate = keel::Validate::Always) {
   keel::DistConfig cfg;
   cfg.timeout_s = timeout_s;
   cfg.validate = validate;
@@ -91,9 +91,9 @@ TEST(Collectives, MismatchedDtypeAndOrderAreCaught) {
 
 TEST(Collectives, ValidateModes) {
   World solo;
-  Collectives always(keel::dist::Group::create(solo, keel::DistConfig{}, torch::kCPU), "always");
-  Collectives first(keel::dist::Group::create(solo, keel::DistConfig{}, torch::kCPU), "first_step");
-  Collectives off(keel::dist::Group::create(solo, keel::DistConfig{}, torch::kCPU), "off");
+  Collectives always(keel::dist::Group::create(solo, keel::DistConfig{}, torch::kCPU), keel::Validate::Always);
+  Collectives first(keel::dist::Group::create(solo, keel::DistConfig{}, torch::kCPU), keel::Validate::FirstStep);
+  Collectives off(keel::dist::Group::create(solo, keel::DistConfig{}, torch::kCPU), keel::Validate::Off);
   first.set_step(1);
   always.set_step(5);
   EXPECT_TRUE(always.validating());
@@ -151,7 +151,7 @@ keel::Config equivalence_config(const std::string& dir, int64_t batch, int64_t a
   keel::Config cfg;
   cfg.run.dir = dir;
   cfg.run.threads = 1;
-  cfg.run.log_level = "warn";
+  cfg.run.log_level = keel::logging::Level::warn;
   cfg.model.name = "mlp";
   cfg.model.width = 64;
   cfg.model.depth = 3;
@@ -160,9 +160,9 @@ keel::Config equivalence_config(const std::string& dir, int64_t batch, int64_t a
   cfg.train.steps = 20;
   cfg.train.batch_size = batch;
   cfg.train.grad_accum = accum;
-  cfg.train.optimizer = "sgd";
+  cfg.train.optimizer = keel::OptimizerKind::Sgd;
   cfg.train.lr = 0.05;
-  cfg.train.schedule = "constant";
+  cfg.train.schedule = keel::ScheduleKind::Constant;
   keel::validate(cfg);
   return cfg;
 }
@@ -218,9 +218,9 @@ void check_hook_trains(const char* hook) {
   auto ranks = run_ranks(2, [hook](const World& w) {
     TempDir rd;
     keel::Config cfg = equivalence_config(rd.file("run"), 32, 1);
-    cfg.dist.comm_hook = hook;
+    keel::apply_override(cfg, "dist.comm_hook", hook);
     auto summary = keel::Trainer(cfg, w).run();
-    EXPECT_TRUE(std::isfinite(summary["final_loss"].get<double>())) << hook;
+    EXPECT_TRUE(std::isfinite(summary.final_loss)) << hook;
   });
   if (is_rank_process()) return;
   expect_all_ok(ranks);

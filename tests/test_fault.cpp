@@ -6,9 +6,9 @@
 
 #include "helpers.h"
 #include "multirank.h"
-#include "trainer/config.h"
-#include "trainer/fault.h"
-#include "checkpoint/checkpoint.h"
+#include "keel/trainer/config/config.h"
+#include "keel/trainer/fault/fault.h"
+#include "keel/checkpoint/checkpoint.h"
 
 #include <algorithm>
 #include <chrono>

@@ -5,7 +5,7 @@
 #include <torch/serialize.h>
 
 #include "helpers.h"
-#include "models/model.h"
+#include "keel/models/model.h"
 
 using keel::models::create_model;
 
@@ -57,6 +57,20 @@ TEST(Models, RegistryListsBuiltinsAndAcceptsUserModels) {
   });
   EXPECT_EQ(create_model(model_cfg("tiny"))->name(), "mlp");
   EXPECT_THROW(create_model(model_cfg("nope")), keel::InputError);
+}
+
+TEST(Models, RegisteringANameTwiceIsAnError) {
+  auto factory = [](const keel::ModelConfig& c, std::optional<keel::models::InputKind>) { return keel::models::make_mlp(c); };
+  keel::models::register_model("twice", factory);
+  for (const char* name : {"twice", "cnn"}) {
+    try {
+      keel::models::register_model(name, factory);
+      ADD_FAILURE() << name << ": no error";
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("\"") + name + "\" is already registered"), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_THROW(keel::models::register_model("", factory), std::invalid_argument);
 }
 
 TEST(Models, TorchScriptModelTrains) {

@@ -3,7 +3,7 @@
 
 #include <type_traits>
 
-#include "trainer/pipeline.h"
+#include "keel/trainer/compile/pipeline.h"
 
 using keel::CompiledModel;
 using keel::DistributedModel;
@@ -56,7 +56,7 @@ TEST(Pipeline, RunsEndToEndOnOneProcess) {
   keel::ModelConfig mc;
   mc.name = "mlp";
   auto coll = std::make_shared<keel::dist::Collectives>(
-      keel::dist::Group::create(keel::dist::World{}, keel::DistConfig{}, torch::kCPU), "always");
+      keel::dist::Group::create(keel::dist::World{}, keel::DistConfig{}, torch::kCPU), keel::Validate::Always);
   DistributedModel dm = keel::place(keel::models::create_model(mc), torch::kCPU)
                             .compile(keel::CompileConfig{}, torch::randn({4, 1, 28, 28}))
                             .distribute(coll, keel::DistConfig{});

@@ -4,7 +4,7 @@
 
 #include <set>
 
-#include "trainer/sampler.h"
+#include "keel/trainer/data/sampler.h"
 
 using keel::data::DistributedSampler;
 

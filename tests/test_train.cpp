@@ -12,10 +12,10 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "dist/world.h"
+#include "keel/dist/world.h"
 #include "helpers.h"
-#include "trainer/metrics.h"
-#include "trainer/optim.h"
+#include "keel/trainer/metrics.h"
+#include "keel/trainer/optim.h"
 
 using keel::testing::run_keel;
 using keel::testing::TempDir;
@@ -84,6 +84,30 @@ TEST(EndToEnd, GradAccumAndSgdOnSynthetic) {
   EXPECT_EQ(summary["global_batch"], 64);
 }
 
+// Every value the documented ranges accept starts training (nothing is sized by the planned
+// step count): train.steps at 1e10 and train.epochs at 1e9 train until stopped; epochs that
+// make more than 1e12 steps are refused up front (exit 2 naming the key).
+TEST(EndToEnd, HugePlannedRunsStartAndStopCleanly) {
+  for (const std::string option : {"--train.steps=10000000000", "--train.epochs=1000000000"}) {
+    TempDir d;
+    auto child = keel::testing::spawn_keel({"train", "--model.name=mlp", "--data.name=synthetic", option,
+                                            "--run.dir=" + d.file("run"), "--run.threads=1"});
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+    while (std::chrono::steady_clock::now() < deadline && read_jsonl(d.file("run/metrics.jsonl")).size() < 2)
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    kill(child.pid, SIGTERM);
+    auto r = keel::testing::wait_process(child, 60);
+    EXPECT_EQ(r.exit_code, 128 + SIGTERM) << option << "\n" << r.output;
+    auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
+    EXPECT_GE(summary["planned_steps"].get<int64_t>(), int64_t{1000000000}) << option;
+  }
+  TempDir d;
+  auto r = keel::testing::run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.epochs=1000000000",
+                                    "--train.batch_size=1", "--run.dir=" + d.file("run")});  // 4096 batches an epoch
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("train.epochs = 1000000000 makes more than"), std::string::npos) << r.output;
+}
+
 TEST(EndToEnd, SigtermStopsCleanlyAfterTheCurrentStep) {
   TempDir d;
   auto child = keel::testing::spawn_keel({"train", "--model.name=mlp", "--data.name=synthetic",
@@ -108,14 +132,14 @@ TEST(Schedule, WarmupThenCosineExactValues) {
   t.lr = 1.0;
   t.min_lr = 0.0;
   t.warmup_steps = 4;
-  t.schedule = "cosine";
+  t.schedule = keel::ScheduleKind::Cosine;
   keel::LrSchedule s(t, 14);
   EXPECT_DOUBLE_EQ(s.at(0), 0.25);  // (0 + 1) / 4
   EXPECT_DOUBLE_EQ(s.at(3), 1.0);   // end of warmup
   EXPECT_DOUBLE_EQ(s.at(4), 1.0);   // cosine progress 0
   EXPECT_NEAR(s.at(9), 0.5, 1e-12); // progress 5/10: 0.5 * (1 + cos(pi/2))
   EXPECT_NEAR(s.at(14), 0.0, 1e-12);
-  t.schedule = "constant";
+  t.schedule = keel::ScheduleKind::Constant;
   keel::LrSchedule c(t, 14);
   EXPECT_DOUBLE_EQ(c.at(1), 0.5);
   EXPECT_DOUBLE_EQ(c.at(13), 1.0);

@@ -1,4 +1,4 @@
-#include "trainer/metrics.h"
+#include "keel/trainer/metrics.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -7,10 +7,13 @@
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 
-#include "common/log.h"
-#include "trainer/config.h"
+#include "keel/common/atomic_file.h"
+#include "keel/common/log.h"
+#include "keel/trainer/config/config.h"
 
 namespace keel {
 
@@ -74,48 +77,43 @@ double median(std::vector<double> v) {
   return 0.5 * (lo + hi);
 }
 
-void write_file_atomic(const std::string& path, const std::string& text) {
-  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) throw std::runtime_error(tmp + ": cannot create: " + std::strerror(errno));
-  size_t off = 0;
-  while (off < text.size()) {
-    ssize_t n = ::write(fd, text.data() + off, text.size() - off);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int e = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw std::runtime_error(tmp + ": write failed: " + std::strerror(e));
+void truncate_metrics(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    try {
+      auto j = nlohmann::json::parse(line);
+      if (j.value("step", int64_t{0}) > step) continue;
+    } catch (const std::exception&) {
+      continue;  // a line cut by the crash
     }
-    off += static_cast<size_t>(n);
+    kept += line + "\n";
   }
-  if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    int e = errno;
-    ::unlink(tmp.c_str());
-    throw std::runtime_error(tmp + ": fsync/close failed: " + std::strerror(e));
-  }
-  if (::rename(tmp.c_str(), path.c_str()) != 0) {
-    int e = errno;
-    ::unlink(tmp.c_str());
-    throw std::runtime_error(path + ": rename failed: " + std::strerror(e));
-  }
+  write_atomic(path, kept);
 }
 
-void make_dirs(const std::string& path) {
-  if (path.empty()) return;
-  std::string cur;
-  size_t pos = 0;
-  while (pos != std::string::npos) {
-    pos = path.find('/', pos + 1);
-    cur = path.substr(0, pos);
-    if (cur.empty()) continue;
-    if (::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST)
-      throw InputError(cur + ": cannot create directory: " + std::strerror(errno));
+std::string format_duration(double seconds) {
+  if (!std::isfinite(seconds) || seconds < 0) return "?";
+  const int64_t s = static_cast<int64_t>(seconds + 0.5);
+  char buf[32];
+  if (s >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", long(s / 3600), long(s % 3600 / 60));
+  else std::snprintf(buf, sizeof buf, "%ldm%02lds", long(s / 60), long(s % 60));
+  return buf;
+}
+
+void StragglerWatch::observe(const std::vector<double>& c) {
+  const auto world = static_cast<int64_t>(streak_.size());
+  if (world < 2 || static_cast<int64_t>(c.size()) != world) return;
+  const double m_all = median(c);
+  for (int64_t r = 0; r < world; ++r) {
+    const double m = world == 2 ? c[1 - r] : m_all;
+    streak_[r] = c[r] > 1.5 * m && c[r] > m + 5.0 ? streak_[r] + 1 : 0;
+    if (streak_[r] == 20)
+      logging::warn("rank {} is consistently slower: its forward+backward took {:.1f} ms vs {:.1f} ms (median of the "
+                    "other ranks) for 20 steps in a row; every rank waits for it (rank_compute_ms in metrics.jsonl)",
+                    r, c[r], m);
   }
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode))
-    throw InputError(path + ": not a directory");
 }
 
 }  // namespace keel

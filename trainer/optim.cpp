@@ -1,15 +1,17 @@
-#include "trainer/optim.h"
+#include "keel/trainer/optim.h"
 
 #include <cmath>
 #include <map>
 #include <sstream>
 #include <type_traits>
 
+#include "keel/common/error.h"
+
 namespace keel {
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
                                                         const std::vector<torch::Tensor>& params) {
-  if (cfg.optimizer == "sgd") {
+  if (cfg.optimizer == OptimizerKind::Sgd) {
     auto o = torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay);
     return std::make_unique<torch::optim::SGD>(params, o);
   }
@@ -22,7 +24,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
 
 LrSchedule::LrSchedule(const TrainConfig& cfg, int64_t total_steps)
     : lr_(cfg.lr), min_lr_(cfg.min_lr), warmup_(cfg.warmup_steps), total_(total_steps),
-      cosine_(cfg.schedule == "cosine") {}
+      cosine_(cfg.schedule == ScheduleKind::Cosine) {}
 
 double LrSchedule::at(int64_t step) const {
   if (step < warmup_) return lr_ * double(step + 1) / double(warmup_);
@@ -136,6 +138,20 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
                 (extra.empty() ? std::string("(fields of another optimizer type)") : extra);
   }
   if (!problems.empty()) throw std::runtime_error("checkpoint: the optimizer state does not fit this optimizer:" + problems);
+}
+
+void zero_grads(const std::vector<torch::Tensor>& params) {
+  for (const auto& p : params)
+    if (p.grad().defined()) p.grad().zero_();
+}
+
+void OptimizerState::load(const checkpoint::Loaded& loaded) {
+  try {
+    load_optimizer_state(*opt_, params_, loaded.state.optimizer);
+  } catch (const std::runtime_error& e) {
+    throw InputError(loaded.path + ": the optimizer state does not fit this run (train.optimizer or the model "
+                     "differs from the run that saved it): " + e.what());
+  }
 }
 
 }  // namespace keel

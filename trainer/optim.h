@@ -11,7 +11,8 @@
 #include <utility>
 #include <vector>
 
-#include "trainer/config.h"
+#include "keel/checkpoint/stateful.h"
+#include "keel/trainer/loop_config.h"
 
 namespace keel {
 
@@ -32,6 +33,10 @@ class LrSchedule {
   bool cosine_;
 };
 
+/// Zeroes gradients in place (torch::optim::Optimizer::zero_grad() would detach or drop them,
+/// unlinking DDP's gradients-as-bucket-views from their buckets).
+void zero_grads(const std::vector<torch::Tensor>& params);
+
 /// Sets the learning rate of every parameter group.
 void set_lr(torch::optim::Optimizer& opt, double lr);
 
@@ -46,5 +51,20 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
 /// Restores what optimizer_state() returned (copies onto each parameter's device). Throws
 /// std::runtime_error listing the parameters whose state is partial or mis-shaped.
 void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state);
+
+/// The optimizer's part of a checkpoint (State::optimizer), as above.
+class OptimizerState : public checkpoint::Stateful {
+ public:
+  /// `opt` must outlive this object; `params` are its parameters with their names.
+  OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params) : opt_(&opt), params_(std::move(params)) {}
+  void save(checkpoint::State& state) const override { state.optimizer = optimizer_state(*opt_, params_); }
+  /// A saved state that does not fit this optimizer (another train.optimizer, other
+  /// parameters) is the user's choice of checkpoint: InputError, like a model that does not bind.
+  void load(const checkpoint::Loaded& loaded) override;
+
+ private:
+  torch::optim::Optimizer* opt_;
+  NamedTensorList params_;
+};
 
 }  // namespace keel

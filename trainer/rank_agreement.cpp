@@ -1,4 +1,4 @@
-#include "trainer/rank_agreement.h"
+#include "keel/trainer/rank_agreement.h"
 
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>

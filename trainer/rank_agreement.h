@@ -10,8 +10,8 @@
 // Cost: one store write and one read per rank; world-size reads on rank 0.
 #pragma once
 
-#include "dist/process_group.h"
-#include "trainer/config.h"
+#include "keel/dist/process_group.h"
+#include "keel/trainer/config/config.h"
 
 namespace keel {
 

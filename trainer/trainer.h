@@ -1,29 +1,36 @@
-// trainer/trainer.h: the training loop.
+// trainer/trainer.h: the training loop, and keel's main public entry point.
 //
 // Owns: turning a validated Config into a run: seeding, threads, model and data from their
 // registries, the sampler, optimizer and schedule, the step loop (micro-batches, gradient
 // accumulation, clipping), evaluation, metrics.jsonl / summary.json / config.toml under
 // run.dir, the progress line, and a clean stop on SIGINT/SIGTERM after the current step.
-// Does not own: what the model or the data are (models/, trainer/data.h), talking to other
-// ranks (dist/), precision (amp/), or persistence (checkpoint/).
+// Does not own: what the model or the data are (models/, trainer/data/), talking to other
+// ranks (dist/), precision (amp/), persistence (checkpoint/), or faults (trainer/fault/).
+//
+//   #include <keel/trainer/trainer.h>
+//   keel::Config cfg;  ...  keel::validate(cfg);
+//   keel::Summary s = keel::Trainer(cfg, keel::dist::detect_world(keel::dist::current_env())).run();
 #pragma once
+
+#include <torch/torch.h>
 
 #include <nlohmann/json.hpp>
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
-#include "checkpoint/checkpoint.h"
-#include "dist/world.h"
-#include "models/model.h"
-#include "trainer/config.h"
+#include "keel/checkpoint/checkpoint.h"
+#include "keel/dist/world.h"
+#include "keel/models/model.h"
+#include "keel/trainer/config/config.h"
 
 namespace keel {
 
 struct StepInfo {
   int64_t step = 0;          // optimizer steps done (1-based after the first step)
-  double loss = 0;           // mean training loss over the step's micro-batches
+  double loss = 0;           // mean training loss over the step's micro-batches and ranks
   double lr = 0;
   double step_ms = 0;
   double samples_per_s = 0;  // global samples per second for this step
@@ -32,9 +39,50 @@ struct StepInfo {
 struct EvalResult {
   int64_t step = 0;
   double loss = 0;           // mean per-sample (per-token for language models) loss
-  double accuracy = 0;       // top-1 accuracy (per token for language models)
+  double accuracy = 0;       // top-1 accuracy (per token for language models); NaN with a custom loss
   int64_t count = 0;         // samples (tokens) evaluated
 };
+
+/// What run() returns and rank 0 writes to <run.dir>/summary.json (to_json() is that file's
+/// content; its field names are a contract: docs/getting-started.md).
+struct Summary {
+  std::string keel_version, torch_version;
+  std::string run_name, model, data, device;
+  int64_t num_parameters = 0;
+  int64_t world_size = 1;
+  std::string launcher;              // torchrun | mpirun | srun | single
+  std::string backend;               // gloo | nccl | none (one rank)
+  int64_t restart_count = 0;         // torchrun restarts before this run
+  int64_t metrics_lines_lost = 0;    // metrics.jsonl lines that could not be written
+  int64_t threads_per_rank = 0;
+  int64_t batch_size = 0, grad_accum = 0, global_batch = 0;
+  int64_t steps = 0;                 // optimizer steps done
+  int64_t planned_steps = 0;
+  bool completed = false;            // every planned step done and no stop signal
+  std::optional<int> stop_signal;    // SIGINT/SIGTERM that stopped the run
+  double median_step_ms = 0;         // over the steps after the first 5 (warm-up)
+  double samples_per_s = 0;          // global samples per second at the median step time
+  std::optional<double> tokens_per_s;// language models
+  double final_loss = 0;             // NaN when no step ran
+  double wall_s = 0;                 // run() from start to end, seconds
+  std::string compile_mode;          // off | trace | eager-fallback
+  double compile_ms = 0;
+  std::string compile_cache;         // off | hit | miss
+  int64_t recompiles = 0;
+  std::string amp_dtype;             // off | bf16 | fp16
+  std::optional<double> loss_scale;  // GradScaler's scale at the end (dynamic loss scaling)
+  int64_t skipped_steps = 0;         // steps skipped on every rank for inf/NaN
+  std::optional<int64_t> resumed_from_step;
+  std::optional<int64_t> checkpoint_step;  // the newest committed checkpoint
+  double checkpoint_stall_ms = 0;    // time saves blocked the loop
+  std::optional<double> test_accuracy, test_loss;  // the last evaluation
+
+  nlohmann::json to_json() const;
+};
+
+/// The training loss of one micro-batch: (model output, target) -> scalar tensor, the mean over
+/// the batch. Called under autocast when amp.dtype is set.
+using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
 /// Hooks called on every rank, on the training thread, between steps. They must not throw.
 struct Callbacks {
@@ -51,6 +99,10 @@ struct Callbacks {
   /// `shared`, and this rank's `rank_tensors` when the saved job had this rank).
   std::function<void(checkpoint::State& state)> save_state;
   std::function<void(const checkpoint::State& state)> load_state;
+  /// The training and evaluation loss. Empty: cross-entropy over the last dimension (logits
+  /// (..., C), target (...) int64), with top-1 accuracy reported. With your own loss,
+  /// evaluation reports the mean of it over the test split and no accuracy (NaN / null).
+  LossFn loss;
 };
 
 class Trainer {
@@ -58,14 +110,18 @@ class Trainer {
   /// `cfg` must have passed keel::validate().
   Trainer(Config cfg, dist::World world, Callbacks callbacks = {});
   ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
   /// Runs to the end (or to a stop signal) and returns the summary that rank 0 also writes to
   /// <run.dir>/summary.json. Throws keel::InputError for bad input (data, model files) and
-  /// std::exception for failures while training.
-  nlohmann::json run();
+  /// std::exception for failures while training. Call once.
+  Summary run();
 
  private:
-  struct State;
-  std::unique_ptr<State> s_;
+  class Loop;
+  Config cfg_;
+  dist::World world_;
+  Callbacks callbacks_;
 };
 
 /// Asks a running Trainer to stop after its current step (what SIGINT/SIGTERM do).

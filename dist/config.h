@@ -1,0 +1,34 @@
+// dist/config.h: the [dist] section. Defaults here; each key's meaning, units and range are
+// written once, in the config schema (trainer/config/schema.cpp, docs/config.md).
+#pragma once
+
+#include <cstdint>
+
+#include "keel/common/choices.h"
+
+namespace keel {
+
+enum class Backend { Auto, Gloo, Nccl };
+inline constexpr Choices<Backend, 3> kBackends{{
+    {"auto", Backend::Auto}, {"gloo", Backend::Gloo}, {"nccl", Backend::Nccl}}};
+
+enum class CommHook { Allreduce, Bf16, Fp16 };
+inline constexpr Choices<CommHook, 3> kCommHooks{{
+    {"allreduce", CommHook::Allreduce}, {"bf16", CommHook::Bf16}, {"fp16", CommHook::Fp16}}};
+
+/// dist.validate: which collectives are checked across ranks.
+enum class Validate { Always, FirstStep, Off };
+inline constexpr Choices<Validate, 3> kValidateModes{{
+    {"always", Validate::Always}, {"first_step", Validate::FirstStep}, {"off", Validate::Off}}};
+
+struct DistConfig {
+  Backend backend = Backend::Auto;
+  int64_t timeout_s = 300;
+  double bucket_cap_mb = 25.0;
+  double first_bucket_mb = 1.0;
+  bool find_unused_parameters = false;
+  CommHook comm_hook = CommHook::Allreduce;
+  Validate validate = Validate::Always;
+};
+
+}  // namespace keel

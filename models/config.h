@@ -1,0 +1,29 @@
+// models/config.h: the [model] section. Defaults here; each key's meaning, units and range are
+// written once, in the config schema (trainer/config/schema.cpp, docs/config.md).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "keel/common/choices.h"
+
+namespace keel {
+
+/// model.input: what a TorchScript model eats.
+enum class ModelInput { Auto, Image, Tokens };
+inline constexpr Choices<ModelInput, 3> kModelInputs{{
+    {"auto", ModelInput::Auto}, {"image", ModelInput::Image}, {"tokens", ModelInput::Tokens}}};
+
+struct ModelConfig {
+  std::string name = "cnn";
+  std::string path = "";
+  int64_t width = 0;
+  int64_t depth = 0;
+  int64_t heads = 4;
+  int64_t context = 128;
+  int64_t vocab = 256;
+  ModelInput input = ModelInput::Auto;
+  int64_t num_classes = 10;
+};
+
+}  // namespace keel

@@ -1,0 +1,222 @@
+#include "keel/trainer/app/cli.h"
+
+#include <CLI/CLI.hpp>
+#include "keel/common/log.h"
+#include <torch/torch.h>
+
+#include <cctype>
+#include <csignal>
+#include <iostream>
+#include <optional>
+#include <set>
+#include <map>
+
+#include "keel/checkpoint/inspect.h"
+#include "keel/dist/world.h"
+#include "keel/version.h"
+#include "keel/trainer/config/config.h"
+#include "keel/trainer/app/plot.h"
+#include "keel/trainer/trainer.h"
+
+namespace keel {
+namespace {
+
+constexpr int kExitInput = 2;
+constexpr int kExitFailure = 1;
+
+std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
+
+}  // namespace
+
+std::string version_string() {
+  return std::string("keel ") + KEEL_VERSION + " (LibTorch " + TORCH_VERSION + ")";
+}
+
+namespace {
+
+bool looks_like_option(const std::string& a) {
+  return a.size() > 1 && a[0] == '-' && !std::isdigit(static_cast<unsigned char>(a[1])) && a[1] != '.';
+}
+
+// The first word after `train` that is neither an option nor the one value of the option
+// before it: "--train.lr=0.5 0.7", "--run.name=my experiment", a trailing word. CLI11 would
+// append such words to the previous option's values (and the last one would win).
+std::optional<std::string> stray_train_argument(int argc, char** argv) {
+  int k = 1;
+  while (k < argc && std::string(argv[k]) != "train") ++k;
+  for (++k; k < argc; ++k) {
+    const std::string a = argv[k];
+    if (a == "--") return std::nullopt;
+    if (!looks_like_option(a)) return a;
+    const bool no_value = a == "--print-config" || a == "--help" || a == "-h";
+    if (a.find('=') == std::string::npos && !no_value && k + 1 < argc && !looks_like_option(argv[k + 1])) ++k;
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
+namespace {
+
+// One option per config key, generated from the schema. Values are kept as text and applied
+// after the file, in schema order, so the command line wins.
+void add_config_options(CLI::App& train, std::map<std::string, std::vector<std::string>>& given) {
+  const Config defaults;
+  for (const auto& f : config_schema()) {
+    auto* opt = train.add_option("--" + f.dotted(), given[f.dotted()], f.doc);
+    opt->group("[" + f.section + "]");
+    opt->type_name(std::string(field_type_name(f.type)) == "list of strings" ? "TEXT (repeatable)"
+                                                                             : field_type_name(f.type));
+    opt->default_str(to_toml_literal(f.get(defaults)));
+    if (f.type == FieldType::Bool || f.type == FieldType::String || f.type == FieldType::StringList) {
+      // `--data.drop_last` alone means true; `--compile.cache_dir=` sets "" (CLI11 sees no value).
+      opt->expected(0, 1);
+    } else {
+      opt->expected(1);
+    }
+    opt->multi_option_policy(CLI::MultiOptionPolicy::TakeAll);
+    if (!f.choices.empty()) {
+      std::string c;
+      for (const auto& x : f.choices) c += (c.empty() ? "" : "|") + x;
+      opt->type_name(c);
+    }
+  }
+}
+
+int run_plot(const std::string& dir, const std::string& out) {
+  try {
+    for (const auto& f : plot_run(dir, out)) std::cout << f << "\n";
+    return 0;
+  } catch (const InputError& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  } catch (const std::exception& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitFailure;
+  }
+}
+
+// Exit 0: every committed step verifies; 1: some step is corrupt or uncommitted; 2: no
+// checkpoint there.
+int run_inspect(const std::string& dir, bool json) {
+  try {
+    const nlohmann::json r = checkpoint::inspect(dir);
+    std::cout << (json ? r.dump(2) + "\n" : checkpoint::format_inspect(r));
+    for (const auto& s : r["steps"])
+      if (!s["verified"].get<bool>()) return kExitFailure;
+    return 0;
+  } catch (const std::exception& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  }
+}
+
+int run_train(const Config& cfg) {
+  try {
+    dist::World world = dist::detect_world(dist::current_env());
+    Trainer trainer(cfg, world);
+    const Summary summary = trainer.run();
+    return summary.stop_signal ? 128 + *summary.stop_signal : 0;
+  } catch (const InputError& e) {
+    logging::error("{}", e.what());
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  } catch (const c10::Error& e) {
+    std::cerr << "keel: error: " << first_line(e.what_without_backtrace()) << "\n";
+    return kExitFailure;
+  } catch (const std::exception& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitFailure;
+  }
+}
+
+}  // namespace
+
+int run_cli(int argc, char** argv) {
+  // As every PyTorch process (Python ignores SIGPIPE at start): a write to a socket whose peer
+  // is gone (Gloo's TCP pairs write without MSG_NOSIGNAL) must fail with EPIPE and reach keel's
+  // error handling, not kill the rank silently. Set here, in the binary's entry: a library
+  // user's own process keeps its own disposition (docs/getting-started.md).
+  std::signal(SIGPIPE, SIG_IGN);
+  CLI::App app{"keel: data-parallel training on LibTorch, from C++", "keel"};
+  app.set_version_flag("--version", version_string());
+  app.require_subcommand(1);
+
+  auto* reference = app.add_subcommand("config-reference", "print every config key as Markdown (docs/config.md)");
+  auto* train = app.add_subcommand("train", "train a model described by a TOML config");
+  auto* plot = app.add_subcommand("plot", "PNG curves of a run (loss, throughput, loss scale) from its metrics.jsonl");
+  std::string plot_dir, plot_out;
+  plot->add_option("run_dir", plot_dir, "a run directory (run.dir)")->required();
+  plot->add_option("--out", plot_out, "where to write the PNGs (default RUN_DIR/plots)");
+  auto* inspect = app.add_subcommand("inspect", "list checkpoint steps: committed, checksums verified, tensors");
+  std::string inspect_dir;
+  bool inspect_json = false;
+  inspect->add_option("dir", inspect_dir, "checkpoint.dir, or one step_<N> directory")->required();
+  inspect->add_flag("--json", inspect_json, "print the report as JSON");
+  std::string config_path;
+  bool print_config = false;
+  train->add_option("--config,-c", config_path, "TOML experiment file (configs/*.toml); keys below override it");
+  train->add_flag("--print-config", print_config, "print the resolved config as TOML and exit");
+
+  std::map<std::string, std::vector<std::string>> given;
+  add_config_options(*train, given);
+
+  if (const auto stray = stray_train_argument(argc, argv)) {
+    std::cerr << "keel: error: unexpected argument '" << *stray
+              << "': every value belongs to an option, one value each (--section.key=value; quote a value "
+                 "that holds spaces)\n";
+    return kExitInput;
+  }
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    app.exit(e);  // prints the message and a hint
+    return kExitInput;
+  }
+
+  if (reference->parsed()) {
+    std::cout << config_reference_markdown();
+    return 0;
+  }
+  if (plot->parsed()) return run_plot(plot_dir, plot_out);
+  if (inspect->parsed()) return run_inspect(inspect_dir, inspect_json);
+  if (!train->parsed()) return kExitInput;
+  Config cfg;
+  try {
+    if (!config_path.empty()) load_toml_file(config_path, cfg);
+    std::set<std::string> cli_keys;
+    for (const auto& f : config_schema()) {
+      const auto& values = given[f.dotted()];
+      if (train->count("--" + f.dotted()) == 0) continue;
+      cli_keys.insert(f.dotted());
+      if (values.empty()) {  // a bare flag: true for a bool, "" (or an empty list) otherwise
+        apply_override(cfg, f.dotted(), f.type == FieldType::Bool ? "true" : "");
+        continue;
+      }
+      if (f.type == FieldType::StringList) {
+        for (const auto& v : values) apply_override(cfg, f.dotted(), v);
+      } else {
+        apply_override(cfg, f.dotted(), values.back());
+      }
+    }
+    command_line_wins(cfg, cli_keys);
+    validate(cfg);
+  } catch (const InputError& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  }
+  if (print_config) {
+    std::cout << dump_toml(cfg);
+    return 0;
+  }
+
+  return run_train(cfg);
+}
+
+}  // namespace keel

@@ -1,0 +1,105 @@
+#include "keel/trainer/compile/compile_cache.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include "keel/common/log.h"
+#include <torch/csrc/jit/api/module.h>
+#include <torch/csrc/jit/ir/ir.h>
+#include <torch/csrc/jit/serialization/import.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+
+#include "keel/version.h"
+#include "keel/common/error.h"
+#include "keel/common/file.h"
+
+namespace keel {
+namespace {
+
+// SHA-256 of the running executable, once per process. A model's code (a built-in one or one
+// a user registered in C++) is compiled into the executable (keel_core is a static library),
+// so a rebuilt model is a new key: the cache can never hand back the graph of older code.
+const std::string& executable_sha256() {
+  static const std::string h = [] {
+    try {
+      return sha256_hex(read_regular_file("/proc/self/exe", uint64_t(4) << 30));
+    } catch (const std::exception& e) {
+      logging::warn("compile cache: cannot read this executable to identify its code ({}); caching off", e.what());
+      return std::string();
+    }
+  }();
+  return h;
+}
+
+}  // namespace
+
+std::string compile_cache_key(const std::string& model_identity, const CompileConfig& cfg,
+                              const torch::Tensor& example, const std::string& amp_dtype) {
+  nlohmann::json k = {
+      {"keel", KEEL_VERSION},
+      {"torch", TORCH_VERSION},
+      {"model", model_identity},
+      {"input_shape", example.sizes().vec()},
+      {"input_dtype", c10::toString(example.scalar_type())},
+      {"device", example.device().str()},
+      {"executable", executable_sha256()},
+      {"mode", choice_name(kCompileModes, cfg.mode)},
+      {"fullgraph", cfg.fullgraph},
+      {"deterministic", cfg.deterministic},
+      {"amp_dtype", amp_dtype},
+  };
+  if (executable_sha256().empty()) return "";
+  return sha256_hex(k.dump());
+}
+
+CompileCache::CompileCache(std::string dir) : dir_(std::move(dir)) {
+  if (const std::string err = make_dirs(dir_); !err.empty()) throw InputError("compile.cache_dir: " + err);
+}
+
+std::shared_ptr<torch::jit::Graph> CompileCache::load(const std::string& key) const {
+  const std::string path = entry_path(key);
+  if (::access(path.c_str(), R_OK) != 0) return nullptr;
+  try {
+    torch::jit::ExtraFilesMap extra{{"keel_meta.json", ""}};
+    auto m = torch::jit::load(path, c10::nullopt, extra);
+    auto meta = nlohmann::json::parse(extra.at("keel_meta.json"));
+    if (meta.value("key", "") != key) throw std::runtime_error("entry belongs to key " + meta.value("key", "?"));
+    auto graph = m.get_method("forward").graph()->copy();
+    graph->eraseInput(0);  // `self`: the holder module has no state
+    return graph;
+  } catch (const std::exception& e) {
+    std::string what = e.what();
+    logging::warn("compile cache: entry {} is unreadable ({}); removing it and tracing again", path,
+                 what.substr(0, what.find('\n')));
+    std::remove(path.c_str());
+    return nullptr;
+  }
+}
+
+void CompileCache::store(const std::string& key, torch::jit::Graph& graph, const std::string& meta_json) const {
+  const std::string path = entry_path(key);
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  try {
+    // A graph becomes a method of an empty module, so TorchScript's own format carries it.
+    torch::jit::Module holder(c10::QualifiedName("__torch__.keel.CompiledForward"));
+    auto g = graph.copy();
+    g->insertInput(0, "self")->setType(holder._ivalue()->type());
+    auto* fn = holder._ivalue()->compilation_unit()->create_function(
+        c10::QualifiedName(*holder.type()->name(), "forward"), g);
+    holder.type()->addMethod(fn);
+    holder.save(tmp, {{"keel_meta.json", meta_json}});
+    int fd = ::open(tmp.c_str(), O_RDONLY);
+    if (fd < 0 || ::fsync(fd) != 0) throw std::runtime_error("fsync failed");
+    ::close(fd);
+    if (::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("rename failed");
+  } catch (const std::exception& e) {
+    std::remove(tmp.c_str());
+    std::string what = e.what();
+    logging::warn("compile cache: cannot write {}: {}", path, what.substr(0, what.find('\n')));
+  }
+}
+
+}  // namespace keel

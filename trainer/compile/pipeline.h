@@ -1,0 +1,104 @@
+// trainer/compile/pipeline.h: the only way to get a trainable distributed model:
+//
+//   auto dm = keel::place(model, device)      // PlacedModel:   every tensor on `device`
+//                 .compile(cfg.compile)       // CompiledModel: the static-graph stage
+//                 .distribute(coll, cfg.dist);// DistributedModel: DDP over the group
+//
+// Each stage is a distinct type that offers only the next step, and each step consumes its
+// stage (&&-qualified), so compiling after DDP, distributing before placement or compiling
+// twice do not compile (tests/test_pipeline.cpp proves it with type traits). This is the
+// guard against the silent failure of wrapping a model for DDP before compiling it.
+//
+// Runtime checks: place() verifies that every parameter and buffer is on the target device
+// and names the first one that is not.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+
+#include "keel/dist/collectives.h"
+#include "keel/dist/ddp.h"
+#include "keel/models/model.h"
+#include "keel/trainer/compile/compile.h"
+#include "keel/trainer/config/config.h"
+
+namespace keel {
+
+class CompiledModel;
+class DistributedModel;
+
+/// Stage 1: the model's tensors are on one device.
+class PlacedModel {
+ public:
+  PlacedModel(PlacedModel&&) = default;
+  PlacedModel& operator=(PlacedModel&&) = default;
+  PlacedModel(const PlacedModel&) = delete;  // one model, one pipeline
+  PlacedModel& operator=(const PlacedModel&) = delete;
+  /// `example`: an input of the training shape and dtype (compile.mode = trace traces it).
+  /// `identity`: the model and its config, for the compile cache (see trainer/compile/compile.h).
+  CompiledModel compile(const CompileConfig& cfg, const torch::Tensor& example, const std::string& identity = "") &&;
+  models::Model& model() { return *model_; }
+  const torch::Device& device() const { return device_; }
+
+ private:
+  friend PlacedModel place(std::shared_ptr<models::Model>, const torch::Device&);
+  PlacedModel(std::shared_ptr<models::Model> m, torch::Device d) : model_(std::move(m)), device_(d) {}
+  std::shared_ptr<models::Model> model_;
+  torch::Device device_;
+};
+
+/// Stage 2: the model as it will run (compile.mode = off: the eager module).
+class CompiledModel {
+ public:
+  CompiledModel(CompiledModel&&) = default;
+  CompiledModel& operator=(CompiledModel&&) = default;
+  CompiledModel(const CompiledModel&) = delete;  // one model, one pipeline
+  CompiledModel& operator=(const CompiledModel&) = delete;
+  DistributedModel distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) &&;
+  const CompileReport& report() const { return *report_; }
+
+ private:
+  friend class PlacedModel;
+  CompiledModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r)
+      : model_(std::move(m)), device_(d), report_(std::move(r)) {}
+  std::shared_ptr<models::Model> model_;
+  torch::Device device_;
+  std::shared_ptr<CompileReport> report_;
+};
+
+/// Stage 3: trainable across ranks. Per micro-batch: forward(input, sync) then
+/// backward(loss, sync); sync = true on the last micro-batch of an optimizer step.
+class DistributedModel {
+ public:
+  DistributedModel(DistributedModel&&) = default;
+  DistributedModel& operator=(DistributedModel&&) = default;
+  DistributedModel(const DistributedModel&) = delete;  // one model, one pipeline
+  DistributedModel& operator=(const DistributedModel&) = delete;
+  torch::Tensor forward(const torch::Tensor& input, bool sync) {
+    ddp_->before_forward(sync);
+    return model_->forward(input);
+  }
+  void backward(const torch::Tensor& loss, bool sync) { ddp_->backward(loss, sync); }
+  models::Model& model() { return *model_; }
+  const torch::Device& device() const { return device_; }
+  uint64_t plan() const { return ddp_->plan(); }
+  /// Compile results; recompiles keep counting while training.
+  const CompileReport& compile_report() const { return *report_; }
+
+ private:
+  friend class CompiledModel;
+  DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
+                   std::unique_ptr<dist::DataParallel> ddp)
+      : model_(std::move(m)), device_(d), report_(std::move(r)), ddp_(std::move(ddp)) {}
+  std::shared_ptr<models::Model> model_;
+  torch::Device device_;
+  std::shared_ptr<CompileReport> report_;
+  std::unique_ptr<dist::DataParallel> ddp_;
+};
+
+/// Stage 0 -> 1: moves the model to `device` and checks that every parameter and buffer is
+/// there. Throws std::runtime_error naming the first tensor that is not.
+PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device);
+
+}  // namespace keel

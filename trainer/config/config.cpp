@@ -1,0 +1,413 @@
+// Config parsing and validation. toml++ is the strict parser (it reports line and column);
+// everything else (unknown keys, types, ranges, cross-field rules) is checked here against the
+// schema in config_schema.cpp, so there is one place that decides what a valid config is.
+#include "keel/trainer/config/config.h"
+
+#include "keel/common/file.h"
+
+#include <toml++/toml.h>
+
+#include "keel/trainer/fault/fault.h"
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+namespace keel {
+namespace {
+
+std::string join(const std::vector<std::string>& v, const char* sep) {
+  std::string out;
+  for (size_t i = 0; i < v.size(); ++i) out += (i ? sep : "") + v[i];
+  return out;
+}
+
+size_t edit_distance(const std::string& a, const std::string& b) {
+  std::vector<size_t> prev(b.size() + 1), cur(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) prev[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    cur[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j)
+      cur[j] = std::min({prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (a[i - 1] != b[j - 1])});
+    std::swap(prev, cur);
+  }
+  return prev[b.size()];
+}
+
+// " (did you mean 'train.lr'?)" for a near miss, else "".
+std::string suggestion(const std::string& dotted) {
+  const FieldInfo* best = nullptr;
+  size_t best_d = 4;
+  for (const auto& f : config_schema()) {
+    size_t d = edit_distance(dotted, f.dotted());
+    if (d < best_d) best_d = d, best = &f;
+  }
+  return best ? " (did you mean '" + best->dotted() + "'?)" : "";
+}
+
+std::string where(const std::string& origin, const toml::source_region& r) {
+  std::ostringstream os;
+  os << origin << ":" << r.begin.line << ":" << r.begin.column;
+  return os.str();
+}
+
+bool is_known_section(const std::string& s) {
+  for (const auto& k : config_sections())
+    if (k == s) return true;
+  return false;
+}
+
+std::string describe_node_type(const toml::node& n) {
+  switch (n.type()) {
+    case toml::node_type::string: return "string";
+    case toml::node_type::integer: return "integer";
+    case toml::node_type::floating_point: return "float";
+    case toml::node_type::boolean: return "bool";
+    case toml::node_type::array: return "array";
+    case toml::node_type::table: return "table";
+    case toml::node_type::date: return "date";
+    case toml::node_type::time: return "time";
+    case toml::node_type::date_time: return "date-time";
+    default: return "value";
+  }
+}
+
+// Converts a TOML node to the field's type, refusing anything else.
+Value from_node(const FieldInfo& f, const toml::node& n, const std::string& at) {
+  auto wrong = [&]() {
+    return InputError(at + ": key '" + f.dotted() + "' expects " + field_type_name(f.type) +
+                      ", got " + describe_node_type(n));
+  };
+  switch (f.type) {
+    case FieldType::Bool:
+      if (auto b = n.as_boolean()) return b->get();
+      throw wrong();
+    case FieldType::Int:
+      if (auto i = n.as_integer()) return static_cast<int64_t>(i->get());
+      throw wrong();
+    case FieldType::Float:
+      if (auto d = n.as_floating_point()) return d->get();
+      if (auto i = n.as_integer()) return static_cast<double>(i->get());
+      throw wrong();
+    case FieldType::String:
+      if (auto s = n.as_string()) return s->get();
+      throw wrong();
+    case FieldType::StringList: {
+      auto arr = n.as_array();
+      if (!arr) {
+        if (auto s = n.as_string()) return std::vector<std::string>{s->get()};
+        throw wrong();
+      }
+      std::vector<std::string> out;
+      for (const auto& e : *arr) {
+        auto s = e.as_string();
+        if (!s) throw wrong();
+        out.push_back(s->get());
+      }
+      return out;
+    }
+  }
+  throw wrong();
+}
+
+std::string format_number(double d) {
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", d);
+  // Prefer the shortest form that reads back identically.
+  for (int prec = 1; prec <= 17; ++prec) {
+    char b2[64];
+    std::snprintf(b2, sizeof b2, "%.*g", prec, d);
+    if (std::strtod(b2, nullptr) == d) {
+      std::snprintf(buf, sizeof buf, "%s", b2);
+      break;
+    }
+  }
+  return buf;
+}
+
+// Range and choice checks shared by the file and command-line paths.
+void check_value(const FieldInfo& f, const Value& v, const std::string& at) {
+  auto num = [&]() -> std::optional<double> {
+    if (auto i = std::get_if<int64_t>(&v)) return static_cast<double>(*i);
+    if (auto d = std::get_if<double>(&v)) return *d;
+    return std::nullopt;
+  }();
+  if (num) {
+    if (!std::isfinite(*num))
+      throw InputError(at + ": key '" + f.dotted() + "' must be a finite number, got " +
+                       to_toml_literal(v));
+    if ((f.has_min && *num < f.min) || (f.has_max && *num > f.max)) {
+      std::string range = f.has_max ? "[" + format_number(f.min) + ", " + format_number(f.max) + "]"
+                                    : ">= " + format_number(f.min);
+      throw InputError(at + ": key '" + f.dotted() + "' = " + to_toml_literal(v) +
+                       " is out of range: must be " + range + " (" + f.doc + ")");
+    }
+  }
+  if (auto s = std::get_if<std::string>(&v); s && !f.choices.empty()) {
+    bool ok = false;
+    for (const auto& c : f.choices) ok |= (c == *s);
+    if (!ok)
+      throw InputError(at + ": key '" + f.dotted() + "' = \"" + *s + "\" is not one of: " +
+                       join(f.choices, ", "));
+  }
+}
+
+void load_table(const toml::table& tbl, const std::string& origin, Config& cfg) {
+  for (auto&& [sec_key, sec_node] : tbl) {
+    std::string sec(sec_key.str());
+    std::string at = where(origin, sec_node.source());
+    if (!sec_node.is_table()) {
+      throw InputError(at + ": key '" + sec + "' is outside any section; keys belong to one of [" +
+                       join(config_sections(), "], [") + "]");
+    }
+    if (!is_known_section(sec))
+      throw InputError(at + ": unknown section [" + sec + "]; known sections: " +
+                       join(config_sections(), ", "));
+    for (auto&& [key, node] : *sec_node.as_table()) {
+      std::string dotted = sec + "." + std::string(key.str());
+      std::string kat = where(origin, node.source());
+      const FieldInfo* f = find_field(dotted);
+      if (!f) throw InputError(kat + ": unknown key '" + dotted + "'" + suggestion(dotted));
+      Value v = from_node(*f, node, kat);
+      check_value(*f, v, kat);
+      f->set(cfg, v);
+      cfg.explicit_keys.insert(f->dotted());
+    }
+  }
+}
+
+bool parse_bool(const std::string& s, bool& out) {
+  if (s == "true" || s == "1") return out = true, true;
+  if (s == "false" || s == "0") return out = false, true;
+  return false;
+}
+
+}  // namespace
+
+std::string to_toml_literal(const Value& v) {
+  struct Visitor {
+    std::string operator()(bool b) const { return b ? "true" : "false"; }
+    std::string operator()(int64_t i) const { return std::to_string(i); }
+    std::string operator()(double d) const {
+      if (std::isnan(d)) return "nan";
+      if (std::isinf(d)) return d > 0 ? "inf" : "-inf";
+      std::string s = format_number(d);
+      if (s.find_first_of(".en") == std::string::npos) s += ".0";
+      return s;
+    }
+    std::string operator()(const std::string& s) const {
+      std::string out = "\"";
+      for (unsigned char c : s) {
+        if (c == '"') out += "\\\"";
+        else if (c == '\\') out += "\\\\";
+        else if (c < 0x20 || c == 0x7f) {
+          char buf[8];
+          std::snprintf(buf, sizeof buf, "\\u%04x", c);
+          out += buf;
+        } else out += static_cast<char>(c);
+      }
+      return out + "\"";
+    }
+    std::string operator()(const std::vector<std::string>& l) const {
+      std::string out = "[";
+      for (size_t i = 0; i < l.size(); ++i) out += (i ? ", " : "") + (*this)(l[i]);
+      return out + "]";
+    }
+  };
+  return std::visit(Visitor{}, v);
+}
+
+std::string read_file(const std::string& path, uint64_t max_bytes) {
+  try {
+    return read_regular_file(path, max_bytes);  // kind first, then a bounded read
+  } catch (const std::runtime_error& e) {
+    throw InputError(e.what());
+  }
+}
+
+void load_toml_string(const std::string& text, const std::string& origin, Config& cfg) {
+  // A config is small text; refuse binary files before the parser sees them.
+  if (text.size() > kMaxConfigBytes)
+    throw InputError(origin + ": " + std::to_string(text.size()) +
+                     " bytes is too large for a config file");
+  if (auto nul = text.find('\0'); nul != std::string::npos)
+    throw InputError(origin + ": not a TOML file (binary data: NUL byte at offset " +
+                     std::to_string(nul) + ")");
+  toml::table tbl;
+  try {
+    tbl = toml::parse(std::string_view(text), origin);
+  } catch (const toml::parse_error& e) {
+    throw InputError(where(origin, e.source()) + ": TOML syntax error: " +
+                     std::string(e.description()));
+  }
+  load_table(tbl, origin, cfg);
+}
+
+void load_toml_file(const std::string& path, Config& cfg) {
+  load_toml_string(read_file(path, kMaxConfigBytes), path, cfg);
+}
+
+void apply_override(Config& cfg, const std::string& dotted, const std::string& text) {
+  const FieldInfo* f = find_field(dotted);
+  const std::string at = "command line";
+  if (!f) throw InputError(at + ": unknown option --" + dotted + suggestion(dotted));
+  auto bad = [&](const char* what) {
+    return InputError(at + ": --" + f->dotted() + "=" + text + ": expects " + what);
+  };
+  Value v;
+  switch (f->type) {
+    case FieldType::Bool: {
+      bool b;
+      if (!parse_bool(text, b)) throw bad("true or false");
+      v = b;
+      break;
+    }
+    case FieldType::Int: {
+      errno = 0;
+      char* end = nullptr;
+      long long i = std::strtoll(text.c_str(), &end, 10);
+      if (text.empty() || *end != '\0' || errno == ERANGE) throw bad("an integer");
+      v = static_cast<int64_t>(i);
+      break;
+    }
+    case FieldType::Float: {
+      errno = 0;
+      char* end = nullptr;
+      double d = std::strtod(text.c_str(), &end);
+      if (text.empty() || *end != '\0' || errno == ERANGE) throw bad("a number");
+      v = d;
+      break;
+    }
+    case FieldType::String: {
+      std::string s = text;
+      if (s.size() >= 2 && ((s.front() == '"' && s.back() == '"') ||
+                            (s.front() == '\'' && s.back() == '\'')))
+        s = s.substr(1, s.size() - 2);
+      v = s;
+      break;
+    }
+    case FieldType::StringList: {
+      // The first command-line entry replaces the file's list; later ones append.
+      std::vector<std::string> list;
+      const std::string marker = "cli:" + f->dotted();
+      if (cfg.explicit_keys.count(marker)) list = std::get<std::vector<std::string>>(f->get(cfg));
+      if (!text.empty()) list.push_back(text);
+      cfg.explicit_keys.insert(marker);
+      v = list;
+      break;
+    }
+  }
+  check_value(*f, v, at + ": --" + f->dotted());
+  f->set(cfg, v);
+  cfg.explicit_keys.insert(f->dotted());
+}
+
+void command_line_wins(Config& cfg, const std::set<std::string>& cli_keys) {
+  const bool steps = cli_keys.count("train.steps") > 0, epochs = cli_keys.count("train.epochs") > 0;
+  if (steps && !epochs && cfg.is_explicit("train.epochs")) {
+    cfg.train.epochs = TrainConfig{}.epochs;  // 0: train.steps counts
+    cfg.explicit_keys.erase("train.epochs");
+  }
+  if (epochs && !steps && cfg.is_explicit("train.steps")) {
+    cfg.train.steps = TrainConfig{}.steps;
+    cfg.explicit_keys.erase("train.steps");
+  }
+}
+
+void validate(Config& cfg) {
+  auto fail = [](const std::string& m) { throw InputError("config: " + m); };
+  if (cfg.run.name.empty()) fail("run.name must not be empty");
+  if (cfg.run.dir.empty()) cfg.run.dir = "runs/" + cfg.run.name;
+  if (cfg.is_explicit("train.steps") && cfg.is_explicit("train.epochs") && cfg.train.epochs > 0)
+    fail("set train.steps or train.epochs, not both (train.steps = " +
+         std::to_string(cfg.train.steps) + ", train.epochs = " +
+         std::to_string(cfg.train.epochs) + ")");
+  if (cfg.train.min_lr > cfg.train.lr)
+    fail("train.min_lr = " + to_toml_literal(cfg.train.min_lr) + " is above train.lr = " +
+         to_toml_literal(cfg.train.lr));
+  if (cfg.model.name.empty()) fail("model.name must not be empty");
+  if (cfg.model.name == "torchscript" && cfg.model.path.empty())
+    fail("model.name = \"torchscript\" needs model.path (a TorchScript file)");
+  if (cfg.data.name.empty()) fail("data.name must not be empty");
+  if (cfg.checkpoint.async && cfg.checkpoint.keep < 2)
+    fail("checkpoint.keep must be at least 2 with checkpoint.async = true (got " +
+         std::to_string(cfg.checkpoint.keep) + ")");
+#ifndef KEEL_WITH_CUDA
+  if (cfg.dist.backend == Backend::Nccl)
+    fail("dist.backend = \"nccl\" needs a CUDA build of keel; this build is CPU-only "
+         "(use \"gloo\" or \"auto\")");
+  if (cfg.run.device == DeviceChoice::Cuda)
+    fail("run.device = \"cuda\" needs a CUDA build of keel; this build is CPU-only");
+  if (cfg.compile.cuda_graphs) fail("compile.cuda_graphs = true needs a CUDA build of keel");
+  if (cfg.amp.dtype == AmpDtype::Fp16)
+    fail("amp.dtype = \"fp16\" needs CUDA (fp16 autocast is CUDA-only); this build is CPU-only: use \"bf16\"");
+#else
+  // Not built yet (it needs a GPU to develop and verify): refused rather than ignored.
+  if (cfg.compile.cuda_graphs) fail("compile.cuda_graphs = true is not implemented in keel yet; remove it");
+#endif
+  // fault.inject syntax and types (the rank bound is checked when the world size is known).
+  FaultPlan(cfg.fault.inject, std::numeric_limits<int64_t>::max());
+  if (cfg.checkpoint.save_graph && cfg.compile.mode != CompileMode::Trace)
+    fail(std::string("checkpoint.save_graph = true stores the traced graph and needs compile.mode = \"trace\" (got \"") +
+         choice_name(kCompileModes, cfg.compile.mode) + "\")");
+  if (cfg.checkpoint.save_graph && cfg.checkpoint.dir.empty()) fail("checkpoint.save_graph = true needs checkpoint.dir");
+  if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
+    fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
+}
+
+std::string config_reference_markdown() {
+  std::ostringstream os;
+  const Config defaults;
+  os << "# Configuration reference\n\n"
+     << "Generated by `keel config-reference` from the config schema (trainer/config/schema.cpp); "
+     << "`keel train --help` lists the same keys. Every key `[section] key` is also the command-line "
+     << "option `--section.key=value`, which overrides the file.\n";
+  std::string section;
+  for (const auto& f : config_schema()) {
+    if (f.section != section) {
+      section = f.section;
+      os << "\n## [" << section << "]\n\n| key | type | default | meaning |\n| --- | --- | --- | --- |\n";
+    }
+    std::string type = field_type_name(f.type);
+    if (!f.choices.empty()) {
+      type.clear();
+      for (const auto& c : f.choices) type += (type.empty() ? "" : " \\| ") + c;
+    }
+    if (f.has_min || f.has_max) {
+      Value lo = f.type == FieldType::Int ? Value(static_cast<int64_t>(f.min)) : Value(f.min);
+      type += ", >= " + to_toml_literal(lo);
+      if (f.has_max) {
+        Value hi = f.type == FieldType::Int ? Value(static_cast<int64_t>(f.max)) : Value(f.max);
+        type += ", <= " + to_toml_literal(hi);
+      }
+    }
+    std::string doc = f.doc;
+    for (size_t p = 0; (p = doc.find('|', p)) != std::string::npos; p += 2) doc.replace(p, 1, "\\|");
+    os << "| `" << f.key << "` | " << type << " | `" << to_toml_literal(f.get(defaults)) << "` | " << doc << " |\n";
+  }
+  return os.str();
+}
+
+std::string dump_toml(const Config& cfg) {
+  std::ostringstream os;
+  os << "# keel resolved configuration: every key, defaults included.\n"
+     << "# Replay this run with: keel train --config <this file>\n";
+  std::string section;
+  for (const auto& f : config_schema()) {
+    if (f.section != section) {
+      section = f.section;
+      os << "\n[" << section << "]\n";
+    }
+    os << f.key << " = " << to_toml_literal(f.get(cfg)) << "  # " << f.doc << "\n";
+  }
+  return os.str();
+}
+
+}  // namespace keel

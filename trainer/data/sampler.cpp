@@ -1,0 +1,143 @@
+#include "keel/trainer/data/sampler.h"
+
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <stdexcept>
+#include <string>
+
+#include "keel/common/log.h"
+
+namespace keel::data {
+
+DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t world, int64_t rank,
+                                       int64_t batch_size, bool shuffle, bool drop_last,
+                                       uint64_t seed)
+    : size_(dataset_size), world_(world), rank_(rank), batch_(batch_size), shuffle_(shuffle),
+      drop_last_(drop_last), seed_(seed) {
+  if (world < 1 || rank < 0 || rank >= world || batch_size < 1 || dataset_size < 1)
+    throw std::invalid_argument("DistributedSampler: bad arguments (size " + std::to_string(dataset_size) +
+                                ", world " + std::to_string(world) + ", rank " + std::to_string(rank) +
+                                ", batch " + std::to_string(batch_size) + ")");
+  if (drop_last) {
+    batches_per_epoch_ = size_ / (world_ * batch_);
+    per_rank_ = batches_per_epoch_ * batch_;
+    if (batches_per_epoch_ == 0)
+      throw std::invalid_argument("DistributedSampler: " + std::to_string(size_) + " samples are fewer than one global batch of " +
+                                  std::to_string(world_ * batch_) + " (world " + std::to_string(world_) +
+                                  " x batch " + std::to_string(batch_) + ") with drop_last");
+  } else {
+    per_rank_ = (size_ + world_ - 1) / world_;
+    batches_per_epoch_ = (per_rank_ + batch_ - 1) / batch_;
+  }
+}
+
+std::vector<int64_t> DistributedSampler::rank_indices(int64_t epoch) const {
+  std::vector<int64_t> perm(size_);
+  if (shuffle_) {
+    // torch.utils.data.DistributedSampler: g.manual_seed(seed + epoch); randperm(n, generator=g)
+    auto gen = at::detail::createCPUGenerator(seed_ + static_cast<uint64_t>(epoch));
+    auto p = torch::randperm(size_, gen, torch::kLong);
+    std::copy(p.data_ptr<int64_t>(), p.data_ptr<int64_t>() + size_, perm.begin());
+  } else {
+    for (int64_t i = 0; i < size_; ++i) perm[i] = i;
+  }
+  std::vector<int64_t> mine;
+  mine.reserve(per_rank_);
+  for (int64_t k = 0; k < per_rank_; ++k) mine.push_back(perm[(rank_ + k * world_) % size_]);
+  return mine;
+}
+
+std::vector<int64_t> DistributedSampler::next() {
+  if (pos_.batch >= batches_per_epoch_) pos_ = {pos_.epoch + 1, 0};
+  if (cached_epoch_ != pos_.epoch) {
+    cache_ = rank_indices(pos_.epoch);
+    cached_epoch_ = pos_.epoch;
+  }
+  const int64_t begin = pos_.batch * batch_;
+  const int64_t end = std::min<int64_t>(begin + batch_, static_cast<int64_t>(cache_.size()));
+  ++pos_.batch;
+  return std::vector<int64_t>(cache_.begin() + begin, cache_.begin() + end);
+}
+
+void DistributedSampler::restore(const Position& p) {
+  if (p.epoch < 0 || p.batch < 0 || p.batch > batches_per_epoch_)
+    throw std::invalid_argument("DistributedSampler: cannot restore position (epoch " + std::to_string(p.epoch) +
+                                ", batch " + std::to_string(p.batch) + "): an epoch has " +
+                                std::to_string(batches_per_epoch_) + " batches");
+  pos_ = p;
+}
+
+void DistributedSampler::save(checkpoint::State& state) const {
+  state.shared["data_position"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
+  state.shared["batch_size"] = batch_;
+  state.rank_state["sampler"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
+  state.rank_state["batch_size"] = batch_;
+  state.rank_state["world_size"] = world_;
+  state.rank_state["rank"] = rank_;
+}
+
+void DistributedSampler::load(const checkpoint::Loaded& loaded) {
+  const auto& st = loaded.state;
+  const auto& rs = st.rank_state;
+  const int64_t saved_world = loaded.saved_world_size;
+  if (loaded.has_rank_state && saved_world == world_ && rs.value("batch_size", int64_t{-1}) == batch_) {
+    restore({rs["sampler"]["epoch"].get<int64_t>(), rs["sampler"]["batch"].get<int64_t>()});
+    return;
+  }
+  // Another world size (or batch size): keep the position in the data as the number of samples
+  // the whole job has consumed in the current epoch, and start every rank at the first global
+  // batch not fully consumed.
+  int64_t e = 0, b = 0;  // every rank of the saved job had this position
+  if (st.shared.contains("data_position")) {
+    e = st.shared["data_position"].value("epoch", int64_t{0});
+    b = st.shared["data_position"].value("batch", int64_t{0});
+  }
+  const int64_t saved_batch = st.shared.value("batch_size", batch_);
+  const int64_t consumed = b * saved_world * saved_batch;
+  const int64_t per_global = world_ * batch_;
+  const int64_t nb = std::min(consumed / per_global, batches_per_epoch_);
+  restore({e, nb});
+  logging::warn("resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
+                "remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed){}",
+                saved_world, saved_batch, world_, batch_, e, b, nb, consumed,
+                consumed % per_global ? "; the partial global batch is skipped" : "");
+}
+
+namespace {
+
+// "" when j[key] is an integer in [lo, hi], else the problem naming `where`.
+std::string int_in(const nlohmann::json& j, const char* key, int64_t lo, int64_t hi, const std::string& where) {
+  const auto& v = j.is_object() ? j.value(key, nlohmann::json()) : nlohmann::json();
+  if (v.is_number_integer() && v.get<int64_t>() >= lo && v.get<int64_t>() <= hi) return "";
+  return where + "." + key + " = " + v.dump() + " is not an integer in [" + std::to_string(lo) + ", " +
+         std::to_string(hi) + "]";
+}
+
+}  // namespace
+
+std::string DistributedSampler::check(const checkpoint::Loaded& loaded) const {
+  const auto& sh = loaded.state.shared;
+  constexpr int64_t kBig = int64_t{1} << 40;
+  if (sh.contains("data_position")) {
+    for (const char* k : {"epoch", "batch"})
+      if (auto p = int_in(sh["data_position"], k, 0, kBig, "state.data_position"); !p.empty()) return p;
+  }
+  if (sh.contains("batch_size"))
+    if (auto p = int_in(sh, "batch_size", 1, kBig, "state"); !p.empty()) return p;
+  if (!loaded.has_rank_state) return "";
+  const auto& rs = loaded.state.rank_state;
+  const std::string where = "rank " + std::to_string(rank_) + "'s state";
+  if (!rs.contains("sampler")) return "";  // saved before positions were kept per rank: remapped
+  for (const char* k : {"epoch", "batch"})
+    if (auto p = int_in(rs["sampler"], k, 0, kBig, where + ".sampler"); !p.empty()) return p;
+  if (auto p = int_in(rs, "world_size", loaded.saved_world_size, loaded.saved_world_size, where); !p.empty()) return p;
+  if (auto p = int_in(rs, "rank", rank_, rank_, where); !p.empty()) return p;
+  if (auto p = int_in(rs, "batch_size", 1, kBig, where); !p.empty()) return p;
+  if (loaded.saved_world_size == world_ && rs["batch_size"] == batch_ && rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
+    return where + ".sampler.batch = " + rs["sampler"]["batch"].dump() + " is past the epoch's " +
+           std::to_string(batches_per_epoch_) + " batches";
+  return "";
+}
+
+}  // namespace keel::data

@@ -1,0 +1,52 @@
+// trainer/fault/fault.h: the fault injector (fault.inject).
+//
+// Owns: parsing `TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash]` entries into a plan and
+// answering "does a fault of this type fire on this rank at this step?". A fault fires once per
+// job: not again after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) unless the entry
+// says `always`; `restart=K` makes it fire only in the K-th restart (the chaos test kills a
+// rank once per restart that way). With no entries every query is a false on an empty vector:
+// nothing to pay when off. What each type does and the outcome it must have: docs/faults.md.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace keel {
+
+struct FaultEntry {
+  std::string type;
+  int64_t step = -1;    // optimizer step (1-based) at which it fires
+  int64_t rank = -1;    // the rank it fires on
+  bool always = false;  // fire again after a restart
+  int64_t restart = -1; // fire only when TORCHELASTIC_RESTART_COUNT == restart (-1: see `always`)
+  int64_t ms = 100;     // straggler: milliseconds of sleep per step
+  bool crash = false;   // checkpoint_write_failure: SIGKILL halfway through the write, not ENOSPC
+};
+
+class FaultPlan {
+ public:
+  /// Every type the injector knows.
+  static const std::vector<std::string>& types();
+  /// Throws InputError naming the entry for a malformed or unknown entry.
+  FaultPlan(const std::vector<std::string>& entries, int64_t world_size);
+  /// The entry of `type` for (step, rank) that fires in this restart, or nullptr.
+  const FaultEntry* find(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const;
+  bool fires(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const {
+    return find(type, step, rank, restart_count) != nullptr;
+  }
+  /// An entry of `type` active on `rank` at `step` (its step <= step), firing in this restart:
+  /// for faults that last (straggler).
+  const FaultEntry* active(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const;
+  /// Some rank has an entry of `type` at `step` in this restart (for faults every rank must
+  /// take part in, such as shape_mismatch's collective).
+  const FaultEntry* any_rank(const std::string& type, int64_t step, int64_t restart_count) const;
+  const std::vector<FaultEntry>& entries() const { return entries_; }
+  bool empty() const { return entries_.empty(); }
+
+ private:
+  static bool in_restart(const FaultEntry& e, int64_t restart_count);
+  std::vector<FaultEntry> entries_;
+};
+
+}  // namespace keel

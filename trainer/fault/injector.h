@@ -1,0 +1,58 @@
+// trainer/fault/injector.h: the one seam through which fault.inject reaches a run.
+//
+// Owns: what each fault does at its named point of a step (docs/faults.md has the outcome each
+// must have): wrapping the model (graph_break), after backward (nonfinite_grad), before the
+// step's consensus, around the collectives (straggler, crash, oom, collective_hang,
+// shape_mismatch), while a checkpoint is written (checkpoint_write_failure) and after it is
+// committed (checkpoint_corruption). The production classes it reaches (Checkpointer,
+// Collectives, models) expose only generic seams (checkpoint::Hooks, peer_failure()); none
+// carries a fault API. With no entries every hook is a no-op.
+// Does not own: parsing the entries (trainer/fault/fault.h), the run's reaction to a fault
+// (that is what the faults test).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <memory>
+#include <vector>
+
+#include "keel/checkpoint/checkpoint.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/world.h"
+#include "keel/models/model.h"
+#include "keel/trainer/fault/config.h"
+#include "keel/trainer/fault/fault.h"
+
+namespace keel {
+
+class FaultInjector {
+ public:
+  /// `collective_timeout`: dist.timeout_s (a hung rank waits about twice that for its peers to
+  /// give up). Throws InputError for entries naming a rank outside the world.
+  FaultInjector(const FaultConfig& cfg, const dist::World& world, torch::Device device,
+                std::chrono::milliseconds collective_timeout);
+
+  bool empty() const { return plan_.empty(); }
+  /// Whether any fault is configured: the loop then checks gradients for inf/NaN even without
+  /// a loss scaler, so that an injected one is seen.
+  bool watches_gradients() const { return !plan_.empty(); }
+
+  /// Wrapping the model, before place -> compile -> distribute (graph_break).
+  std::shared_ptr<models::Model> wrap_model(std::shared_ptr<models::Model> model) const;
+  /// After backward of optimizer step `step` (1-based), before unscaling (nonfinite_grad).
+  void after_backward(int64_t step, const std::vector<torch::Tensor>& params) const;
+  /// After backward, before the step's consensus: the faults that strike the collectives
+  /// (straggler, crash, oom, collective_hang, shape_mismatch).
+  void before_consensus(int64_t step, dist::Collectives& coll) const;
+  /// The checkpointer's hooks (checkpoint_write_failure, checkpoint_corruption).
+  checkpoint::Hooks checkpoint_hooks() const;
+
+ private:
+  FaultPlan plan_;
+  int64_t rank_, world_size_, restart_count_;
+  torch::Device device_;
+  std::chrono::milliseconds collective_timeout_;
+};
+
+}  // namespace keel

@@ -1,0 +1,62 @@
+// trainer/loop_config.h: the [run] and [train] sections, owned by the training loop. Defaults
+// here; each key's meaning, units and range are written once, in the config schema
+// (trainer/config/schema.cpp, docs/config.md).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "keel/common/choices.h"
+#include "keel/common/log_level.h"
+
+namespace keel {
+
+enum class DeviceChoice { Auto, Cpu, Cuda };
+inline constexpr Choices<DeviceChoice, 3> kDeviceChoices{{
+    {"auto", DeviceChoice::Auto}, {"cpu", DeviceChoice::Cpu}, {"cuda", DeviceChoice::Cuda}}};
+
+inline constexpr Choices<logging::Level, 5> kLogLevels{{{"trace", logging::Level::trace},
+                                                        {"debug", logging::Level::debug},
+                                                        {"info", logging::Level::info},
+                                                        {"warn", logging::Level::warn},
+                                                        {"error", logging::Level::error}}};
+
+enum class OptimizerKind { AdamW, Sgd };
+inline constexpr Choices<OptimizerKind, 2> kOptimizers{{{"adamw", OptimizerKind::AdamW}, {"sgd", OptimizerKind::Sgd}}};
+
+enum class ScheduleKind { Cosine, Constant };
+inline constexpr Choices<ScheduleKind, 2> kSchedules{{{"cosine", ScheduleKind::Cosine}, {"constant", ScheduleKind::Constant}}};
+
+struct RunConfig {
+  std::string name = "keel";
+  std::string dir = "";
+  int64_t seed = 0;
+  int64_t threads = 0;
+  DeviceChoice device = DeviceChoice::Auto;
+  logging::Level log_level = logging::Level::info;
+  bool all_ranks_log = false;
+  bool progress = true;
+};
+
+struct TrainConfig {
+  int64_t steps = 1000;
+  int64_t epochs = 0;
+  int64_t batch_size = 64;
+  int64_t grad_accum = 1;
+  OptimizerKind optimizer = OptimizerKind::AdamW;
+  double lr = 1e-3;
+  double min_lr = 0.0;
+  double weight_decay = 0.0;
+  double momentum = 0.9;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  int64_t warmup_steps = 0;
+  ScheduleKind schedule = ScheduleKind::Cosine;
+  double grad_clip = 0.0;
+  int64_t eval_interval = 0;
+  int64_t log_interval = 50;
+  bool skip_nonfinite = false;
+};
+
+}  // namespace keel

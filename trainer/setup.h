@@ -1,0 +1,54 @@
+// trainer/setup.h: the steps that turn a config into a process ready to train, before the
+// loop's components exist.
+//
+// Owns: the allocator tuning, the intra-op thread count, the device, the autocast choice, and
+// compiling on every rank with one agreed outcome. Each is a function of its config section
+// (and the world), called once by Trainer in this order.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <string>
+
+#include "keel/amp/config.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/world.h"
+#include "keel/models/config.h"
+#include "keel/trainer/compile/pipeline.h"
+#include "keel/trainer/loop_config.h"
+
+namespace keel {
+
+/// glibc: keeps freed memory in the heap instead of returning each large block to the kernel.
+void tune_allocator();
+
+/// Sets LibTorch's intra-op threads: run.threads, or the node's cores shared by its ranks.
+/// Returns the count.
+int64_t set_threads(const RunConfig& run, const dist::World& world);
+
+/// run.device resolved: cuda:<local_rank % devices> or cpu. Throws InputError for "cuda"
+/// without a usable GPU.
+torch::Device resolve_device(const RunConfig& run, const dist::World& world);
+
+/// amp.dtype on the resolved device.
+struct AmpContext {
+  bool enabled = false;
+  c10::ScalarType dtype = c10::kBFloat16;
+  /// Throws InputError for fp16 on a CPU device.
+  static AmpContext resolve(const AmpConfig& cfg, const torch::Device& device);
+};
+
+/// What determines the model's graph, for the compile cache: every [model] key, the bytes of a
+/// TorchScript file, and amp.dtype.
+std::string compile_identity(const ModelConfig& model, const AmpConfig& amp);
+
+/// Collective. Runs `compile` on this rank and agrees on the outcome: a CompileError on any
+/// rank is thrown on every rank (instead of leaving the others waiting in DDP's first
+/// collective), naming the rank whose log says why.
+CompiledModel compile_on_every_rank(dist::Collectives& coll, const std::function<CompiledModel()>& compile);
+
+/// Whether an error message is an allocation failure (CPU or CUDA).
+bool is_out_of_memory(const std::string& what);
+
+}  // namespace keel

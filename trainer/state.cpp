@@ -1,0 +1,90 @@
+#include "keel/trainer/state.h"
+
+#include <mutex>
+
+#include "keel/common/error.h"
+#include "keel/common/log.h"
+
+namespace keel {
+
+checkpoint::NamedTensors ModelState::tensors() const {
+  checkpoint::NamedTensors t;
+  for (const auto& [n, x] : model_->named_parameters()) t.emplace_back(n, x);
+  for (const auto& [n, x] : model_->named_buffers()) t.emplace_back(n, x);
+  return t;
+}
+
+void ModelState::save(checkpoint::State& state) const { state.model = tensors(); }
+
+void ModelState::load(const checkpoint::Loaded& loaded) {
+  try {
+    checkpoint::copy_into(tensors(), loaded.state.model, loaded.path);
+  } catch (const checkpoint::BindError& e) {
+    throw InputError(e.what());
+  }
+}
+
+namespace {
+
+std::vector<torch::Device> rng_devices(const torch::Device& device) {
+  std::vector<torch::Device> d{torch::kCPU};
+  if (device.is_cuda()) d.push_back(device);
+  return d;
+}
+
+}  // namespace
+
+void RngState::save(checkpoint::State& state) const {
+  for (const auto& d : rng_devices(device_)) {
+    auto gen = at::globalContext().defaultGenerator(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    state.rank_tensors.emplace_back("rng." + d.str(), gen.get_state());
+  }
+}
+
+void RngState::load(const checkpoint::Loaded& loaded) {
+  if (!loaded.has_rank_state) return;
+  for (const auto& d : rng_devices(device_))
+    for (const auto& [name, t] : loaded.state.rank_tensors)
+      if (name == "rng." + d.str()) {
+        auto gen = at::globalContext().defaultGenerator(d);
+        std::lock_guard<std::mutex> lock(gen.mutex());
+        gen.set_state(t);
+      }
+}
+
+std::string RngState::check(const checkpoint::Loaded& loaded) const {
+  if (!loaded.has_rank_state) return "";
+  for (const auto& d : rng_devices(device_))
+    for (const auto& [name, t] : loaded.state.rank_tensors)
+      if (name == "rng." + d.str()) {
+        // A clone of the generator takes the state first: what the real one would refuse, or
+        // throw on, is found here without touching it.
+        at::Generator probe;
+        torch::Tensor current;
+        {
+          auto gen = at::globalContext().defaultGenerator(d);
+          std::lock_guard<std::mutex> lock(gen.mutex());
+          current = gen.get_state();
+          probe = gen.clone();
+        }
+        if (t.scalar_type() != current.scalar_type() || t.sizes() != current.sizes())
+          return name + ": " + c10::toString(t.scalar_type()) + c10::str(t.sizes()) + " is not a generator state (" +
+                 c10::toString(current.scalar_type()) + c10::str(current.sizes()) + ")";
+        try {
+          probe.set_state(t);
+        } catch (const c10::Error& e) {
+          const std::string what = e.what_without_backtrace();
+          return name + ": not a valid generator state: " + what.substr(0, what.find('\n'));
+        }
+      }
+  return "";
+}
+
+void GraphState::save(checkpoint::State& state) const {
+  state.graph = export_();
+  if (state.graph.empty() && warn_)
+    logging::warn("checkpoint.save_graph: the model is not traced (compile fell back to eager); no graph.pt");
+}
+
+}  // namespace keel

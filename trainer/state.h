@@ -1,0 +1,79 @@
+// trainer/state.h: the trainer's own pieces of a checkpoint, as checkpoint::Stateful
+// components (the others are the optimizer's, trainer/optim.h; the GradScaler's,
+// amp/grad_scaler.h; and the sampler's, trainer/data/sampler.h).
+//
+// Owns: the model's tensors (State::model), this rank's random generators
+// (State::rank_tensors "rng.<device>"), the traced graph (checkpoint.save_graph), and the
+// user's own state (Callbacks::save_state / load_state).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "keel/checkpoint/stateful.h"
+#include "keel/models/model.h"
+
+namespace keel {
+
+/// Parameters and buffers, by name. Loading requires every name, shape and dtype to match and
+/// throws InputError listing the differences (the user chose a checkpoint of another model).
+class ModelState : public checkpoint::Stateful {
+ public:
+  explicit ModelState(std::shared_ptr<models::Model> model) : model_(std::move(model)) {}
+  void save(checkpoint::State& state) const override;
+  void load(const checkpoint::Loaded& loaded) override;
+
+ private:
+  checkpoint::NamedTensors tensors() const;
+  std::shared_ptr<models::Model> model_;
+};
+
+/// The generators a step draws from: the CPU one always, the device's one on CUDA. Saved per
+/// rank (each rank's dropout masks differ once ranks draw different amounts); restored only
+/// when the saved job had this rank.
+class RngState : public checkpoint::Stateful {
+ public:
+  explicit RngState(torch::Device device) : device_(device) {}
+  void save(checkpoint::State& state) const override;
+  void load(const checkpoint::Loaded& loaded) override;
+  /// Each saved generator state has the dtype and size of this build's generator state.
+  std::string check(const checkpoint::Loaded& loaded) const override;
+
+ private:
+  torch::Device device_;
+};
+
+/// checkpoint.save_graph: the traced module as graph.pt (saved, never loaded: it is for
+/// deployment). `export_graph` returns "" for an eager model.
+class GraphState : public checkpoint::Stateful {
+ public:
+  GraphState(std::function<std::string()> export_graph, bool warn) : export_(std::move(export_graph)), warn_(warn) {}
+  void save(checkpoint::State& state) const override;
+  void load(const checkpoint::Loaded&) override {}
+
+ private:
+  std::function<std::string()> export_;
+  bool warn_;
+};
+
+/// The user's Callbacks::save_state / load_state.
+class UserState : public checkpoint::Stateful {
+ public:
+  UserState(std::function<void(checkpoint::State&)> save, std::function<void(const checkpoint::State&)> load)
+      : save_(std::move(save)), load_(std::move(load)) {}
+  void save(checkpoint::State& state) const override {
+    if (save_) save_(state);
+  }
+  void load(const checkpoint::Loaded& loaded) override {
+    if (load_) load_(loaded.state);
+  }
+
+ private:
+  std::function<void(checkpoint::State&)> save_;
+  std::function<void(const checkpoint::State&)> load_;
+};
+
+}  // namespace keel
