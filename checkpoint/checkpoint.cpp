@@ -11,6 +11,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <map>
 #include <set>
@@ -578,7 +579,30 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
       throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\" cannot be loaded: " + why);
     logging::warn("checkpoint: {} cannot be used: {}; falling back to the previous committed step", dir, why);
   }
+  if (!candidates.empty()) set_aside(candidates);
   return std::nullopt;
+}
+
+// Every committed step failed to load: they are moved, not overwritten, to <dir>/corrupt/ (kept
+// for `keel inspect` and for a person to look at), and the run starts fresh. Refusing to start
+// would only spend a launcher's restarts on the same failure. After the load's last collective,
+// so no rank still reads them; rank 0 moves (as it alone rotates).
+void Checkpointer::set_aside(const std::vector<std::string>& steps) {
+  if (rank_ != 0) return;
+  const std::string aside = opts_.dir + "/corrupt";
+  if (const std::string err = make_dirs(aside); !err.empty()) {
+    logging::warn("checkpoint: cannot set the unusable steps aside ({}); they will be overwritten", err);
+    return;
+  }
+  for (const auto& from : steps) {
+    std::string to = aside + "/" + from.substr(from.find_last_of('/') + 1);
+    for (int k = 1; path_exists(to); ++k) to = aside + "/" + from.substr(from.find_last_of('/') + 1) + "." + std::to_string(k);
+    if (::rename(from.c_str(), to.c_str()) != 0)
+      logging::warn("checkpoint: cannot move {} to {}: {}", from, to, std::strerror(errno));
+  }
+  logging::warn("checkpoint: none of the {} committed step(s) under {} can be used; moved to {} (kept, see the "
+                "warnings above and `keel inspect {}`); starting fresh",
+                steps.size(), opts_.dir, aside, aside);
 }
 
 }  // namespace keel::checkpoint

@@ -171,6 +171,7 @@ class Checkpointer {
   void write_shards(Pending& p);
   std::string step_dir(int64_t step) const;
   void cleanup(int64_t keep_step);
+  void set_aside(const std::vector<std::string>& steps);
 
   Options opts_;
   std::shared_ptr<dist::Collectives> coll_;

@@ -115,7 +115,9 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     throw std::runtime_error("rendezvous: cannot reach the TCPStore at " + host + ":" + std::to_string(port) +
-                             " (" + world.launcher + "): " + what.substr(0, what.find('\n')));
+                             " (" + world.launcher + "): " + what.substr(0, what.find('\n')) +
+                             "; check MASTER_ADDR and MASTER_PORT: rank 0 must be able to listen on that port and every "
+                             "rank to reach it (a port another program holds, or a firewall, gives this error)");
   }
   const std::string where = host + ":" + std::to_string(port);
   wait_for_all_ranks(*g->store_, world, g->timeout_, where);

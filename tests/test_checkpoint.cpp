@@ -603,6 +603,23 @@ TEST(CheckpointResume, TamperedMetadataFallsBackNamingTheField) {
   }
 }
 
+// Decided (issue 15, class 12): when no committed step can be used, they are moved to
+// <checkpoint.dir>/corrupt/ (kept, never overwritten) and the run starts fresh, saying so.
+TEST(CheckpointResume, AllCommittedStepsUnusableAreSetAsideAndTheRunStartsFresh) {
+  TempDir d;
+  ASSERT_EQ(run_keel(train_args(d.path(), 10, 5)).exit_code, 0);
+  flip_byte(d.file("ckpt/step_5/model-00001-of-00001.safetensors"), 100);
+  flip_byte(d.file("ckpt/step_10/model-00001-of-00001.safetensors"), 100);
+  const auto r = run_keel(train_args(d.path(), 10, 5));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("none of the 2 committed step(s)"), std::string::npos) << r.output;
+  EXPECT_TRUE(exists(d.file("ckpt/corrupt/step_5/meta.json")));
+  EXPECT_TRUE(exists(d.file("ckpt/corrupt/step_10/meta.json")));
+  EXPECT_TRUE(summary_of(d.path())["resumed_from_step"].is_null());
+  EXPECT_TRUE(exists(d.file("ckpt/step_10/meta.json")));  // the fresh run's own
+  EXPECT_EQ(run_keel({"inspect", d.file("ckpt/corrupt")}).exit_code, 1);  // still there to look at
+}
+
 // Running a finished job again resumes at its last step, trains nothing and reports the same
 // results (the loss comes from the checkpoint, the evaluation is repeated).
 TEST(CheckpointResume, RerunningAFinishedRunReportsItsResults) {

@@ -1,6 +1,10 @@
 // The keel binary as a user meets it: exit codes and messages for every class of bad input
 // (never a signal), --help listing every key, --version, --print-config.
 #include <gtest/gtest.h>
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
 
 #include <sys/stat.h>
 
@@ -278,6 +282,36 @@ TEST(CliBadInput, AbsurdWorldSizesAreRefusedOrTimeOutNamingTheMissing) {
   auto three = run_keel(args, {"RANK=0", "WORLD_SIZE=3", "MASTER_ADDR=127.0.0.1", port}, 120);
   EXPECT_EQ(three.exit_code, 1) << three.output;
   EXPECT_NE(three.output.find("rank(s) 1, 2 of 3 never joined"), std::string::npos) << three.output;
+}
+
+// Decided (issue 15, class 12): run.name is a plain name (run.dir says where else to write);
+// a checkpoint.dir that is a file is refused at start, not at the first save; a port another
+// program holds is named as the likely cause.
+TEST(CliBadInput, RunNameCheckpointDirAndTakenPort) {
+  keel::testing::TempDir d;
+  for (const char* name : {"../..", "a/b", ".."})
+    expect_input_error(run_keel({"train", "--data.name=synthetic", std::string("--run.name=") + name}),
+                       "must be a plain name");
+  keel::testing::write_text(d.file("file"), "x");
+  expect_input_error(run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=1",
+                               "--run.dir=" + d.file("run"), "--checkpoint.dir=" + d.file("file")}),
+                     "checkpoint.dir");
+  // A listening socket that is not a TCPStore holds the port rank 0 wants.
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  ASSERT_GE(fd, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  ASSERT_EQ(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof a), 0);
+  ASSERT_EQ(::listen(fd, 4), 0);
+  socklen_t len = sizeof a;
+  ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
+  const std::string port = "MASTER_PORT=" + std::to_string(ntohs(a.sin_port));
+  auto r = run_keel({"train", "--data.name=synthetic", "--train.steps=1", "--dist.timeout_s=5", "--run.dir=" + d.file("r")},
+                    {"RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", port}, 120);
+  ::close(fd);
+  EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(r.output.find("a port another program holds"), std::string::npos) << r.output;
 }
 
 // keel plot: PNG curves from metrics.jsonl (loss, throughput, loss scale, per-rank compute).

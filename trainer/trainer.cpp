@@ -293,7 +293,11 @@ void Trainer::Loop::build_checkpointing() {
   o.async = cfg_.checkpoint.async;
   o.config_sha256 = sha256_hex(dump_toml(cfg_));
   o.hooks = faults_->checkpoint_hooks();
-  ckpt_ = std::make_unique<checkpoint::Checkpointer>(o, coll_);
+  try {
+    ckpt_ = std::make_unique<checkpoint::Checkpointer>(o, coll_);
+  } catch (const checkpoint::SaveError& e) {
+    throw InputError(e.what());  // checkpoint.dir cannot be a directory: the user's choice of path
+  }
 }
 
 // Resumes from the newest committed step (or checkpoint.resume_from).

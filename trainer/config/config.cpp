@@ -324,6 +324,9 @@ void command_line_wins(Config& cfg, const std::set<std::string>& cli_keys) {
 void validate(Config& cfg) {
   auto fail = [](const std::string& m) { throw InputError("config: " + m); };
   if (cfg.run.name.empty()) fail("run.name must not be empty");
+  if (cfg.run.name.find('/') != std::string::npos || cfg.run.name == "." || cfg.run.name == "..")
+    fail("run.name = \"" + cfg.run.name + "\" must be a plain name (no '/', not . or ..): it names runs/<run.name>; "
+         "set run.dir to write elsewhere");
   if (cfg.run.dir.empty()) cfg.run.dir = "runs/" + cfg.run.name;
   if (cfg.is_explicit("train.steps") && cfg.is_explicit("train.epochs") && cfg.train.epochs > 0)
     fail("set train.steps or train.epochs, not both (train.steps = " +
