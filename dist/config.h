@@ -27,6 +27,7 @@ struct DistConfig {
   double bucket_cap_mb = 25.0;
   double first_bucket_mb = 1.0;
   bool find_unused_parameters = false;
+  bool broadcast_buffers = true;
   CommHook comm_hook = CommHook::Allreduce;
   Validate validate = Validate::Always;
 };

@@ -97,7 +97,10 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   // Start from rank 0's parameters and buffers.
   std::vector<torch::Tensor> state;
   for (auto& [n, t] : named) state.push_back(t.detach());
-  for (auto& [n, t] : model_->named_buffers()) state.push_back(t.detach());
+  for (auto& [n, t] : model_->named_buffers()) {
+    state.push_back(t.detach());
+    if (cfg.broadcast_buffers && coll_->size() > 1) buffers_.push_back(t.detach());
+  }
   {
     torch::NoGradGuard ng;
     coll_->broadcast_coalesced(state, 0, "DDP initial broadcast");
@@ -143,7 +146,14 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
 
 DataParallel::~DataParallel() = default;
 
+void DataParallel::sync_buffers() {
+  if (buffers_.empty()) return;
+  torch::NoGradGuard ng;
+  coll_->broadcast_coalesced(buffers_, 0, "DDP buffer broadcast");
+}
+
 void DataParallel::before_forward(bool sync) {
+  sync_buffers();
   if (!reducer_ || !sync) return;
   reducer_->rebuild_buckets();  // a no-op except right after the first synced step
   reducer_->prepare_for_forward();

@@ -35,8 +35,12 @@ class DataParallel {
   DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, const DistConfig& cfg);
   ~DataParallel();
 
-  /// Call before each micro-batch's forward.
+  /// Call before each micro-batch's forward (broadcasts the buffers with dist.broadcast_buffers).
   void before_forward(bool sync);
+  /// Collective with dist.broadcast_buffers (else a no-op): rank 0's buffers to every rank, one
+  /// coalesced broadcast. The trainer also calls it before evaluating and saving, so that what
+  /// is evaluated and checkpointed is rank 0's.
+  void sync_buffers();
   /// Runs loss.backward(); when `sync`, the Reducer all-reduces the gradient buckets as they
   /// become ready and averages them over the ranks.
   void backward(const torch::Tensor& loss, bool sync);
@@ -48,6 +52,7 @@ class DataParallel {
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
   std::unique_ptr<c10d::Reducer> reducer_;
+  std::vector<torch::Tensor> buffers_;  // empty unless dist.broadcast_buffers and world > 1
   uint64_t plan_ = 0;
   int64_t num_buckets_ = 0;
 };

@@ -2,12 +2,17 @@
 // and mpirun. Multi-rank cases run as separate processes (tests/multirank.h).
 #include <gtest/gtest.h>
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+
 #include <nlohmann/json.hpp>
 
 #include "keel/dist/collectives.h"
 #include "keel/dist/ddp.h"
 #include "keel/dist/process_group.h"
 #include "helpers.h"
+#include "keel/checkpoint/safetensors.h"
 #include "multirank.h"
 #include "keel/trainer/trainer.h"
 
@@ -279,6 +284,81 @@ TEST(Ddp, UnusedParameterWithoutFindUnusedIsAnError) {
   }, 90);
   if (is_rank_process()) return;
   expect_all_ok(ranks);
+}
+
+// dist.broadcast_buffers (issue 13): a model with BatchNorm, two ranks seeing different data.
+// With it (the default) every rank ends with rank 0's running statistics and the checkpoint
+// holds them; without it each rank keeps its own.
+struct WithBnImpl : torch::nn::Module {
+  WithBnImpl()
+      : fc(register_module("fc", torch::nn::Linear(784, 32))),
+        bn(register_module("bn", torch::nn::BatchNorm1d(32))),
+        out(register_module("out", torch::nn::Linear(32, 10))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return out->forward(torch::relu(bn->forward(fc->forward(x.flatten(1))))); }
+  torch::nn::Linear fc;
+  torch::nn::BatchNorm1d bn;
+  torch::nn::Linear out;
+};
+TORCH_MODULE(WithBn);
+
+// Each rank's BatchNorm running mean after training, as rank r printed it ("bn_mean <r> <sum>").
+std::vector<std::string> bn_means(bool broadcast, const std::string& ckpt_dir) {
+  auto ranks = run_ranks(2, [broadcast](const World& w) {
+    keel::models::register_model("with_bn", [](const keel::ModelConfig&, std::optional<keel::models::InputKind>) {
+      return std::make_shared<keel::models::ModuleModel<WithBn>>(
+          "with_bn", WithBn(), keel::models::InputSpec{keel::models::InputKind::Image, {1, 28, 28}, 10});
+    });
+    TempDir rd;
+    keel::Config cfg = equivalence_config(rd.file("run"), 16, 1);
+    cfg.model.name = "with_bn";
+    cfg.train.steps = 6;
+    cfg.dist.broadcast_buffers = broadcast;
+    if (broadcast) cfg.checkpoint.dir = std::getenv("KEEL_TEST_CKPT");
+    keel::Callbacks cb;
+    cb.on_end = [&](keel::models::Model& m) {
+      for (const auto& [n, t] : m.named_buffers())
+        if (n == "bn.running_mean")
+          std::printf("bn_mean %ld %.17g\n", long(w.rank), t.sum().item<double>());
+      std::fflush(stdout);
+    };
+    keel::Trainer(cfg, w, cb).run();
+  }, 120, {"KEEL_TEST_CKPT=" + ckpt_dir});
+  std::vector<std::string> means;
+  if (is_rank_process()) return means;
+  expect_all_ok(ranks);
+  for (int r = 0; r < 2; ++r) {
+    const std::string tag = "bn_mean " + std::to_string(r) + " ";
+    const auto at = ranks[r].output.find(tag);
+    means.push_back(at == std::string::npos ? "" : ranks[r].output.substr(at + tag.size(), ranks[r].output.find('\n', at) - at - tag.size()));
+  }
+  return means;
+}
+
+// One run_ranks per test: a rank process runs the whole test body.
+TEST(Ddp, BroadcastBuffersKeepsBatchNormStatisticsEqualAcrossRanks) {
+  TempDir d;
+  const auto with = bn_means(true, d.file("ckpt"));
+  if (is_rank_process()) return;
+  ASSERT_EQ(with.size(), 2u);
+  EXPECT_FALSE(with[0].empty());
+  EXPECT_EQ(with[0], with[1]);  // rank 0's statistics everywhere
+  // The checkpoint holds rank 0's buffers (whichever rank wrote the shard holding them).
+  double saved = std::nan("");
+  for (const char* shard : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"})
+    for (const auto& [n, t] : keel::checkpoint::read_safetensors(d.file("ckpt/step_6/") + shard).tensors)
+      if (n == "bn.running_mean") saved = t.sum().item<double>();
+  char buf[64];
+  std::snprintf(buf, sizeof buf, "%.17g", saved);
+  EXPECT_EQ(std::string(buf), with[0]);
+}
+
+TEST(Ddp, WithoutBroadcastBuffersEachRankKeepsItsOwnStatistics) {
+  TempDir d;
+  const auto without = bn_means(false, d.file("unused"));
+  if (is_rank_process()) return;
+  ASSERT_EQ(without.size(), 2u);
+  EXPECT_FALSE(without[0].empty());
+  EXPECT_NE(without[0], without[1]);  // different data, different statistics: the test above can fail
 }
 
 // --- launchers --------------------------------------------------------------------------------

@@ -481,6 +481,7 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   EvalResult r;
   r.step = step;
   if (!splits_.test) return r;
+  dmodel_->sync_buffers();  // every rank evaluates rank 0's model
   torch::NoGradGuard no_grad;
   model_->train(false);
   const bool classifier = !cb_.loss;
@@ -557,6 +558,7 @@ void Trainer::Loop::maybe_checkpoint(int64_t step) {
 }
 
 void Trainer::Loop::save_checkpoint(int64_t step) {
+  dmodel_->sync_buffers();  // the buffers saved are rank 0's, whichever rank writes them
   ckpt_->save(step, state_.save());
   checkpoint_stall_ms_ += ckpt_->last_save_blocking_ms();
   notify_checkpoint();
@@ -600,6 +602,7 @@ void Trainer::Loop::finish() {
     ckpt_->finish();
     notify_checkpoint();
   }
+  dmodel_->sync_buffers();  // every rank ends with rank 0's model
   // A rank that tears down its connections while a peer still uses them makes the peer's
   // Gloo threads fail.
   coll_->barrier("end of training");

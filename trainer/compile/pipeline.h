@@ -80,6 +80,8 @@ class DistributedModel {
     return model_->forward(input);
   }
   void backward(const torch::Tensor& loss, bool sync) { ddp_->backward(loss, sync); }
+  /// Collective: rank 0's buffers to every rank (dist.broadcast_buffers; else a no-op).
+  void sync_buffers() { ddp_->sync_buffers(); }
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
   uint64_t plan() const { return ddp_->plan(); }

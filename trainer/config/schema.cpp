@@ -141,6 +141,7 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("dist", &C::dist, "bucket_cap_mb", &DistConfig::bucket_cap_mb, "DDP gradient bucket size, MiB"), 0.0, 1e6);
   range(b.add("dist", &C::dist, "first_bucket_mb", &DistConfig::first_bucket_mb, "size of DDP's first bucket (the gradients ready first), MiB"), 0.0, 1e6);
   b.add("dist", &C::dist, "find_unused_parameters", &DistConfig::find_unused_parameters, "tolerate parameters that receive no gradient in a step");
+  b.add("dist", &C::dist, "broadcast_buffers", &DistConfig::broadcast_buffers, "rank 0's buffers (BatchNorm running statistics, ...) reach every rank before each forward, each evaluation, each checkpoint and the end (PyTorch DDP's broadcast_buffers); false: each rank keeps its own");
   b.add("dist", &C::dist, "comm_hook", &DistConfig::comm_hook, kCommHooks, "gradient all-reduce: allreduce | bf16 | fp16 (compressed)");
   b.add("dist", &C::dist, "validate", &DistConfig::validate, kValidateModes, "cross-rank check of every collective (op, dtype, shape): always | first_step | off");
 
