@@ -42,12 +42,6 @@ std::string numbered(const char* fmt, int64_t a, int64_t b) {
 
 uint64_t nbytes(const torch::Tensor& t) { return static_cast<uint64_t>(t.numel()) * t.element_size(); }
 
-// A file name that stays inside the step directory.
-void make_dir(const std::string& d) {
-  if (::mkdir(d.c_str(), 0755) != 0 && errno != EEXIST)
-    throw SaveError(d + ": cannot create the checkpoint directory: " + std::strerror(errno));
-}
-
 std::string utc_now() {
   std::time_t t = std::time(nullptr);
   char buf[32];
@@ -129,14 +123,26 @@ Loaded read_step(const std::string& dir, int64_t rank);
 // shard set of the saved world, the index against the shards, each rank's file): what
 // `keel inspect` calls verified is exactly what training would load.
 std::vector<std::string> verify_step(const std::string& step_dir) {
-  std::vector<std::string> problems;
   nlohmann::json meta;
   try {
     meta = read_meta(step_dir);
   } catch (const std::exception& e) {
     return {e.what()};
   }
+  // The loader's own checks first: they checksum every file they read (every listed file but
+  // the rank files of ranks other than 0), so those are not hashed twice.
+  std::string load_error;
+  try {
+    const Loaded L = read_step(step_dir, 0);
+    for (int64_t r = 1; r < L.saved_world_size; ++r) expected_sha(meta, step_dir, rank_file(r));
+  } catch (const std::exception& e) {
+    load_error = e.what();
+  }
+  // Then each listed file the loader did not check, or, when it failed, every listed file, so
+  // that every damaged file is named and not only the first.
+  std::vector<std::string> problems;
   for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
+    if (load_error.empty() && (it.key().rfind("rank-", 0) != 0 || it.key() == rank_file(0))) continue;
     const std::string path = step_dir + "/" + it.key();
     try {
       // expected_sha checks presence and size (the same checks a load makes).
@@ -146,13 +152,7 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
       problems.push_back(e.what());
     }
   }
-  if (!problems.empty()) return problems;
-  try {
-    const Loaded L = read_step(step_dir, 0);
-    for (int64_t r = 1; r < L.saved_world_size; ++r) expected_sha(meta, step_dir, rank_file(r));
-  } catch (const std::exception& e) {
-    problems.push_back(e.what());
-  }
+  if (problems.empty() && !load_error.empty()) problems.push_back(load_error);
   return problems;
 }
 
@@ -318,7 +318,7 @@ void Checkpointer::save(int64_t step, const State& state) {
   if (rank_ == 0) p->graph = state.graph;
 
   try {
-    make_dir(p->dir);
+    if (const std::string err = make_dirs(p->dir); !err.empty()) throw SaveError(err);
   } catch (const std::exception& e) {
     p->error = e.what();
     p->done.store(true);
