@@ -120,6 +120,14 @@ std::string abort_key(const World& w) { return "keel/" + std::to_string(w.restar
 std::string Collectives::missing_ranks(const std::string& what) {
   const auto& store = group_->store();
   if (!store || size() == 1) return "";
+  const std::string timeout = "dist.timeout_s = " + std::to_string(group_->timeout().count() / 1000);
+  // A store whose host is gone or cut off would block each operation below for dist.timeout_s:
+  // a fresh connection tells in a moment.
+  if (!group_->store_reachable(report_grace()))
+    return std::string(group_->store_on_rank0() ? "rank 0 is unreachable" : "the store's host is unreachable") +
+           ": the store at " + group_->store_address() + (group_->store_on_rank0() ? ", which rank 0 serves," : " (torchrun's agent)") +
+           " cannot be reached from this host either (that host is lost, or the network between the two is cut; " +
+           timeout + ")";
   try {
     const World& w = group_->world();
     store->set(failed_key(w, rank()), std::vector<uint8_t>(what.begin(), what.end()));
@@ -135,10 +143,20 @@ std::string Collectives::missing_ranks(const std::string& what) {
       if (missing.empty() || std::chrono::steady_clock::now() >= deadline) break;
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
-    return missing;
+    if (missing.empty()) return "";
+    return "rank(s) " + missing + " never reached or never finished this collective (hung, dead or cut off; " +
+           timeout + ")";
   } catch (const std::exception&) {
     return "";  // the store is gone too (its host, rank 0 or the agent, died)
   }
+}
+
+CollectiveError Collectives::failure(const std::string& what, const std::string& error) {
+  std::string msg = "[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " + what + " at step " +
+                    std::to_string(step_) + " failed: " + error.substr(0, error.find('\n'));
+  const std::string missing = missing_ranks(msg);
+  if (!missing.empty()) msg += "; " + missing;
+  return CollectiveError(msg);
 }
 
 std::optional<std::string> Collectives::peer_failure() const {
@@ -158,20 +176,23 @@ std::chrono::milliseconds Collectives::report_grace() const {
 }
 
 void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     // dist.timeout_s bounds the whole failure: the wait, then the grace to name missing ranks.
     w->wait(group_->timeout() - report_grace());
   } catch (const std::exception& e) {
-    std::string what = e.what();
-    std::string msg = "[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " +
-                      (d.validation ? "validation of " : "") + d.what + ": " +
-                      describe(d) + " at step " + std::to_string(step_) + " failed: " + what.substr(0, what.find('\n'));
-    const std::string missing = missing_ranks(msg);
-    if (!missing.empty())
-      msg += "; rank(s) " + missing + " never reached or never finished this collective (hung or dead; dist.timeout_s = " +
-             std::to_string(group_->timeout().count() / 1000) + ")";
-    throw CollectiveError(msg);
+    throw failure(std::string(d.validation ? "validation of " : "") + d.what + ": " + describe(d), e.what());
   }
+  // A probe is the 16-byte (f, -f) pair whatever it guards; otherwise the tensor's payload.
+  const int64_t bytes =
+      d.validation ? 16 : d.dtype >= 0 ? d.numel * static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(d.dtype))) : 0;
+  const bool gather = !d.validation && (d.op == static_cast<int64_t>(OpCode::AllGather) ||
+                                        d.op == static_cast<int64_t>(OpCode::StepSync));
+  traffic_.collectives += 1;
+  traffic_.probes += d.validation ? 1 : 0;
+  traffic_.bytes_sent += bytes;
+  traffic_.bytes_received += gather ? bytes * size() : bytes;
+  traffic_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void Collectives::check(const Desc& d_in) {
@@ -278,12 +299,19 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
   d.dims[0] = static_cast<int64_t>(fingerprint(words));  // the list's layout, in one word
   d.ndim = 0;
   check(d);
+  const auto t0 = std::chrono::steady_clock::now();
   try {
     c10d::broadcast_coalesced(group_->pg(), tensors, /*buffer_size=*/256 << 20, static_cast<int>(root));
   } catch (const std::exception& e) {
     std::string m = e.what();
     throw CollectiveError(std::string(what) + ": " + describe(d) + " failed: " + m.substr(0, m.find('\n')));
   }
+  int64_t bytes = 0;
+  for (const auto& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
+  traffic_.collectives += 1;
+  traffic_.bytes_sent += rank() == root ? bytes : 0;
+  traffic_.bytes_received += rank() == root ? 0 : bytes;
+  traffic_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
@@ -304,6 +332,8 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   d.extra = static_cast<int64_t>(plan & ((1ull << 62) - 1));
   d.seq = static_cast<int64_t>(seq_++);
   d.what = "per-step consensus";
+  d.dtype = static_cast<int64_t>(torch::kLong);
+  d.numel = 7;
   int64_t loss_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
   auto mine = torch::tensor({static_cast<int64_t>(fingerprint(d.words())), step, d.extra, loss_bits,

@@ -58,6 +58,21 @@ struct StepConsensus {
   uint32_t all_flags = 0;             // AND of every rank's `flags`
 };
 
+/// What keel's control collectives cost this rank so far: every call through this class (the
+/// per-step consensus, validation probes, checkpoint coordination, evaluation totals, buffer
+/// broadcasts, user collectives), not DDP's gradient all-reduce (the Reducer's own).
+struct TrafficStats {
+  int64_t collectives = 0;     // calls, probes included
+  int64_t probes = 0;          // of which validation probes (dist.validate)
+  int64_t bytes_sent = 0;      // payload this rank contributed
+  int64_t bytes_received = 0;  // payload it got back (world x its input for an all-gather)
+  double wait_ms = 0;          // time spent waiting for them (latency, and other ranks' lateness)
+  TrafficStats operator-(const TrafficStats& o) const {
+    return {collectives - o.collectives, probes - o.probes, bytes_sent - o.bytes_sent, bytes_received - o.bytes_received,
+            wait_ms - o.wait_ms};
+  }
+};
+
 class Collectives {
  public:
   /// `validate`: dist.validate.
@@ -92,6 +107,15 @@ class Collectives {
   /// while none has. Does not block. "" for one rank without a store.
   std::optional<std::string> peer_failure() const;
 
+  /// Counters of the control traffic issued through this object (see TrafficStats).
+  const TrafficStats& traffic() const { return traffic_; }
+
+  /// The error for a collective `what` that failed with `error` outside this class (the DDP
+  /// Reducer's gradient all-reduce): records the failure in the store and names the ranks that
+  /// did not report theirs, or says that the store's host cannot be reached (a lost host or a
+  /// partition), within dist.timeout_s plus a short grace.
+  CollectiveError failure(const std::string& what, const std::string& error);
+
  private:
   struct Desc;
   void check(const Desc& d);
@@ -99,7 +123,8 @@ class Collectives {
   std::string describe(const Desc& d) const;
   torch::Tensor on_comm_device(const torch::Tensor& t) const;
   // After a failed collective: records this rank's failure in the store and waits briefly for
-  // the other ranks to do the same; returns the ranks that did not (hung or dead).
+  // the other ranks to do the same; says which did not (hung or dead), or that the store's host
+  // is unreachable.
   std::string missing_ranks(const std::string& what);
   std::chrono::milliseconds report_grace() const;
 
@@ -107,6 +132,7 @@ class Collectives {
   Validate mode_;
   int64_t step_ = 0;
   uint64_t seq_ = 0;
+  TrafficStats traffic_;
 };
 
 /// FNV-1a over a descriptor's integers; 62 bits so that -f never overflows.

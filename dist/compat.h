@@ -57,10 +57,11 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusi
                                                               int rank, int size,
                                                               std::chrono::milliseconds timeout,
                                                               const std::string& hostname,
-                                                              const std::string& interface) {
+                                                              const std::vector<std::string>& interfaces) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
-  opts->devices.push_back(!interface.empty() ? c10d::ProcessGroupGloo::createDeviceForInterface(interface)
-                          : !hostname.empty() ? c10d::ProcessGroupGloo::createDeviceForHostname(hostname)
+  for (const auto& i : interfaces) opts->devices.push_back(c10d::ProcessGroupGloo::createDeviceForInterface(i));
+  if (opts->devices.empty())
+    opts->devices.push_back(!hostname.empty() ? c10d::ProcessGroupGloo::createDeviceForHostname(hostname)
                                               : c10d::ProcessGroupGloo::createDefaultDevice());
   auto gloo = c10::make_intrusive<c10d::ProcessGroupGloo>(store, rank, size, opts);
   auto pg = wrap_backend(store, rank, size, gloo, c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::GLOO);

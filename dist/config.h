@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 
 #include "keel/common/choices.h"
 
@@ -30,6 +31,9 @@ struct DistConfig {
   bool broadcast_buffers = true;
   CommHook comm_hook = CommHook::Allreduce;
   Validate validate = Validate::Always;
+  /// Network interface(s) for the backend, comma-separated; "" = GLOO_SOCKET_IFNAME, else the
+  /// one that routes to the rendezvous host.
+  std::string interface;
 };
 
 }  // namespace keel

@@ -2,6 +2,7 @@
 
 #include "keel/common/log.h"
 
+#include <cctype>
 #include <sstream>
 
 #include "keel/dist/compat.h"
@@ -146,6 +147,18 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
 
 DataParallel::~DataParallel() = default;
 
+namespace {
+// Gloo's and NCCL's messages for a failed transfer ("Timed out waiting ... for recv",
+// "Application timeout caused pair closure", "Connection reset by peer", NCCL watchdog errors).
+bool from_process_group(std::string what) {
+  for (auto& c : what) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  for (const char* mark : {"gloo", "nccl", "c10d", "processgroup", "connection", "timed out", "timeout", "pair closure",
+                           "peer"})
+    if (what.find(mark) != std::string::npos) return true;
+  return false;
+}
+}  // namespace
+
 void DataParallel::sync_buffers() {
   if (buffers_.empty()) return;
   torch::NoGradGuard ng;
@@ -160,8 +173,19 @@ void DataParallel::before_forward(bool sync) {
 }
 
 void DataParallel::backward(const torch::Tensor& loss, bool sync) {
-  if (reducer_ && sync) reducer_->prepare_for_backward({loss});
-  loss.backward();
+  if (!reducer_ || !sync) return loss.backward();
+  reducer_->prepare_for_backward({loss});
+  try {
+    loss.backward();  // the Reducer all-reduces the gradient buckets and waits for them here
+  } catch (const std::exception& e) {
+    // A failure of the process group (a lost peer, a partition, a timeout; Gloo throws its own
+    // exception types through the Reducer's future) says which rank; an error of the backward
+    // pass itself (out of memory, a shape) goes up as it is.
+    const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+    const std::string what = c10 ? c10->what_without_backtrace() : e.what();
+    if (!from_process_group(what)) throw;
+    throw coll_->failure("DDP gradient all-reduce (" + std::to_string(num_buckets_) + " buckets)", what);
+  }
 }
 
 }  // namespace keel::dist

@@ -7,6 +7,7 @@
 
 #include "keel/dist/compat.h"
 #include "keel/dist/mpi_bootstrap.h"
+#include "keel/dist/network.h"
 
 namespace keel::dist {
 namespace {
@@ -78,6 +79,15 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   const std::string backend = resolve_backend(cfg.backend, device);
   if (world.size == 1 && cfg.backend == Backend::Auto) return g;  // no process group: backend() stays "none"
   g->backend_ = backend;
+  // Checked before the rendezvous: a wrong name fails at once, on the rank whose host lacks it.
+  const InterfaceChoice iface = choose_interface(cfg.interface);
+#ifdef KEEL_WITH_CUDA
+  if (!iface.names.empty() && !std::getenv("NCCL_SOCKET_IFNAME")) {
+    std::string list;
+    for (const auto& n : iface.names) list += (list.empty() ? "" : ",") + n;
+    ::setenv("NCCL_SOCKET_IFNAME", list.c_str(), 0);
+  }
+#endif
 
   std::string host = world.master_addr;
   uint16_t port = static_cast<uint16_t>(world.master_port);
@@ -86,7 +96,8 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
       g->mpi_initialized_here_ = mpi_init();
       std::string addr;
       if (world.rank == 0) {
-        host = host.empty() ? local_hostname() : host;
+        // The store's address as the other hosts reach it: the named interface's, else the hostname.
+        if (host.empty()) host = iface.names.empty() ? local_hostname() : interface_address(iface.names.front());
         g->store_ = compat::make_tcp_store(host, 0, /*is_server=*/true, world.size, g->timeout_);
         port = compat::tcp_store_port(g->store_);
         addr = host + ":" + std::to_string(port);
@@ -119,17 +130,19 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
                              "; check MASTER_ADDR and MASTER_PORT: rank 0 must be able to listen on that port and every "
                              "rank to reach it (a port another program holds, or a firewall, gives this error)");
   }
+  g->store_host_ = host;
+  g->store_port_ = port;
   const std::string where = host + ":" + std::to_string(port);
   wait_for_all_ranks(*g->store_, world, g->timeout_, where);
 
   if (g->backend_ == "gloo") {
-    // GLOO_SOCKET_IFNAME picks the interface, as in PyTorch; else loopback for a loopback
-    // rendezvous, else the interface the hostname resolves to.
-    const char* ifname = std::getenv("GLOO_SOCKET_IFNAME");
-    const std::string iface = ifname ? ifname : "";
-    const std::string gloo_host = iface.empty() && is_loopback(host) ? "127.0.0.1" : "";
+    // dist.interface or GLOO_SOCKET_IFNAME pick the interface(s); else loopback for a loopback
+    // rendezvous, else the local address that routes to the store's host (the hostname's
+    // address is often not one this host has: containers, network namespaces), else Gloo's
+    // default (the hostname's).
+    const std::string gloo_host = is_loopback(host) ? "127.0.0.1" : local_address_toward(host);
     g->pg_ = compat::make_gloo_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size),
-                                     g->timeout_, gloo_host, iface);
+                                     g->timeout_, gloo_host, iface.names);
   }
 #ifdef KEEL_WITH_CUDA
   else {
@@ -138,9 +151,16 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
                                      g->timeout_);
   }
 #endif
-  logging::info("process group: {} ranks over {} ({}), store {}, timeout {} s", world.size, g->backend_,
-               world.launcher, where, cfg.timeout_s);
+  std::string via;
+  for (const auto& n : iface.names) via += (via.empty() ? "" : ",") + n;
+  logging::info("process group: {} ranks over {} ({}), store {}, interface {}, timeout {} s", world.size,
+                g->backend_, world.launcher, where, via.empty() ? "by route" : via + " (" + iface.source + ")",
+                cfg.timeout_s);
   return g;
+}
+
+bool Group::store_reachable(std::chrono::milliseconds timeout) const {
+  return store_ && can_connect(store_host_, store_port_, timeout);
 }
 
 Group::~Group() {

@@ -46,6 +46,14 @@ class Group {
   /// The c10d group; null for one rank without an explicit backend.
   const c10::intrusive_ptr<c10d::ProcessGroup>& pg() const { return pg_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
+  /// host:port of the TCPStore ("" without one).
+  std::string store_address() const { return store_host_.empty() ? "" : store_host_ + ":" + std::to_string(store_port_); }
+  /// Whether the store's host answers within `timeout` (a fresh connection): false when that
+  /// host is lost or cut off from this one, where a store operation would block for
+  /// dist.timeout_s.
+  bool store_reachable(std::chrono::milliseconds timeout) const;
+  /// Whether rank 0's process serves the store (else torchrun's agent does).
+  bool store_on_rank0() const { return !world_.agent_store; }
 
  private:
   Group() = default;
@@ -56,6 +64,8 @@ class Group {
   c10::intrusive_ptr<c10d::Store> store_;
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   bool mpi_initialized_here_ = false;
+  std::string store_host_;
+  uint16_t store_port_ = 0;
 };
 
 /// "gloo" or "nccl" for `backend` on `device`. Throws InputError

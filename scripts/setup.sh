@@ -32,6 +32,8 @@ PACKAGES=(
   python3-venv
   gnuplot-nox
   clang libclang-rt-dev
+  iproute2
+  slurmd slurmctld slurm-client munge
 )
 
 log() { printf '[setup] %s\n' "$*" >&2; }

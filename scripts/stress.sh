@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Runs keel's multi-rank tests (dist/, checkpoint/, faults, restarts) N rounds under ctest -j2
+# Runs keel's multi-rank tests (dist/, checkpoint/, faults, restarts, two hosts, Slurm) N rounds under ctest -j2
 # with a CPU burner beside them (one busy process per core), and prints every failure. Not
 # part of CI: run it after touching anything multi-rank, before calling it done.
 #   scripts/stress.sh            # 5 rounds
@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-5}"
-regex="${2:-^(Collectives|Ddp|Launch|AmpDist|Fault[A-Za-z]*|Checkpoint[A-Za-z]*|TrainerCheckpoints|KeelInspect|Restart)\.}"
+regex="${2:-^(Collectives|Ddp|Launch|AmpDist|Fault[A-Za-z]*|Checkpoint[A-Za-z]*|TrainerCheckpoints|KeelInspect|Restart|TwoNode|Slurm)\.}"
 build="${KEEL_BUILD_DIR:-build}"
 [ -x "$build/tests/keel_tests" ] || { echo "stress: $build/tests/keel_tests missing; run scripts/setup.sh"; exit 1; }
 logs=$(mktemp -d /tmp/keel-stress.XXXXXX)

@@ -2,6 +2,8 @@
 // and mpirun. Multi-rank cases run as separate processes (tests/multirank.h).
 #include <gtest/gtest.h>
 
+#include <csignal>
+
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -55,6 +57,32 @@ TEST(Collectives, AllReduceBroadcastAllGatherBarrier) {
 }
 
 // Every rank must fail, quickly, and name both shapes; the real collective never runs.
+// The control-traffic counters behind summary.json's control_per_step and bench/scaling.py:
+// exact payload bytes per call, probes counted apart.
+TEST(Collectives, TrafficCountersCountCallsProbesAndBytes) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    auto c = make_collectives(w);
+    const keel::dist::TrafficStats before = c->traffic();
+    auto t = torch::ones({10});
+    c->all_reduce(t);  // a 16-byte probe, then 40 bytes
+    auto d = c->traffic() - before;
+    EXPECT_EQ(d.collectives, 2);
+    EXPECT_EQ(d.probes, 1);
+    EXPECT_EQ(d.bytes_sent, 16 + 40);
+    EXPECT_EQ(d.bytes_received, 16 + 40);
+    const auto mid = c->traffic();
+    c->step_sync(1, 7, 0.5, false, 1.0);  // one all-gather of 7 int64, no probe
+    d = c->traffic() - mid;
+    EXPECT_EQ(d.collectives, 1);
+    EXPECT_EQ(d.probes, 0);
+    EXPECT_EQ(d.bytes_sent, 56);
+    EXPECT_EQ(d.bytes_received, 56 * 2);
+    EXPECT_GE(d.wait_ms, 0.0);
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
 TEST(Collectives, MismatchedShapesFailFastOnEveryRankWithBothShapes) {
   auto ranks = run_ranks(2, [](const World& w) {
     auto c = make_collectives(w, /*timeout_s=*/20);
@@ -148,6 +176,37 @@ TEST(Ddp, StartsFromRankZerosParameters) {
   });
   if (is_rank_process()) return;
   expect_all_ok(ranks);
+}
+
+// A peer that dies before its backward leaves the other rank in the DDP Reducer's gradient
+// all-reduce (not keel's own collectives): that failure too is a CollectiveError naming the
+// dead rank, not Gloo's bare message.
+TEST(Ddp, APeerLostDuringTheGradientAllReduceIsNamed) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    auto c = make_collectives(w, /*timeout_s=*/20);
+    keel::ModelConfig mc;
+    mc.name = "mlp";
+    mc.width = 16;
+    mc.depth = 1;
+    auto model = keel::models::create_model(mc);
+    keel::dist::DataParallel ddp(model, c, keel::DistConfig{});
+    auto x = torch::randn({4, 1, 28, 28});
+    if (w.rank == 1) std::raise(SIGKILL);  // gone before its backward
+    ddp.before_forward(true);
+    auto loss = model->forward(x).sum();
+    try {
+      ddp.backward(loss, true);
+      ADD_FAILURE() << "the gradient all-reduce succeeded without rank 1";
+    } catch (const keel::dist::CollectiveError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find("DDP gradient all-reduce"), std::string::npos) << what;
+      EXPECT_NE(what.find("rank(s) 1 never reached"), std::string::npos) << what;
+    }
+  });
+  if (is_rank_process()) return;
+  ASSERT_EQ(ranks.size(), 2u);
+  EXPECT_EQ(ranks[0].exit_code, 0) << ranks[0].output;
+  EXPECT_TRUE(ranks[1].signaled);
 }
 
 // --- equivalence: N ranks x batch B == 1 rank x batch N*B -----------------------------------

@@ -184,6 +184,9 @@ class Trainer::Loop {
   checkpoint::StateRegistry state_;
   std::vector<std::unique_ptr<checkpoint::Stateful>> owned_state_;
   std::optional<int64_t> resumed_from_;
+  double rendezvous_ms_ = 0;
+  dist::TrafficStats traffic_at_loop_;  // the control traffic before the loop (setup, resume)
+  int64_t steps_at_loop_ = 0;
   int64_t notified_step_ = -1;
   double checkpoint_stall_ms_ = 0;
 
@@ -207,8 +210,10 @@ Trainer::Loop::Loop(const Config& cfg, const dist::World& world, const Callbacks
   threads_ = set_threads(cfg.run, world);
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   device_ = resolve_device(cfg.run, world);
+  const auto t_rdzv = Clock::now();
   group_ = dist::Group::create(world, cfg.dist, device_);
   agree_on_config(*group_, cfg);  // before the first collective
+  rendezvous_ms_ = ms_since(t_rdzv);
   coll_ = std::make_shared<dist::Collectives>(group_, cfg.dist.validate);
   build_model_and_data();
   compile_and_distribute();
@@ -348,6 +353,8 @@ Summary Trainer::Loop::run() {
     // From here on SIGINT/SIGTERM stop the run after the current step; before, they end the
     // process as usual (e.g. while waiting at the rendezvous).
     StopSignals signals;
+    traffic_at_loop_ = coll_->traffic();
+    steps_at_loop_ = progress_.steps_done;
     try {
       while (progress_.steps_done < progress_.total_steps) {
         const StepResult r = train_step();
@@ -652,6 +659,13 @@ Summary Trainer::Loop::summary() const {
   s.resumed_from_step = resumed_from_;
   if (ckpt_ && ckpt_->last_committed() >= 0) s.checkpoint_step = ckpt_->last_committed();
   s.checkpoint_stall_ms = checkpoint_stall_ms_;
+  s.rendezvous_ms = rendezvous_ms_;
+  const dist::TrafficStats t = coll_->traffic() - traffic_at_loop_;
+  const int64_t n = progress_.steps_done - steps_at_loop_;
+  if (n > 0)
+    s.control_per_step = {static_cast<double>(t.collectives) / n, static_cast<double>(t.probes) / n,
+                          static_cast<double>(t.bytes_sent) / n, static_cast<double>(t.bytes_received) / n,
+                          t.wait_ms / n, n};
   if (last_eval_) {
     s.test_accuracy = last_eval_->accuracy;
     s.test_loss = last_eval_->loss;

@@ -76,6 +76,13 @@ struct Summary {
   std::optional<int64_t> checkpoint_step;  // the newest committed checkpoint
   double checkpoint_stall_ms = 0;    // time saves blocked the loop
   std::optional<double> test_accuracy, test_loss;  // the last evaluation
+  double rendezvous_ms = 0;          // process group creation and the cross-rank config check
+  /// keel's control traffic per step on this rank over this run's loop (the consensus,
+  /// validation probes, checkpoint coordination, evaluation totals; not DDP's gradients).
+  struct Control {
+    double collectives = 0, probes = 0, bytes_sent = 0, bytes_received = 0, wait_ms = 0;
+    int64_t steps = 0;  // the steps averaged over
+  } control_per_step;
 
   nlohmann::json to_json() const;
 };

@@ -143,6 +143,7 @@ std::vector<FieldInfo> build_schema() {
   b.add("dist", &C::dist, "find_unused_parameters", &DistConfig::find_unused_parameters, "tolerate parameters that receive no gradient in a step");
   b.add("dist", &C::dist, "broadcast_buffers", &DistConfig::broadcast_buffers, "rank 0's buffers (BatchNorm running statistics, ...) reach every rank before each forward, each evaluation, each checkpoint and the end (PyTorch DDP's broadcast_buffers); false: each rank keeps its own");
   b.add("dist", &C::dist, "comm_hook", &DistConfig::comm_hook, kCommHooks, "gradient all-reduce: allreduce | bf16 | fp16 (compressed)");
+  b.add("dist", &C::dist, "interface", &DistConfig::interface, "network interface(s) the backend uses, comma-separated (e.g. \"eth0\"; NCCL_SOCKET_IFNAME too unless set); \"\" = GLOO_SOCKET_IFNAME if set, else the interface that routes to the rendezvous host");
   b.add("dist", &C::dist, "validate", &DistConfig::validate, kValidateModes, "cross-rank check of every collective (op, dtype, shape): always | first_step | off");
 
   // [compile]
