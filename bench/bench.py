@@ -4,6 +4,7 @@
   $PY bench/bench.py                        # mlp, cnn, gpt at worlds 1 and 2
   $PY bench/bench.py --models cnn --worlds 1 --steps 100
   $PY bench/bench.py --validate-pairs 15    # dist.validate = always vs off, paired runs
+  $PY bench/bench.py --observe-rounds 5     # TensorBoard and the profiler off vs on
   $PY bench/bench.py --baseline /tmp/keel-old --worlds 2   # this build vs another keel binary
 
 For each model and world size: runs `build/keel train` on synthetic data and
@@ -64,13 +65,14 @@ def launch(cmd, world):
     return outs[0]
 
 
-def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="off", cache_dir="", amp="off"):
+def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="off", cache_dir="", amp="off",
+             extra=()):
     with tempfile.TemporaryDirectory() as d:
         cmd = [keel, "train", f"--model.name={model}", "--data.name=synthetic", f"--train.steps={steps}",
                f"--train.batch_size={batch}", "--train.lr=1e-3", "--train.schedule=constant",
                "--run.threads=1", f"--run.dir={d}", "--run.log_level=warn", "--data.synthetic_size=4096",
                f"--dist.validate={validate}", f"--compile.mode={compile_mode}", f"--compile.cache_dir={cache_dir}",
-               f"--amp.dtype={amp}"]
+               f"--amp.dtype={amp}", *extra]
         launch(cmd, world)
         s = json.load(open(os.path.join(d, "summary.json")))
     out = {"impl": "keel", "version": s["keel_version"], "model": model, "world": s["world_size"], "batch": batch,
@@ -119,6 +121,9 @@ def main():
     ap.add_argument("--baseline", default="",
                     help="instead: --keel against this other keel binary (e.g. the previous commit's build), "
                          "--repeat pairs per model and world run back to back, order alternating")
+    ap.add_argument("--observe-rounds", type=int, default=0,
+                    help="instead: N rounds of TensorBoard and profiler off / TensorBoard on / both on (gpt, 2 "
+                         "ranks), order rotating: what watching a run costs")
     ap.add_argument("--validate-pairs", type=int, default=0,
                     help="instead: N back-to-back pairs of dist.validate = always and off (mlp, 2 ranks), order alternating")
     args = ap.parse_args()
@@ -126,6 +131,8 @@ def main():
         return baseline_bench(args)
     if args.validate_pairs:
         return validate_bench(args)
+    if args.observe_rounds:
+        return observe_bench(args)
     if args.compile:
         return compile_bench(args)
     if args.amp:
@@ -225,6 +232,34 @@ def validate_bench(args):
         print(json.dumps(summary), flush=True)
         log.write(json.dumps(summary) + "\n")
     print(f"# results: {log_path}", file=sys.stderr)
+
+
+def observe_bench(args):
+    """What watching a run costs: gpt at 2 ranks with run.tensorboard = false and no profiler,
+    with TensorBoard (the default), and with TensorBoard and run.profile_steps over 3 steps in
+    the middle. N rounds, the order rotating; reports each round's step-time ratios to `off`
+    and their medians."""
+    steps = args.steps
+    mid = steps // 2
+    configs = {"off": ["--run.tensorboard=false"], "tensorboard": ["--run.tensorboard=true"],
+               "tensorboard+profile": ["--run.tensorboard=true", f"--run.profile_steps={mid}-{mid + 2}"]}
+    names = list(configs)
+    ratios = {n: [] for n in names if n != "off"}
+    with results("-observe") as emit:
+        for i in range(args.observe_rounds):
+            order = names[i % 3:] + names[:i % 3]
+            got = {n: run_keel("gpt", BATCH["gpt"], steps, 2, args.keel, extra=configs[n]) for n in order}
+            line = {"round": i, **{f"{n}_ms": got[n]["median_step_ms"] for n in names}}
+            for n in ratios:
+                ratios[n].append(got[n]["median_step_ms"] / got["off"]["median_step_ms"])
+                line[f"{n}_over_off"] = ratios[n][-1]
+            emit(line)
+        summary = {"model": "gpt", "world": 2, "steps": steps, "rounds": args.observe_rounds}
+        for n, r in ratios.items():
+            srt = sorted(r)
+            summary[f"median_{n}_over_off"] = srt[len(srt) // 2]
+            summary[f"{n}_range"] = [srt[0], srt[-1]]
+        emit(summary)
 
 
 @contextlib.contextmanager

@@ -33,6 +33,9 @@ find_package(spdlog REQUIRED)
 find_package(nlohmann_json 3 REQUIRED)
 find_package(CLI11 QUIET CONFIG)
 find_path(TOMLPP_INCLUDE_DIR toml++/toml.h REQUIRED)
+# TensorBoard event files: protobuf (lite runtime) encodes the messages, Boost.CRC the CRC32C.
+find_package(Protobuf REQUIRED)
+find_package(Boost REQUIRED)
 if(NOT CLI11_FOUND)
   find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
 endif()
@@ -49,7 +52,7 @@ target_link_libraries(keel_deps INTERFACE
   ${TORCH_LIBRARIES} Threads::Threads OpenSSL::Crypto ZLIB::ZLIB nlohmann_json::nlohmann_json
   # Only the link: spdlog's headers and Debian's fmt stay out of keel's own translation units
   # (common/log.h says why); keel formats with LibTorch's fmt, header-only.
-  $<LINK_ONLY:spdlog::spdlog>)
+  $<LINK_ONLY:spdlog::spdlog> $<LINK_ONLY:protobuf::libprotobuf-lite>)
 target_compile_definitions(keel_deps INTERFACE FMT_HEADER_ONLY=1)
 if(CLI11_FOUND)
   target_link_libraries(keel_deps INTERFACE CLI11::CLI11)

@@ -104,7 +104,15 @@ std::shared_ptr<Model> make_gpt(const ModelConfig& cfg) {
     throw InputError("model: width " + std::to_string(d) + " is not divisible by model.heads = " +
                      std::to_string(cfg.heads));
   InputSpec spec{InputKind::Tokens, {cfg.context}, cfg.vocab};
-  return std::make_shared<ModuleModel<Gpt>>("gpt", Gpt(cfg.vocab, cfg.context, layers, cfg.heads, d), spec);
+  Gpt gpt(cfg.vocab, cfg.context, layers, cfg.heads, d);
+  // Per token: 6 x the parameters it multiplies with (all but the position embedding, a lookup;
+  // the tied token embedding counts once, as the output projection), plus the attention scores
+  // and their weighted sum, 12 x layers x context x width (forward 4, backward 8).
+  int64_t params = 0;
+  for (const auto& p : gpt->parameters()) params += p.numel();
+  const double per_token = 6.0 * static_cast<double>(params - cfg.context * d) +
+                           12.0 * static_cast<double>(layers * cfg.context * d);
+  return std::make_shared<ModuleModel<Gpt>>("gpt", gpt, spec, per_token * static_cast<double>(cfg.context));
 }
 
 }  // namespace keel::models

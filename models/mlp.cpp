@@ -32,7 +32,10 @@ std::shared_ptr<Model> make_mlp(const ModelConfig& cfg) {
   InputSpec spec{InputKind::Image, {1, 28, 28}, cfg.num_classes};
   const int64_t width = cfg.width > 0 ? cfg.width : 256;
   const int64_t depth = cfg.depth > 0 ? cfg.depth : 8;
-  return std::make_shared<ModuleModel<Mlp>>("mlp", Mlp(784, width, depth, cfg.num_classes), spec);
+  Mlp mlp(784, width, depth, cfg.num_classes);
+  int64_t params = 0;
+  for (const auto& p : mlp->parameters()) params += p.numel();
+  return std::make_shared<ModuleModel<Mlp>>("mlp", mlp, spec, 6.0 * static_cast<double>(params));  // dense layers only
 }
 
 }  // namespace keel::models

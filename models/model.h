@@ -56,6 +56,11 @@ class Model {
   virtual void to(const torch::Device& device) = 0;
   virtual void train(bool on) = 0;
 
+  /// Floating-point operations of one training sample (forward and backward), for MFU in the
+  /// log and summary.json; 0 = not known (no MFU is shown). The usual estimate for dense
+  /// layers: 6 x the parameters a sample multiplies with, plus attention's score products.
+  virtual double train_flops_per_sample() const { return 0; }
+
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
 };
@@ -64,8 +69,9 @@ class Model {
 template <class ModuleHolder>
 class ModuleModel : public Model {
  public:
-  ModuleModel(std::string name, ModuleHolder module, InputSpec spec)
-      : name_(std::move(name)), module_(std::move(module)), spec_(std::move(spec)) {}
+  ModuleModel(std::string name, ModuleHolder module, InputSpec spec, double train_flops_per_sample = 0)
+      : name_(std::move(name)), module_(std::move(module)), spec_(std::move(spec)), flops_(train_flops_per_sample) {}
+  double train_flops_per_sample() const override { return flops_; }
   std::string name() const override { return name_; }
   InputSpec input_spec() const override { return spec_; }
   torch::Tensor forward(const torch::Tensor& input) override { return module_->forward(input); }
@@ -87,6 +93,7 @@ class ModuleModel : public Model {
   std::string name_;
   ModuleHolder module_;
   InputSpec spec_;
+  double flops_ = 0;
 };
 
 /// Builds a model from its config section. `data_kind` is the input kind the chosen dataset

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Sets up a Debian 12 machine for keel and builds it. Idempotent: installs only what is missing.
 #  1. Debian packages (build tools, Gloo headers, MPI, CLI11, spdlog, toml++, ...).
-#  2. LibTorch: PyTorch 2.11.0's, from PyPI's torch wheel, pip-installed into a virtual
+#  2. LibTorch: PyTorch 2.11.0's, from PyPI's torch wheel (and tensorboard and safetensors,
+#     the real clients the tests read keel's outputs with), pip-installed into a virtual
 #     environment OUTSIDE the clone, ${KEEL_VENV:-$HOME/.cache/keel/venv}, shared by every clone
 #     and CI run on the machine (a second clone does not download torch again). Its bin/python
 #     and bin/torchrun are the PyTorch reference of tests, golden files and benchmarks.
@@ -32,6 +33,7 @@ PACKAGES=(
   python3-venv
   gnuplot-nox
   clang libclang-rt-dev
+  libprotobuf-dev protobuf-compiler libboost-dev
   iproute2
   slurmd slurmctld slurm-client munge
 )
@@ -76,6 +78,12 @@ else
     "$py" -m pip install -q --disable-pip-version-check "torch==$TORCH_VERSION_WANTED" numpy >&2
   else
     log "torch $TORCH_VERSION_WANTED present in $venv"
+  fi
+  # The real clients the tests read keel's outputs with: TensorBoard's event reader and the
+  # safetensors library.
+  if ! "$py" -c "import tensorboard, safetensors" 2>/dev/null; then
+    log "installing tensorboard and safetensors (PyPI) into $venv"
+    "$py" -m pip install -q --disable-pip-version-check tensorboard safetensors >&2
   fi
   flock -u 9
   prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')

@@ -18,6 +18,7 @@
 #include "keel/checkpoint/checkpoint.h"
 #include "keel/checkpoint/inspect.h"
 #include "keel/checkpoint/meta.h"
+#include "keel/checkpoint/weights.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 #include "helpers.h"
@@ -950,3 +951,83 @@ TEST(TrainerCheckpoints, CallbacksSaveAndRestoreYourOwnState) {
 }
 
 }  // namespace
+
+// --- the real clients: PyPI's safetensors and PyTorch (issue 17, item 4) -------------------
+
+namespace {
+
+// Runs tests/safetensors_roundtrip.py; skips the test when the safetensors package is absent.
+ProcResult roundtrip(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {KEEL_PYTHON, source_path("tests/safetensors_roundtrip.py")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_process(argv, {}, 300);
+}
+
+}  // namespace
+
+// Every model shard of a 2-rank checkpoint, loaded by safetensors.torch.load_file along the
+// HF index into the PyTorch reference model (tests/golden/reference_models.py), gives the
+// logits keel gives from the same step, within 1e-5 (float32 of the same operations; the
+// order of reductions inside a matmul may differ between the two runs).
+TEST(RealClients, PyTorchLoadsKeelsShardsAndGetsKeelsLogits) {
+  struct Case {
+    std::string name;
+    nlohmann::json args;
+    std::vector<std::string> flags;
+  };
+  const std::vector<Case> cases = {
+      {"mlp", {{"width", 32}, {"depth", 2}}, {"--model.width=32", "--model.depth=2"}},
+      {"gpt", {{"width", 32}, {"depth", 1}, {"context", 16}, {"heads", 4}},
+       {"--model.width=32", "--model.depth=1", "--model.context=16", "--model.heads=4"}}};
+  for (const auto& c : cases) {
+    TempDir d;
+    std::vector<std::string> args = {"train", "--model.name=" + c.name, "--data.name=synthetic", "--train.steps=3",
+                                     "--train.batch_size=4", "--train.eval_interval=0", "--run.threads=1",
+                                     "--checkpoint.dir=" + d.file("ckpt"), "--checkpoint.interval=3",
+                                     "--run.dir=" + d.file("run")};
+    args.insert(args.end(), c.flags.begin(), c.flags.end());
+    expect_all_ok(run_keel_ranks(2, args));
+    const std::string step = d.file("ckpt/step_3");
+    keel::ModelConfig mc;
+    mc.name = c.name;
+    mc.width = c.args["width"];
+    mc.depth = c.args["depth"];
+    if (c.name == "gpt") mc.context = 16;
+    auto model = keel::models::create_model(mc);
+    EXPECT_GT(load_weights(*model, step), 0);
+    model->train(false);
+    torch::Tensor input =
+        c.name == "mlp" ? (torch::arange(4 * 784).remainder(29).to(torch::kFloat) / 29.0 - 0.5).view({4, 1, 28, 28})
+                        : torch::arange(2 * 16).remainder(256).view({2, 16});
+    torch::NoGradGuard ng;
+    write_safetensors(d.file("keel.safetensors"), {{"input", input}, {"logits", model->forward(input).contiguous()}});
+    auto py = roundtrip({"logits", step, d.file("keel.safetensors"), c.name, c.args.dump()});
+    if (py.exit_code == 77) GTEST_SKIP() << py.output;
+    EXPECT_EQ(py.exit_code, 0) << c.name << ": " << py.output;
+    std::printf("%s: %s", c.name.c_str(), py.output.c_str());
+  }
+}
+
+// The reverse: weights PyTorch wrote with safetensors.torch.save_file start a keel run
+// (model.init_from), and keel's first loss is the loss PyTorch computes for the same weights
+// on the same first batch.
+TEST(RealClients, PyTorchWeightsInitialiseAKeelRun) {
+  TempDir d;
+  auto py = roundtrip({"init", d.file("init.safetensors"), R"({"width": 32, "depth": 2})", "16"});
+  if (py.exit_code == 77) GTEST_SKIP() << py.output;
+  ASSERT_EQ(py.exit_code, 0) << py.output;
+  const double want = nlohmann::json::parse(py.output)["first_loss"].get<double>();
+  auto r = run_keel({"train", "--model.name=mlp", "--model.width=32", "--model.depth=2", "--data.name=synthetic",
+                     "--data.shuffle=false", "--train.steps=1", "--train.batch_size=16", "--train.eval_interval=0",
+                     "--run.threads=1", "--model.init_from=" + d.file("init.safetensors"), "--run.dir=" + d.file("run")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("tensors from " + d.file("init.safetensors")), std::string::npos) << r.output;
+  const auto line = nlohmann::json::parse(read_text(d.file("run/metrics.jsonl")));
+  EXPECT_NEAR(line["loss"].get<double>(), want, 1e-6 * want) << "keel " << line["loss"] << ", PyTorch " << want;
+  // A file that does not fit the model is bad input naming the tensor and both shapes.
+  auto bad = run_keel({"train", "--model.name=mlp", "--model.width=64", "--model.depth=2", "--data.name=synthetic",
+                       "--train.steps=1", "--model.init_from=" + d.file("init.safetensors"), "--run.dir=" + d.file("bad")});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("\"fc.0.weight\" has shape [32, 784], the model's is [64, 784]"), std::string::npos)
+      << bad.output;
+}

@@ -8,6 +8,8 @@
 
 #include <sys/stat.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 
@@ -15,6 +17,7 @@
 
 #include "helpers.h"
 #include "idx_fixture.h"
+#include "keel/trainer/app/plot.h"
 #include "keel/trainer/config/config.h"
 
 using keel::testing::run_keel;
@@ -328,6 +331,19 @@ TEST(KeelPlot, WritesPngCurvesFromMetrics) {
     EXPECT_EQ(png.substr(0, 8), std::string("\x89PNG\r\n\x1a\n", 8)) << f;  // the PNG signature
   }
   EXPECT_EQ(run_keel({"plot", d.file("no-such-run")}).exit_code, 2);
+  // The smoothed loss curve is drawn from its own data file: one point per finite step loss.
+  const std::string smooth = keel::testing::read_text(d.file("run/plots/loss_smoothed.dat"));
+  EXPECT_EQ(std::count(smooth.begin(), smooth.end(), '\n'), 12) << smooth;
+}
+
+// The smoothing is TensorBoard's debiased EMA: a constant stays constant (no pull toward 0 at
+// the start), a step change is followed gradually, NaN losses are skipped.
+TEST(KeelPlot, SmoothingIsADebiasedEmaThatSkipsNaN) {
+  const std::string s = keel::smoothed({{1, 2.0}, {2, 2.0}, {3, NAN}, {4, 2.0}, {5, 4.0}}, 0.5);
+  EXPECT_EQ(s, "1\t2\n2\t2\n4\t2\n5\t3.06667\n");
+  EXPECT_DOUBLE_EQ(keel::smoothing_weight(40), 0.6);
+  EXPECT_DOUBLE_EQ(keel::smoothing_weight(400), 0.9);
+  EXPECT_DOUBLE_EQ(keel::smoothing_weight(1000000), 0.99);
 }
 
 // Hardening class 11: a run directory whose path holds an apostrophe plots; a metrics line

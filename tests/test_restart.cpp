@@ -26,16 +26,19 @@ struct Outcome {
   double seconds = 0;
 };
 
+// keel's arguments of every run here: 12 steps, a checkpoint every 4.
+std::vector<std::string> train_args(const std::string& dir) {
+  return {KEEL_BINARY, "train", "--config", source_path("configs/synthetic_smoke.toml"), "--train.steps=12",
+          "--train.eval_interval=0", "--run.threads=1", "--dist.timeout_s=30", "--checkpoint.interval=4",
+          "--checkpoint.dir=" + dir + "/ckpt", "--run.dir=" + dir + "/run"};
+}
+
 Outcome crash_and_restart(const std::vector<std::string>& rendezvous, const std::string& dir) {
   std::vector<std::string> argv = {KEEL_TORCHRUN, "--nproc_per_node=2", "--max_restarts=1"};
   argv.insert(argv.end(), rendezvous.begin(), rendezvous.end());
-  for (const auto& a : {std::string("--no_python"), std::string(KEEL_BINARY), std::string("train"),
-                        std::string("--config"), source_path("configs/synthetic_smoke.toml"),
-                        std::string("--train.steps=12"), std::string("--train.eval_interval=0"),
-                        std::string("--run.threads=1"), std::string("--dist.timeout_s=30"),
-                        std::string("--checkpoint.interval=4"), "--checkpoint.dir=" + dir + "/ckpt",
-                        "--run.dir=" + dir + "/run", std::string("--fault.inject=crash@step=6,rank=1")})
-    argv.push_back(a);
+  argv.push_back("--no_python");
+  for (const auto& a : train_args(dir)) argv.push_back(a);
+  argv.push_back("--fault.inject=crash@step=6,rank=1");
   const auto t0 = std::chrono::steady_clock::now();
   auto r = run_process(argv, {}, /*timeout_s=*/120);
   Outcome o;
@@ -79,3 +82,34 @@ TEST(Restart, EveryRendezvousKindRecoversEveryTime) {
 }
 
 }  // namespace
+
+// mpirun has no restarts: the user (or a job script) launches again. Each launch opens a fresh
+// store on a fresh port, so nothing of the crashed attempt can be read; the relaunch resumes
+// from the last committed step. Repeated, as above.
+TEST(Restart, MpirunRelaunchResumesEveryTime) {
+  TempDir d;
+  const std::vector<std::string> mpirun = {"/usr/bin/mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"};
+  int failures = 0;
+  for (int i = 0; i < 4; ++i) {
+    const std::string dir = d.file("mpi" + std::to_string(i));
+    auto argv = mpirun;
+    for (const auto& a : train_args(dir)) argv.push_back(a);
+    auto crashed = argv;
+    crashed.push_back("--fault.inject=crash@step=6,rank=1");
+    auto r = run_process(crashed, {}, 120);
+    if (r.timed_out || r.exit_code == 0) {
+      ++failures;
+      ADD_FAILURE() << "run " << i << ": the crashed launch " << (r.timed_out ? "hung" : "exited 0") << "\n" << r.output;
+      continue;
+    }
+    r = run_process(argv, {}, 120);
+    const bool ok = !r.timed_out && r.exit_code == 0;
+    const auto s = ok ? nlohmann::json::parse(read_text(dir + "/run/summary.json")) : nlohmann::json::object();
+    std::printf("mpirun relaunch %d: %s\n", i, ok ? "finished" : "FAILED");
+    if (!ok || s.value("resumed_from_step", -1) != 4 || s.value("steps", -1) != 12 || s.value("launcher", "") != "mpirun") {
+      ++failures;
+      ADD_FAILURE() << "run " << i << ": relaunch exit " << r.exit_code << ", summary " << s.dump() << "\n" << r.output;
+    }
+  }
+  EXPECT_EQ(failures, 0) << "of 4 mpirun crash-and-relaunch runs";
+}

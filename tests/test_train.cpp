@@ -9,11 +9,13 @@
 
 #include <chrono>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <thread>
 
 #include "keel/dist/world.h"
 #include "helpers.h"
+#include "multirank.h"
 #include "keel/trainer/metrics.h"
 #include "keel/trainer/optim.h"
 
@@ -72,6 +74,87 @@ TEST(EndToEnd, GptOnTextReportsTokensPerSecond) {
   auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
   EXPECT_TRUE(summary.contains("tokens_per_s"));
   EXPECT_LT(summary["final_loss"].get<double>(), 3.0);  // ln(256) = 5.5 at the start
+  // The log line says how long is left and how well the hardware is used (MFU against a
+  // peak measured at start: gpt reports its FLOPs); summary.json keeps both at the last log.
+  EXPECT_NE(r.output.find("| ETA 0m00s"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("% | ETA"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("MFU against a peak of"), std::string::npos) << r.output;
+  ASSERT_TRUE(summary["mfu"].is_number()) << summary.dump();
+  EXPECT_GT(summary["mfu"].get<double>(), 0.0);
+  EXPECT_GT(summary["peak_tflops"].get<double>(), 0.0);
+  EXPECT_EQ(summary["eta_s"].get<double>(), 0.0);  // the last step: nothing left
+  const auto lines = read_jsonl(d.file("run/metrics.jsonl"));
+  ASSERT_EQ(lines.size(), 60u);
+  EXPECT_GT(lines[0]["eta_s"].get<double>(), 0.0);
+  EXPECT_TRUE(lines[0]["mfu"].is_number());
+}
+
+// TensorBoard (run.tensorboard, on by default): rank 0's event files, read back with
+// TensorBoard's own reader (the PyPI package in keel's venv) and compared value by value with
+// metrics.jsonl: a 2-rank run (per-rank spread) with dynamic loss scaling, clipping and
+// evaluations, then a run resumed from step 6 of it, whose redone steps TensorBoard must show
+// once, as metrics.jsonl does.
+TEST(TensorBoard, TheTensorboardReaderGetsWhatMetricsJsonlHolds) {
+  TempDir d;
+  std::vector<std::string> args = {"train", "--model.name=gpt", "--model.width=32", "--model.depth=1",
+                                   "--model.context=16", "--data.name=synthetic", "--train.steps=12",
+                                   "--train.batch_size=4", "--train.eval_interval=5", "--train.grad_clip=1",
+                                   "--amp.loss_scaling=dynamic", "--run.threads=1", "--checkpoint.interval=6",
+                                   "--checkpoint.dir=" + d.file("ckpt"), "--run.dir=" + d.file("run")};
+  keel::testing::expect_all_ok(keel::testing::run_keel_ranks(2, args));
+  args.push_back("--checkpoint.resume_from=" + d.file("ckpt/step_6"));
+  keel::testing::expect_all_ok(keel::testing::run_keel_ranks(2, args));
+  auto check = keel::testing::run_process({KEEL_PYTHON, keel::testing::source_path("tests/tensorboard_check.py"),
+                                           d.file("run")}, {}, 120);
+  if (check.exit_code == 77) GTEST_SKIP() << check.output;
+  EXPECT_EQ(check.exit_code, 0) << check.output;
+  std::printf("%s", check.output.c_str());
+}
+
+// run.profile_steps: LibTorch's profiler over steps 3-4 on both ranks, a Chrome trace each
+// (what Perfetto opens) holding the loop's regions and the gradient all-reduce, for exactly
+// those two steps.
+TEST(Profiler, TraceOfTheGivenStepsHasTheLoopsRegions) {
+  TempDir d;
+  keel::testing::expect_all_ok(keel::testing::run_keel_ranks(
+      2, {"train", "--model.name=mlp", "--model.width=32", "--model.depth=2", "--data.name=synthetic",
+          "--train.steps=6", "--train.batch_size=8", "--train.eval_interval=0", "--run.threads=1",
+          "--run.profile_steps=3-4", "--run.dir=" + d.file("run")}));
+  for (int rank = 0; rank < 2; ++rank) {
+    const std::string path = d.file("run/trace.rank" + std::to_string(rank) + ".json");
+    ASSERT_TRUE(keel::testing::exists(path)) << path;
+    const auto trace = nlohmann::json::parse(keel::testing::read_text(path));
+    ASSERT_TRUE(trace.contains("traceEvents")) << path;
+    std::map<std::string, int> count;
+    int all_reduce = 0;
+    for (const auto& e : trace["traceEvents"]) {
+      if (!e.contains("name") || !e["name"].is_string()) continue;
+      const std::string n = e["name"];
+      ++count[n];
+      if (n.find("all_reduce") != std::string::npos || n.find("allreduce") != std::string::npos) ++all_reduce;
+    }
+    for (const char* region : {"keel::forward", "keel::backward", "keel::consensus", "keel::optimizer"})
+      EXPECT_EQ(count[region], 2) << region << " in " << path;  // steps 3 and 4, one micro-batch each
+    EXPECT_GT(all_reduce, 0) << "no all-reduce in " << path;
+  }
+  for (const std::string bad : {"5-3", "x", "0-2", "3-"}) {
+    const auto r = run_keel({"train", "--run.profile_steps=" + bad, "--print-config"});
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("run.profile_steps = \"" + bad + "\""), std::string::npos) << r.output;
+  }
+}
+
+// MFU's denominator can be given (run.peak_tflops): then it is that, and MFU scales with it.
+TEST(EndToEnd, GivenPeakIsMfusDenominator) {
+  TempDir d;
+  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=10", "--train.batch_size=16",
+                     "--train.eval_interval=0", "--run.peak_tflops=1e-6", "--run.dir=" + d.file("run"), "--run.threads=1"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
+  EXPECT_EQ(summary["peak_tflops"].get<double>(), 1e-6);
+  EXPECT_NE(r.output.find("(run.peak_tflops)"), std::string::npos) << r.output;
+  // 1 MFLOP/s of peak: any real run is far above it.
+  EXPECT_GT(summary["mfu"].get<double>(), 1.0);
 }
 
 TEST(EndToEnd, GradAccumAndSgdOnSynthetic) {

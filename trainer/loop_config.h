@@ -36,6 +36,9 @@ struct RunConfig {
   logging::Level log_level = logging::Level::info;
   bool all_ranks_log = false;
   bool progress = true;
+  bool tensorboard = true;  // rank 0 writes TensorBoard event files under <dir>/tb/
+  std::string profile_steps = "";  // "A-B": a profiler trace of those steps (trainer/profiler.h)
+  double peak_tflops = 0;  // one rank's peak for MFU; 0 = measured at start (models that report FLOPs)
 };
 
 struct TrainConfig {

@@ -1,5 +1,7 @@
 #include "keel/trainer/setup.h"
 
+#include <chrono>
+
 #ifdef __GLIBC__
 #include <malloc.h>
 #endif
@@ -85,6 +87,34 @@ CompiledModel compile_on_every_rank(dist::Collectives& coll, const std::function
 bool is_out_of_memory(const std::string& what) {
   return what.find("can't allocate memory") != std::string::npos ||
          what.find("out of memory") != std::string::npos || what.find("std::bad_alloc") != std::string::npos;
+}
+
+double measure_peak_tflops(const torch::Device& device, const AmpContext& amp) {
+  torch::NoGradGuard no_grad;
+  const bool cuda = device.is_cuda();
+  const int64_t n = cuda ? 8192 : 512;
+  const auto dtype = cuda && amp.enabled ? amp.dtype : torch::kFloat;
+  const auto opts = torch::TensorOptions().dtype(dtype).device(device);
+  // Constant operands: the time does not depend on the values, and the RNG the run is seeded
+  // with is left untouched.
+  const auto a = torch::full({n, n}, 0.5, opts), b = torch::full({n, n}, 0.25, opts);
+  auto sync = [&] {
+#ifdef KEEL_WITH_CUDA
+    if (cuda) torch::cuda::synchronize(device.index());
+#endif
+  };
+  torch::Tensor c = torch::mm(a, b);  // warm-up: kernels, threads, allocator
+  sync();
+  int64_t reps = 0;
+  const auto t0 = std::chrono::steady_clock::now();
+  double s = 0;
+  while (s < 0.05 || reps < 3) {
+    c = torch::mm(a, b);
+    sync();
+    ++reps;
+    s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return 2.0 * static_cast<double>(n) * n * n * static_cast<double>(reps) / s / 1e12;
 }
 
 }  // namespace keel

@@ -39,6 +39,11 @@ struct AmpContext {
   static AmpContext resolve(const AmpConfig& cfg, const torch::Device& device);
 };
 
+/// One rank's attainable matrix-multiply throughput on `device`, in TFLOP/s: a short square
+/// GEMM (CPU: float32, 512; CUDA: the autocast dtype or float32, 8192), timed for about 50 ms.
+/// The denominator of MFU when run.peak_tflops is not given.
+double measure_peak_tflops(const torch::Device& device, const AmpContext& amp);
+
 /// What determines the model's graph, for the compile cache: every [model] key, the bytes of a
 /// TorchScript file, and amp.dtype.
 std::string compile_identity(const ModelConfig& model, const AmpConfig& amp);

@@ -50,6 +50,9 @@ nlohmann::json Summary::to_json() const {
       {"checkpoint_stall_ms", checkpoint_stall_ms},
   };
   j["rendezvous_ms"] = rendezvous_ms;
+  j["eta_s"] = eta_s;
+  j["mfu"] = or_null(mfu);
+  j["peak_tflops"] = or_null(peak_tflops);
   j["control_per_step"] = {{"collectives", control_per_step.collectives},
                            {"validation_probes", control_per_step.probes},
                            {"bytes_sent", control_per_step.bytes_sent},

@@ -5,6 +5,8 @@
 
 #include <unistd.h>
 
+#include <ATen/record_function.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -17,6 +19,7 @@
 #include "keel/amp/autocast.h"
 #include "keel/amp/grad_scaler.h"
 #include "keel/checkpoint/stateful.h"
+#include "keel/checkpoint/weights.h"
 #include "keel/common/atomic_file.h"
 #include "keel/common/clock.h"
 #include "keel/common/file.h"
@@ -33,7 +36,9 @@
 #include "keel/trainer/optim.h"
 #include "keel/trainer/rank_agreement.h"
 #include "keel/trainer/setup.h"
+#include "keel/trainer/profiler.h"
 #include "keel/trainer/state.h"
+#include "keel/trainer/tensorboard.h"
 
 namespace keel {
 namespace {
@@ -198,6 +203,14 @@ class Trainer::Loop {
   std::vector<double> step_times_;
   int64_t steps_timed_ = 0;
   double ema_ms_ = 0;
+  std::unique_ptr<EventWriter> tb_;  // rank 0, run.tensorboard
+  std::unique_ptr<StepProfiler> profiler_;  // run.profile_steps
+  double flops_per_sample_ = 0;      // the model's, 0 = unknown (no MFU)
+  double peak_tflops_ = 0;           // one rank's: run.peak_tflops or measured at start
+  std::optional<double> last_mfu_;   // at the last log line
+  double last_eta_s_ = 0;
+  double recent_median_ms() const;
+  void write_tensorboard(const StepResult& r, const std::optional<EvalResult>& eval);
   std::optional<EvalResult> last_eval_;
   int stop_signal_ = 0;
   StragglerWatch stragglers_;
@@ -228,6 +241,10 @@ void Trainer::Loop::build_model_and_data() {
   // a model is built.
   const auto data_kind = data::native_input_kind(cfg_.data.name);
   model_ = models::create_model(cfg_.model, data_kind);
+  if (!cfg_.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
+    const int64_t n = checkpoint::load_weights(*model_, cfg_.model.init_from);
+    logging::info("model: {} tensors from {} (model.init_from)", n, cfg_.model.init_from);
+  }
   spec_ = model_->input_spec();
   splits_ = data::create_dataset(cfg_.data, spec_, cfg_.run.seed);
   model_->train(true);
@@ -332,6 +349,20 @@ void Trainer::Loop::open_outputs() {
     if (resumed_from_) truncate_metrics(path, *resumed_from_);  // a resumed run rewrites what followed
     else std::remove(path.c_str());                             // a fresh run starts a fresh file
     metrics_ = JsonlWriter(path);
+    if (cfg_.run.tensorboard) {
+      try {
+        tb_ = std::make_unique<EventWriter>(cfg_.run.dir + "/tb");
+        if (resumed_from_) tb_->resumed_at(*resumed_from_ + 1);  // TensorBoard drops what follows, too
+      } catch (const std::runtime_error& e) {
+        logging::warn("{}: training goes on without TensorBoard events", e.what());
+      }
+    }
+  }
+  if (const auto range = parse_profile_steps(cfg_.run.profile_steps)) {
+    // Every rank writes its own trace into run.dir (which, across hosts, may be its host's own).
+    if (const std::string err = make_dirs(cfg_.run.dir); !err.empty()) throw InputError("run.dir: " + err);
+    profiler_ = std::make_unique<StepProfiler>(range, cfg_.run.dir + "/trace.rank" + std::to_string(world_.rank) + ".json",
+                                               device_);
   }
   show_progress_ = cfg_.run.progress && world_.is_main() && ::isatty(STDOUT_FILENO);
   stragglers_ = StragglerWatch(world_.size);
@@ -343,6 +374,24 @@ void Trainer::Loop::open_outputs() {
                 model_->name(), model_->num_parameters(), cfg_.data.name, splits_.train->size(),
                 splits_.test ? splits_.test->size() : 0, progress_.total_steps, progress_.global_batch,
                 cfg_.train.batch_size, cfg_.train.grad_accum, world_.size, sampler_->batches_per_epoch());
+  flops_per_sample_ = model_->train_flops_per_sample();
+  if (flops_per_sample_ > 0) {
+    const bool given = cfg_.run.peak_tflops > 0;
+    peak_tflops_ = given ? cfg_.run.peak_tflops : measure_peak_tflops(device_, amp_);
+    logging::info("MFU against a peak of {:.3g} TFLOP/s per rank ({}); the model: {:.3g} GFLOP per sample", peak_tflops_,
+                  given ? "run.peak_tflops" : "measured: a square matrix multiply on " + device_.str(),
+                  flops_per_sample_ / 1e9);
+  }
+}
+
+// The median of the last 100 step times: what ETA and MFU use (robust to one slow step).
+double Trainer::Loop::recent_median_ms() const {
+  const size_t n = std::min<size_t>(step_times_.size(), 100);
+  std::vector<double> recent;
+  recent.reserve(n);
+  const size_t end = static_cast<size_t>(steps_timed_);  // the next slot of the ring
+  for (size_t k = 1; k <= n; ++k) recent.push_back(step_times_[(end - k) % step_times_.size()]);
+  return median(recent);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -384,6 +433,7 @@ StepResult Trainer::Loop::train_step() {
   const auto t0 = Clock::now();
   StepResult r;
   r.step = progress_.steps_done + 1;
+  if (profiler_) profiler_->before_step(r.step);
   coll_->set_step(r.step);
   r.lr = schedule_->at(r.step - 1);
   set_lr(*optimizer_, r.lr);
@@ -397,7 +447,10 @@ StepResult Trainer::Loop::train_step() {
   if (ckpt_ && ckpt_->pending() && ckpt_->write_finished()) flags |= kFlagCheckpointWritten;
   // One all-gather per step: every rank is at this step with the same gradient plan, the
   // mean loss, and whether any rank saw inf/NaN (then no rank steps).
-  r.consensus = coll_->step_sync(r.step, dmodel_->plan(), r.local_loss, nonfinite, compute_ms, flags);
+  {
+    RECORD_USER_SCOPE("keel::consensus");
+    r.consensus = coll_->step_sync(r.step, dmodel_->plan(), r.local_loss, nonfinite, compute_ms, flags);
+  }
   // An async checkpoint is committed once every rank has written its share.
   if (ckpt_ && ckpt_->pending() && (r.consensus.all_flags & kFlagCheckpointWritten)) {
     ckpt_->commit();
@@ -407,11 +460,15 @@ StepResult Trainer::Loop::train_step() {
   r.skipped = r.consensus.any_nonfinite;
   r.stop = (r.consensus.any_flags & kFlagStop) != 0;
   if (world_.is_main()) stragglers_.observe(r.consensus.rank_compute_ms);
-  apply_update(r);
+  {
+    RECORD_USER_SCOPE("keel::optimizer");
+    apply_update(r);
+  }
   r.step_ms = ms_since(t0);
   progress_.steps_done = r.step;
   progress_.last_loss = r.loss;
   record_step_time(r.step_ms);
+  if (profiler_) profiler_->after_step(r.step);
   return r;
 }
 
@@ -432,12 +489,16 @@ double Trainer::Loop::forward_backward() {
     data::Batch b = splits_.train->get(sampler_->next());
     torch::Tensor loss;
     {
+      RECORD_USER_SCOPE("keel::forward");
       amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
       auto out = dmodel_->forward(b.input.to(device_), sync);
       loss = loss_(out, b.target.to(device_)).to(torch::kFloat);
     }
     auto scaled = loss / static_cast<double>(cfg_.train.grad_accum);
-    dmodel_->backward(scaler_ ? scaler_->scale(scaled) : scaled, sync);
+    {
+      RECORD_USER_SCOPE("keel::backward");  // with the Reducer's gradient all-reduces on the last micro-batch
+      dmodel_->backward(scaler_ ? scaler_->scale(scaled) : scaled, sync);
+    }
     loss_sum += loss.item<double>();
   }
   return loss_sum / cfg_.train.grad_accum;
@@ -543,19 +604,56 @@ void Trainer::Loop::log_step(const StepResult& r, const std::optional<EvalResult
     line["test_loss"] = eval->loss;
     line["test_accuracy"] = eval->accuracy;
   }
+  const int64_t total = progress_.total_steps;
+  const double typical_ms = recent_median_ms();
+  last_eta_s_ = static_cast<double>(total - r.step) * typical_ms / 1000.0;
+  line["eta_s"] = last_eta_s_;
+  if (peak_tflops_ > 0 && typical_ms > 0) {
+    // Achieved FLOP/s of the job over what its ranks' devices can do.
+    last_mfu_ = flops_per_sample_ * static_cast<double>(progress_.global_batch) / (typical_ms / 1000.0) /
+                (peak_tflops_ * 1e12 * static_cast<double>(world_.size));
+    line["mfu"] = *last_mfu_;
+  }
   metrics_.write(line);
+  if (tb_) write_tensorboard(r, eval);
   if (cb_.on_step) cb_.on_step(info);
 
-  const int64_t total = progress_.total_steps;
   if (show_progress_) {
     std::printf("\r\033[Kstep %ld/%ld | loss %.4f | %.1f it/s | ETA %s", long(r.step), long(total), r.loss,
                 1000.0 / ema_ms_, format_duration((total - r.step) * ema_ms_ / 1000.0).c_str());
     std::fflush(stdout);
   }
-  if (r.step % cfg_.train.log_interval == 0 || r.step == total)
+  if (r.step % cfg_.train.log_interval == 0 || r.step == total) {
+    if (tb_) tb_->flush();
     logging::log(show_progress_ ? logging::Level::debug : logging::Level::info,
-                 "step {}/{} | loss {:.4f} | lr {:.3g} | {:.1f} ms/step | {:.0f} samples/s", r.step, total, r.loss,
-                 r.lr, r.step_ms, info.samples_per_s);
+                 "step {}/{} | loss {:.4f} | lr {:.3g} | {:.1f} ms/step | {:.0f} samples/s{} | ETA {}", r.step, total,
+                 r.loss, r.lr, r.step_ms, info.samples_per_s,
+                 last_mfu_ ? fmt::format(" | MFU {:.1f}%", *last_mfu_ * 100.0) : std::string(),
+                 format_duration(last_eta_s_));
+  }
+}
+
+// The step's scalars, as in metrics.jsonl, for TensorBoard.
+void Trainer::Loop::write_tensorboard(const StepResult& r, const std::optional<EvalResult>& eval) {
+  std::vector<std::pair<std::string, double>> v = {
+      {"train/loss", r.loss}, {"train/lr", r.lr}, {"train/step_ms", r.step_ms},
+      {"train/samples_per_s", progress_.global_batch * 1000.0 / r.step_ms},
+      {"train/skipped_steps", static_cast<double>(progress_.skipped_steps)}};
+  if (spec_.kind == models::InputKind::Tokens)
+    v.emplace_back("train/tokens_per_s", v[3].second * static_cast<double>(spec_.sample_shape.at(0)));
+  if (scaler_) v.emplace_back("train/loss_scale", scaler_->scale_value());
+  if (cfg_.train.grad_clip > 0) v.emplace_back("train/grad_norm", r.grad_norm);
+  if (last_mfu_) v.emplace_back("train/mfu", *last_mfu_);
+  const auto& c = r.consensus.rank_compute_ms;
+  if (c.size() > 1) {  // how far apart the ranks' forward+backward times are: stragglers
+    const auto [lo, hi] = std::minmax_element(c.begin(), c.end());
+    v.emplace_back("dist/rank_compute_spread_ms", *hi - *lo);
+  }
+  if (eval) {
+    v.emplace_back("eval/loss", eval->loss);
+    v.emplace_back("eval/accuracy", eval->accuracy);
+  }
+  tb_->scalars(r.step, v);
 }
 
 // checkpoint.interval: a save every `interval` steps (the final one is finish()'s).
@@ -609,6 +707,8 @@ void Trainer::Loop::finish() {
     ckpt_->finish();
     notify_checkpoint();
   }
+  if (tb_) tb_->flush();
+  if (profiler_) profiler_->finish();
   dmodel_->sync_buffers();  // every rank ends with rank 0's model
   // A rank that tears down its connections while a peer still uses them makes the peer's
   // Gloo threads fail.
@@ -660,6 +760,9 @@ Summary Trainer::Loop::summary() const {
   if (ckpt_ && ckpt_->last_committed() >= 0) s.checkpoint_step = ckpt_->last_committed();
   s.checkpoint_stall_ms = checkpoint_stall_ms_;
   s.rendezvous_ms = rendezvous_ms_;
+  s.eta_s = last_eta_s_;
+  s.mfu = last_mfu_;
+  if (peak_tflops_ > 0) s.peak_tflops = peak_tflops_;
   const dist::TrafficStats t = coll_->traffic() - traffic_at_loop_;
   const int64_t n = progress_.steps_done - steps_at_loop_;
   if (n > 0)

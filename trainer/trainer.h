@@ -77,6 +77,9 @@ struct Summary {
   double checkpoint_stall_ms = 0;    // time saves blocked the loop
   std::optional<double> test_accuracy, test_loss;  // the last evaluation
   double rendezvous_ms = 0;          // process group creation and the cross-rank config check
+  double eta_s = 0;                  // at the last log line: steps left x the recent median step time
+  std::optional<double> mfu;         // at the last log line (models that report FLOPs), 0..1
+  std::optional<double> peak_tflops; // MFU's denominator per rank (run.peak_tflops or measured)
   /// keel's control traffic per step on this rank over this run's loop (the consensus,
   /// validation probes, checkpoint coordination, evaluation totals; not DDP's gradients).
   struct Control {

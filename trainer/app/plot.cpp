@@ -8,6 +8,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
@@ -38,6 +40,26 @@ std::string shell_quote(const std::string& s) {
 
 }  // namespace
 
+double smoothing_weight(size_t points) {
+  // About 1/40 of the run (at least 0.6, at most 0.99): visible trends, no step-to-step noise.
+  if (points < 2) return 0.6;
+  return std::clamp(1.0 - 40.0 / static_cast<double>(points), 0.6, 0.99);
+}
+
+std::string smoothed(const std::vector<std::pair<int64_t, double>>& points, double weight) {
+  // TensorBoard's smoothing: an exponential moving average, debiased so that the first points
+  // are not pulled toward 0. NaN losses (skipped steps) are left out of the average.
+  std::ostringstream os;
+  double ema = 0, norm = 0;
+  for (const auto& [step, v] : points) {
+    if (!std::isfinite(v)) continue;
+    ema = weight * ema + (1 - weight) * v;
+    norm = weight * norm + (1 - weight);
+    os << step << '\t' << ema / norm << '\n';
+  }
+  return os.str();
+}
+
 std::vector<std::string> plot_run(const std::string& run_dir, const std::string& out_dir_in) {
   const std::string metrics = run_dir + "/metrics.jsonl";
   if (const std::string what = not_a_regular_file(metrics); !what.empty())
@@ -51,6 +73,7 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
 
   // Columns: step loss samples_per_s tokens_per_s loss_scale test_loss rank_compute_ms...
   std::ostringstream train, eval, ranks;
+  std::vector<std::pair<int64_t, double>> losses;
   bool tokens = false, scale = false, has_eval = false;
   size_t nranks = 0, lines = 0, line_no = 0;
   std::string line;
@@ -73,6 +96,7 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     scale |= j.contains("loss_scale");
     train << j["step"].get<int64_t>() << '\t' << num("loss") << '\t' << num("samples_per_s") << '\t'
           << num("tokens_per_s") << '\t' << num("loss_scale") << '\n';
+    losses.emplace_back(j["step"].get<int64_t>(), num("loss"));
     if (j.contains("test_loss")) {
       has_eval = true;
       eval << j["step"].get<int64_t>() << '\t' << num("test_loss") << '\t' << num("test_accuracy") << '\n';
@@ -86,6 +110,9 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
   }
   if (lines == 0) throw InputError(metrics + ": no step lines to plot");
   write_atomic(out + "/train.dat", train.str());
+  // The per-step loss of a long run is a dense band: a smoothed curve goes over it.
+  const double weight = smoothing_weight(losses.size());
+  write_atomic(out + "/loss_smoothed.dat", smoothed(losses, weight));
   if (has_eval) write_atomic(out + "/eval.dat", eval.str());
   if (nranks > 1) write_atomic(out + "/ranks.dat", ranks.str());
 
@@ -99,8 +126,13 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
   };
   const std::string d = quote(out + "/train.dat");
   png("loss.png", "loss: " + run_dir, "loss");
-  gp << "plot " << d << " using 1:2 with lines title 'train loss'";
-  if (has_eval) gp << ", " << quote(out + "/eval.dat") << " using 1:2 with linespoints title 'test loss'";
+  char smoothing[64];
+  std::snprintf(smoothing, sizeof smoothing, "train loss, smoothed (EMA %.2f)", weight);
+  gp << "plot " << d << " using 1:2 with lines lc rgb '#b8cce4' lw 1 title 'train loss (each step)', "
+     << quote(out + "/loss_smoothed.dat") << " using 1:2 with lines lc rgb '#1f4e9a' lw 2.5 title " << quote(smoothing);
+  if (has_eval)
+    gp << ", " << quote(out + "/eval.dat")
+       << " using 1:2 with linespoints lc rgb '#d62728' pt 7 ps 1.2 lw 1.5 title 'test loss'";
   gp << "\n";
   png("throughput.png", "throughput: " + run_dir, tokens ? "tokens/s" : "samples/s");
   gp << "plot " << d << " using 1:" << (tokens ? 4 : 3) << " with lines title '" << (tokens ? "tokens/s" : "samples/s")

@@ -321,6 +321,24 @@ void command_line_wins(Config& cfg, const std::set<std::string>& cli_keys) {
   }
 }
 
+std::optional<std::pair<int64_t, int64_t>> parse_profile_steps(const std::string& text) {
+  if (text.empty()) return std::nullopt;
+  auto bad = [&] {
+    return InputError("config: run.profile_steps = \"" + text +
+                      "\": want \"A-B\", the first and last optimizer step to record, 1 <= A <= B (e.g. \"10-12\"), "
+                      "or \"\" for none");
+  };
+  const size_t dash = text.find('-');
+  if (dash == std::string::npos || dash == 0 || dash + 1 == text.size()) throw bad();
+  auto number = [&](const std::string& s) {
+    if (s.size() > 15 || s.find_first_not_of("0123456789") != std::string::npos) throw bad();
+    return static_cast<int64_t>(std::stoll(s));
+  };
+  const int64_t a = number(text.substr(0, dash)), b = number(text.substr(dash + 1));
+  if (a < 1 || b < a) throw bad();
+  return std::make_pair(a, b);
+}
+
 void validate(Config& cfg) {
   auto fail = [](const std::string& m) { throw InputError("config: " + m); };
   if (cfg.run.name.empty()) fail("run.name must not be empty");
@@ -361,6 +379,7 @@ void validate(Config& cfg) {
     fail(std::string("checkpoint.save_graph = true stores the traced graph and needs compile.mode = \"trace\" (got \"") +
          choice_name(kCompileModes, cfg.compile.mode) + "\")");
   if (cfg.checkpoint.save_graph && cfg.checkpoint.dir.empty()) fail("checkpoint.save_graph = true needs checkpoint.dir");
+  parse_profile_steps(cfg.run.profile_steps);
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
 }

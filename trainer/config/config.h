@@ -15,8 +15,10 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <set>
 #include <string>
+#include <utility>
 #include <variant>
 #include <vector>
 
@@ -100,6 +102,10 @@ void apply_override(Config& cfg, const std::string& dotted, const std::string& t
 
 /// Cross-field validation and defaults that depend on other keys (run.dir). Throws InputError.
 void validate(Config& cfg);
+
+/// run.profile_steps: "A-B" -> (A, B) with 1 <= A <= B; "" -> nullopt. Throws InputError
+/// naming the key.
+std::optional<std::pair<int64_t, int64_t>> parse_profile_steps(const std::string& text);
 
 /// The resolved config as TOML text (every key, with its doc as a comment), loadable again.
 std::string dump_toml(const Config& cfg);

@@ -94,6 +94,9 @@ std::vector<FieldInfo> build_schema() {
   b.add("run", &C::run, "log_level", &RunConfig::log_level, kLogLevels, "log level of rank 0 (other ranks log warnings unless run.all_ranks_log)");
   b.add("run", &C::run, "all_ranks_log", &RunConfig::all_ranks_log, "log at run.log_level on every rank");
   b.add("run", &C::run, "progress", &RunConfig::progress, "one-line progress display (step, loss, it/s, ETA) when stdout is a terminal");
+  b.add("run", &C::run, "tensorboard", &RunConfig::tensorboard, "rank 0 writes TensorBoard event files under <run.dir>/tb/: train loss, lr, step time, throughput, loss scale, skipped steps, grad norm, MFU, per-rank step-time spread, eval loss and accuracy");
+  b.add("run", &C::run, "profile_steps", &RunConfig::profile_steps, "\"A-B\": record optimizer steps A to B with LibTorch's profiler on every rank into <run.dir>/trace.rank<R>.json (Chrome trace: Perfetto, chrome://tracing); \"\" = off");
+  range(b.add("run", &C::run, "peak_tflops", &RunConfig::peak_tflops, "peak TFLOP/s of one rank's device, the denominator of MFU in the log and summary.json; 0 = measured at start with a short matrix multiply (for models that report their FLOPs: gpt, mlp)"), 0.0, 1e9);
 
   // [model]
   b.add("model", &C::model, "name", &ModelConfig::name, "model: mlp | cnn | gpt | torchscript | a registered name");
@@ -104,6 +107,7 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("model", &C::model, "context", &ModelConfig::context, "tokens per sequence (gpt and text data)"), 1, 1 << 20);
   range(b.add("model", &C::model, "vocab", &ModelConfig::vocab, "vocabulary size (gpt; byte-level = 256)"), 2, 1 << 24);
   b.add("model", &C::model, "input", &ModelConfig::input, kModelInputs, "input kind of a torchscript model: auto (from the data) | image | tokens");
+  b.add("model", &C::model, "init_from", &ModelConfig::init_from, "safetensors weights to start from: a .safetensors file (e.g. PyTorch's safetensors.torch.save_file), a model.safetensors.index.json, or a directory holding either (a keel checkpoint step); every parameter and buffer by name and shape, nothing else; a resumed checkpoint overrides it");
   range(b.add("model", &C::model, "num_classes", &ModelConfig::num_classes, "output classes of image models"), 2, 1 << 24);
 
   // [data]
