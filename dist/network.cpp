@@ -75,13 +75,17 @@ std::string interface_address(const std::string& name) {
 
 InterfaceChoice choose_interface(const std::string& configured) {
   InterfaceChoice c;
+  std::string raw;
   if (!configured.empty()) {
-    c.names = split(configured);
+    raw = configured;
     c.source = "dist.interface";
   } else if (const char* env = std::getenv("GLOO_SOCKET_IFNAME"); env && *env) {
-    c.names = split(env);
+    raw = env;
     c.source = "GLOO_SOCKET_IFNAME";
   }
+  c.names = split(raw);
+  if (!c.source.empty() && c.names.empty())
+    throw InputError(c.source + " = \"" + raw + "\": no interface name in it (comma-separated names, e.g. \"eth0\")");
   for (const auto& n : c.names) {
     if (!interface_address(n).empty()) continue;
     std::string have;

@@ -11,6 +11,7 @@
 #include <nlohmann/json.hpp>
 
 #include "keel/dist/collectives.h"
+#include "keel/dist/network.h"
 #include "keel/dist/ddp.h"
 #include "keel/dist/process_group.h"
 #include "helpers.h"
@@ -57,6 +58,26 @@ TEST(Collectives, AllReduceBroadcastAllGatherBarrier) {
 }
 
 // Every rank must fail, quickly, and name both shapes; the real collective never runs.
+// dist.interface / GLOO_SOCKET_IFNAME: a named interface must exist here and be up; a list
+// with no name in it is refused rather than ignored.
+TEST(Interface, NamesAreCheckedBeforeTheRendezvous) {
+  EXPECT_EQ(keel::dist::choose_interface("lo").names, std::vector<std::string>{"lo"});
+  EXPECT_EQ(keel::dist::choose_interface("lo").source, "dist.interface");
+  EXPECT_FALSE(keel::dist::interface_address("lo").empty());
+  for (const auto& [value, message] : std::vector<std::pair<std::string, std::string>>{
+           {"eth-none", "dist.interface = \"eth-none\": no such network interface"},
+           {"lo,eth-none", "dist.interface = \"eth-none\": no such network interface"},
+           {",", "dist.interface = \",\": no interface name in it"}}) {
+    try {
+      keel::dist::choose_interface(value);
+      ADD_FAILURE() << value << " accepted";
+    } catch (const keel::InputError& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+  EXPECT_EQ(keel::dist::local_address_toward("127.0.0.1"), "127.0.0.1");
+}
+
 // The control-traffic counters behind summary.json's control_per_step and bench/scaling.py:
 // exact payload bytes per call, probes counted apart.
 TEST(Collectives, TrafficCountersCountCallsProbesAndBytes) {

@@ -47,7 +47,12 @@ void StepProfiler::start() {
 void StepProfiler::stop() {
   active_ = false;
   auto result = torch::autograd::profiler::disableProfiler();
-  result->save(path_);
+  try {
+    result->save(path_);
+  } catch (const std::exception& e) {  // a trace that cannot be written does not stop training
+    logging::warn("profiler: cannot write {}: {}", path_, e.what());
+    return;
+  }
   logging::info("profiler: trace of steps {} to {} -> {} (open it in https://ui.perfetto.dev)", range_->first,
                 range_->second, path_);
 }
