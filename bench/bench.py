@@ -5,6 +5,7 @@
   $PY bench/bench.py --models cnn --worlds 1 --steps 100
   $PY bench/bench.py --validate-pairs 15    # dist.validate = always vs off, paired runs
   $PY bench/bench.py --observe-rounds 5     # TensorBoard and the profiler off vs on
+  $PY bench/bench.py --zero-rounds 5        # dist.zero = 0 / 1 / 2 (and PyTorch's ZeroRedundancyOptimizer) on gpt
   $PY bench/bench.py --baseline /tmp/keel-old --worlds 2   # this build vs another keel binary
 
 For each model and world size: runs `build/keel train` on synthetic data and
@@ -78,15 +79,16 @@ def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="
     out = {"impl": "keel", "version": s["keel_version"], "model": model, "world": s["world_size"], "batch": batch,
            "threads": 1, "validate": validate, "compile_mode": s["compile_mode"], "compile_ms": s["compile_ms"],
            "compile_cache": s["compile_cache"], "amp_dtype": s["amp_dtype"], "median_step_ms": s["median_step_ms"],
-           "throughput": s["samples_per_s"]}
+           "throughput": s["samples_per_s"], "zero": s.get("zero", 0),
+           "optimizer_state_bytes": s.get("optimizer_state_bytes"), "peak_rss_mb": s.get("peak_rss_mb")}
     if "tokens_per_s" in s:
         out["tokens_per_s"] = s["tokens_per_s"]
     return out
 
 
-def run_torch(model, batch, steps, world, compiled=False):
+def run_torch(model, batch, steps, world, compiled=False, zero=False):
     cmd = [PY, os.path.join(ROOT, "bench", "torch_ref.py"), "--model", model, "--batch", str(batch),
-           "--steps", str(steps), "--threads", "1"] + (["--compile"] if compiled else [])
+           "--steps", str(steps), "--threads", "1"] + (["--compile"] if compiled else []) + (["--zero"] if zero else [])
     return json.loads(launch(cmd, world).strip().splitlines()[-1])
 
 
@@ -124,6 +126,9 @@ def main():
     ap.add_argument("--observe-rounds", type=int, default=0,
                     help="instead: N rounds of TensorBoard and profiler off / TensorBoard on / both on (gpt, 2 "
                          "ranks), order rotating: what watching a run costs")
+    ap.add_argument("--zero-rounds", type=int, default=0,
+                    help="instead: N rounds of dist.zero = 0, 1, 2 on gpt at each of --worlds (order rotating), "
+                         "with PyTorch DDP and ZeroRedundancyOptimizer: optimizer state, peak RSS and step time")
     ap.add_argument("--validate-pairs", type=int, default=0,
                     help="instead: N back-to-back pairs of dist.validate = always and off (mlp, 2 ranks), order alternating")
     args = ap.parse_args()
@@ -133,6 +138,8 @@ def main():
         return validate_bench(args)
     if args.observe_rounds:
         return observe_bench(args)
+    if args.zero_rounds:
+        return zero_bench(args)
     if args.compile:
         return compile_bench(args)
     if args.amp:
@@ -260,6 +267,51 @@ def observe_bench(args):
             summary[f"median_{n}_over_off"] = srt[len(srt) // 2]
             summary[f"{n}_range"] = [srt[0], srt[-1]]
         emit(summary)
+
+
+def zero_bench(args):
+    """dist.zero = 0 / 1 / 2 on gpt (per-rank batch 8, AdamW) at each world size, with PyTorch's
+    DDP and ZeroRedundancyOptimizer (stage 1) as peers: N rounds, the order rotating within each
+    round. Per round, each configuration's step time over keel zero=0's of the same round; per
+    configuration, rank 0's optimizer state and peak RSS. Reports the medians."""
+    worlds = [int(w) for w in args.worlds.split(",")]
+    steps = max(args.steps // 5, 12)
+    b = BATCH["gpt"]
+    configs = {"keel-zero0": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=0"]),
+               "keel-zero1": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=1"]),
+               "keel-zero2": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=2"]),
+               "pytorch": lambda w: run_torch("gpt", b, steps, w),
+               "pytorch-zero1": lambda w: run_torch("gpt", b, steps, w, zero=True)}
+    names = list(configs)
+    with results("-zero") as emit:
+        for world in worlds:
+            got = {n: [] for n in names}
+            for i in range(args.zero_rounds):
+                order = names[i % len(names):] + names[:i % len(names)]
+                this = {n: configs[n](world) for n in order}
+                for n in names:
+                    got[n].append(this[n])
+                emit({"world": world, "round": i, **{f"{n}_ms": this[n]["median_step_ms"] for n in names},
+                      **{f"{n}_over_keel_zero0": this[n]["median_step_ms"] / this["keel-zero0"]["median_step_ms"]
+                         for n in names}})
+
+            def med(values):
+                values = sorted(values)
+                return values[len(values) // 2]
+
+            summary = {"model": "gpt", "world": world, "steps": steps, "rounds": args.zero_rounds, "batch": b}
+            for n in names:
+                summary[f"{n}_median_step_ms"] = med([r["median_step_ms"] for r in got[n]])
+                summary[f"{n}_step_time_over_keel_zero0"] = med(
+                    [got[n][k]["median_step_ms"] / got["keel-zero0"][k]["median_step_ms"] for k in range(args.zero_rounds)])
+                summary[f"{n}_optimizer_state_bytes"] = got[n][0]["optimizer_state_bytes"]
+                summary[f"{n}_peak_rss_mb"] = med([r["peak_rss_mb"] for r in got[n]])
+            for n in ("keel-zero1", "keel-zero2"):
+                summary[f"{n}_state_over_zero0"] = (summary[f"{n}_optimizer_state_bytes"] /
+                                                    summary["keel-zero0_optimizer_state_bytes"])
+            summary["pytorch-zero1_state_over_ddp"] = (summary["pytorch-zero1_optimizer_state_bytes"] /
+                                                       summary["pytorch_optimizer_state_bytes"])
+            emit(summary)
 
 
 @contextlib.contextmanager

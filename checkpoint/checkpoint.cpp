@@ -31,6 +31,7 @@ namespace {
 constexpr size_t kRecordBytes = 8192;  // one rank's save result, gathered at commit
 const char* kMeta = "meta.json";
 const char* kIndex = "model.safetensors.index.json";
+const char* kOptimizerIndex = "optimizer.safetensors.index.json";
 const char* kGraph = "graph.pt";
 const char* kRankStateKey = "keel.rank_state";
 
@@ -116,7 +117,8 @@ std::vector<StepInfo> list_steps(const std::string& dir) {
 }
 
 namespace {
-Loaded read_step(const std::string& dir, int64_t rank);
+using Wants = std::function<bool(const std::string&)>;
+Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants);
 }  // namespace
 
 // Every file's checksum (each problem listed), then the loader's own checks (read_step: the
@@ -133,7 +135,7 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
   // the rank files of ranks other than 0), so those are not hashed twice.
   std::string load_error;
   try {
-    const Loaded L = read_step(step_dir, 0);
+    const Loaded L = read_step(step_dir, 0, {});
     for (int64_t r = 1; r < L.saved_world_size; ++r) expected_sha(meta, step_dir, rank_file(r));
   } catch (const std::exception& e) {
     load_error = e.what();
@@ -170,6 +172,8 @@ struct Checkpointer::Pending {
   std::vector<int64_t> model_owner;
   uint64_t model_bytes = 0;
   nlohmann::json shared;
+  nlohmann::json optimizer_map = nlohmann::json::object();  // rank 0: state tensor -> file
+  nlohmann::json optimizer_meta;                            // meta.json "optimizer"
   // Results of the write.
   std::thread thread;
   std::atomic<bool> done{false};
@@ -260,14 +264,27 @@ void Checkpointer::save(int64_t step, const State& state) {
   p->dir = step_dir(step);
   p->shared = state.shared;
 
-  // 1. The plan, identical on every rank by construction; checked across ranks.
+  // 1. The plan, identical on every rank by construction; checked across ranks. A partitioned
+  // optimizer state (dist.zero >= 1) is not in it: each rank writes its own partition.
+  const bool partitioned = !state.optimizer_owners.empty();
+  std::map<std::string, int64_t> owner_of_param(state.optimizer_owners.begin(), state.optimizer_owners.end());
+  if (partitioned)
+    for (const auto& [name, t] : state.optimizer) {
+      const auto it = owner_of_param.find(name.substr(0, name.find_last_of('.')));
+      if (it == owner_of_param.end() || it->second != rank_)
+        throw SaveError("checkpoint step " + std::to_string(step) + ": optimizer state \"" + name +
+                        "\" is not of a parameter this rank owns");
+    }
   std::vector<uint64_t> sizes;
-  std::string layout = "world=" + std::to_string(world_) + ";";
-  for (const auto* list : {&state.model, &state.optimizer, &state.extra})
+  std::string layout = "world=" + std::to_string(world_) + ";zero=" + std::to_string(state.zero) + ";";
+  for (const auto* list : {&state.model, &state.optimizer, &state.extra}) {
+    if (partitioned && list == &state.optimizer) continue;
     for (const auto& [name, t] : *list) {
       sizes.push_back(nbytes(t));
       layout += name + ":" + c10::toString(t.scalar_type()) + ":" + std::to_string(t.numel()) + ";";
     }
+  }
+  for (const auto& [name, r] : state.optimizer_owners) layout += "owner:" + name + "=" + std::to_string(r) + ";";
   const std::vector<int64_t> owner = assign_shards(sizes, world_);
   {
     Sha256 h;
@@ -282,7 +299,30 @@ void Checkpointer::save(int64_t step, const State& state) {
     if (!differ.empty())
       throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ + " hold a different set of "
                       "tensors (names, dtypes or sizes) than rank " + std::to_string(rank_) +
-                      "; model and optimizer state must be replicated");
+                      "; model and optimizer state must be replicated, or the optimizer partitioned the same way");
+  }
+  p->optimizer_meta = {{"zero", state.zero}, {"partitioned", partitioned}};
+  if (partitioned) {
+    nlohmann::json owners = nlohmann::json::object();
+    for (const auto& [name, r] : state.optimizer_owners) owners[name] = r;
+    p->optimizer_meta["owners"] = owners;
+    // The optimizer index needs every rank's tensor names: one all-gather of their lengths,
+    // one of the names (padded to the longest).
+    std::string mine;
+    for (const auto& [name, t] : state.optimizer) mine += name + "\n";
+    auto lens = coll_->all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong),
+                                  "checkpoint optimizer index (lengths)");
+    int64_t longest = 0;
+    for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
+    auto buf = torch::zeros({longest + 1}, torch::kByte);
+    std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+    auto all = coll_->all_gather(buf, "checkpoint optimizer index");
+    for (int64_t r = 0; r < world_ && rank_ == 0; ++r) {
+      const char* c = reinterpret_cast<const char*>(all[r].data_ptr());
+      const std::string text(c, strnlen(c, static_cast<size_t>(longest + 1)));
+      for (size_t a = 0, b; (b = text.find('\n', a)) != std::string::npos; a = b + 1)
+        p->optimizer_map[text.substr(a, b - a)] = optimizer_file(r, world_);
+    }
   }
   // 2. This rank's share: owned replicated tensors, and its own state (copied for async).
   // Async: copied into staging buffers kept from one save to the next (pinned host memory for
@@ -306,8 +346,14 @@ void Checkpointer::save(int64_t step, const State& state) {
     p->model_bytes += nbytes(t);
     if (owner[i++] == rank_) p->model_shard.emplace_back(name, take("m:" + name, t));
   }
-  for (const auto& [name, t] : state.optimizer)
+  for (const auto& [name, t] : state.optimizer) {
+    if (partitioned) {
+      p->optimizer_shard.emplace_back(name, take("o:" + name, t));
+      continue;
+    }
+    p->optimizer_map[name] = optimizer_file(owner[i], world_);
     if (owner[i++] == rank_) p->optimizer_shard.emplace_back(name, take("o:" + name, t));
+  }
   for (const auto& [name, t] : state.extra)
     if (owner[i++] == rank_) p->extra_shard.emplace_back(name, take("e:" + name, t));
   p->has_extra = !state.extra.empty();
@@ -382,6 +428,10 @@ void Checkpointer::commit() {
         index["weight_map"][p->model_names[k]] = model_file(p->model_owner[k], world_);
       const WrittenFile idx = write_atomic(p->dir + "/" + kIndex, index.dump(2) + "\n");
       files[idx.name] = {{"bytes", idx.bytes}, {"sha256", idx.sha256}, {"rank", 0}};
+      nlohmann::json opt_index = {{"metadata", {{"zero", p->optimizer_meta["zero"]}, {"world_size", world_}}},
+                                  {"weight_map", p->optimizer_map}};
+      const WrittenFile oidx = write_atomic(p->dir + "/" + kOptimizerIndex, opt_index.dump(2) + "\n");
+      files[oidx.name] = {{"bytes", oidx.bytes}, {"sha256", oidx.sha256}, {"rank", 0}};
       nlohmann::json meta = {{"format", "keel-checkpoint"},
                              {"format_version", 1},
                              {"step", p->step},
@@ -391,6 +441,7 @@ void Checkpointer::commit() {
                              {"torch_version", TORCH_VERSION},
                              {"created_utc", utc_now()},
                              {"state", p->shared},
+                             {"optimizer", p->optimizer_meta},
                              {"files", files}};
       write_atomic(p->dir + "/" + kMeta, meta.dump(2) + "\n");
       fsync_dir(p->dir);
@@ -446,7 +497,7 @@ void Checkpointer::cleanup(int64_t keep_step) {
 
 namespace {
 
-Loaded read_step(const std::string& dir, int64_t rank) {
+Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
   Loaded L;
   L.path = dir;
   L.meta = read_meta(dir);
@@ -455,14 +506,37 @@ Loaded read_step(const std::string& dir, int64_t rank) {
   const int64_t W = L.saved_world_size;
   if (L.meta.contains("state") && L.meta["state"].is_object()) L.state.shared = L.meta["state"];
   std::set<std::string> seen;
+  // The optimizer index says which file holds each optimizer state tensor: only the files with
+  // a wanted one are read (a step written before the index existed: all of them).
+  std::map<std::string, std::string> optimizer_map;
+  const bool has_optimizer_index = L.meta["files"].contains(kOptimizerIndex);
+  std::set<std::string> optimizer_files;
+  for (int64_t r = 0; r < W; ++r) {
+    optimizer_files.insert(optimizer_file(r, W));
+    expected_sha(L.meta, dir, model_file(r, W));  // the saved world's shards are listed and present
+  }
+  if (has_optimizer_index) {
+    const std::string path = dir + "/" + kOptimizerIndex;
+    const std::string text = read_all(path);
+    Sha256 h;
+    h.update(text.data(), text.size());
+    if (h.hex() != expected_sha(L.meta, dir, kOptimizerIndex)) throw FormatError(path + ": checksum mismatch");
+    optimizer_map = parse_optimizer_index(text, path, optimizer_files);
+  }
   // The shards are mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s on one core).
   const bool has_extra = L.meta["files"].contains(extra_file(0, W));
+  std::set<std::string> needed_optimizer;
+  for (const auto& [n, f] : optimizer_map)
+    if (!wants || wants(n)) needed_optimizer.insert(f);
   std::vector<std::string> names;
   for (int64_t r = 0; r < W; ++r) {
     names.push_back(model_file(r, W));
-    names.push_back(optimizer_file(r, W));
+    if (!has_optimizer_index || !wants || needed_optimizer.count(optimizer_file(r, W)))
+      names.push_back(optimizer_file(r, W));
     if (has_extra) names.push_back(extra_file(r, W));
   }
+  for (const auto& n : names) L.optimizer_files_read += n[0] == 'o';
+  if (L.meta.contains("optimizer")) L.saved_zero = L.meta["optimizer"]["zero"].get<int64_t>();
   std::vector<SafetensorsFile> files(names.size());
   std::vector<std::string> errors(names.size());
   const size_t workers = std::max<size_t>(1, std::min<size_t>(names.size(), std::thread::hardware_concurrency()));
@@ -487,9 +561,20 @@ Loaded read_step(const std::string& dir, int64_t rank) {
     for (auto& [n, t] : files[k].tensors) {
       if (!seen.insert(std::string(1, kind) + ":" + n).second)
         throw FormatError(dir + "/" + names[k] + ": tensor \"" + n + "\" is also stored in another shard");
+      if (kind == 'o' && has_optimizer_index) {
+        const auto it = optimizer_map.find(n);
+        if (it == optimizer_map.end() || it->second != names[k])
+          throw FormatError(dir + "/" + names[k] + ": holds \"" + n + "\", which " + kOptimizerIndex + " places " +
+                            (it == optimizer_map.end() ? std::string("nowhere") : "in " + it->second));
+      }
+      if (kind == 'o' && wants && !wants(n)) continue;
       into.emplace_back(n, std::move(t));
     }
   }
+  // Every wanted optimizer tensor the index lists was found where it says.
+  for (const auto& [n, f] : optimizer_map)
+    if ((!wants || wants(n)) && !seen.count("o:" + n))
+      throw FormatError(dir + "/" + kOptimizerIndex + ": lists \"" + n + "\" in " + f + ", which does not hold it");
   // The Hugging Face index must agree with the shards.
   {
     const std::string path = dir + "/" + kIndex;
@@ -562,7 +647,7 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
     std::string problem;
     Loaded L;
     try {
-      L = read_step(dir, rank_);
+      L = read_step(dir, rank_, opts_.wants_optimizer_tensor);
       if (validate) problem = validate(L);
       if (!problem.empty()) problem = dir + "/" + kMeta + ": " + problem;
     } catch (const std::exception& e) {
@@ -572,6 +657,8 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
     coll_->all_reduce(ok, dist::ReduceOp::Min, "checkpoint load verdict");
     if (ok.item<int64_t>() == 1) {
       last_committed_ = L.step;
+      logging::info("checkpoint: {} (saved by {} rank(s), dist.zero = {}): this rank read and verified {} of the step's {} "
+                    "optimizer file(s)", dir, L.saved_world_size, L.saved_zero, L.optimizer_files_read, L.saved_world_size);
       return L;
     }
     const std::string why = problem.empty() ? "it failed to load on another rank" : problem;

@@ -3,14 +3,18 @@
 // Layout of checkpoint.dir (one directory per step, N = optimizer steps done):
 //   step_<N>/model-0000r-of-0000W.safetensors     model tensors, sharded over the W ranks
 //   step_<N>/model.safetensors.index.json         Hugging Face's index: weight_map, metadata.total_size
-//   step_<N>/optimizer-0000r-of-0000W.safetensors optimizer state, sharded the same way
+//   step_<N>/optimizer-0000r-of-0000W.safetensors optimizer state: sharded the same way when it
+//                                                 is replicated (dist.zero = 0); rank r's own
+//                                                 partition with dist.zero >= 1
+//   step_<N>/optimizer.safetensors.index.json     weight_map: each optimizer state tensor -> its file
 //   step_<N>/extra-0000r-of-0000W.safetensors     State::extra (a library user's own tensors), if any
 //   step_<N>/rank-0000r.safetensors               rank r's own state (RNG states, data position)
 //                                                 under keys "rank.<r>." and its metadata
 //   step_<N>/graph.pt                             the traced module (checkpoint.save_graph)
 //   step_<N>/meta.json                            written last: the commit marker
 // meta.json holds the step, world size, the resolved config's SHA-256, keel and LibTorch
-// versions, the replicated trainer state (schedule position, loss scaler, counters), and the
+// versions, the replicated trainer state (schedule position, loss scaler, counters), the
+// optimizer state's partition ("optimizer": {"zero", "owners": {parameter: rank}}), and the
 // size and SHA-256 of every other file.
 //
 // Protocol of a save (every rank calls save() at the same step):
@@ -30,7 +34,10 @@
 //
 // Loading (collective): the newest committed step (or checkpoint.resume_from) whose files
 // verify on every rank; a file whose checksum or format is wrong is named in a warning and
-// the previous committed step is tried.
+// the previous committed step is tried. Each rank reads and verifies the model and extra
+// shards, its own rank file, and only the optimizer files that hold state it wants
+// (Options::wants_optimizer_tensor; through the optimizer index), so a checkpoint saved at
+// any world size and dist.zero re-partitions on load.
 #pragma once
 
 #include <torch/torch.h>
@@ -70,7 +77,12 @@ class SaveError : public std::runtime_error {
 /// (they are written once, sharded); `rank_tensors` and `rank_state` are this rank's own.
 struct State {
   NamedTensors model;          // parameters and buffers, by name
-  NamedTensors optimizer;      // optimizer state tensors, by name
+  NamedTensors optimizer;      // optimizer state tensors, by name ("<parameter>.<field>")
+  /// Empty: `optimizer` is replicated (the same on every rank). Otherwise (dist.zero >= 1) the
+  /// owner rank of every parameter, the same on every rank, and `optimizer` holds this rank's
+  /// own partition (the state of the parameters it owns), written by this rank alone.
+  std::vector<std::pair<std::string, int64_t>> optimizer_owners;
+  int64_t zero = 0;            // dist.zero, recorded in meta.json
   NamedTensors extra;          // your own replicated tensors (sharded like the optimizer state)
   nlohmann::json shared = nlohmann::json::object();      // small replicated state (-> meta.json)
   NamedTensors rank_tensors;   // e.g. RNG states (stored as "rank.<r>.<name>")
@@ -94,6 +106,9 @@ struct Options {
   bool async = false;
   std::string config_sha256;   // the resolved config's hash, recorded in meta.json
   Hooks hooks;
+  /// Which optimizer state tensors this rank loads (by name); empty = all of them. Only the
+  /// optimizer files holding a wanted tensor are read and verified on this rank.
+  std::function<bool(const std::string& name)> wants_optimizer_tensor;
 };
 
 /// What load() found.
@@ -104,6 +119,8 @@ struct Loaded {
   nlohmann::json meta;
   State state;                 // rank_* hold this rank's own state when the step has it
   bool has_rank_state = false;
+  int64_t optimizer_files_read = 0;  // of the saved world's optimizer files, those this rank read
+  int64_t saved_zero = 0;            // meta.json "optimizer.zero" (0 when absent)
 };
 
 /// One step directory as seen by list_steps / inspect.

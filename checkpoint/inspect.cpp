@@ -51,6 +51,25 @@ nlohmann::json inspect_step(const StepInfo& s) {
     j["created_utc"] = meta.value("created_utc", std::string());
     j["keel_version"] = meta.value("keel_version", std::string());
     j["torch_version"] = meta.value("torch_version", std::string());
+    // Who holds the optimizer state: each rank's file, its tensors and bytes, and with
+    // dist.zero >= 1 the parameters whose state that rank owns.
+    if (meta.contains("optimizer") && meta["optimizer"].is_object()) {
+      const auto& o = meta["optimizer"];
+      const int64_t world = j["world_size"].get<int64_t>();
+      nlohmann::json ranks = nlohmann::json::array();
+      for (int64_t r = 0; r < world && r < 4096; ++r) {
+        const std::string file = optimizer_file(r, world);
+        int64_t tensors = 0, params = 0;
+        uint64_t bytes = 0;
+        for (const auto& t : j["tensors"])
+          if (t["file"] == file) ++tensors, bytes += t["bytes"].get<uint64_t>();
+        if (o.contains("owners") && o["owners"].is_object())
+          for (const auto& [name, owner] : o["owners"].items()) params += owner == r;
+        ranks.push_back({{"rank", r}, {"file", file}, {"tensors", tensors}, {"bytes", bytes}, {"parameters", params}});
+      }
+      j["optimizer"] = {{"zero", o.value("zero", int64_t{0})}, {"partitioned", o.value("partitioned", false)},
+                        {"ranks", ranks}};
+    }
   } catch (const std::exception&) {
   }
   return j;
@@ -95,6 +114,20 @@ std::string format_inspect(const nlohmann::json& r) {
     if (s.contains("created_utc")) os << " at " << s["created_utc"].get<std::string>();
     os << ", " << human_bytes(s["bytes"].get<uint64_t>()) << " of tensors\n";
     for (const auto& p : s["problems"]) os << "  problem: " << p.get<std::string>() << "\n";
+    if (s.contains("optimizer")) {
+      const auto& o = s["optimizer"];
+      const bool part = o["partitioned"].get<bool>();
+      os << "  optimizer state: dist.zero = " << o["zero"].get<int64_t>()
+         << (part ? ", partitioned by parameter (each rank wrote the state it owns)"
+                  : ", replicated on every rank (each rank wrote a share)")
+         << "\n";
+      for (const auto& r : o["ranks"]) {
+        os << "    rank " << r["rank"].get<int64_t>() << ": ";
+        if (part) os << "owns " << r["parameters"].get<int64_t>() << " parameter(s), ";
+        os << r["tensors"].get<int64_t>() << " tensor(s), " << human_bytes(r["bytes"].get<uint64_t>()) << " in "
+           << r["file"].get<std::string>() << "\n";
+      }
+    }
     for (const auto& t : s["tensors"]) {
       std::string shape = "[";
       for (size_t i = 0; i < t["shape"].size(); ++i) shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());

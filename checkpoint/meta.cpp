@@ -57,7 +57,40 @@ nlohmann::json parse_meta(const std::string& text, const std::string& path, cons
       throw FormatError(path + ": file entry \"" + it.key() + "\" lacks sha256 / bytes");
   }
   if (meta.contains("state") && !meta["state"].is_object()) throw FormatError(path + ": \"state\" is not an object");
+  if (meta.contains("optimizer")) {
+    const auto& o = meta["optimizer"];
+    const int64_t world = meta["world_size"].get<int64_t>();
+    if (!o.is_object()) throw FormatError(path + ": \"optimizer\" is not an object");
+    const auto zero = o.value("zero", nlohmann::json());
+    if (!zero.is_number_integer() || zero.get<int64_t>() < 0 || zero.get<int64_t>() > 2)
+      throw FormatError(path + ": \"optimizer.zero\" must be 0, 1 or 2, got " + zero.dump());
+    if (o.contains("owners")) {
+      if (!o["owners"].is_object()) throw FormatError(path + ": \"optimizer.owners\" is not an object");
+      for (auto it = o["owners"].begin(); it != o["owners"].end(); ++it)
+        if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() >= world)
+          throw FormatError(path + ": optimizer.owners[\"" + it.key() + "\"] must be a rank in [0, " +
+                            std::to_string(world) + "), got " + it.value().dump());
+    }
+  }
   return meta;
+}
+
+std::map<std::string, std::string> parse_optimizer_index(const std::string& text, const std::string& path,
+                                                         const std::set<std::string>& shard_names) {
+  const nlohmann::json index = parse_json(text, path);
+  if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
+    throw FormatError(path + ": no weight_map");
+  std::map<std::string, std::string> out;
+  const auto& map = index["weight_map"];
+  for (auto it = map.begin(); it != map.end(); ++it) {
+    if (!it.value().is_string()) throw FormatError(path + ": weight_map[\"" + it.key() + "\"] is not a file name");
+    const std::string file = it.value().get<std::string>();
+    if (!shard_names.count(file))
+      throw FormatError(path + ": weight_map[\"" + it.key() + "\"] = \"" + file.substr(0, 200) +
+                        "\" is not an optimizer file of this step");
+    out.emplace(it.key(), file);
+  }
+  return out;
 }
 
 void check_index(const std::string& text, const std::string& path, const std::set<std::string>& shard_names,

@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <map>
 #include <set>
 #include <string>
 
@@ -23,9 +24,15 @@ bool plain_name(const std::string& name);
 
 /// meta.json's text, checked: format "keel-checkpoint" version 1; "step" an integer >= 0 that
 /// equals N when `dir_name` is "step_<N>"; "world_size" in [1, min(2^18, files / 2)]; "files"
-/// an object of plain names, each with a string "sha256" and an unsigned "bytes". `path` names
+/// an object of plain names, each with a string "sha256" and an unsigned "bytes"; "optimizer",
+/// when present, an object with "zero" in [0, 2] and "owners" mapping names to ranks < world. `path` names
 /// the file in messages. Throws FormatError.
 nlohmann::json parse_meta(const std::string& text, const std::string& path, const std::string& dir_name);
+
+/// optimizer.safetensors.index.json's text, checked: a "weight_map" object whose every value
+/// is one of `shard_names` (the step's optimizer files). Returns the map. Throws FormatError.
+std::map<std::string, std::string> parse_optimizer_index(const std::string& text, const std::string& path,
+                                                         const std::set<std::string>& shard_names);
 
 /// The index's text, checked: a "weight_map" object whose every value is one of `shard_names`
 /// (a plain name) and whose keys are exactly `model_tensors`. Throws FormatError.

@@ -282,7 +282,8 @@ void Collectives::barrier(const char* what) {
   wait(group_->pg()->allreduce(v), d);
 }
 
-void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root, const char* what) {
+void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root, const char* what,
+                                      size_t bucket_bytes) {
   if (!group_->pg() || tensors.empty()) return;
   Desc d;
   d.op = static_cast<int64_t>(OpCode::BroadcastCoalesced);
@@ -301,7 +302,7 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
   check(d);
   const auto t0 = std::chrono::steady_clock::now();
   try {
-    c10d::broadcast_coalesced(group_->pg(), tensors, /*buffer_size=*/256 << 20, static_cast<int>(root));
+    c10d::broadcast_coalesced(group_->pg(), tensors, bucket_bytes, static_cast<int>(root));
   } catch (const std::exception& e) {
     std::string m = e.what();
     throw CollectiveError(std::string(what) + ": " + describe(d) + " failed: " + m.substr(0, m.find('\n')));

@@ -92,9 +92,11 @@ class Collectives {
   /// Returns every rank's `t`, in rank order; all ranks must pass the same shape.
   std::vector<torch::Tensor> all_gather(const torch::Tensor& t, const char* what = "all_gather");
   void barrier(const char* what = "barrier");
-  /// Broadcasts a list of tensors from `root`, coalesced into few messages (c10d). The list's
-  /// dtypes and shapes are validated as one descriptor.
-  void broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root = 0, const char* what = "broadcast_coalesced");
+  /// Broadcasts a list of tensors from `root`, coalesced into messages of at most
+  /// `bucket_bytes` (c10d; up to two in flight). The list's dtypes and shapes are validated as
+  /// one descriptor.
+  void broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root = 0, const char* what = "broadcast_coalesced",
+                           size_t bucket_bytes = size_t{256} << 20);
 
   /// The per-step consensus, one all-gather: checks that every rank is at the same `step`
   /// with the same `plan` fingerprint (gradient bucket layout), and shares losses, non-finite

@@ -31,6 +31,9 @@ struct DistConfig {
   bool broadcast_buffers = true;
   CommHook comm_hook = CommHook::Allreduce;
   Validate validate = Validate::Always;
+  /// ZeRO stage (docs/zero.md): 0 = replicated optimizer state; 1 = optimizer state partitioned
+  /// by parameter; 2 = also gradients reduce-scattered to their owner.
+  int64_t zero = 0;
   /// Network interface(s) for the backend, comma-separated; "" = GLOO_SOCKET_IFNAME, else the
   /// one that routes to the rendezvous host.
   std::string interface;

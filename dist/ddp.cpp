@@ -2,10 +2,13 @@
 
 #include "keel/common/log.h"
 
+#include <algorithm>
 #include <cctype>
+#include <unordered_map>
 #include <sstream>
 
 #include "keel/dist/compat.h"
+#include "keel/dist/zero.h"
 
 namespace keel::dist {
 namespace {
@@ -91,9 +94,15 @@ void verify_parameters_across_ranks(const models::NamedTensors& params, Collecti
 
 DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll,
                            const DistConfig& cfg)
-    : model_(std::move(model)), coll_(std::move(coll)) {
+    : model_(std::move(model)), coll_(std::move(coll)), zero_(cfg.zero), bucket_cap_mb_(cfg.bucket_cap_mb) {
   auto named = model_->named_parameters();
   verify_parameters_across_ranks(named, *coll_);
+  params_ = named;
+  {
+    std::vector<uint64_t> sizes;
+    for (const auto& [n, t] : named) sizes.push_back(static_cast<uint64_t>(t.numel()) * t.element_size());
+    owner_ = zero_ >= 1 ? zero_partition(sizes, coll_->size()) : std::vector<int64_t>(named.size(), coll_->rank());
+  }
 
   // Start from rank 0's parameters and buffers.
   std::vector<torch::Tensor> state;
@@ -115,6 +124,10 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     names[i] = named[i].first;
     auto r = param_record(named[i].first, named[i].second);
     words.insert(words.end(), r.begin(), r.end());
+  }
+  if (zero_ >= 1) {
+    words.push_back(-9 - zero_);
+    words.insert(words.end(), owner_.begin(), owner_.end());
   }
   if (!coll_->group()->pg()) {
     plan_ = fingerprint(words);
@@ -138,11 +151,47 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   plan_ = fingerprint(words);
   reducer_ = compat::make_reducer(params, buckets, coll_->group()->pg(), static_cast<int64_t>(cap),
                                   cfg.find_unused_parameters, names, static_cast<int64_t>(first));
-  if (cfg.comm_hook != CommHook::Allreduce)
+  if (zero_ == 2) {
+    std::unordered_map<const void*, int64_t> owner;
+    for (size_t i = 0; i < params.size(); ++i) owner[params[i].unsafeGetTensorImpl()] = owner_[i];
+    reducer_->register_comm_hook(make_reduce_scatter_hook(coll_->group()->pg(), std::move(owner), coll_->size(), coll_->rank()));
+  } else if (cfg.comm_hook != CommHook::Allreduce) {
     reducer_->register_comm_hook(std::make_unique<CompressHook>(
         coll_->group()->pg(), cfg.comm_hook == CommHook::Fp16 ? at::kHalf : at::kBFloat16, coll_->size()));
+  }
   logging::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
-               num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, choice_name(kCommHooks, cfg.comm_hook));
+               num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb,
+               zero_ == 2 ? std::string("reduce-scatter (dist.zero = 2)") : choice_name(kCommHooks, cfg.comm_hook));
+  if (zero_ >= 1) {
+    int64_t mine = 0, all = 0, count = 0;
+    for (size_t i = 0; i < params.size(); ++i) {
+      all += params[i].numel();
+      if (owner_[i] == coll_->rank()) mine += params[i].numel(), ++count;
+    }
+    logging::info("ZeRO stage {}: this rank owns the optimizer state of {} of {} parameters ({} of {} elements)", zero_,
+                  count, params.size(), mine, all);
+  }
+}
+
+models::NamedTensors DataParallel::owned_parameters() const {
+  models::NamedTensors out;
+  for (size_t i = 0; i < params_.size(); ++i)
+    if (owner_[i] == coll_->rank()) out.push_back(params_[i]);
+  return out;
+}
+
+void DataParallel::sync_parameters() {
+  if (zero_ < 1 || coll_->size() == 1) return;
+  zero_broadcast_parameters(params_, owner_, *coll_, static_cast<size_t>(std::max(1.0, bucket_cap_mb_ * 1024 * 1024)));
+}
+
+double DataParallel::clip_grad_norm(double max_norm) {
+  if (zero_ < 1 || coll_->size() == 1) {
+    std::vector<torch::Tensor> p;
+    for (const auto& [n, t] : params_) p.push_back(t);
+    return torch::nn::utils::clip_grad_norm_(p, max_norm);
+  }
+  return zero_clip_grad_norm(params_, owner_, *coll_, max_norm);
 }
 
 DataParallel::~DataParallel() = default;

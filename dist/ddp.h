@@ -12,6 +12,16 @@
 // Per optimizer step with k micro-batches:
 //   for i in 0..k-1: { ddp.forward_pre(sync = i == k-1); model->forward; ddp.backward(loss, sync) }
 // With sync = false the Reducer's hooks stay idle and gradients accumulate locally.
+//
+// ZeRO (dist.zero, docs/zero.md). Each parameter has an owner rank: the parameters, in model
+// order, are cut into world contiguous ranges balanced by bytes (a parameter goes to the rank
+// whose share of the bytes holds its midpoint), the same on every rank. With zero >= 1 the
+// optimizer holds only owned_parameters(); after its step, sync_parameters() sends each
+// owner's updated parameters to every rank (dist.bucket_cap_mb buckets, one validated
+// broadcast_coalesced per owner). With zero = 2 the Reducer's comm hook reduce-scatters each
+// bucket instead of all-reducing it: the owner of a gradient receives its sum, the other ranks
+// keep their own, unreduced, gradient there (read only owned gradients: clip_grad_norm, the
+// non-finite check and the GradScaler take owned_parameters()).
 #pragma once
 
 #include <torch/torch.h>
@@ -48,6 +58,21 @@ class DataParallel {
   uint64_t plan() const { return plan_; }
   int64_t num_buckets() const { return num_buckets_; }
 
+  /// dist.zero.
+  int64_t zero() const { return zero_; }
+  /// The owner rank of each parameter (model order); every entry is this rank's with zero = 0.
+  const std::vector<int64_t>& owners() const { return owner_; }
+  /// The parameters whose optimizer state and update this rank owns (all with zero = 0).
+  models::NamedTensors owned_parameters() const;
+  /// Collective with zero >= 1 (else a no-op): after the optimizer step, every owner's
+  /// parameters reach every rank (one broadcast per owner, dist/zero.h).
+  void sync_parameters();
+  /// Clips the owned gradients to a global L2 norm of `max_norm` and returns the norm before
+  /// clipping, with the arithmetic of torch::nn::utils::clip_grad_norm_ (per-parameter norms,
+  /// then the norm of their vector): with zero >= 1 the per-parameter norms of the owners are
+  /// exchanged in one all-reduce, so the result is bit-identical to zero = 0's.
+  double clip_grad_norm(double max_norm);
+
  private:
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
@@ -55,7 +80,12 @@ class DataParallel {
   std::vector<torch::Tensor> buffers_;  // empty unless dist.broadcast_buffers and world > 1
   uint64_t plan_ = 0;
   int64_t num_buckets_ = 0;
+  int64_t zero_ = 0;
+  double bucket_cap_mb_ = 25.0;
+  models::NamedTensors params_;
+  std::vector<int64_t> owner_;
 };
+
 
 /// Checks that every rank holds parameters of the same count, names, dtypes and shapes.
 /// Throws CollectiveMismatch naming the first parameter that differs and each rank's shape.

@@ -8,7 +8,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-5}"
-regex="${2:-^(Collectives|Ddp|Launch|AmpDist|Fault[A-Za-z]*|Checkpoint[A-Za-z]*|TrainerCheckpoints|KeelInspect|Restart|TwoNode|Slurm)\.}"
+regex="${2:-^(Collectives|Ddp|Launch|AmpDist|Fault[A-Za-z]*|Checkpoint[A-Za-z]*|TrainerCheckpoints|KeelInspect|Restart|TwoNode|Slurm|Zero)\.}"
 build="${KEEL_BUILD_DIR:-build}"
 [ -x "$build/tests/keel_tests" ] || { echo "stress: $build/tests/keel_tests missing; run scripts/setup.sh"; exit 1; }
 logs=$(mktemp -d /tmp/keel-stress.XXXXXX)

@@ -170,4 +170,14 @@ bool exists(const std::string& path) {
 
 std::string source_path(const std::string& rel) { return std::string(KEEL_SOURCE_DIR) + "/" + rel; }
 
+void flip_byte(const std::string& path, long offset_from_end) {
+  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekg(-offset_from_end, std::ios::end);
+  char c;
+  f.read(&c, 1);
+  c = static_cast<char>(c ^ 0x5a);
+  f.seekp(-offset_from_end, std::ios::end);
+  f.write(&c, 1);
+}
+
 }  // namespace keel::testing

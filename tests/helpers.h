@@ -61,6 +61,8 @@ std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir);
 void write_text(const std::string& path, const std::string& text);
 std::string read_text(const std::string& path);
 bool exists(const std::string& path);
+/// XORs one byte of `path`, `offset_from_end` bytes before its end, in place.
+void flip_byte(const std::string& path, long offset_from_end);
 
 /// KEEL_SOURCE_DIR + "/" + rel
 std::string source_path(const std::string& rel);

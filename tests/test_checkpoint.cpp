@@ -71,15 +71,6 @@ std::string error_of(F&& f) {
   return "";
 }
 
-void flip_byte(const std::string& path, long offset_from_end) {
-  std::fstream f(path, std::ios::in | std::ios::out | std::ios::binary);
-  f.seekg(-offset_from_end, std::ios::end);
-  char c;
-  f.read(&c, 1);
-  c = static_cast<char>(c ^ 0x5a);
-  f.seekp(-offset_from_end, std::ios::end);
-  f.write(&c, 1);
-}
 
 TEST(Safetensors, RoundTripsEveryDtypeBitExactly) {
   TempDir d;
@@ -494,10 +485,11 @@ nlohmann::json summary_of(const std::string& dir) { return nlohmann::json::parse
 // SIGKILLed at step 25, with checkpoints every 10 steps (async) and --max_restarts=2, resumes
 // from the last step committed before the kill (20, or 10 under heavy load) and ends with the
 // same parameters, optimizer state and losses as a clean run.
-TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
+void sigkill_resume_case(const std::string& zero) {
   TempDir d;
   auto torchrun = [&](const std::string& sub, std::vector<std::string> extra) {
     auto args = train_args(d.file(sub), 40, 10);
+    args.push_back("--dist.zero=" + zero);
     args.insert(args.end(), extra.begin(), extra.end());
     return run_torchrun_keel(2, args, d.file(sub + "/logs"), /*max_restarts=*/2);
   };
@@ -526,6 +518,10 @@ TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) {
   ASSERT_EQ(a.size(), 40u);
   EXPECT_EQ(a, b);  // every step's loss, to the last bit (metrics.jsonl is rewritten past step 20)
 }
+
+TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) { sigkill_resume_case("0"); }
+TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdenticallyWithZero1) { sigkill_resume_case("1"); }
+TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdenticallyWithZero2) { sigkill_resume_case("2"); }
 
 // The loss scaler's state (scale and growth tracker) is part of the checkpoint: with growth
 // every 4 clean steps and a skipped step 3, the scale is 32768 after step 3, grows at steps 7,
@@ -804,10 +800,16 @@ TEST(KeelInspect, VerifiesWhatTheLoaderVerifies) {
   const auto meta0 = nlohmann::json::parse(read_text(step + "/meta.json"));
   const std::string index_name = "model.safetensors.index.json";
   const auto index0 = nlohmann::json::parse(read_text(step + "/" + index_name));
+  const std::string opt_index_name = "optimizer.safetensors.index.json";
+  const std::string opt_index_text = read_text(step + "/" + opt_index_name);
+  const auto opt_index0 = nlohmann::json::parse(opt_index_text);
+  auto write_file_entry = [&](const std::string& name, const std::string& text, nlohmann::json& meta) {
+    write_text(step + "/" + name, text);
+    meta["files"][name]["sha256"] = sha256_file(step + "/" + name);
+    meta["files"][name]["bytes"] = text.size();
+  };
   auto write_index = [&](const nlohmann::json& index, nlohmann::json& meta) {
-    write_text(step + "/" + index_name, index.dump());
-    meta["files"][index_name]["sha256"] = sha256_file(step + "/" + index_name);
-    meta["files"][index_name]["bytes"] = index.dump().size();
+    write_file_entry(index_name, index.dump(), meta);
   };
   struct Case {
     const char* what;
@@ -837,6 +839,22 @@ TEST(KeelInspect, VerifiesWhatTheLoaderVerifies) {
          write_index(index, m);
        },
        "which no shard holds"},
+      {"optimizer index listing state its file does not hold",
+       [&](nlohmann::json& m) {
+         auto index = opt_index0;
+         index["weight_map"]["fc.0.weight.no_such_field"] = "optimizer-00001-of-00001.safetensors";
+         write_file_entry(opt_index_name, index.dump(), m);
+       },
+       "which does not hold it"},
+      {"optimizer index naming a file of another step",
+       [&](nlohmann::json& m) {
+         auto index = opt_index0;
+         index["weight_map"].begin().value() = "../step_0/optimizer-00001-of-00001.safetensors";
+         write_file_entry(opt_index_name, index.dump(), m);
+       },
+       "is not an optimizer file of this step"},
+      {"optimizer owner outside the saved world", [&](nlohmann::json& m) { m["optimizer"]["owners"] = {{"fc.0.weight", 7}}; },
+       "must be a rank in [0, 1), got 7"},
   };
   for (const auto& c : cases) {
     nlohmann::json m = meta0;
@@ -853,6 +871,7 @@ TEST(KeelInspect, VerifiesWhatTheLoaderVerifies) {
     // Undo for the next case.
     std::rename((step + "/moved").c_str(), (step + "/optimizer-00001-of-00001.safetensors").c_str());
     write_text(step + "/" + index_name, index0.dump(2) + "\n");
+    write_text(step + "/" + opt_index_name, opt_index_text);
     write_text(step + "/meta.json", meta0.dump(2) + "\n");
   }
   EXPECT_EQ(run_keel({"inspect", step}).exit_code, 0);  // undone: verifies again

@@ -485,6 +485,11 @@ TEST(RankAgreement, DifferentConfigsStopEveryRankNamingTheKey) {
     EXPECT_NE(r.output.find("dist.bucket_cap_mb = "), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("(1 more key(s) differ)"), std::string::npos) << r.output;
   }
+  ranks = launch("zero", {"--dist.zero=1"}, {"--dist.zero=2"});  // a partition two ranks would disagree on
+  for (const auto& r : ranks) {
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("dist.zero = 1 on rank 0, 2 on rank 1"), std::string::npos) << r.output;
+  }
   // What may differ per rank does not stop the job.
   ranks = launch("ok", {"--run.log_level=debug"}, {"--run.threads=1", "--run.dir=" + d.file("elsewhere")});
   for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 0) << r.output;

@@ -138,18 +138,24 @@ TEST(FaultCollectiveHang, PeersTimeOutNamingTheCollectiveAndTheMissingRank) {
   std::printf("collective_hang, dist.timeout_s = 6: both ranks ended %.1f s after launch\n", s);
 }
 
-TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRank) {
+// `zero`: dist.zero of the run (the faults tests run at 0, 1 and 2).
+void crash_case(const std::string& zero) {
   TempDir d;
   const auto t0 = std::chrono::steady_clock::now();
-  auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=crash@step=5,rank=1"}));
+  auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=crash@step=5,rank=1", "--dist.zero=" + zero}));
   const double s = seconds_since(t0);
   EXPECT_TRUE(ranks[1].signaled);
   EXPECT_EQ(ranks[1].signal, SIGKILL);
   EXPECT_FALSE(ranks[0].signaled) << ranks[0].output;
   EXPECT_EQ(ranks[0].exit_code, 1) << ranks[0].output;
   EXPECT_NE(ranks[0].output.find("rank(s) 1 never reached or never finished"), std::string::npos) << ranks[0].output;
-  std::printf("crash: the surviving rank ended %.1f s after launch (dist.timeout_s = 30)\n", s);
+  std::printf("crash (dist.zero = %s): the surviving rank ended %.1f s after launch (dist.timeout_s = 30)\n",
+              zero.c_str(), s);
 }
+
+TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRank) { crash_case("0"); }
+TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRankWithZero1) { crash_case("1"); }
+TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRankWithZero2) { crash_case("2"); }
 
 TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
   TempDir d;
@@ -239,9 +245,10 @@ void expect_same_end(const std::string& clean, const std::string& faulty, int st
 // committed; rank 0 is killed at step 13; torchrun restarts the job, which must detect the
 // corrupt step 10 by its checksum, warn naming the file, resume from step 5 and still end
 // bit-identical to a clean run.
-TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) {
+void corruption_case(const std::string& zero) {
   TempDir d;
   auto args = [&](const std::string& sub, std::vector<std::string> extra) {
+    extra.push_back("--dist.zero=" + zero);
     return checkpointed_args(d.file(sub), 20, 5, std::move(extra));
   };
   ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
@@ -254,12 +261,34 @@ TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) {
   expect_same_end(d.file("clean"), d.file("bad"), 20);
 }
 
+TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) { corruption_case("0"); }
+TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsedWithZero1) { corruption_case("1"); }
+TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsedWithZero2) { corruption_case("2"); }
+
+// With dist.zero >= 1 at the same world size each rank reads only its own optimizer file: a
+// damaged one is found by its owner alone, and still every rank falls back together.
+TEST(FaultCheckpointCorruption, AnOptimizerPartitionReadByItsOwnerOnlyStillFailsTheStepEverywhere) {
+  TempDir d;
+  auto args = [&](int steps) { return checkpointed_args(d.path(), steps, 5, {"--dist.zero=1"}); };
+  expect_all_ok(keel_ranks(args(10)));
+  flip_byte(d.file("ck/step_10/optimizer-00002-of-00002.safetensors"), 1);
+  auto ranks = keel_ranks(args(20));
+  expect_all_ok(ranks);
+  EXPECT_NE(ranks[1].output.find("step_10/optimizer-00002-of-00002.safetensors: checksum mismatch"), std::string::npos)
+      << ranks[1].output;
+  EXPECT_EQ(ranks[0].output.find("optimizer-00002-of-00002.safetensors: checksum mismatch"), std::string::npos)
+      << "rank 0 read rank 1's partition:\n" << ranks[0].output;
+  EXPECT_NE(ranks[0].output.find("it failed to load on another rank"), std::string::npos) << ranks[0].output;
+  EXPECT_EQ(summary_field(d.file("run"), "resumed_from_step"), "5");
+}
+
 // checkpoint_write_failure with `crash`: rank 1 is SIGKILLed halfway through writing its shard
 // of step 10; the restarted job never sees step 10 (no commit marker), resumes from step 5 and
 // ends bit-identical to a clean run.
-TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecovers) {
+void write_failure_case(const std::string& zero) {
   TempDir d;
   auto args = [&](const std::string& sub, std::vector<std::string> extra) {
+    extra.push_back("--dist.zero=" + zero);
     return checkpointed_args(d.file(sub), 20, 5, std::move(extra));
   };
   ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
@@ -270,6 +299,10 @@ TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecover
   EXPECT_EQ(summary_field(d.file("bad/run"), "resumed_from_step"), "5");
   expect_same_end(d.file("clean"), d.file("bad"), 20);
 }
+
+TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecovers) { write_failure_case("0"); }
+TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecoversWithZero1) { write_failure_case("1"); }
+TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecoversWithZero2) { write_failure_case("2"); }
 
 // The chaos test: a 2-rank torchrun job with restarts, in which a rank is SIGKILLed at three
 // random steps (one per restart, random ranks, async checkpoints every 4 steps): its final

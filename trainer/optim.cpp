@@ -145,6 +145,16 @@ void zero_grads(const std::vector<torch::Tensor>& params) {
     if (p.grad().defined()) p.grad().zero_();
 }
 
+bool OptimizerState::wants(const std::string& name) const {
+  return names_.count(name.substr(0, name.find_last_of('.'))) != 0;
+}
+
+int64_t OptimizerState::state_bytes() const {
+  int64_t bytes = 0;
+  for (const auto& [n, t] : optimizer_state(*opt_, params_)) bytes += static_cast<int64_t>(t.nbytes());
+  return bytes;
+}
+
 void OptimizerState::load(const checkpoint::Loaded& loaded) {
   try {
     load_optimizer_state(*opt_, params_, loaded.state.optimizer);

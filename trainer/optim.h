@@ -8,6 +8,7 @@
 
 #include <memory>
 #include <string>
+#include <unordered_set>
 #include <utility>
 #include <vector>
 
@@ -55,9 +56,24 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
 /// The optimizer's part of a checkpoint (State::optimizer), as above.
 class OptimizerState : public checkpoint::Stateful {
  public:
-  /// `opt` must outlive this object; `params` are its parameters with their names.
-  OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params) : opt_(&opt), params_(std::move(params)) {}
-  void save(checkpoint::State& state) const override { state.optimizer = optimizer_state(*opt_, params_); }
+  /// `opt` must outlive this object; `params` are its parameters with their names. With
+  /// dist.zero >= 1, `params` are this rank's own and `owners` names the owner rank of every
+  /// parameter of the model (checkpoint::State::optimizer_owners); empty: replicated.
+  OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params,
+                 std::vector<std::pair<std::string, int64_t>> owners = {}, int64_t zero = 0)
+      : opt_(&opt), params_(std::move(params)), owners_(std::move(owners)), zero_(zero) {
+    for (const auto& [n, p] : params_) names_.insert(n);
+  }
+  void save(checkpoint::State& state) const override {
+    state.optimizer = optimizer_state(*opt_, params_);
+    state.optimizer_owners = owners_;
+    state.zero = zero_;
+  }
+  /// Whether this rank loads the optimizer state tensor `name` ("<parameter>.<field>"): the
+  /// state of its own parameters (checkpoint::Options::wants_optimizer_tensor).
+  bool wants(const std::string& name) const;
+  /// Bytes of the optimizer state this rank holds.
+  int64_t state_bytes() const;
   /// A saved state that does not fit this optimizer (another train.optimizer, other
   /// parameters) is the user's choice of checkpoint: InputError, like a model that does not bind.
   void load(const checkpoint::Loaded& loaded) override;
@@ -65,6 +81,9 @@ class OptimizerState : public checkpoint::Stateful {
  private:
   torch::optim::Optimizer* opt_;
   NamedTensorList params_;
+  std::vector<std::pair<std::string, int64_t>> owners_;
+  int64_t zero_ = 0;
+  std::unordered_set<std::string> names_;
 };
 
 }  // namespace keel

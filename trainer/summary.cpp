@@ -53,6 +53,9 @@ nlohmann::json Summary::to_json() const {
   j["eta_s"] = eta_s;
   j["mfu"] = or_null(mfu);
   j["peak_tflops"] = or_null(peak_tflops);
+  j["zero"] = zero;
+  j["optimizer_state_bytes"] = optimizer_state_bytes;
+  j["peak_rss_mb"] = peak_rss_mb;
   j["control_per_step"] = {{"collectives", control_per_step.collectives},
                            {"validation_probes", control_per_step.probes},
                            {"bytes_sent", control_per_step.bytes_sent},

@@ -3,6 +3,7 @@
 // is a named member below, in the order a step runs them.
 #include "keel/trainer/trainer.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <ATen/record_function.h>
@@ -179,7 +180,10 @@ class Trainer::Loop {
   std::optional<DistributedModel> dmodel_;
   std::unique_ptr<data::DistributedSampler> sampler_;
   std::vector<torch::Tensor> params_;
+  std::vector<torch::Tensor> owned_;   // the parameters this rank's optimizer updates (dist.zero)
+  models::NamedTensors owned_named_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
+  std::unique_ptr<OptimizerState> optimizer_state_;  // its checkpoint part (partitioned with dist.zero)
   std::optional<LrSchedule> schedule_;
   std::unique_ptr<amp::GradScaler> scaler_;
   LossFn loss_;
@@ -288,7 +292,15 @@ void Trainer::Loop::build_optimizer() {
   }
   progress_.global_batch = cfg_.train.batch_size * cfg_.train.grad_accum * world_.size;
   params_ = model_->parameters();
-  optimizer_ = make_optimizer(cfg_.train, params_);
+  owned_named_ = dmodel_->owned_parameters();
+  for (const auto& [n, t] : owned_named_) owned_.push_back(t);
+  optimizer_ = make_optimizer(cfg_.train, owned_);
+  std::vector<std::pair<std::string, int64_t>> owners;
+  if (dmodel_->zero() >= 1) {
+    const auto named = model_->named_parameters();
+    for (size_t i = 0; i < named.size(); ++i) owners.emplace_back(named[i].first, dmodel_->owners()[i]);
+  }
+  optimizer_state_ = std::make_unique<OptimizerState>(*optimizer_, owned_named_, std::move(owners), dmodel_->zero());
   schedule_.emplace(cfg_.train, progress_.total_steps);
 }
 
@@ -300,7 +312,7 @@ void Trainer::Loop::build_checkpointing() {
     owned_state_.push_back(std::move(c));
   };
   own("model", std::make_unique<ModelState>(model_));
-  own("optimizer", std::make_unique<OptimizerState>(*optimizer_, model_->named_parameters()));
+  state_.add("optimizer", *optimizer_state_);
   state_.add("progress", progress_);
   if (scaler_) state_.add("grad_scaler", *scaler_);
   own("rng", std::make_unique<RngState>(device_));
@@ -315,6 +327,8 @@ void Trainer::Loop::build_checkpointing() {
   o.async = cfg_.checkpoint.async;
   o.config_sha256 = sha256_hex(dump_toml(cfg_));
   o.hooks = faults_->checkpoint_hooks();
+  if (dmodel_->zero() >= 1)  // each rank reads only the optimizer files holding its own parameters' state
+    o.wants_optimizer_tensor = [s = optimizer_state_.get()](const std::string& n) { return s->wants(n); };
   try {
     ckpt_ = std::make_unique<checkpoint::Checkpointer>(o, coll_);
   } catch (const checkpoint::SaveError& e) {
@@ -438,7 +452,7 @@ StepResult Trainer::Loop::train_step() {
   r.lr = schedule_->at(r.step - 1);
   set_lr(*optimizer_, r.lr);
   r.local_loss = forward_backward();
-  faults_->after_backward(r.step, params_);
+  faults_->after_backward(r.step, owned_);
   const bool nonfinite = local_nonfinite(r.local_loss);
   faults_->before_consensus(r.step, *coll_);
   const double compute_ms = ms_since(t0);
@@ -507,9 +521,10 @@ double Trainer::Loop::forward_backward() {
 // This rank's verdict on its gradients, after unscaling (before clipping).
 bool Trainer::Loop::local_nonfinite(double local_loss) {
   bool bad = !std::isfinite(local_loss);
-  if (scaler_) return scaler_->unscale_(params_) || bad;
+  // With dist.zero >= 1 a rank reads only the gradients it owns; the consensus ORs the verdicts.
+  if (scaler_) return scaler_->unscale_(owned_) || bad;
   if (cfg_.train.skip_nonfinite || faults_->watches_gradients())  // else: look only when asked
-    for (const auto& p : params_)
+    for (const auto& p : owned_)
       if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>()) return true;
   return bad;
 }
@@ -521,8 +536,9 @@ void Trainer::Loop::apply_update(StepResult& r) {
                              "); no rank applied the update; lower train.lr, set train.grad_clip, or set "
                              "train.skip_nonfinite = true to skip such steps");
   if (!r.skipped) {
-    if (cfg_.train.grad_clip > 0) r.grad_norm = torch::nn::utils::clip_grad_norm_(params_, cfg_.train.grad_clip);
+    if (cfg_.train.grad_clip > 0) r.grad_norm = dmodel_->clip_grad_norm(cfg_.train.grad_clip);
     optimizer_->step();
+    dmodel_->sync_parameters();  // dist.zero >= 1: each owner's update to every rank
   } else {
     ++progress_.skipped_steps;
     logging::warn("step {}: inf/NaN on some rank; every rank skips this update{}", r.step,
@@ -759,6 +775,12 @@ Summary Trainer::Loop::summary() const {
   s.resumed_from_step = resumed_from_;
   if (ckpt_ && ckpt_->last_committed() >= 0) s.checkpoint_step = ckpt_->last_committed();
   s.checkpoint_stall_ms = checkpoint_stall_ms_;
+  s.zero = dmodel_->zero();
+  s.optimizer_state_bytes = optimizer_state_->state_bytes();
+  {
+    struct rusage ru {};
+    if (::getrusage(RUSAGE_SELF, &ru) == 0) s.peak_rss_mb = static_cast<double>(ru.ru_maxrss) / 1024.0;  // KiB on Linux
+  }
   s.rendezvous_ms = rendezvous_ms_;
   s.eta_s = last_eta_s_;
   s.mfu = last_mfu_;

@@ -80,6 +80,9 @@ struct Summary {
   double eta_s = 0;                  // at the last log line: steps left x the recent median step time
   std::optional<double> mfu;         // at the last log line (models that report FLOPs), 0..1
   std::optional<double> peak_tflops; // MFU's denominator per rank (run.peak_tflops or measured)
+  int64_t zero = 0;                  // dist.zero
+  int64_t optimizer_state_bytes = 0; // the optimizer state this rank holds (its partition with dist.zero >= 1)
+  double peak_rss_mb = 0;            // this process's peak resident set (getrusage), MiB
   /// keel's control traffic per step on this rank over this run's loop (the consensus,
   /// validation probes, checkpoint coordination, evaluation totals; not DDP's gradients).
   struct Control {

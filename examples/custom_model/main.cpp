@@ -61,6 +61,7 @@ int main() {
   cfg.train.eval_interval = 100;
   cfg.checkpoint.dir = "runs/custom_model/ckpt";  // run it again: it resumes from step 100
   cfg.checkpoint.interval = 50;
+  cfg.dist.zero = 1;  // each rank keeps the optimizer state of its own share of the parameters
   keel::validate(cfg);
 
   int64_t evals_seen = 0;  // your own state: it travels in keel's checkpoints

@@ -85,6 +85,14 @@ class DistributedModel {
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
   uint64_t plan() const { return ddp_->plan(); }
+  /// dist.zero: the parameters this rank's optimizer owns (all with zero = 0), the global-norm
+  /// clip over the owners' gradients, and (collective) the owners' updated parameters to every
+  /// rank after the optimizer step (dist/ddp.h).
+  int64_t zero() const { return ddp_->zero(); }
+  const std::vector<int64_t>& owners() const { return ddp_->owners(); }
+  models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
+  double clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
+  void sync_parameters() { ddp_->sync_parameters(); }
   /// Compile results; recompiles keep counting while training.
   const CompileReport& compile_report() const { return *report_; }
 

@@ -380,6 +380,9 @@ void validate(Config& cfg) {
          choice_name(kCompileModes, cfg.compile.mode) + "\")");
   if (cfg.checkpoint.save_graph && cfg.checkpoint.dir.empty()) fail("checkpoint.save_graph = true needs checkpoint.dir");
   parse_profile_steps(cfg.run.profile_steps);
+  if (cfg.dist.zero == 2 && cfg.dist.comm_hook != CommHook::Allreduce)
+    fail(std::string("dist.zero = 2 reduce-scatters gradients and cannot be combined with dist.comm_hook = \"") +
+         choice_name(kCommHooks, cfg.dist.comm_hook) + "\" (compressed all-reduce); use dist.zero = 1 or comm_hook = \"allreduce\"");
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
 }

@@ -149,6 +149,7 @@ std::vector<FieldInfo> build_schema() {
   b.add("dist", &C::dist, "comm_hook", &DistConfig::comm_hook, kCommHooks, "gradient all-reduce: allreduce | bf16 | fp16 (compressed)");
   b.add("dist", &C::dist, "interface", &DistConfig::interface, "network interface(s) the backend uses, comma-separated (e.g. \"eth0\"; NCCL_SOCKET_IFNAME too unless set); \"\" = GLOO_SOCKET_IFNAME if set, else the interface that routes to the rendezvous host");
   b.add("dist", &C::dist, "validate", &DistConfig::validate, kValidateModes, "cross-rank check of every collective (op, dtype, shape): always | first_step | off");
+  range(b.add("dist", &C::dist, "zero", &DistConfig::zero, "ZeRO stage (docs/zero.md): 0 = every rank holds the whole optimizer state (DDP); 1 = the optimizer state is partitioned by parameter across ranks, each rank updates its own parameters and broadcasts them; 2 = in addition each parameter's gradient is reduce-scattered to its owner instead of all-reduced"), 0, 2);
 
   // [compile]
   b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes, "off | trace (capture forward as a TorchScript graph)");

@@ -1,0 +1,152 @@
+#include "keel/dist/zero.h"
+
+#include <algorithm>
+#include <thread>
+
+namespace keel::dist {
+namespace {
+
+// dist.zero = 2: each bucket is reduce-scattered. The bucket's gradients are grouped by owner
+// (the runs of one owner are contiguous in the buffer unless the Reducer rebuilt the bucket in
+// another order; then that owner's pieces are copied together), pre-divided by the world size as
+// the Reducer's own all-reduce does, and reduce-scattered with one input per rank (uneven:
+// c10d's Gloo and NCCL both take it); the owner's sum is copied back into its gradients.
+class ReduceScatterHook : public c10d::CommHookInterface {
+ public:
+  ReduceScatterHook(c10::intrusive_ptr<c10d::ProcessGroup> pg, std::unordered_map<const void*, int64_t> owner,
+                    int64_t world, int64_t rank)
+      : pg_(std::move(pg)), owner_(std::move(owner)), world_(world), rank_(rank) {}
+
+  c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
+    at::Tensor buffer = bucket.getBufferRef();
+    buffer.div_(static_cast<double>(world_));
+    const auto grads = bucket.getGradients();
+    const auto params = bucket.getParameters();
+    std::vector<std::vector<at::Tensor>> pieces(static_cast<size_t>(world_));
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto it = owner_.find(params[i].unsafeGetTensorImpl());
+      TORCH_CHECK(it != owner_.end(), "ZeRO: a bucket holds a parameter without an owner");
+      pieces[static_cast<size_t>(it->second)].push_back(grads[i].view(-1));
+    }
+    std::vector<at::Tensor> inputs;
+    for (auto& list : pieces) inputs.push_back(joined(buffer, list));
+    auto mine = pieces[static_cast<size_t>(rank_)];
+    at::Tensor out = at::empty({inputs[static_cast<size_t>(rank_)].numel()}, buffer.options());
+    std::vector<at::Tensor> outv{out};
+    std::vector<std::vector<at::Tensor>> inv{inputs};
+    auto work = pg_->reduce_scatter(outv, inv);
+    auto copy_back = [buffer, out, mine]() -> c10::IValue {
+      int64_t at = 0;
+      for (const auto& g : mine) {
+        const_cast<at::Tensor&>(g).copy_(out.narrow(0, at, g.numel()));
+        at += g.numel();
+      }
+      return c10::IValue(buffer);
+    };
+    c10::intrusive_ptr<c10::ivalue::Future> native;
+    try {
+      native = work->getFuture();  // NCCL's
+    } catch (const c10::Error&) {
+    }
+    if (native) return native->then([copy_back](c10::ivalue::Future&) { return copy_back(); }, c10::TensorType::get());
+    // Gloo's reduce-scatter has no future: a helper thread waits for it, so that the backward
+    // pass goes on meanwhile as with the Reducer's own all-reduce.
+    auto fut = c10::make_intrusive<c10::ivalue::Future>(c10::TensorType::get());
+    std::thread([work, fut, copy_back] {
+      try {
+        work->wait();
+        fut->markCompleted(copy_back());
+      } catch (...) {
+        fut->setError(std::current_exception());
+      }
+    }).detach();
+    return fut;
+  }
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor(); }
+
+ private:
+  // One rank's pieces as one flat tensor: a view of the buffer when they are adjacent.
+  static at::Tensor joined(const at::Tensor& buffer, const std::vector<at::Tensor>& list) {
+    if (list.empty()) return buffer.narrow(0, 0, 0);
+    bool adjacent = true;
+    for (size_t k = 1; k < list.size(); ++k)
+      adjacent &= list[k].storage_offset() == list[k - 1].storage_offset() + list[k - 1].numel();
+    if (adjacent) {
+      int64_t n = 0;
+      for (const auto& t : list) n += t.numel();
+      return buffer.narrow(0, list.front().storage_offset() - buffer.storage_offset(), n);
+    }
+    return at::cat(list);
+  }
+
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  std::unordered_map<const void*, int64_t> owner_;
+  int64_t world_, rank_;
+};
+
+}  // namespace
+
+std::vector<int64_t> zero_partition(const std::vector<uint64_t>& sizes, int64_t world) {
+  uint64_t total = 0;
+  for (auto b : sizes) total += b;
+  std::vector<int64_t> owner(sizes.size(), 0);
+  if (total == 0 || world <= 1) return owner;
+  // Rank of the parameter whose bytes straddle [before, before + b): the share that holds its
+  // midpoint. Monotone in model order, so each rank's parameters are one contiguous range.
+  long double before = 0;
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    const long double mid = before + static_cast<long double>(sizes[i]) / 2;
+    owner[i] = std::min<int64_t>(world - 1, static_cast<int64_t>(mid * world / static_cast<long double>(total)));
+    before += static_cast<long double>(sizes[i]);
+  }
+  return owner;
+}
+
+std::unique_ptr<c10d::CommHookInterface> make_reduce_scatter_hook(c10::intrusive_ptr<c10d::ProcessGroup> pg,
+                                                                  std::unordered_map<const void*, int64_t> owner,
+                                                                  int64_t world, int64_t rank) {
+  return std::make_unique<ReduceScatterHook>(std::move(pg), std::move(owner), world, rank);
+}
+
+void zero_broadcast_parameters(const models::NamedTensors& params, const std::vector<int64_t>& owner,
+                               Collectives& coll, size_t bucket_bytes) {
+  if (coll.size() == 1) return;
+  torch::NoGradGuard ng;
+  for (int64_t r = 0; r < coll.size(); ++r) {
+    std::vector<torch::Tensor> owned;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (owner[i] == r) owned.push_back(params[i].second.detach());
+    coll.broadcast_coalesced(owned, r, "ZeRO parameter broadcast", bucket_bytes);
+  }
+}
+
+double zero_clip_grad_norm(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
+                           double max_norm) {
+  // Row 0: the per-parameter norms (the owner's; 0 elsewhere); row 1: whether the owner has a
+  // gradient. Summed over ranks, each entry is exactly its owner's.
+  const auto& first = params.front().second;
+  auto opts = torch::TensorOptions().dtype(first.scalar_type()).device(first.device());
+  std::vector<torch::Tensor> norms, has;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& g = params[i].second.grad();
+    const bool mine = owner[i] == coll.rank() && g.defined();
+    norms.push_back(mine ? g.detach().norm(2.0) : torch::zeros({}, opts));
+    has.push_back(torch::full({}, mine ? 1.0 : 0.0, opts));
+  }
+  auto table = torch::stack({torch::stack(norms), torch::stack(has)});
+  coll.all_reduce(table, ReduceOp::Sum, "ZeRO gradient norm");
+  const auto has_grad = table[1].to(torch::kCPU, torch::kDouble);
+  std::vector<torch::Tensor> kept;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (has_grad[static_cast<int64_t>(i)].item<double>() != 0) kept.push_back(table[0][static_cast<int64_t>(i)]);
+  if (kept.empty()) return 0.0;
+  const torch::Tensor total = kept.size() == 1 ? kept[0] : torch::stack(kept).norm(2.0);
+  const auto coef = torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& g = params[i].second.grad();
+    if (owner[i] == coll.rank() && g.defined()) g.detach().mul_(coef);
+  }
+  return total.item<double>();
+}
+
+}  // namespace keel::dist
