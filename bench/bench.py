@@ -92,6 +92,12 @@ def run_torch(model, batch, steps, world, compiled=False, zero=False):
     return json.loads(launch(cmd, world).strip().splitlines()[-1])
 
 
+def middle(values):
+    """The median of `values` (the upper one of an even count)."""
+    values = sorted(values)
+    return values[len(values) // 2]
+
+
 def median_run(runs):
     """The run with the median step time of repeated runs (noise on a shared machine)."""
     runs = sorted(runs, key=lambda r: r["median_step_ms"])
@@ -295,17 +301,13 @@ def zero_bench(args):
                       **{f"{n}_over_keel_zero0": this[n]["median_step_ms"] / this["keel-zero0"]["median_step_ms"]
                          for n in names}})
 
-            def med(values):
-                values = sorted(values)
-                return values[len(values) // 2]
-
             summary = {"model": "gpt", "world": world, "steps": steps, "rounds": args.zero_rounds, "batch": b}
             for n in names:
-                summary[f"{n}_median_step_ms"] = med([r["median_step_ms"] for r in got[n]])
-                summary[f"{n}_step_time_over_keel_zero0"] = med(
+                summary[f"{n}_median_step_ms"] = middle([r["median_step_ms"] for r in got[n]])
+                summary[f"{n}_step_time_over_keel_zero0"] = middle(
                     [got[n][k]["median_step_ms"] / got["keel-zero0"][k]["median_step_ms"] for k in range(args.zero_rounds)])
                 summary[f"{n}_optimizer_state_bytes"] = got[n][0]["optimizer_state_bytes"]
-                summary[f"{n}_peak_rss_mb"] = med([r["peak_rss_mb"] for r in got[n]])
+                summary[f"{n}_peak_rss_mb"] = middle([r["peak_rss_mb"] for r in got[n]])
             for n in ("keel-zero1", "keel-zero2"):
                 summary[f"{n}_state_over_zero0"] = (summary[f"{n}_optimizer_state_bytes"] /
                                                     summary["keel-zero0_optimizer_state_bytes"])

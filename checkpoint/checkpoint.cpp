@@ -70,6 +70,16 @@ std::string expected_sha(const nlohmann::json& meta, const std::string& dir, con
   return meta["files"][name]["sha256"].get<std::string>();
 }
 
+// A small file of the step (an index), read whole and checked against meta.json's SHA-256.
+std::string read_verified(const nlohmann::json& meta, const std::string& dir, const std::string& name) {
+  const std::string path = dir + "/" + name;
+  const std::string text = read_all(path);
+  Sha256 h;
+  h.update(text.data(), text.size());
+  if (h.hex() != expected_sha(meta, dir, name)) throw FormatError(path + ": checksum mismatch");
+  return text;
+}
+
 }  // namespace
 
 std::string model_file(int64_t rank, int64_t world) {
@@ -515,14 +525,9 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
     optimizer_files.insert(optimizer_file(r, W));
     expected_sha(L.meta, dir, model_file(r, W));  // the saved world's shards are listed and present
   }
-  if (has_optimizer_index) {
-    const std::string path = dir + "/" + kOptimizerIndex;
-    const std::string text = read_all(path);
-    Sha256 h;
-    h.update(text.data(), text.size());
-    if (h.hex() != expected_sha(L.meta, dir, kOptimizerIndex)) throw FormatError(path + ": checksum mismatch");
-    optimizer_map = parse_optimizer_index(text, path, optimizer_files);
-  }
+  if (has_optimizer_index)
+    optimizer_map = parse_optimizer_index(read_verified(L.meta, dir, kOptimizerIndex), dir + "/" + kOptimizerIndex,
+                                          optimizer_files);
   // The shards are mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s on one core).
   const bool has_extra = L.meta["files"].contains(extra_file(0, W));
   std::set<std::string> needed_optimizer;
@@ -578,10 +583,7 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
   // The Hugging Face index must agree with the shards.
   {
     const std::string path = dir + "/" + kIndex;
-    const std::string text = read_all(path);
-    Sha256 h;
-    h.update(text.data(), text.size());
-    if (h.hex() != expected_sha(L.meta, dir, kIndex)) throw FormatError(path + ": checksum mismatch");
+    const std::string text = read_verified(L.meta, dir, kIndex);
     std::set<std::string> shard_names, model_tensors;
     for (int64_t r = 0; r < W; ++r) shard_names.insert(model_file(r, W));
     for (const auto& [n, t] : L.state.model) model_tensors.insert(n);

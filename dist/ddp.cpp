@@ -94,7 +94,8 @@ void verify_parameters_across_ranks(const models::NamedTensors& params, Collecti
 
 DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll,
                            const DistConfig& cfg)
-    : model_(std::move(model)), coll_(std::move(coll)), zero_(cfg.zero), bucket_cap_mb_(cfg.bucket_cap_mb) {
+    : model_(std::move(model)), coll_(std::move(coll)), zero_(cfg.zero),
+      bucket_bytes_(static_cast<size_t>(std::max(1.0, cfg.bucket_cap_mb * 1024 * 1024))) {
   auto named = model_->named_parameters();
   verify_parameters_across_ranks(named, *coll_);
   params_ = named;
@@ -173,6 +174,12 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   }
 }
 
+std::vector<std::pair<std::string, int64_t>> DataParallel::owners() const {
+  std::vector<std::pair<std::string, int64_t>> out;
+  for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(params_[i].first, owner_[i]);
+  return out;
+}
+
 models::NamedTensors DataParallel::owned_parameters() const {
   models::NamedTensors out;
   for (size_t i = 0; i < params_.size(); ++i)
@@ -182,7 +189,7 @@ models::NamedTensors DataParallel::owned_parameters() const {
 
 void DataParallel::sync_parameters() {
   if (zero_ < 1 || coll_->size() == 1) return;
-  zero_broadcast_parameters(params_, owner_, *coll_, static_cast<size_t>(std::max(1.0, bucket_cap_mb_ * 1024 * 1024)));
+  zero_broadcast_parameters(params_, owner_, *coll_, bucket_bytes_);
 }
 
 double DataParallel::clip_grad_norm(double max_norm) {

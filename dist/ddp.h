@@ -60,8 +60,8 @@ class DataParallel {
 
   /// dist.zero.
   int64_t zero() const { return zero_; }
-  /// The owner rank of each parameter (model order); every entry is this rank's with zero = 0.
-  const std::vector<int64_t>& owners() const { return owner_; }
+  /// Each parameter's name and owner rank (model order); every owner is this rank with zero = 0.
+  std::vector<std::pair<std::string, int64_t>> owners() const;
   /// The parameters whose optimizer state and update this rank owns (all with zero = 0).
   models::NamedTensors owned_parameters() const;
   /// Collective with zero >= 1 (else a no-op): after the optimizer step, every owner's
@@ -81,11 +81,10 @@ class DataParallel {
   uint64_t plan_ = 0;
   int64_t num_buckets_ = 0;
   int64_t zero_ = 0;
-  double bucket_cap_mb_ = 25.0;
+  size_t bucket_bytes_ = 0;  // dist.bucket_cap_mb, for the parameter broadcasts
   models::NamedTensors params_;
   std::vector<int64_t> owner_;
 };
-
 
 /// Checks that every rank holds parameters of the same count, names, dtypes and shapes.
 /// Throws CollectiveMismatch naming the first parameter that differs and each rank's shape.

@@ -295,12 +295,10 @@ void Trainer::Loop::build_optimizer() {
   owned_named_ = dmodel_->owned_parameters();
   for (const auto& [n, t] : owned_named_) owned_.push_back(t);
   optimizer_ = make_optimizer(cfg_.train, owned_);
-  std::vector<std::pair<std::string, int64_t>> owners;
-  if (dmodel_->zero() >= 1) {
-    const auto named = model_->named_parameters();
-    for (size_t i = 0; i < named.size(); ++i) owners.emplace_back(named[i].first, dmodel_->owners()[i]);
-  }
-  optimizer_state_ = std::make_unique<OptimizerState>(*optimizer_, owned_named_, std::move(owners), dmodel_->zero());
+  // With dist.zero >= 1 the checkpoint records who owns each parameter's state; else replicated.
+  optimizer_state_ = std::make_unique<OptimizerState>(
+      *optimizer_, owned_named_, dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{},
+      dmodel_->zero());
   schedule_.emplace(cfg_.train, progress_.total_steps);
 }
 

@@ -89,7 +89,7 @@ class DistributedModel {
   /// clip over the owners' gradients, and (collective) the owners' updated parameters to every
   /// rank after the optimizer step (dist/ddp.h).
   int64_t zero() const { return ddp_->zero(); }
-  const std::vector<int64_t>& owners() const { return ddp_->owners(); }
+  std::vector<std::pair<std::string, int64_t>> owners() const { return ddp_->owners(); }
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
   double clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
