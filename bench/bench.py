@@ -7,6 +7,7 @@
   $PY bench/bench.py --observe-rounds 5     # TensorBoard and the profiler off vs on
   $PY bench/bench.py --zero-rounds 5        # dist.zero = 0 / 1 / 2 (and PyTorch's ZeroRedundancyOptimizer) on gpt
   $PY bench/bench.py --baseline /tmp/keel-old --worlds 2   # this build vs another keel binary
+  $PY bench/bench.py --inductor             # keel compile.mode = inductor beside eager and torch.compile'd PyTorch
 
 For each model and world size: runs `build/keel train` on synthetic data and
 bench/torch_ref.py twice, PyTorch eager and torch.compile (Inductor; place -> compile -> DDP),
@@ -86,9 +87,9 @@ def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="
     return out
 
 
-def run_torch(model, batch, steps, world, compiled=False, zero=False):
+def run_torch(model, batch, steps, world, compiled=False, zero=False, compile_mode="default"):
     cmd = [PY, os.path.join(ROOT, "bench", "torch_ref.py"), "--model", model, "--batch", str(batch),
-           "--steps", str(steps), "--threads", "1"] + (["--compile"] if compiled else []) + (["--zero"] if zero else [])
+           "--steps", str(steps), "--threads", "1"] + (["--compile", "--compile-mode", compile_mode] if compiled else []) + (["--zero"] if zero else [])
     return json.loads(launch(cmd, world).strip().splitlines()[-1])
 
 
@@ -124,6 +125,9 @@ def main():
     ap.add_argument("--keel", default=os.path.join(ROOT, "build", "keel"))
     ap.add_argument("--amp", action="store_true",
                     help="instead: keel with amp.dtype = bf16 vs fp32 (cnn and gpt, 1 rank)")
+    ap.add_argument("--inductor", action="store_true",
+                    help="keel compile.mode = inductor beside PyTorch eager and torch.compile (default, max-autotune-no-cudagraphs)")
+    ap.add_argument("--inductor-cache", default="", help="keel's compile.cache_dir for --inductor (default: a temp folder kept between runs)")
     ap.add_argument("--compile", action="store_true",
                     help="instead: keel with compile.mode = trace vs off, and cold vs warm compile time")
     ap.add_argument("--baseline", default="",
@@ -146,6 +150,8 @@ def main():
         return observe_bench(args)
     if args.zero_rounds:
         return zero_bench(args)
+    if args.inductor:
+        return inductor_bench(args)
     if args.compile:
         return compile_bench(args)
     if args.amp:
@@ -401,6 +407,50 @@ def compile_bench(args):
                 summary[f"compile_ms_{phase}"] = ms[len(ms) // 2]
                 summary[f"compile_cache_{phase}"] = runs[(phase, 1)][0]["compile_cache"]
             emit(summary)
+
+
+def inductor_bench(args):
+    """keel compile.mode = inductor (and off) beside PyTorch 2.11 eager DDP and torch.compile'd DDP
+    (default and max-autotune-no-cudagraphs): same models, batches, AdamW, one thread per rank;
+    each configuration --repeat times, interleaved; the median run of each is reported with the
+    ratios keel inductor / torch.compile default and keel's best / PyTorch's best compiled mode."""
+    worlds = [int(w) for w in args.worlds.split(",")]
+    cache = args.inductor_cache or os.path.join(tempfile.gettempdir(), "keel-bench-inductor-cache")
+    systems = [("keel-off", lambda m, b, s, w: run_keel(m, b, s, w, args.keel)),
+               ("keel-inductor", lambda m, b, s, w: run_keel(m, b, s, w, args.keel, compile_mode="inductor",
+                                                             cache_dir=cache)),
+               ("pytorch", lambda m, b, s, w: run_torch(m, b, s, w)),
+               ("pytorch-compile", lambda m, b, s, w: run_torch(m, b, s, w, compiled=True)),
+               ("pytorch-compile-max-autotune-no-cudagraphs",
+                lambda m, b, s, w: run_torch(m, b, s, w, compiled=True, compile_mode="max-autotune-no-cudagraphs"))]
+    with results("-inductor") as emit:
+        for model in args.models.split(","):
+            steps = max(args.steps // 3, 25) if model == "gpt" else args.steps
+            # Warm keel's package cache first, so that no timed run compiles (PyTorch compiles in
+            # its first step, which its median excludes).
+            for world in worlds:
+                run_keel(model, BATCH[model], 6, world, args.keel, compile_mode="inductor", cache_dir=cache)
+            runs = {}
+            for r in range(args.repeat):
+                order = systems if r % 2 == 0 else list(reversed(systems))
+                for world in worlds:
+                    for name, fn in order:
+                        runs.setdefault((name, world), []).append(fn(model, BATCH[model], steps, world))
+            for world in worlds:
+                med = {name: median_run(runs[(name, world)]) for name, _ in systems}
+                for name, _ in systems:
+                    med[name]["system"] = name
+                    emit(med[name])
+                t = {name: med[name]["median_step_ms"] for name in med}
+                keel_best = min(t["keel-off"], t["keel-inductor"])
+                torch_compiled_best = min(t["pytorch-compile"], t["pytorch-compile-max-autotune-no-cudagraphs"])
+                emit({"model": model, "world": world, "batch": BATCH[model], "steps": steps, "repeats": args.repeat,
+                      "median_step_ms": t,
+                      "keel_inductor_over_torch_compile_default": t["keel-inductor"] / t["pytorch-compile"],
+                      "keel_best_over_torch_compile_default": keel_best / t["pytorch-compile"],
+                      "keel_best_over_torch_compile_best": keel_best / torch_compiled_best,
+                      "keel_inductor_over_torch_eager": t["keel-inductor"] / t["pytorch"],
+                      "keel_inductor_over_keel_off": t["keel-inductor"] / t["keel-off"]})
 
 
 if __name__ == "__main__":

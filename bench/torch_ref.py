@@ -4,6 +4,7 @@ first 5 steps).
 
   ~/.cache/keel/venv/bin/python bench/torch_ref.py --model cnn --batch 64 --steps 60 --threads 1
   ... --compile            # torch.compile (Inductor), in the order place -> compile -> DDP
+  ... --compile --compile-mode max-autotune-no-cudagraphs   # another torch.compile mode
   ... --device cuda        # on the GPU (DDP over NCCL under torchrun)
   ... --zero               # torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO stage 1) over AdamW
 
@@ -35,6 +36,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model before wrapping it in DDP")
+    ap.add_argument("--compile-mode", default="default",
+                    help="torch.compile's mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: the AdamW state partitioned across ranks")
     args = ap.parse_args()
@@ -60,7 +63,8 @@ def main():
     if args.model != "gpt":
         labels = labels.to(device)
     if args.compile:
-        model = torch.compile(model)  # compile, then distribute (as keel's pipeline)
+        # compile, then distribute (as keel's pipeline)
+        model = torch.compile(model, mode=None if args.compile_mode == "default" else args.compile_mode)
     if world > 1 or "MASTER_ADDR" in os.environ:
         import torch.distributed as dist
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -100,6 +104,8 @@ def main():
                "batch": args.batch, "threads": args.threads, "median_step_ms": med,
                "throughput": world * args.batch * 1000.0 / med, "optimizer_state_bytes": state_bytes,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
+        if args.compile and args.compile_mode != "default":
+            out["impl"] += "-" + args.compile_mode
         if args.zero:
             out["impl"] += "-zero1"
         if tokens_per_sample:

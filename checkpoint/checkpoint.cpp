@@ -51,7 +51,7 @@ std::string utc_now() {
 }
 
 nlohmann::json read_meta(const std::string& step_dir) {
-  return parse_meta(read_all(step_dir + "/" + kMeta), step_dir + "/" + kMeta,
+  return parse_meta(read_metadata(step_dir + "/" + kMeta), step_dir + "/" + kMeta,
                     step_dir.substr(step_dir.find_last_of('/') + 1));
 }
 
@@ -73,10 +73,11 @@ std::string expected_sha(const nlohmann::json& meta, const std::string& dir, con
 // A small file of the step (an index), read whole and checked against meta.json's SHA-256.
 std::string read_verified(const nlohmann::json& meta, const std::string& dir, const std::string& name) {
   const std::string path = dir + "/" + name;
-  const std::string text = read_all(path);
+  const std::string want = expected_sha(meta, dir, name);  // the recorded size first: nothing larger is read
+  const std::string text = read_metadata(path);
   Sha256 h;
   h.update(text.data(), text.size());
-  if (h.hex() != expected_sha(meta, dir, name)) throw FormatError(path + ": checksum mismatch");
+  if (h.hex() != want) throw FormatError(path + ": checksum mismatch");
   return text;
 }
 
@@ -184,6 +185,7 @@ struct Checkpointer::Pending {
   nlohmann::json shared;
   nlohmann::json optimizer_map = nlohmann::json::object();  // rank 0: state tensor -> file
   nlohmann::json optimizer_meta;                            // meta.json "optimizer"
+  std::vector<std::string> optimizer_params;                // State::optimizer_params
   // Results of the write.
   std::thread thread;
   std::atomic<bool> done{false};
@@ -295,6 +297,8 @@ void Checkpointer::save(int64_t step, const State& state) {
     }
   }
   for (const auto& [name, r] : state.optimizer_owners) layout += "owner:" + name + "=" + std::to_string(r) + ";";
+  for (const auto& n : state.optimizer_params) layout += "param:" + n + ";";
+  for (const auto& [f, kind] : state.optimizer_fields) layout += "field:" + f + "=" + kind + ";";
   const std::vector<int64_t> owner = assign_shards(sizes, world_);
   {
     Sha256 h;
@@ -312,6 +316,8 @@ void Checkpointer::save(int64_t step, const State& state) {
                       "; model and optimizer state must be replicated, or the optimizer partitioned the same way");
   }
   p->optimizer_meta = {{"zero", state.zero}, {"partitioned", partitioned}};
+  p->optimizer_params = state.optimizer_params;
+  if (!state.optimizer_fields.empty()) p->optimizer_meta["fields"] = state.optimizer_fields;
   if (partitioned) {
     nlohmann::json owners = nlohmann::json::object();
     for (const auto& [name, r] : state.optimizer_owners) owners[name] = r;
@@ -438,6 +444,17 @@ void Checkpointer::commit() {
         index["weight_map"][p->model_names[k]] = model_file(p->model_owner[k], world_);
       const WrittenFile idx = write_atomic(p->dir + "/" + kIndex, index.dump(2) + "\n");
       files[idx.name] = {{"bytes", idx.bytes}, {"sha256", idx.sha256}, {"rank", 0}};
+      if (p->optimizer_meta.contains("fields")) {
+        // Which fields each parameter has: from the index (every rank's state names).
+        nlohmann::json manifest = nlohmann::json::object();
+        for (const auto& n : p->optimizer_params) manifest[n] = nlohmann::json::array();
+        for (auto it = p->optimizer_map.begin(); it != p->optimizer_map.end(); ++it) {
+          const std::string& n = it.key();
+          const size_t dot = n.find_last_of('.');
+          manifest[n.substr(0, dot)].push_back(n.substr(dot + 1));
+        }
+        p->optimizer_meta["state"] = manifest;
+      }
       nlohmann::json opt_index = {{"metadata", {{"zero", p->optimizer_meta["zero"]}, {"world_size", world_}}},
                                   {"weight_map", p->optimizer_map}};
       const WrittenFile oidx = write_atomic(p->dir + "/" + kOptimizerIndex, opt_index.dump(2) + "\n");
@@ -507,6 +524,69 @@ void Checkpointer::cleanup(int64_t keep_step) {
 
 namespace {
 
+// meta.json records every parameter the optimizer updates and the fields of its state; the
+// index must list exactly those tensors: state that went missing (a deleted partition, removed
+// index entries) is named by parameter, never replaced by a fresh state. Checked on every rank
+// whatever part it reads, so that every rank reaches the same verdict.
+void check_optimizer_manifest(const nlohmann::json& o, const std::map<std::string, std::string>& index,
+                              const std::string& dir, bool has_index) {
+  const std::string where = dir + "/" + kMeta + " and " + kOptimizerIndex;
+  if (!has_index) throw FormatError(dir + ": meta.json records optimizer state but lists no " + kOptimizerIndex);
+  std::set<std::string> recorded;
+  std::string missing, unknown;
+  int64_t n_missing = 0;
+  for (auto it = o["state"].begin(); it != o["state"].end(); ++it)
+    for (const auto& f : it.value()) {
+      const std::string name = it.key() + "." + f.get<std::string>();
+      recorded.insert(name);
+      if (!index.count(name) && n_missing++ < 8) missing += (missing.empty() ? "" : ", ") + name;
+    }
+  for (const auto& [n, f] : index)
+    if (!recorded.count(n)) unknown += (unknown.empty() ? "" : ", ") + n;
+  if (n_missing > 0)
+    throw FormatError(where + ": the optimizer state of " + std::to_string(n_missing) + " tensor(s) is missing (" +
+                      missing + (n_missing > 8 ? ", ..." : "") + "): meta.json records it, the index does not list it");
+  if (!unknown.empty())
+    throw FormatError(where + ": the index lists optimizer state that meta.json does not record: " + unknown.substr(0, 400));
+}
+
+// Each optimizer state tensor this rank read has its field's kind: a step count is one integer
+// element in [0, step]; the others have their parameter's shape and dtype.
+// `o`: meta.json's "optimizer" with its record of the state's fields (steps written before it
+// existed carry none: their owner checks them, trainer/optim.h OptimizerState::check).
+void check_optimizer_tensors(const nlohmann::json& o, const Loaded& L, const std::string& dir,
+                             const std::map<std::string, std::string>& index) {
+  std::map<std::string, const torch::Tensor*> model;
+  for (const auto& [n, t] : L.state.model) model[n] = &t;
+  for (auto it = o["state"].begin(); it != o["state"].end(); ++it)
+    if (!model.count(it.key()))
+      throw FormatError(dir + "/" + kMeta + ": optimizer.state names \"" + it.key() + "\", which is not a model tensor");
+  for (const auto& [n, t] : L.state.optimizer) {
+    const size_t dot = n.find_last_of('.');
+    if (dot == std::string::npos) throw FormatError(dir + ": optimizer state \"" + n + "\" is not <parameter>.<field>");
+    const std::string param = n.substr(0, dot), field = n.substr(dot + 1);
+    if (!model.count(param))
+      throw FormatError(dir + ": optimizer state \"" + n + "\" is of " + param + ", which is not a model tensor");
+    const std::string kind = o["fields"].value(field, "param");
+    const auto file = index.find(n);
+    const std::string what = dir + "/" + (file == index.end() ? std::string("?") : file->second) +
+                             ": optimizer state \"" + n + "\" (" + c10::toString(t.scalar_type()) +
+                             c10::str(t.sizes()) + ")";
+    if (kind == "scalar") {
+      if (t.numel() != 1 || !c10::isIntegralType(t.scalar_type(), /*includeBool=*/false))
+        throw FormatError(what + " must be a single integer (a step count)");
+      const int64_t v = t.reshape({}).item<int64_t>();
+      if (v < 0 || v > L.step)
+        throw FormatError(what + " = " + std::to_string(v) + " is outside [0, " + std::to_string(L.step) + "]");
+    } else {
+      const torch::Tensor& p = *model.at(param);
+      if (t.sizes() != p.sizes() || t.scalar_type() != p.scalar_type())
+        throw FormatError(what + " does not match its parameter " + param + " (" + c10::toString(p.scalar_type()) +
+                          c10::str(p.sizes()) + ")");
+    }
+  }
+}
+
 Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
   Loaded L;
   L.path = dir;
@@ -525,9 +605,16 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
     optimizer_files.insert(optimizer_file(r, W));
     expected_sha(L.meta, dir, model_file(r, W));  // the saved world's shards are listed and present
   }
+  for (int64_t r = 0; r < W && has_optimizer_index; ++r)
+    expected_sha(L.meta, dir, optimizer_file(r, W));  // every rank of the saved job wrote one, maybe empty
   if (has_optimizer_index)
     optimizer_map = parse_optimizer_index(read_verified(L.meta, dir, kOptimizerIndex), dir + "/" + kOptimizerIndex,
                                           optimizer_files);
+  const nlohmann::json* manifest = nullptr;  // meta.json optimizer.fields / .state (parse_meta checked their form)
+  if (L.meta.contains("optimizer") && L.meta["optimizer"].contains("state")) {
+    manifest = &L.meta["optimizer"];
+    check_optimizer_manifest(*manifest, optimizer_map, dir, has_optimizer_index);
+  }
   // The shards are mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s on one core).
   const bool has_extra = L.meta["files"].contains(extra_file(0, W));
   std::set<std::string> needed_optimizer;
@@ -576,6 +663,7 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
       into.emplace_back(n, std::move(t));
     }
   }
+  if (manifest) check_optimizer_tensors(*manifest, L, dir, optimizer_map);
   // Every wanted optimizer tensor the index lists was found where it says.
   for (const auto& [n, f] : optimizer_map)
     if ((!wants || wants(n)) && !seen.count("o:" + n))
@@ -655,15 +743,16 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
     } catch (const std::exception& e) {
       problem = e.what();
     }
-    auto ok = torch::tensor({problem.empty() ? 1 : 0}, torch::kLong);
-    coll_->all_reduce(ok, dist::ReduceOp::Min, "checkpoint load verdict");
-    if (ok.item<int64_t>() == 1) {
+    // Every rank the same verdict, naming the first rank's problem (a rank reads only its own
+    // part of a partitioned optimizer state).
+    const dist::RankError failed = dist::first_error(*coll_, problem, "checkpoint load verdict");
+    if (!failed) {
       last_committed_ = L.step;
       logging::info("checkpoint: {} (saved by {} rank(s), dist.zero = {}): this rank read and verified {} of the step's {} "
                     "optimizer file(s)", dir, L.saved_world_size, L.saved_zero, L.optimizer_files_read, L.saved_world_size);
       return L;
     }
-    const std::string why = problem.empty() ? "it failed to load on another rank" : problem;
+    const std::string why = failed.rank == rank_ ? problem : "on rank " + std::to_string(failed.rank) + ": " + failed.message;
     if (!resume_from.empty())
       throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\" cannot be loaded: " + why);
     logging::warn("checkpoint: {} cannot be used: {}; falling back to the previous committed step", dir, why);

@@ -83,6 +83,14 @@ struct State {
   /// own partition (the state of the parameters it owns), written by this rank alone.
   std::vector<std::pair<std::string, int64_t>> optimizer_owners;
   int64_t zero = 0;            // dist.zero, recorded in meta.json
+  /// What the optimizer's state looks like, recorded in meta.json ("optimizer": "fields" and
+  /// "state") so that every rank and `keel inspect` check a step's optimizer state before it is
+  /// used: each per-parameter field and its kind ("scalar": one integer element in [0, step],
+  /// a step count; "param": the parameter's shape and dtype), and every parameter the
+  /// optimizer updates, of the whole model (with dist.zero >= 1 too, not only this rank's).
+  /// A parameter has either every field or none (never stepped). Empty: not recorded.
+  std::map<std::string, std::string> optimizer_fields;
+  std::vector<std::string> optimizer_params;
   NamedTensors extra;          // your own replicated tensors (sharded like the optimizer state)
   nlohmann::json shared = nlohmann::json::object();      // small replicated state (-> meta.json)
   NamedTensors rank_tensors;   // e.g. RNG states (stored as "rank.<r>.<name>")

@@ -46,7 +46,7 @@ nlohmann::json inspect_step(const StepInfo& s) {
   for (const auto& p : verify_step(s.path)) j["problems"].push_back(p);
   j["verified"] = j["problems"].empty();
   try {
-    auto meta = nlohmann::json::parse(read_all(s.path + "/meta.json"));
+    auto meta = nlohmann::json::parse(read_metadata(s.path + "/meta.json"));
     j["world_size"] = meta.value("world_size", int64_t{0});
     j["created_utc"] = meta.value("created_utc", std::string());
     j["keel_version"] = meta.value("keel_version", std::string());

@@ -35,7 +35,13 @@ int open_regular(const std::string& path, size_t& size) {
   return fd;
 }
 
-std::string read_all(const std::string& path) { return read_regular_file(path, UINT64_MAX); }
+std::string read_metadata(const std::string& path) {
+  std::string text = read_regular_file(path, kMaxMetadataBytes);
+  if (const size_t nul = text.find('\0'); nul != std::string::npos)
+    throw std::runtime_error(path + ": not JSON text (a NUL byte at offset " + std::to_string(nul) + " of " +
+                             std::to_string(text.size()) + ")");
+  return text;
+}
 
 std::shared_ptr<MappedFile> MappedFile::open(const std::string& path) {
   size_t size = 0;

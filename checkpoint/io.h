@@ -26,8 +26,15 @@ using keel::WrittenFile;
 /// SHA-256 of a whole file, streamed (hex).
 std::string sha256_file(const std::string& path);
 
-/// Reads a whole file; throws std::runtime_error naming it when it cannot.
-std::string read_all(const std::string& path);
+/// The most a checkpoint's metadata file (meta.json, an index) may hold: enough for the
+/// largest world keel supports (2^18 ranks, a few files each), far below what would exhaust
+/// memory or take long to read.
+constexpr uint64_t kMaxMetadataBytes = uint64_t{256} << 20;
+
+/// Reads a whole metadata file (JSON text) of at most kMaxMetadataBytes; throws
+/// std::runtime_error naming the file and the cause when it cannot, when it is larger, or
+/// when it holds a NUL byte (no JSON text does).
+std::string read_metadata(const std::string& path);
 
 /// A file mapped into memory (private, copy-on-write: writes never reach the file), unmapped
 /// when the last reference goes. Throws std::runtime_error naming the file when it cannot.

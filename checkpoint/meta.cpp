@@ -64,6 +64,29 @@ nlohmann::json parse_meta(const std::string& text, const std::string& path, cons
     const auto zero = o.value("zero", nlohmann::json());
     if (!zero.is_number_integer() || zero.get<int64_t>() < 0 || zero.get<int64_t>() > 2)
       throw FormatError(path + ": \"optimizer.zero\" must be 0, 1 or 2, got " + zero.dump());
+    // The optimizer's fields and which parameters have them (checkpoint::State::optimizer_fields).
+    if (o.contains("fields") != o.contains("state"))
+      throw FormatError(path + ": \"optimizer\" has one of \"fields\" and \"state\" without the other");
+    if (o.contains("fields")) {
+      if (!o["fields"].is_object()) throw FormatError(path + ": \"optimizer.fields\" is not an object");
+      for (auto it = o["fields"].begin(); it != o["fields"].end(); ++it)
+        if (it.value() != "scalar" && it.value() != "param")
+          throw FormatError(path + ": optimizer.fields[\"" + it.key() + "\"] must be \"scalar\" or \"param\", got " +
+                            it.value().dump().substr(0, 100));
+      if (!o["state"].is_object()) throw FormatError(path + ": \"optimizer.state\" is not an object");
+      for (auto it = o["state"].begin(); it != o["state"].end(); ++it) {
+        const auto& f = it.value();
+        if (!f.is_array()) throw FormatError(path + ": optimizer.state[\"" + it.key() + "\"] is not a list of fields");
+        for (const auto& x : f)
+          if (!x.is_string() || !o["fields"].contains(x.get<std::string>()))
+            throw FormatError(path + ": optimizer.state[\"" + it.key() + "\"] names " + x.dump().substr(0, 100) +
+                              ", which is not one of optimizer.fields");
+        // Every field or none: a partial state cannot be resumed.
+        if (!f.empty() && f.size() != o["fields"].size())
+          throw FormatError(path + ": optimizer.state[\"" + it.key() + "\"] has " + f.dump() + ", not every field of " +
+                            o["fields"].dump() + " (partial optimizer state)");
+      }
+    }
     if (o.contains("owners")) {
       if (!o["owners"].is_object()) throw FormatError(path + ": \"optimizer.owners\" is not an object");
       for (auto it = o["owners"].begin(); it != o["owners"].end(); ++it)

@@ -1,6 +1,7 @@
 #include "keel/common/file.h"
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -86,6 +87,53 @@ std::string make_dirs(const std::string& path) {
   }
   struct stat st {};
   if (::stat(path.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) return path + ": not a directory";
+  return "";
+}
+
+}  // namespace keel
+
+namespace keel {
+
+DirLock::~DirLock() {
+  if (fd_ >= 0) ::close(fd_);  // closing the last descriptor releases the flock
+}
+
+DirLock& DirLock::operator=(DirLock&& o) noexcept {
+  if (this != &o) {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = o.fd_;
+    o.fd_ = -1;
+  }
+  return *this;
+}
+
+std::string DirLock::try_lock(const std::string& dir, const std::string& who) {
+  if (std::string err = make_dirs(dir); !err.empty()) return err;
+  const std::string path = dir + "/.keel.lock";
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0644);
+  if (fd < 0) return "cannot open " + path + ": " + std::strerror(errno);
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return path + " is not a regular file";
+  }
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    const int e = errno;
+    std::string holder;
+    if (e == EWOULDBLOCK) {
+      char buf[512] = {0};
+      const ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+      holder = n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("another process");
+      while (!holder.empty() && (holder.back() == '\n' || holder.back() == '\0')) holder.pop_back();
+    }
+    ::close(fd);
+    return e == EWOULDBLOCK ? "held by " + holder : "cannot lock " + path + ": " + std::strerror(e);
+  }
+  // Ours: say who holds it (best effort; the lock itself is the flock, not this text).
+  const std::string text = who + "\n";
+  if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, text.data(), text.size(), 0);
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
   return "";
 }
 

@@ -26,4 +26,26 @@ std::string not_a_regular_file(const std::string& path);
 /// not be made and why; the caller raises its own error class with it.
 std::string make_dirs(const std::string& path);
 
+/// An exclusive advisory lock on the directory `dir`, held through `<dir>/.keel.lock` with
+/// flock(2): the kernel releases it when the process ends, however it ends (SIGKILL too), so a
+/// lock is never stale. The holder writes who it is into the file (pid, host, what) for the
+/// message of a run that finds it taken.
+class DirLock {
+ public:
+  DirLock() = default;
+  ~DirLock();
+  DirLock(DirLock&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  DirLock& operator=(DirLock&& o) noexcept;
+  DirLock(const DirLock&) = delete;
+  DirLock& operator=(const DirLock&) = delete;
+  /// Creates `dir` if needed and takes its lock without waiting. "" on success; otherwise why
+  /// not: "held by <who the holder wrote>" when another process holds it, or the error.
+  /// `who` is written into the lock file on success.
+  std::string try_lock(const std::string& dir, const std::string& who);
+  bool held() const { return fd_ >= 0; }
+
+ private:
+  int fd_ = -1;
+};
+
 }  // namespace keel

@@ -1,5 +1,6 @@
 #include "keel/dist/collectives.h"
 
+#include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -373,6 +374,22 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   }
   c.mean_loss = sum / static_cast<double>(size());
   return c;
+}
+
+RankError first_error(Collectives& coll, const std::string& mine, const char* what) {
+  auto who = torch::tensor({mine.empty() ? coll.size() : coll.rank()}, torch::kLong);
+  coll.all_reduce(who, ReduceOp::Min, what);
+  RankError out;
+  const int64_t r = who.item<int64_t>();
+  if (r >= coll.size()) return out;
+  constexpr int64_t kBytes = 2048;
+  auto buf = torch::zeros({kBytes}, torch::kByte);
+  if (r == coll.rank()) std::memcpy(buf.data_ptr(), mine.data(), std::min<size_t>(mine.size(), kBytes - 1));
+  coll.broadcast(buf, r, what);
+  const char* c = reinterpret_cast<const char*>(buf.data_ptr());
+  out.rank = r;
+  out.message = std::string(c, strnlen(c, kBytes));
+  return out;
 }
 
 }  // namespace keel::dist

@@ -137,6 +137,19 @@ class Collectives {
   TrafficStats traffic_;
 };
 
+/// What first_error found: the lowest rank that reported an error, and its message.
+struct RankError {
+  int64_t rank = -1;    // -1: no rank had one
+  std::string message;  // that rank's message (at most 2 KiB of it)
+  explicit operator bool() const { return rank >= 0; }
+};
+
+/// Collective, for failing together: each rank passes its own error ("" when it has none);
+/// every rank gets the same answer, the error of the lowest rank that had one (so every rank
+/// makes the same decision and can name the rank and its reason). One all-reduce when no rank
+/// had an error; one broadcast more otherwise.
+RankError first_error(Collectives& coll, const std::string& mine, const char* what);
+
 /// FNV-1a over a descriptor's integers; 62 bits so that -f never overflows.
 uint64_t fingerprint(const std::vector<int64_t>& words);
 

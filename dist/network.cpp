@@ -33,12 +33,17 @@ std::string numeric(const sockaddr* sa) {
   return buf;
 }
 
+// The comma-separated names of `s`, white space around each dropped (an interface name has
+// none), empty parts skipped.
 std::vector<std::string> split(const std::string& s) {
+  static const char* const kSpace = " \t\r\n\v\f";
   std::vector<std::string> out;
   size_t start = 0;
   while (start <= s.size()) {
     const size_t end = s.find(',', start);
-    const std::string part = s.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    std::string part = s.substr(start, end == std::string::npos ? std::string::npos : end - start);
+    const size_t first = part.find_first_not_of(kSpace);
+    part = first == std::string::npos ? std::string() : part.substr(first, part.find_last_not_of(kSpace) - first + 1);
     if (!part.empty()) out.push_back(part);
     if (end == std::string::npos) break;
     start = end + 1;
@@ -47,6 +52,13 @@ std::vector<std::string> split(const std::string& s) {
 }
 
 }  // namespace
+
+std::vector<std::string> parse_interface_list(const std::string& value, const std::string& source) {
+  std::vector<std::string> names = split(value);
+  if (!value.empty() && names.empty())
+    throw InputError(source + " = \"" + value + "\": no interface name in it (comma-separated names, e.g. \"eth0\")");
+  return names;
+}
 
 std::vector<std::string> interface_names() {
   std::set<std::string> names;
@@ -83,9 +95,7 @@ InterfaceChoice choose_interface(const std::string& configured) {
     raw = env;
     c.source = "GLOO_SOCKET_IFNAME";
   }
-  c.names = split(raw);
-  if (!c.source.empty() && c.names.empty())
-    throw InputError(c.source + " = \"" + raw + "\": no interface name in it (comma-separated names, e.g. \"eth0\")");
+  c.names = parse_interface_list(raw, c.source);
   for (const auto& n : c.names) {
     if (!interface_address(n).empty()) continue;
     std::string have;

@@ -20,6 +20,13 @@ struct InterfaceChoice {
   std::string source;              // "dist.interface" or "GLOO_SOCKET_IFNAME"
 };
 
+/// The names of an interface list (dist.interface or GLOO_SOCKET_IFNAME: comma-separated, white
+/// space around a name ignored); empty for "" (none named). Throws InputError naming `source`
+/// and the value when it is set but holds no name ("," or " , "). Host-independent, so that
+/// config validation runs it at every world size (a list is refused alike at 1 and N ranks);
+/// whether the names exist on this host is choose_interface's check, made before a rendezvous.
+std::vector<std::string> parse_interface_list(const std::string& value, const std::string& source = "dist.interface");
+
 /// dist.interface if set, else GLOO_SOCKET_IFNAME (comma-separated, as PyTorch reads it).
 /// Throws InputError naming the key, the interface, this host and the interfaces it has when
 /// a named interface does not exist here or has no address.

@@ -18,8 +18,10 @@
 #   bf16       bf16 autocast
 #   resume     checkpoint every 10 steps; rank killed at step 25 under torchrun; the resumed
 #              run's step-40 shards equal a clean run's, byte for byte (SHA-256)
+#   inductor_gpt  compile.mode = inductor (the step packaged by AOTInductor on this GPU), gpt
 #   bench      step time: keel vs PyTorch 2.11 eager DDP and torch.compile'd DDP, cnn and gpt,
-#              one rank on the GPU (NCCL), same batch, data and optimizer
+#              one rank on the GPU (NCCL), same batch, data and optimizer; keel's inductor mode
+#              too at cnn 64 and gpt 8 (the packages compiled once into OUTDIR/compile-cache)
 # Exit status: 0 when every step passed, 1 otherwise (the summary says which).
 # KEEL_GPU_CHECK_DEVICE=cpu rehearses the GPU half on a CPU machine (Gloo for NCCL, no fp16,
 # short benchmarks): it checks the script, not the GPU. KEEL_GPU_CHECK_KEEL=PATH skips the build
@@ -163,6 +165,12 @@ train_step gloo_2r 2 "s['world_size'] == 2 and s['backend'] == 'gloo' and $finit
 train_step bf16 1 "s['amp_dtype'] == 'bf16' and $finite" \
   --model.name=gpt --train.batch_size=8 --train.steps=40 --amp.dtype=bf16
 
+# compile.mode = inductor: the training step packaged with AOTInductor for this device (the
+# package is compiled here, once, into the cache the bench below reuses).
+inductor=(--compile.mode=inductor --compile.python="$py" --compile.cache_dir="$out/compile-cache")
+train_step inductor_gpt 1 "s['compile_mode'] == 'inductor' and $finite" \
+  --model.name=gpt --train.batch_size=8 --train.steps=40 --dist.backend=$nccl "${inductor[@]}"
+
 # Bit-exact resume of GPU state (model, optimizer, CUDA RNG, sampler) after a SIGKILL.
 if want resume; then
 resume_args=(--model.name=mlp --train.batch_size=32 --train.steps=40 --dist.backend=$nccl
@@ -189,6 +197,12 @@ for spec in "${bench_specs[@]}"; do
   launch 1 "$out/$tag" "$keel" train "${common[@]}" --model.name="$model" --train.batch_size="$batch" \
     --train.steps="$steps" --dist.backend=$nccl --run.log_level=warn > "$out/$tag.log" 2>&1 || bench_ok=false
   k=$(field "$out/$tag/run/summary.json" median_step_ms)
+  ki=null
+  if [ "$tag" = bench_cnn_b64 ] || [ "$tag" = bench_gpt_b8 ]; then
+    launch 1 "$out/${tag}_inductor" "$keel" train "${common[@]}" --model.name="$model" --train.batch_size="$batch" \
+      --train.steps="$steps" --dist.backend=$nccl --run.log_level=warn "${inductor[@]}" >> "$out/$tag.log" 2>&1 || bench_ok=false
+    ki=$(field "$out/${tag}_inductor/run/summary.json" median_step_ms)
+  fi
   for mode in eager compile; do
     extra=(); [ $mode = compile ] && extra=(--compile)
     line=$(timeout 300 "$torchrun" --nproc_per_node 1 --master_port "$(port)" "$root/bench/torch_ref.py" \
@@ -198,9 +212,9 @@ for spec in "${bench_specs[@]}"; do
     eval "t_$mode=\$t"
   done
   ratios=$("$py" -c 'import sys
-k, e, c = (None if v in ("", "null") else float(v) for v in sys.argv[1:])
+k, e, c, ki = (None if v in ("", "null") else float(v) for v in sys.argv[1:])
 r = lambda a, b: round(a / b, 3) if a and b else None
-print(f"\"keel_ms\": {k}, \"pytorch_eager_ms\": {e}, \"pytorch_compile_ms\": {c}, \"keel_over_eager\": {r(k, e)}, \"keel_over_compile\": {r(k, c)}".replace("None", "null"))' "$k" "$t_eager" "$t_compile")
+print(f"\"keel_ms\": {k}, \"keel_inductor_ms\": {ki}, \"pytorch_eager_ms\": {e}, \"pytorch_compile_ms\": {c}, \"keel_over_eager\": {r(k, e)}, \"keel_over_compile\": {r(k, c)}, \"keel_inductor_over_compile\": {r(ki, c)}".replace("None", "null"))' "$k" "$t_eager" "$t_compile" "${ki:-null}")
   [ "$k" != null ] && [ -n "$k" ] || bench_ok=false
   record "$tag" "$bench_ok" "\"model\": \"$model\", \"batch\": $batch, $ratios"
 done

@@ -4,11 +4,12 @@
 # part of CI: run it after touching anything multi-rank, before calling it done.
 #   scripts/stress.sh            # 5 rounds
 #   scripts/stress.sh 10 'Fault' # 10 rounds of the tests matching a ctest -R regex
+#   scripts/stress.sh 10 'Hardening\.(Signals|ASecondRun)'  # issue 23's signal and lock tests
 # Needs a built tree (scripts/setup.sh). Exit 0 only when every round passed.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 rounds="${1:-5}"
-regex="${2:-^(Collectives|Ddp|Launch|AmpDist|Fault[A-Za-z]*|Checkpoint[A-Za-z]*|TrainerCheckpoints|KeelInspect|Restart|TwoNode|Slurm|Zero)\.}"
+regex="${2:-^(Collectives|Ddp|Launch|AmpDist|Fault[A-Za-z]*|Checkpoint[A-Za-z]*|TrainerCheckpoints|KeelInspect|Restart|TwoNode|Slurm|Zero|Hardening)\.}"
 build="${KEEL_BUILD_DIR:-build}"
 [ -x "$build/tests/keel_tests" ] || { echo "stress: $build/tests/keel_tests missing; run scripts/setup.sh"; exit 1; }
 logs=$(mktemp -d /tmp/keel-stress.XXXXXX)

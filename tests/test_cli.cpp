@@ -225,11 +225,14 @@ TEST(CliBadInput, UnknownModel) {
 }
 
 TEST(CliBadInput, UnknownDataset) {
-  expect_input_error(run_keel({"train", "--data.name=imagenet"}), "data.name = \"imagenet\"");
+  TempDir d;  // a run.dir of its own: runs lock theirs (two tests on the default one would collide)
+  expect_input_error(run_keel({"train", "--data.name=imagenet", "--run.dir=" + d.file("run")}), "data.name = \"imagenet\"");
 }
 
 TEST(CliBadInput, MissingDataDirectory) {
-  expect_input_error(run_keel({"train", "--data.path=/nonexistent/fmnist"}), "/nonexistent/fmnist");
+  TempDir d;
+  expect_input_error(run_keel({"train", "--data.path=/nonexistent/fmnist", "--run.dir=" + d.file("run")}),
+                     "/nonexistent/fmnist");
 }
 
 TEST(CliBadInput, TruncatedDatasetFile) {
@@ -254,13 +257,15 @@ TEST(CliBadInput, MissingConfigFile) {
 }
 
 TEST(CliBadInput, MissingTorchScriptFile) {
+  TempDir d;
   expect_input_error(run_keel({"train", "--model.name=torchscript", "--model.path=/nonexistent/m.pt",
-                               "--data.name=synthetic"}),
+                               "--data.name=synthetic", "--run.dir=" + d.file("run")}),
                      "/nonexistent/m.pt");
 }
 
 TEST(CliBadInput, ModelAndDataDisagree) {
-  expect_input_error(run_keel({"train", "--model.name=gpt"}), "expects tokens");
+  TempDir d;
+  expect_input_error(run_keel({"train", "--model.name=gpt", "--run.dir=" + d.file("run")}), "expects tokens");
 }
 
 TEST(CliBadInput, PartialLauncherEnvironment) {

@@ -145,6 +145,28 @@ void zero_grads(const std::vector<torch::Tensor>& params) {
     if (p.grad().defined()) p.grad().zero_();
 }
 
+std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt) {
+  if (auto* a = dynamic_cast<torch::optim::AdamW*>(&opt)) {
+    std::map<std::string, std::string> f = {{"step", "scalar"}, {"exp_avg", "param"}, {"exp_avg_sq", "param"}};
+    if (static_cast<const torch::optim::AdamWOptions&>(a->defaults()).amsgrad()) f["max_exp_avg_sq"] = "param";
+    return f;
+  }
+  if (dynamic_cast<torch::optim::SGD*>(&opt)) return {{"momentum_buffer", "param"}};
+  throw std::runtime_error("checkpoint: optimizer state of an unsupported optimizer type");
+}
+
+void OptimizerState::save(checkpoint::State& state) const {
+  state.optimizer = optimizer_state(*opt_, params_);
+  state.optimizer_owners = owners_;
+  state.zero = zero_;
+  state.optimizer_fields = optimizer_fields(*opt_);
+  state.optimizer_params.clear();
+  if (owners_.empty())
+    for (const auto& [n, p] : params_) state.optimizer_params.push_back(n);
+  else
+    for (const auto& [n, r] : owners_) state.optimizer_params.push_back(n);
+}
+
 bool OptimizerState::wants(const std::string& name) const {
   return names_.count(name.substr(0, name.find_last_of('.'))) != 0;
 }
@@ -155,7 +177,51 @@ int64_t OptimizerState::state_bytes() const {
   return bytes;
 }
 
+std::string OptimizerState::check(const checkpoint::Loaded& loaded) const {
+  if (loaded.meta.value("optimizer", nlohmann::json::object()).contains("fields")) return "";
+  std::map<std::string, const torch::Tensor*> params;
+  for (const auto& [n, p] : params_) params[n] = &p;
+  for (const auto& [n, t] : loaded.state.optimizer) {
+    const size_t dot = n.find_last_of('.');
+    const auto p = dot == std::string::npos ? params.end() : params.find(n.substr(0, dot));
+    if (p == params.end()) continue;  // another model's or optimizer's: load() says so (exit 2)
+    const std::string what = "optimizer state \"" + n + "\" (" + c10::toString(t.scalar_type()) + c10::str(t.sizes()) + ")";
+    if (n.substr(dot + 1) == "step") {
+      if (t.numel() != 1 || !c10::isIntegralType(t.scalar_type(), /*includeBool=*/false))
+        return what + " must be a single integer (a step count)";
+      const int64_t v = t.reshape({}).item<int64_t>();
+      if (v < 0 || v > loaded.step) return what + " = " + std::to_string(v) + " is outside [0, " + std::to_string(loaded.step) + "]";
+    } else if (t.sizes() != p->second->sizes() || t.scalar_type() != p->second->scalar_type()) {
+      return what + " does not match its parameter " + p->first + " (" + c10::toString(p->second->scalar_type()) +
+             c10::str(p->second->sizes()) + ")";
+    }
+  }
+  return "";
+}
+
 void OptimizerState::load(const checkpoint::Loaded& loaded) {
+  // Another optimizer is told from meta.json, which every rank reads whole, so that every rank
+  // refuses it alike (each reads only its own partition's tensors).
+  const auto& o = loaded.meta.value("optimizer", nlohmann::json::object());
+  if (o.contains("fields") && o.contains("state")) {
+    const auto mine = optimizer_fields(*opt_);
+    bool stepped = false;
+    for (const auto& f : o["state"]) stepped |= !f.empty();
+    std::string theirs;
+    bool fits = true;
+    for (auto it = o["fields"].begin(); it != o["fields"].end(); ++it) {
+      theirs += (theirs.empty() ? "" : ", ") + it.key();
+      const auto m = mine.find(it.key());
+      fits &= m != mine.end() && m->second == it.value().get<std::string>();
+    }
+    if (stepped && !fits) {
+      std::string ours;
+      for (const auto& [f, k] : mine) ours += (ours.empty() ? "" : ", ") + f;
+      throw InputError(loaded.path + ": the optimizer state does not fit this run: it holds " + theirs +
+                       " per parameter, this run's train.optimizer keeps " + ours +
+                       " (train.optimizer differs from the run that saved it)");
+    }
+  }
   try {
     load_optimizer_state(*opt_, params_, loaded.state.optimizer);
   } catch (const std::runtime_error& e) {

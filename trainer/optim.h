@@ -6,6 +6,7 @@
 
 #include <torch/torch.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <unordered_set>
@@ -53,6 +54,11 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
 /// std::runtime_error listing the parameters whose state is partial or mis-shaped.
 void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state);
 
+/// The fields of `opt`'s per-parameter state and their kinds (checkpoint::State::optimizer_fields):
+/// AdamW's step ("scalar"), exp_avg, exp_avg_sq ("param"; max_exp_avg_sq with amsgrad), SGD's
+/// momentum_buffer.
+std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt);
+
 /// The optimizer's part of a checkpoint (State::optimizer), as above.
 class OptimizerState : public checkpoint::Stateful {
  public:
@@ -64,11 +70,7 @@ class OptimizerState : public checkpoint::Stateful {
       : opt_(&opt), params_(std::move(params)), owners_(std::move(owners)), zero_(zero) {
     for (const auto& [n, p] : params_) names_.insert(n);
   }
-  void save(checkpoint::State& state) const override {
-    state.optimizer = optimizer_state(*opt_, params_);
-    state.optimizer_owners = owners_;
-    state.zero = zero_;
-  }
+  void save(checkpoint::State& state) const override;
   /// Whether this rank loads the optimizer state tensor `name` ("<parameter>.<field>"): the
   /// state of its own parameters (checkpoint::Options::wants_optimizer_tensor).
   bool wants(const std::string& name) const;
@@ -77,6 +79,11 @@ class OptimizerState : public checkpoint::Stateful {
   /// A saved state that does not fit this optimizer (another train.optimizer, other
   /// parameters) is the user's choice of checkpoint: InputError, like a model that does not bind.
   void load(const checkpoint::Loaded& loaded) override;
+  /// A step written before meta.json recorded the optimizer's fields (which the loader checks
+  /// itself): this rank's state tensors checked the same way, before any rank accepts the step
+  /// (a step count is one integer in [0, step]; the other fields have their parameter's shape
+  /// and dtype), so that every rank falls back alike instead of failing in load().
+  std::string check(const checkpoint::Loaded& loaded) const override;
 
  private:
   torch::optim::Optimizer* opt_;

@@ -2,7 +2,13 @@
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <set>
 
 #include "keel/common/error.h"
@@ -32,6 +38,48 @@ torch::profiler::impl::ProfilerConfig config() {
   return torch::profiler::impl::ProfilerConfig(torch::profiler::impl::ProfilerState::KINETO,
                                                /*report_input_shapes=*/true);
 }
+
+// Saves `result` as the Chrome trace `path`; "" on success, else why it could not. Kineto's
+// save does not report a trace it could not write (it logs and returns, and a file that was
+// never written looked saved): the trace goes to a temporary file beside `path`, made here
+// first (so that a directory that cannot be written to is named with its reason), checked to
+// be a regular file holding a whole JSON object, then renamed onto `path` (which fails on a
+// directory there, and never leaves a half-written trace under the name).
+std::string save_trace(torch::autograd::profiler::ProfilerResult& result, const std::string& path) {
+  const std::string tmp = path + ".tmp." + std::to_string(::getpid());
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return "cannot create " + tmp + ": " + std::strerror(errno);
+  ::close(fd);
+  auto fail = [&](const std::string& why) {
+    ::unlink(tmp.c_str());
+    ::unlink((tmp + ".tmp").c_str());  // Kineto's own temporary file, should it have left one
+    return why;
+  };
+  try {
+    result.save(tmp);
+  } catch (const std::exception& e) {
+    return fail(e.what());
+  }
+  struct stat st {};
+  if (::lstat(tmp.c_str(), &st) != 0)
+    return fail("the profiler left no file (" + tmp + ": " + std::strerror(errno) + ")");
+  if (!S_ISREG(st.st_mode)) return fail("the profiler left something other than a file at " + tmp);
+  if (st.st_size == 0) return fail("the profiler wrote nothing to " + tmp + " (a full disk?)");
+  // A whole trace is one JSON object: its last character other than white space is '}'.
+  const int in = ::open(tmp.c_str(), O_RDONLY | O_CLOEXEC);
+  if (in < 0) return fail("cannot read back " + tmp + ": " + std::strerror(errno));
+  char tail[64];
+  const off_t from = st.st_size > static_cast<off_t>(sizeof tail) ? st.st_size - static_cast<off_t>(sizeof tail) : 0;
+  const ssize_t got = ::pread(in, tail, sizeof tail, from);
+  ::close(in);
+  ssize_t last = got - 1;
+  while (last >= 0 && (tail[last] == ' ' || tail[last] == '\n' || tail[last] == '\r' || tail[last] == '\t')) --last;
+  if (last < 0 || tail[last] != '}')
+    return fail("the trace the profiler wrote is incomplete (" + std::to_string(st.st_size) + " bytes; a full disk?)");
+  if (::rename(tmp.c_str(), path.c_str()) != 0)  // EISDIR: a directory holds the name
+    return fail(std::string(std::strerror(errno)) + " (renaming " + tmp + " onto it)");
+  return "";
+}
 }  // namespace
 
 void StepProfiler::start() {
@@ -47,10 +95,10 @@ void StepProfiler::start() {
 void StepProfiler::stop() {
   active_ = false;
   auto result = torch::autograd::profiler::disableProfiler();
-  try {
-    result->save(path_);
-  } catch (const std::exception& e) {  // a trace that cannot be written does not stop training
-    logging::warn("profiler: cannot write {}: {}", path_, e.what());
+  // A trace that cannot be written does not stop training: warned, naming the file and why.
+  const std::string problem = result ? save_trace(*result, path_) : std::string("the profiler returned no result");
+  if (!problem.empty()) {
+    logging::warn("profiler: cannot write the trace {}: {}; training goes on without it", path_, problem);
     return;
   }
   logging::info("profiler: trace of steps {} to {} -> {} (open it in https://ui.perfetto.dev)", range_->first,

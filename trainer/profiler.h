@@ -6,6 +6,9 @@
 // it after step B (or when the run ends first). The loop marks its regions with user scopes
 // (keel::forward, keel::backward, keel::consensus, keel::optimizer); c10d names its
 // collectives (gloo:all_reduce, ...). Off (""), it costs one comparison per step.
+// A trace that cannot be written (a directory in the way, a read-only or full run.dir) is a
+// warning naming the file and why, never reported as written; training goes on. The trace
+// is saved to a temporary file beside it, checked, and renamed onto the name.
 #pragma once
 
 #include <torch/torch.h>

@@ -14,6 +14,7 @@
 #include <cmath>
 #include <csignal>
 #include <cstdio>
+#include <filesystem>
 #include <optional>
 #include <vector>
 
@@ -29,7 +30,9 @@
 #include "keel/dist/process_group.h"
 #include "keel/version.h"
 #include "keel/trainer/app/log.h"
+#include "keel/trainer/compile/inductor.h"
 #include "keel/trainer/compile/pipeline.h"
+#include "keel/trainer/config/limits.h"
 #include "keel/trainer/data/data.h"
 #include "keel/trainer/data/sampler.h"
 #include "keel/trainer/fault/injector.h"
@@ -45,15 +48,35 @@ namespace keel {
 namespace {
 
 std::atomic<int> g_stop_signal{0};
+// While the process group forms (the rendezvous) there is nothing to save, and the store's
+// waits do not look at g_stop_signal: a signal then ends the process as its default action does.
+std::atomic<bool> g_at_rendezvous{false};
 
-extern "C" void on_stop_signal(int signo) { g_stop_signal.store(signo); }
+extern "C" void on_stop_signal(int signo) {
+  if (g_at_rendezvous.load()) {
+    ::signal(signo, SIG_DFL);  // async-signal-safe
+    ::raise(signo);
+    return;
+  }
+  g_stop_signal.store(signo);
+}
 
-// Installs SIGINT/SIGTERM handlers for the loop's lifetime.
+// Marks the rendezvous for the signal handler (see above).
+struct AtRendezvous {
+  AtRendezvous() { g_at_rendezvous.store(true); }
+  ~AtRendezvous() { g_at_rendezvous.store(false); }
+};
+
+// Installs SIGINT/SIGTERM handlers for the whole of Trainer::run(): start, compile, the steps,
+// evaluation, every save and the final one, up to summary.json (the rendezvous excepted, see
+// above). A signal (a first or a second one) only asks the loop to stop after its current step;
+// the final checkpoint is always committed (or its failure reported) before the handlers go.
 class StopSignals {
  public:
   StopSignals() {
     struct sigaction sa {};
     sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART;  // a write or a socket read in flight goes on, never fails with EINTR
     sigemptyset(&sa.sa_mask);
     sigaction(SIGINT, &sa, &old_int_);
     sigaction(SIGTERM, &sa, &old_term_);
@@ -115,9 +138,36 @@ struct Progress : checkpoint::Stateful {
   }
 };
 
+// What compile.mode = "inductor" packages for this run: the model at the training batch, with
+// the run's precision, device and threads.
+InductorRequest inductor_request(const Config& cfg, const models::Model& model, const torch::Device& device,
+                                 const AmpContext& amp, int64_t threads) {
+  InductorRequest r;
+  r.model = cfg.model.name;
+  r.model_config = model_config_json(cfg);
+  r.batch = cfg.train.batch_size;
+  r.amp = amp.enabled ? choice_name(kAmpDtypes, cfg.amp.dtype) : "off";
+  r.device = device;
+  r.threads = threads;
+  r.cfg = cfg.compile;
+  for (const auto& [n, p] : model.named_parameters()) r.param_names.push_back(n);
+  return r;
+}
+
 }  // namespace
 
 void request_stop(int signo) { g_stop_signal.store(signo); }
+
+CompileReport package_training_step(const Config& cfg) {
+  const dist::World world = dist::detect_world(dist::current_env());
+  const int64_t threads = set_threads(cfg.run, world);
+  const torch::Device device = resolve_device(cfg.run, world);
+  auto model = models::create_model(cfg.model, data::native_input_kind(cfg.data.name));
+  CompileReport report;
+  InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads),
+                                report);
+  return report;
+}
 
 // What one optimizer step produced.
 struct StepResult {
@@ -139,6 +189,8 @@ class Trainer::Loop {
 
  private:
   // Setup, in order (the constructor).
+  void lock_directories();
+  void check_memory_needs();
   void build_model_and_data();
   void compile_and_distribute();
   void build_optimizer();
@@ -188,6 +240,7 @@ class Trainer::Loop {
   std::unique_ptr<amp::GradScaler> scaler_;
   LossFn loss_;
 
+  DirLock run_dir_lock_, checkpoint_dir_lock_;  // rank 0 holds them for the job
   Progress progress_;
   std::unique_ptr<checkpoint::Checkpointer> ckpt_;
   checkpoint::StateRegistry state_;
@@ -216,7 +269,8 @@ class Trainer::Loop {
   double recent_median_ms() const;
   void write_tensorboard(const StepResult& r, const std::optional<EvalResult>& eval);
   std::optional<EvalResult> last_eval_;
-  int stop_signal_ = 0;
+  int stop_signal_ = 0;  // the signal that stopped the run (every rank the same, after finish())
+  bool stopped_ = false; // the step consensus said some rank was asked to stop
   StragglerWatch stragglers_;
 };
 
@@ -228,16 +282,61 @@ Trainer::Loop::Loop(const Config& cfg, const dist::World& world, const Callbacks
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   device_ = resolve_device(cfg.run, world);
   const auto t_rdzv = Clock::now();
-  group_ = dist::Group::create(world, cfg.dist, device_);
-  agree_on_config(*group_, cfg);  // before the first collective
+  {
+    AtRendezvous rendezvous;
+    group_ = dist::Group::create(world, cfg.dist, device_);
+    agree_on_config(*group_, cfg);  // before the first collective
+  }
   rendezvous_ms_ = ms_since(t_rdzv);
   coll_ = std::make_shared<dist::Collectives>(group_, cfg.dist.validate);
+  lock_directories();
+  check_memory_needs();
   build_model_and_data();
   compile_and_distribute();
   build_optimizer();
   build_checkpointing();
   resume();
   open_outputs();
+}
+
+// One job per run.dir and per checkpoint.dir: rank 0 takes an exclusive lock on each (released
+// by the kernel when the process ends, SIGKILL included) before anything is read or written
+// there; a second job is refused on every rank, exit 2, naming the directory and the holder.
+void Trainer::Loop::lock_directories() {
+  std::string error;
+  if (world_.is_main()) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof host - 1);
+    const std::string who = "keel run \"" + cfg_.run.name + "\" (pid " + std::to_string(::getpid()) + " on " + host +
+                            ", " + std::to_string(world_.size) + " rank(s))";
+    auto take = [&](DirLock& lock, const std::string& key, const std::string& dir) {
+      if (!error.empty() || dir.empty()) return;
+      const std::string why = lock.try_lock(dir, who);
+      if (why.rfind("held by ", 0) == 0)
+        error = key + " = \"" + dir + "\" is in use by another run: its lock (" + dir + "/.keel.lock) is " + why +
+                "; wait for it to end, or give this run another " + key;
+      else if (!why.empty())
+        error = key + ": " + why;
+    };
+    take(run_dir_lock_, "run.dir", cfg_.run.dir);
+    std::error_code ec1;
+    const bool same = !cfg_.checkpoint.dir.empty() &&
+                      std::filesystem::equivalent(cfg_.run.dir, cfg_.checkpoint.dir, ec1) && !ec1;
+    if (!same) take(checkpoint_dir_lock_, "checkpoint.dir", cfg_.checkpoint.dir);
+  }
+  if (const dist::RankError e = dist::first_error(*coll_, error, "directory locks"))
+    throw InputError(e.rank == world_.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
+}
+
+// What the model, one micro-batch and the data need, from the config alone (trainer/config/limits.h):
+// exit 2 on every rank naming the keys and the sizes, before any of it is allocated.
+void Trainer::Loop::check_memory_needs() {
+  std::string problem;
+  if (const auto host = available_memory_bytes())
+    problem = memory_problem(cfg_, world_.size, world_.local_size, device_.is_cuda(), *host,
+                             device_.is_cuda() ? device_free_bytes(device_.index()) : std::nullopt);
+  if (const dist::RankError e = dist::first_error(*coll_, problem, "memory estimate"))
+    throw InputError(e.rank == world_.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
 }
 
 void Trainer::Loop::build_model_and_data() {
@@ -254,6 +353,7 @@ void Trainer::Loop::build_model_and_data() {
   model_->train(true);
   amp_ = AmpContext::resolve(cfg_.amp, device_);
   faults_ = std::make_unique<FaultInjector>(cfg_.fault, world_, device_, std::chrono::seconds(cfg_.dist.timeout_s));
+  faults_->signal("start", 0);
   model_ = faults_->wrap_model(model_);
   if (amp::loss_scaling_enabled(cfg_.amp)) scaler_ = std::make_unique<amp::GradScaler>(cfg_.amp);
   try {
@@ -268,14 +368,39 @@ void Trainer::Loop::build_model_and_data() {
 // The fixed init pipeline, place -> compile -> distribute (trainer/compile/pipeline.h), with
 // autocast around tracing so that the casts are part of the graph.
 void Trainer::Loop::compile_and_distribute() {
-  const torch::Tensor example = splits_.train->get(std::vector<int64_t>(cfg_.train.batch_size, 0)).input;
-  CompiledModel compiled = compile_on_every_rank(*coll_, [&] {
-    amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
-    // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
-    const std::string identity = cfg_.compile.cache_dir.empty() ? "" : compile_identity(cfg_.model, cfg_.amp);
-    return place(model_, device_).compile(cfg_.compile, example, identity);
-  });
-  dmodel_.emplace(std::move(compiled).distribute(coll_, cfg_.dist));
+  const data::Batch first = splits_.train->get(std::vector<int64_t>(cfg_.train.batch_size, 0));
+  const torch::Tensor& example = first.input;
+  std::optional<InductorRequest> inductor;
+  if (cfg_.compile.mode == CompileMode::Inductor) {
+    if (cb_.loss) {  // a C++ loss cannot be traced into the package
+      if (cfg_.compile.fullgraph)
+        throw InputError("compile.mode = \"inductor\" compiles keel's cross-entropy into the step; a custom loss "
+                         "(Callbacks::loss) cannot be, and compile.fullgraph = true makes that an error");
+      logging::warn("compile.mode = \"inductor\": a custom loss (Callbacks::loss) cannot be compiled into the step; "
+                    "training eager");
+    } else {
+      inductor = inductor_request(cfg_, *model_, device_, amp_, threads_);
+    }
+  }
+  auto compile = [&] {
+    return compile_on_every_rank(*coll_, [&] {
+      faults_->signal("compile", 0);
+      amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
+      // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
+      const std::string identity = cfg_.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg_.model, cfg_.amp);
+      return place(model_, device_).compile(cfg_.compile, example, identity, inductor ? &*inductor : nullptr);
+    });
+  };
+  if (!inductor) {
+    dmodel_.emplace(compile().distribute(coll_, cfg_.dist));
+    return;
+  }
+  try {
+    dmodel_.emplace(compile().distribute(coll_, cfg_.dist));
+  } catch (const CompileError& e) {
+    // With compile.fullgraph a step that cannot be captured whole is the user's model: exit 2.
+    throw InputError(std::string(e.what()) + " (compile.fullgraph = true)");
+  }
 }
 
 void Trainer::Loop::build_optimizer() {
@@ -411,9 +536,6 @@ double Trainer::Loop::recent_median_ms() const {
 // ---------------------------------------------------------------------------------------------
 Summary Trainer::Loop::run() {
   {
-    // From here on SIGINT/SIGTERM stop the run after the current step; before, they end the
-    // process as usual (e.g. while waiting at the rendezvous).
-    StopSignals signals;
     traffic_at_loop_ = coll_->traffic();
     steps_at_loop_ = progress_.steps_done;
     try {
@@ -423,7 +545,7 @@ Summary Trainer::Loop::run() {
         log_step(r, eval);
         maybe_checkpoint(r.step);
         if (r.stop) {  // every rank stops after the same step
-          stop_signal_ = g_stop_signal.load() ? g_stop_signal.load() : SIGTERM;
+          stopped_ = true;  // the signal's number, which may be another rank's, is agreed in finish()
           break;
         }
       }
@@ -436,7 +558,10 @@ Summary Trainer::Loop::run() {
     }
   }
   finish();
-  return summary();
+  // summary.json while this job still holds run.dir's lock.
+  Summary s = summary();
+  if (world_.is_main()) write_atomic(cfg_.run.dir + "/summary.json", s.to_json().dump(2) + "\n");
+  return s;
 }
 
 // One optimizer step: data, forward, backward (gradients all-reduced on the last
@@ -502,9 +627,15 @@ double Trainer::Loop::forward_backward() {
     torch::Tensor loss;
     {
       RECORD_USER_SCOPE("keel::forward");
-      amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
-      auto out = dmodel_->forward(b.input.to(device_), sync);
-      loss = loss_(out, b.target.to(device_)).to(torch::kFloat);
+      const torch::Tensor input = b.input.to(device_), target = b.target.to(device_);
+      // compile.mode = "inductor": forward, loss and backward in one compiled package.
+      if (auto compiled = dmodel_->compiled_loss(input, target, sync)) {
+        loss = *compiled;
+      } else {
+        amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
+        auto out = dmodel_->forward(input, sync);
+        loss = loss_(out, target).to(torch::kFloat);
+      }
     }
     auto scaled = loss / static_cast<double>(cfg_.train.grad_accum);
     {
@@ -563,6 +694,7 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   EvalResult r;
   r.step = step;
   if (!splits_.test) return r;
+  faults_->signal("eval", step);
   dmodel_->sync_buffers();  // every rank evaluates rank 0's model
   torch::NoGradGuard no_grad;
   model_->train(false);
@@ -724,10 +856,16 @@ void Trainer::Loop::finish() {
   if (tb_) tb_->flush();
   if (profiler_) profiler_->finish();
   dmodel_->sync_buffers();  // every rank ends with rank 0's model
-  // A rank that tears down its connections while a peer still uses them makes the peer's
-  // Gloo threads fail.
-  coll_->barrier("end of training");
   if (cb_.on_end) cb_.on_end(*model_);
+  // Every rank leaves with the same verdict: the signal a rank received (the one that stopped
+  // the loop, or one that came after the last step's consensus: evaluation, the final save,
+  // on_end) stops every rank with 128+N. This all-reduce is also the barrier before leaving: a
+  // rank that tears down its connections while a peer still uses them makes the peer's Gloo
+  // threads fail.
+  auto signo = torch::tensor({static_cast<int64_t>(g_stop_signal.load())}, torch::kLong);
+  coll_->all_reduce(signo, dist::ReduceOp::Max, "end of training (stop signal)");
+  stop_signal_ = static_cast<int>(signo.item<int64_t>());
+  if (stopped_ && !stop_signal_) stop_signal_ = SIGTERM;  // request_stop(0): still a stop
   if (stop_signal_)
     logging::warn("stopped by signal {} after step {} of {}", stop_signal_, done, progress_.total_steps);
 }
@@ -802,8 +940,11 @@ Trainer::Trainer(Config cfg, dist::World world, Callbacks callbacks)
 Trainer::~Trainer() = default;
 
 Summary Trainer::run() {
+  StopSignals signals;  // until summary.json is written
   Summary s = Loop(cfg_, world_, callbacks_).run();
-  if (world_.is_main()) write_atomic(cfg_.run.dir + "/summary.json", s.to_json().dump(2) + "\n");
+  // A signal after the job's last agreement (while summary.json was written): the checkpoint is
+  // committed and the summary written; this rank still exits 128+N.
+  if (!s.stop_signal && g_stop_signal.load()) s.stop_signal = g_stop_signal.load();
   logging::info("done: {} steps, median {:.2f} ms/step, final loss {:.4f}{}", s.steps, s.median_step_ms, s.final_loss,
                 s.test_accuracy ? fmt::format(", test accuracy {:.4f}", *s.test_accuracy) : std::string());
   return s;

@@ -16,6 +16,7 @@
 #include "keel/version.h"
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/app/plot.h"
+#include "keel/trainer/compile/inductor.h"
 #include "keel/trainer/trainer.h"
 
 namespace keel {
@@ -130,6 +131,28 @@ int run_train(const Config& cfg) {
   }
 }
 
+// `keel compile`: 0 with the package's path; 2 for the user's input (a step that cannot be
+// captured, a model keel cannot package); 1 when the packaging step fails.
+int run_compile(Config cfg) {
+  try {
+    cfg.compile.mode = CompileMode::Inductor;
+    const CompileReport r = package_training_step(cfg);
+    std::cout << r.package << "\n";
+    std::cerr << "keel: " << (r.cache == "hit" ? "already in the compile cache" : "compiled") << " in "
+              << static_cast<int64_t>(r.compile_ms) << " ms (sha256 " << r.package_sha256 << ")\n";
+    return 0;
+  } catch (const InputError& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  } catch (const CompileError& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitInput;
+  } catch (const std::exception& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitFailure;
+  }
+}
+
 }  // namespace
 
 int run_cli(int argc, char** argv) {
@@ -158,8 +181,15 @@ int run_cli(int argc, char** argv) {
   train->add_option("--config,-c", config_path, "TOML experiment file (configs/*.toml); keys below override it");
   train->add_flag("--print-config", print_config, "print the resolved config as TOML and exit");
 
-  std::map<std::string, std::vector<std::string>> given;
+  std::map<std::string, std::vector<std::string>> given, given_compile;
   add_config_options(*train, given);
+  // `keel compile`: the packaging step of compile.mode = "inductor" by hand, for the run the
+  // same options describe (the package lands in the compile cache, where `keel train` finds it).
+  auto* compile = app.add_subcommand("compile", "package the training step with AOTInductor (compile.mode = \"inductor\") "
+                                                "into the compile cache, without training");
+  std::string compile_config_path;
+  compile->add_option("--config,-c", compile_config_path, "TOML experiment file; keys below override it");
+  add_config_options(*compile, given_compile);
 
   if (const auto stray = stray_train_argument(argc, argv)) {
     std::cerr << "keel: error: unexpected argument '" << *stray
@@ -186,14 +216,18 @@ int run_cli(int argc, char** argv) {
   }
   if (plot->parsed()) return run_plot(plot_dir, plot_out);
   if (inspect->parsed()) return run_inspect(inspect_dir, inspect_json);
-  if (!train->parsed()) return kExitInput;
+  const bool compiling = compile->parsed();
+  if (!train->parsed() && !compiling) return kExitInput;
+  CLI::App* sub = compiling ? compile : train;
+  auto& options = compiling ? given_compile : given;
+  if (compiling) config_path = compile_config_path;
   Config cfg;
   try {
     if (!config_path.empty()) load_toml_file(config_path, cfg);
     std::set<std::string> cli_keys;
     for (const auto& f : config_schema()) {
-      const auto& values = given[f.dotted()];
-      if (train->count("--" + f.dotted()) == 0) continue;
+      const auto& values = options[f.dotted()];
+      if (sub->count("--" + f.dotted()) == 0) continue;
       cli_keys.insert(f.dotted());
       if (values.empty()) {  // a bare flag: true for a bool, "" (or an empty list) otherwise
         apply_override(cfg, f.dotted(), f.type == FieldType::Bool ? "true" : "");
@@ -215,6 +249,7 @@ int run_cli(int argc, char** argv) {
     std::cout << dump_toml(cfg);
     return 0;
   }
+  if (compiling) return run_compile(cfg);
 
   return run_train(cfg);
 }

@@ -16,6 +16,7 @@
 #include <map>
 #include <sstream>
 
+#include "keel/common/log.h"
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/metrics.h"
 
@@ -72,10 +73,16 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
   if (const std::string err = make_dirs(out); !err.empty()) throw InputError(err);
 
   // Columns: step loss samples_per_s tokens_per_s loss_scale test_loss rank_compute_ms...
+  // Values that are not numbers (NaN is written as null) are gaps; each series counts its
+  // valid points, so that a panel is drawn from the series that have some (gnuplot stops the
+  // whole script at a plot none of whose points are valid).
   std::ostringstream train, eval, ranks;
   std::vector<std::pair<int64_t, double>> losses;
   bool tokens = false, scale = false, has_eval = false;
   size_t nranks = 0, lines = 0, line_no = 0;
+  size_t valid_loss = 0, valid_samples = 0, valid_tokens = 0, valid_scale = 0, valid_eval = 0;
+  std::vector<size_t> valid_rank;
+  int64_t first_step = 0, last_step = 0;
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j;
@@ -90,21 +97,38 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     if (!j["step"].is_number_integer())
       throw InputError(metrics + ":" + std::to_string(line_no) + ": \"step\" is " + j["step"].dump() +
                        ", not an integer");
+    const int64_t step = j["step"].get<int64_t>();
+    first_step = lines == 0 ? step : std::min(first_step, step);
+    last_step = lines == 0 ? step : std::max(last_step, step);
     ++lines;
     auto num = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
+    auto count = [](size_t& n, double v) { n += std::isfinite(v) ? 1 : 0; };
     tokens |= j.contains("tokens_per_s");
     scale |= j.contains("loss_scale");
-    train << j["step"].get<int64_t>() << '\t' << num("loss") << '\t' << num("samples_per_s") << '\t'
-          << num("tokens_per_s") << '\t' << num("loss_scale") << '\n';
-    losses.emplace_back(j["step"].get<int64_t>(), num("loss"));
+    const double loss = num("loss"), samples = num("samples_per_s"), toks = num("tokens_per_s"),
+                 loss_scale = num("loss_scale");
+    count(valid_loss, loss);
+    count(valid_samples, samples);
+    count(valid_tokens, toks);
+    valid_scale += std::isfinite(loss_scale) && loss_scale > 0 ? 1 : 0;  // on a log scale
+    train << step << '\t' << loss << '\t' << samples << '\t' << toks << '\t' << loss_scale << '\n';
+    losses.emplace_back(step, loss);
     if (j.contains("test_loss")) {
       has_eval = true;
-      eval << j["step"].get<int64_t>() << '\t' << num("test_loss") << '\t' << num("test_accuracy") << '\n';
+      const double test_loss = num("test_loss");
+      count(valid_eval, test_loss);
+      eval << step << '\t' << test_loss << '\t' << num("test_accuracy") << '\n';
     }
     if (j.contains("rank_compute_ms") && j["rank_compute_ms"].is_array()) {
       nranks = std::max(nranks, j["rank_compute_ms"].size());
-      ranks << j["step"].get<int64_t>();
-      for (const auto& v : j["rank_compute_ms"]) ranks << '\t' << (v.is_number() ? v.get<double>() : NAN);
+      valid_rank.resize(nranks, 0);
+      ranks << step;
+      size_t r = 0;
+      for (const auto& v : j["rank_compute_ms"]) {
+        const double ms = v.is_number() ? v.get<double>() : NAN;
+        count(valid_rank[r++], ms);
+        ranks << '\t' << ms;
+      }
       ranks << '\n';
     }
   }
@@ -124,29 +148,59 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     gp << "set output " << quote(out + "/" + name) << "\nset title " << quote(title) << "\nset ylabel " << quote(ylabel)
        << "\n";
   };
+  // One panel: `plot` of the series with a valid point (`before`/`after` around it, e.g. a log
+  // scale). A panel with none is still drawn, empty over the run's steps but for a note saying
+  // so, and the note is logged: a run whose losses are all NaN plots, its gaps shown as gaps.
+  struct Series {
+    std::string spec;  // gnuplot's plot element
+    size_t valid;      // points that are numbers
+  };
+  auto panel = [&](const std::string& name, const std::vector<Series>& series, const std::string& what,
+                   const std::string& before = "", const std::string& after = "") {
+    std::string specs;
+    for (const auto& s : series)
+      if (s.valid > 0) specs += (specs.empty() ? "" : ", ") + s.spec;
+    if (!specs.empty()) {
+      gp << before << "plot " << specs << "\n" << after;
+      return;
+    }
+    const std::string note = "no " + what + " to plot: every value is missing or not a number (NaN)";
+    logging::warn("keel plot: {}: {}", out + "/" + name, note);
+    gp << "set xrange [" << first_step << ":" << (last_step > first_step ? last_step : first_step + 1)
+       << "]\nset yrange [0:1]\nset label 1 " << quote(note) << " at graph 0.5, 0.5 center\nplot NaN notitle\n"
+       << "unset label 1\nset autoscale x\nset autoscale y\n";
+  };
   const std::string d = quote(out + "/train.dat");
   png("loss.png", "loss: " + run_dir, "loss");
   char smoothing[64];
   std::snprintf(smoothing, sizeof smoothing, "train loss, smoothed (EMA %.2f)", weight);
-  gp << "plot " << d << " using 1:2 with lines lc rgb '#b8cce4' lw 1 title 'train loss (each step)', "
-     << quote(out + "/loss_smoothed.dat") << " using 1:2 with lines lc rgb '#1f4e9a' lw 2.5 title " << quote(smoothing);
+  std::vector<Series> loss_series = {
+      {d + " using 1:2 with lines lc rgb '#b8cce4' lw 1 title 'train loss (each step)'", valid_loss},
+      {quote(out + "/loss_smoothed.dat") + " using 1:2 with lines lc rgb '#1f4e9a' lw 2.5 title " + quote(smoothing),
+       valid_loss}};
   if (has_eval)
-    gp << ", " << quote(out + "/eval.dat")
-       << " using 1:2 with linespoints lc rgb '#d62728' pt 7 ps 1.2 lw 1.5 title 'test loss'";
-  gp << "\n";
+    loss_series.push_back({quote(out + "/eval.dat") +
+                               " using 1:2 with linespoints lc rgb '#d62728' pt 7 ps 1.2 lw 1.5 title 'test loss'",
+                           valid_eval});
+  panel("loss.png", loss_series, "loss value");
   png("throughput.png", "throughput: " + run_dir, tokens ? "tokens/s" : "samples/s");
-  gp << "plot " << d << " using 1:" << (tokens ? 4 : 3) << " with lines title '" << (tokens ? "tokens/s" : "samples/s")
-     << "'\n";
+  panel("throughput.png",
+        {{d + " using 1:" + (tokens ? "4" : "3") + " with lines title '" + (tokens ? "tokens/s" : "samples/s") + "'",
+          tokens ? valid_tokens : valid_samples}},
+        tokens ? "tokens/s value" : "samples/s value");
   if (scale) {
     png("loss_scale.png", "loss scale: " + run_dir, "loss scale");
-    gp << "set logscale y 2\nplot " << d << " using 1:5 with steps title 'loss scale'\nunset logscale y\n";
+    panel("loss_scale.png", {{d + " using 1:5 with steps title 'loss scale'", valid_scale}}, "positive loss scale",
+          "set logscale y 2\n", "unset logscale y\n");
   }
   if (nranks > 1) {
     png("rank_compute.png", "forward+backward per rank: " + run_dir, "ms");
-    gp << "plot ";
+    std::vector<Series> rank_series;
     for (size_t r = 0; r < nranks; ++r)
-      gp << (r ? ", " : "") << quote(out + "/ranks.dat") << " using 1:" << r + 2 << " with lines title 'rank " << r << "'";
-    gp << "\n";
+      rank_series.push_back({quote(out + "/ranks.dat") + " using 1:" + std::to_string(r + 2) + " with lines title 'rank " +
+                                 std::to_string(r) + "'",
+                             valid_rank[r]});
+    panel("rank_compute.png", rank_series, "forward+backward time");
   }
   gp << "unset output\n";
   const std::string script = out + "/plots.gp";

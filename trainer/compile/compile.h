@@ -36,10 +36,12 @@ class CompileError : public std::runtime_error {
 };
 
 struct CompileReport {
-  std::string mode = "off";       // off | trace | eager-fallback
+  std::string mode = "off";       // off | trace | inductor | eager-fallback
   double compile_ms = 0;          // time spent tracing and checking
   int64_t recompiles = 0;         // re-specialisations after the first trace
   std::string cache = "off";      // off | hit | miss
+  std::string package;            // inductor: the package's path
+  std::string package_sha256;     // inductor: its SHA-256
   std::vector<std::string> warnings;
 };
 

@@ -9,8 +9,9 @@
 
 namespace keel {
 
-enum class CompileMode { Off, Trace };
-inline constexpr Choices<CompileMode, 2> kCompileModes{{{"off", CompileMode::Off}, {"trace", CompileMode::Trace}}};
+enum class CompileMode { Off, Trace, Inductor };
+inline constexpr Choices<CompileMode, 3> kCompileModes{
+    {{"off", CompileMode::Off}, {"trace", CompileMode::Trace}, {"inductor", CompileMode::Inductor}}};
 
 struct CompileConfig {
   CompileMode mode = CompileMode::Off;
@@ -19,6 +20,8 @@ struct CompileConfig {
   int64_t max_recompiles = 8;
   std::string cache_dir = "";
   bool cuda_graphs = false;
+  bool max_autotune = false;  // inductor: autotune kernels (a slower compile)
+  std::string python = "";    // inductor: the packaging step's Python; "" = $KEEL_PYTHON, else keel's venv
 };
 
 }  // namespace keel

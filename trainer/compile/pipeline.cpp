@@ -1,5 +1,7 @@
 #include "keel/trainer/compile/pipeline.h"
 
+#include "keel/common/log.h"
+
 namespace keel {
 
 PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device) {
@@ -17,15 +19,64 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
 }
 
 CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor& example,
-                                   const std::string& identity) && {
+                                   const std::string& identity, const InductorRequest* inductor) && {
   auto report = std::make_shared<CompileReport>();
+  if (cfg.mode == CompileMode::Inductor) {
+    if (!inductor) throw std::logic_error("PlacedModel::compile: compile.mode = \"inductor\" needs its request");
+    std::shared_ptr<InductorStep> step;
+    try {
+      step = InductorStep::load_or_compile(*inductor, *report);
+    } catch (const CompileError& e) {
+      if (cfg.fullgraph) throw;
+      report->mode = "eager-fallback";
+      report->warnings.push_back(e.what());
+      logging::warn("{}; training the eager model instead (compile.fullgraph = true makes this an error)", e.what());
+    }
+    CompiledModel m(std::move(model_), device_, std::move(report), std::move(step));
+    m.max_recompiles = cfg.max_recompiles;
+    return m;
+  }
   auto compiled = compile_model(std::move(model_), cfg, example.to(device_), *report, identity);
   return CompiledModel(std::move(compiled), device_, std::move(report));
 }
 
 DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) && {
   auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg);
-  return DistributedModel(std::move(model_), device_, std::move(report_), std::move(ddp));
+  return DistributedModel(std::move(model_), device_, std::move(report_), std::move(ddp), std::move(step_),
+                          max_recompiles);
+}
+
+DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
+                                   std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step,
+                                   int64_t max_recompiles)
+    : model_(std::move(m)), device_(d), report_(std::move(r)), ddp_(std::move(ddp)), step_(std::move(step)),
+      max_recompiles_(max_recompiles) {
+  if (step_) {
+    params_ = model_->parameters();
+    const std::string& sha = step_->sha256();
+    package_fingerprint_ = std::stoull(sha.substr(0, 15), nullptr, 16);
+  }
+}
+
+std::optional<torch::Tensor> DistributedModel::compiled_loss(const torch::Tensor& input, const torch::Tensor& target,
+                                                             bool sync) {
+  if (!step_) return std::nullopt;
+  if (!step_->fits(input, target)) {
+    if (eager_shapes_.insert(input.sizes().vec()).second) {
+      ++report_->recompiles;
+      if (report_->recompiles > max_recompiles_)
+        throw CompileError("compile: a batch of shape " + c10::str(input.sizes()) + " is the " +
+                           std::to_string(report_->recompiles) + "th shape the inductor package does not take, more than "
+                           "compile.max_recompiles = " + std::to_string(max_recompiles_) +
+                           " (a recompilation storm); keep batch shapes static (data.drop_last = true)");
+      logging::warn("compile: a batch of shape {} is not the package's {}: it runs eager (re-specialisation {} of at "
+                    "most compile.max_recompiles = {})",
+                    c10::str(input.sizes()), step_->path(), report_->recompiles, max_recompiles_);
+    }
+    return std::nullopt;
+  }
+  ddp_->before_forward(sync);
+  return step_->loss(params_, input, target);
 }
 
 }  // namespace keel

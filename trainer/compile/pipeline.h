@@ -16,11 +16,15 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
+#include <set>
+#include <vector>
 
 #include "keel/dist/collectives.h"
 #include "keel/dist/ddp.h"
 #include "keel/models/model.h"
 #include "keel/trainer/compile/compile.h"
+#include "keel/trainer/compile/inductor.h"
 #include "keel/trainer/config/config.h"
 
 namespace keel {
@@ -37,7 +41,9 @@ class PlacedModel {
   PlacedModel& operator=(const PlacedModel&) = delete;
   /// `example`: an input of the training shape and dtype (compile.mode = trace traces it).
   /// `identity`: the model and its config, for the compile cache (see trainer/compile/compile.h).
-  CompiledModel compile(const CompileConfig& cfg, const torch::Tensor& example, const std::string& identity = "") &&;
+  /// `inductor`: what compile.mode = "inductor" packages (required in that mode).
+  CompiledModel compile(const CompileConfig& cfg, const torch::Tensor& example, const std::string& identity = "",
+                        const InductorRequest* inductor = nullptr) &&;
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
 
@@ -57,14 +63,18 @@ class CompiledModel {
   CompiledModel& operator=(const CompiledModel&) = delete;
   DistributedModel distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) &&;
   const CompileReport& report() const { return *report_; }
+  /// compile.max_recompiles, for the batches of other shapes (set by compile()).
+  int64_t max_recompiles = 8;
 
  private:
   friend class PlacedModel;
-  CompiledModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r)
-      : model_(std::move(m)), device_(d), report_(std::move(r)) {}
+  CompiledModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
+                std::shared_ptr<InductorStep> step = nullptr)
+      : model_(std::move(m)), device_(d), report_(std::move(r)), step_(std::move(step)) {}
   std::shared_ptr<models::Model> model_;
   torch::Device device_;
   std::shared_ptr<CompileReport> report_;
+  std::shared_ptr<InductorStep> step_;  // compile.mode = "inductor"
 };
 
 /// Stage 3: trainable across ranks. Per micro-batch: forward(input, sync) then
@@ -79,12 +89,18 @@ class DistributedModel {
     ddp_->before_forward(sync);
     return model_->forward(input);
   }
+  /// compile.mode = "inductor": the micro-batch's loss from the compiled step (forward, loss
+  /// and backward in one package; backward() then hands autograd its gradients), or nullopt
+  /// when this batch runs eager (no package, or a batch of another shape: counted against
+  /// compile.max_recompiles, warned once per shape).
+  std::optional<torch::Tensor> compiled_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync);
   void backward(const torch::Tensor& loss, bool sync) { ddp_->backward(loss, sync); }
   /// Collective: rank 0's buffers to every rank (dist.broadcast_buffers; else a no-op).
   void sync_buffers() { ddp_->sync_buffers(); }
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
-  uint64_t plan() const { return ddp_->plan(); }
+  /// The gradient plan and the compiled package, compared across ranks every step.
+  uint64_t plan() const { return ddp_->plan() ^ package_fingerprint_; }
   /// dist.zero: the parameters this rank's optimizer owns (all with zero = 0), the global-norm
   /// clip over the owners' gradients, and (collective) the owners' updated parameters to every
   /// rank after the optimizer step (dist/ddp.h).
@@ -99,12 +115,16 @@ class DistributedModel {
  private:
   friend class CompiledModel;
   DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
-                   std::unique_ptr<dist::DataParallel> ddp)
-      : model_(std::move(m)), device_(d), report_(std::move(r)), ddp_(std::move(ddp)) {}
+                   std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step, int64_t max_recompiles);
   std::shared_ptr<models::Model> model_;
   torch::Device device_;
   std::shared_ptr<CompileReport> report_;
   std::unique_ptr<dist::DataParallel> ddp_;
+  std::shared_ptr<InductorStep> step_;
+  std::vector<torch::Tensor> params_;           // the model's, in the package's order
+  std::set<std::vector<int64_t>> eager_shapes_;  // batch shapes seen that the package does not take
+  int64_t max_recompiles_ = 0;
+  uint64_t package_fingerprint_ = 0;
 };
 
 /// Stage 0 -> 1: moves the model to `device` and checks that every parameter and buffer is

@@ -7,6 +7,7 @@
 
 #include <toml++/toml.h>
 
+#include "keel/dist/network.h"
 #include "keel/trainer/fault/fault.h"
 
 #include <algorithm>
@@ -132,6 +133,31 @@ std::string format_number(double d) {
   return buf;
 }
 
+// The offset of the first byte that does not belong to a well-formed UTF-8 sequence (overlong
+// forms, surrogates and code points above U+10FFFF included), or nullopt.
+std::optional<size_t> invalid_utf8_offset(const std::string& s) {
+  const auto* b = reinterpret_cast<const unsigned char*>(s.data());
+  const size_t n = s.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned c = b[i];
+    size_t len = 0;
+    uint32_t cp = 0, min = 0;
+    if (c < 0x80) len = 1, cp = c;
+    else if ((c & 0xE0) == 0xC0) len = 2, cp = c & 0x1F, min = 0x80;
+    else if ((c & 0xF0) == 0xE0) len = 3, cp = c & 0x0F, min = 0x800;
+    else if ((c & 0xF8) == 0xF0) len = 4, cp = c & 0x07, min = 0x10000;
+    else return i;
+    if (i + len > n) return i;
+    for (size_t k = 1; k < len; ++k) {
+      if ((b[i + k] & 0xC0) != 0x80) return i;
+      cp = (cp << 6) | (b[i + k] & 0x3F);
+    }
+    if (cp < min || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return i;
+    i += len;
+  }
+  return std::nullopt;
+}
+
 // Range and choice checks shared by the file and command-line paths.
 void check_value(const FieldInfo& f, const Value& v, const std::string& at) {
   auto num = [&]() -> std::optional<double> {
@@ -143,13 +169,24 @@ void check_value(const FieldInfo& f, const Value& v, const std::string& at) {
     if (!std::isfinite(*num))
       throw InputError(at + ": key '" + f.dotted() + "' must be a finite number, got " +
                        to_toml_literal(v));
-    if ((f.has_min && *num < f.min) || (f.has_max && *num > f.max)) {
-      std::string range = f.has_max ? "[" + format_number(f.min) + ", " + format_number(f.max) + "]"
+    if ((f.has_min && *num < f.min) || (f.has_max && (f.max_exclusive ? *num >= f.max : *num > f.max))) {
+      std::string range = f.has_max ? "[" + format_number(f.min) + ", " + format_number(f.max) +
+                                          (f.max_exclusive ? ")" : "]")
                                     : ">= " + format_number(f.min);
       throw InputError(at + ": key '" + f.dotted() + "' = " + to_toml_literal(v) +
                        " is out of range: must be " + range + " (" + f.doc + ")");
     }
   }
+  // TOML holds UTF-8 text: a value that is not (a byte string from the command line) could be
+  // used but never written into the run's config.toml and read back.
+  auto check_utf8 = [&](const std::string& s) {
+    if (const auto bad = invalid_utf8_offset(s))
+      throw InputError(at + ": key '" + f.dotted() + "' is not valid UTF-8 (byte " + std::to_string(*bad) +
+                       "); a config is TOML, which holds UTF-8 text only");
+  };
+  if (auto s = std::get_if<std::string>(&v)) check_utf8(*s);
+  if (auto l = std::get_if<std::vector<std::string>>(&v))
+    for (const auto& s : *l) check_utf8(s);
   if (auto s = std::get_if<std::string>(&v); s && !f.choices.empty()) {
     bool ok = false;
     for (const auto& c : f.choices) ok |= (c == *s);
@@ -385,6 +422,11 @@ void validate(Config& cfg) {
          choice_name(kCommHooks, cfg.dist.comm_hook) + "\" (compressed all-reduce); use dist.zero = 1 or comm_hook = \"allreduce\"");
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
+  try {  // the same verdict at every world size (the 2-rank path chooses an interface from it)
+    dist::parse_interface_list(cfg.dist.interface, "dist.interface");
+  } catch (const InputError& e) {
+    fail(e.what());
+  }
 }
 
 std::string config_reference_markdown() {
@@ -410,7 +452,7 @@ std::string config_reference_markdown() {
       type += ", >= " + to_toml_literal(lo);
       if (f.has_max) {
         Value hi = f.type == FieldType::Int ? Value(static_cast<int64_t>(f.max)) : Value(f.max);
-        type += ", <= " + to_toml_literal(hi);
+        type += (f.max_exclusive ? ", < " : ", <= ") + to_toml_literal(hi);
       }
     }
     std::string doc = f.doc;
@@ -430,7 +472,11 @@ std::string dump_toml(const Config& cfg) {
       section = f.section;
       os << "\n[" << section << "]\n";
     }
-    os << f.key << " = " << to_toml_literal(f.get(cfg)) << "  # " << f.doc << "\n";
+    // train.steps and train.epochs exclude each other: the one that does not count is written
+    // as a comment, so that this file is a valid input that replays the run.
+    const bool unused = f.dotted() == "train.steps" && cfg.train.epochs > 0;
+    os << (unused ? "# " : "") << f.key << " = " << to_toml_literal(f.get(cfg)) << "  # "
+       << (unused ? "not used: train.epochs counts. " : "") << f.doc << "\n";
   }
   return os.str();
 }

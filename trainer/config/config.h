@@ -67,6 +67,7 @@ struct FieldInfo {
   std::vector<std::string> choices;   // allowed values of a String field; empty = any
   bool has_min = false, has_max = false;
   double min = 0, max = 0;            // inclusive range of a numeric field
+  bool max_exclusive = false;         // max itself is out of range: value < max (train.beta1 < 1)
   std::vector<std::string> aliases;   // older names accepted for this key
   std::function<void(Config&, const Value&)> set;
   std::function<Value(const Config&)> get;

@@ -79,6 +79,13 @@ FieldInfo& range(FieldInfo& f, double lo, double hi = std::numeric_limits<double
   return f;
 }
 
+// [lo, hi): hi itself is refused (torch's AdamW needs 0 <= beta < 1).
+FieldInfo& range_below(FieldInfo& f, double lo, double hi) {
+  range(f, lo, hi);
+  f.max_exclusive = true;
+  return f;
+}
+
 std::vector<FieldInfo> build_schema() {
   std::vector<FieldInfo> v;
   v.reserve(80);
@@ -129,8 +136,8 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("train", &C::train, "min_lr", &TrainConfig::min_lr, "learning rate at the end of the cosine schedule"), 0.0, 1e6);
   range(b.add("train", &C::train, "weight_decay", &TrainConfig::weight_decay, "weight decay (decoupled for adamw, L2 for sgd)"), 0.0, 1e6);
   range(b.add("train", &C::train, "momentum", &TrainConfig::momentum, "sgd momentum; 0 = plain sgd"), 0.0, 1.0);
-  range(b.add("train", &C::train, "beta1", &TrainConfig::beta1, "adamw beta1"), 0.0, 1.0);
-  range(b.add("train", &C::train, "beta2", &TrainConfig::beta2, "adamw beta2"), 0.0, 1.0);
+  range_below(b.add("train", &C::train, "beta1", &TrainConfig::beta1, "adamw beta1, the decay of the gradients' running average: 0 <= beta1 < 1 (torch's AdamW refuses 1)"), 0.0, 1.0);
+  range_below(b.add("train", &C::train, "beta2", &TrainConfig::beta2, "adamw beta2, the decay of the squared gradients' running average: 0 <= beta2 < 1 (torch's AdamW refuses 1)"), 0.0, 1.0);
   range(b.add("train", &C::train, "eps", &TrainConfig::eps, "adamw epsilon"), 0.0, 1.0);
   range(b.add("train", &C::train, "warmup_steps", &TrainConfig::warmup_steps, "linear warmup from 0 to train.lr, in steps"), 0, 1e12);
   b.add("train", &C::train, "schedule", &TrainConfig::schedule, kSchedules, "learning-rate schedule after warmup: cosine (to train.min_lr) | constant");
@@ -152,12 +159,14 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("dist", &C::dist, "zero", &DistConfig::zero, "ZeRO stage (docs/zero.md): 0 = every rank holds the whole optimizer state (DDP); 1 = the optimizer state is partitioned by parameter across ranks, each rank updates its own parameters and broadcasts them; 2 = in addition each parameter's gradient is reduce-scattered to its owner instead of all-reduced"), 0, 2);
 
   // [compile]
-  b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes, "off | trace (capture forward as a TorchScript graph)");
+  b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes, "off | trace (deprecated: forward as a TorchScript graph) | inductor (the whole training step compiled ahead of time by Inductor, run from C++)");
   b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph, "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
   b.add("compile", &C::compile, "deterministic", &CompileConfig::deterministic, "non-deterministic ops inside the graph are an error");
   range(b.add("compile", &C::compile, "max_recompiles", &CompileConfig::max_recompiles, "shape re-specialisations allowed before it is an error"), 0, 1 << 20);
-  b.add("compile", &C::compile, "cache_dir", &CompileConfig::cache_dir, "persistent compile cache directory; \"\" = no cache");
+  b.add("compile", &C::compile, "cache_dir", &CompileConfig::cache_dir, "persistent compile cache directory; \"\" = no cache (trace), ~/.cache/keel/compile (inductor)");
   b.add("compile", &C::compile, "cuda_graphs", &CompileConfig::cuda_graphs, "capture the whole step as a CUDA graph (CUDA builds)");
+  b.add("compile", &C::compile, "max_autotune", &CompileConfig::max_autotune, "inductor: autotune kernels while compiling (slower compile, maybe faster steps)");
+  b.add("compile", &C::compile, "python", &CompileConfig::python, "inductor: the Python of the packaging step (torch 2.11); \"\" = $KEEL_PYTHON, else keel's venv (~/.cache/keel/venv)");
 
   // [amp]
   b.add("amp", &C::amp, "dtype", &AmpConfig::dtype, kAmpDtypes, "autocast dtype: off | bf16 | fp16 (fp16: CUDA only)");

@@ -1,6 +1,6 @@
 // trainer/fault/fault.h: the fault injector (fault.inject).
 //
-// Owns: parsing `TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash]` entries into a plan and
+// Owns: parsing `TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash][,phase=P][,sig=N][,twice]` entries into a plan and
 // answering "does a fault of this type fire on this rank at this step?". A fault fires once per
 // job: not again after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) unless the entry
 // says `always`; `restart=K` makes it fire only in the K-th restart (the chaos test kills a
@@ -22,6 +22,11 @@ struct FaultEntry {
   int64_t restart = -1; // fire only when TORCHELASTIC_RESTART_COUNT == restart (-1: see `always`)
   int64_t ms = 100;     // straggler: milliseconds of sleep per step
   bool crash = false;   // checkpoint_write_failure: SIGKILL halfway through the write, not ENOSPC
+  // signal: where it is sent (start, compile, step, eval, save), which signal (SIGTERM or
+  // SIGINT), and whether a second one follows the first at once.
+  std::string phase = "step";
+  int64_t sig = 15;
+  bool twice = false;
 };
 
 class FaultPlan {
@@ -35,6 +40,11 @@ class FaultPlan {
   bool fires(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const {
     return find(type, step, rank, restart_count) != nullptr;
   }
+  /// The `signal` entry for (phase, step, rank) in this restart, or nullptr (start and compile
+  /// happen once: their entries match any step).
+  const FaultEntry* signal(const std::string& phase, int64_t step, int64_t rank, int64_t restart_count) const;
+  /// The phases a `signal` entry may name.
+  static const std::vector<std::string>& signal_phases();
   /// An entry of `type` active on `rank` at `step` (its step <= step), firing in this restart:
   /// for faults that last (straggler).
   const FaultEntry* active(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const;

@@ -54,7 +54,21 @@ bool flip_byte_in_place(const std::string& path) {
   return ok;
 }
 
+// signal: what a launcher or an operator does to the process (kill(2), not raise(3): the signal
+// is the process's, taken by whichever thread).
+void send_signal(const FaultEntry& e, const char* phase, int64_t step, int64_t rank) {
+  logging::warn("fault injection: signal {} ({}){} in phase {} at step {} on rank {}", e.sig,
+                e.sig == SIGINT ? "SIGINT" : "SIGTERM", e.twice ? " twice" : "", phase, step, rank);
+  ::kill(::getpid(), static_cast<int>(e.sig));
+  if (e.twice) ::kill(::getpid(), static_cast<int>(e.sig));
+}
+
 }  // namespace
+
+void FaultInjector::signal(const char* phase, int64_t step) const {
+  if (plan_.empty()) return;
+  if (const FaultEntry* e = plan_.signal(phase, step, rank_, restart_count_)) send_signal(*e, phase, step, rank_);
+}
 
 FaultInjector::FaultInjector(const FaultConfig& cfg, const dist::World& world, torch::Device device,
                              std::chrono::milliseconds collective_timeout)
@@ -88,6 +102,7 @@ void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
     if (s == e->step) logging::warn("fault injection: straggler: rank {} sleeps {} ms per step from step {}", r, e->ms, s);
     std::this_thread::sleep_for(std::chrono::milliseconds(e->ms));
   }
+  signal("step", s);
   if (plan_.fires("crash", s, r, rc)) {
     logging::error("fault injection: crash (SIGKILL) at step {} on rank {}", s, r);
     logging::flush();
@@ -126,17 +141,29 @@ void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
 
 checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
   checkpoint::Hooks h;
-  bool write_failure = false, corruption = false;
+  bool write_failure = false, corruption = false, signal_at_save = false;
   for (const auto& e : plan_.entries()) {
     write_failure |= e.type == "checkpoint_write_failure";
     corruption |= e.type == "checkpoint_corruption";
+    signal_at_save |= e.type == "signal" && e.phase == "save";
+  }
+  if (signal_at_save) {
+    // Once per save, at this rank's first write of it (on the writer thread with checkpoint.async).
+    auto sent = std::make_shared<std::atomic<int64_t>>(-1);
+    h.before_write = [plan = plan_, rank = rank_, rc = restart_count_, sent](int64_t step, const std::string&,
+                                                                            uint64_t) -> int {
+      if (const FaultEntry* e = plan.signal("save", step, rank, rc); e && sent->exchange(step) != step)
+        send_signal(*e, "save", step, rank);
+      return 0;
+    };
   }
   if (write_failure) {
     // ENOSPC (or, with `crash`, SIGKILL) halfway through this rank's model shard of the
     // checkpoint of step `step`: its header makes it to disk, its data does not.
     auto warned = std::make_shared<std::atomic<int64_t>>(-1);
-    h.before_write = [plan = plan_, rank = rank_, rc = restart_count_, warned](int64_t step, const std::string& file,
-                                                                              uint64_t offset) -> int {
+    h.before_write = [plan = plan_, rank = rank_, rc = restart_count_, warned, first = h.before_write](
+                         int64_t step, const std::string& file, uint64_t offset) -> int {
+      if (first) first(step, file, offset);
       if (offset < 64 || file.rfind("model-", 0) != 0) return 0;
       const FaultEntry* e = plan.find("checkpoint_write_failure", step, rank, rc);
       if (!e) return 0;

@@ -45,7 +45,10 @@ class FaultInjector {
   /// After backward, before the step's consensus: the faults that strike the collectives
   /// (straggler, crash, oom, collective_hang, shape_mismatch).
   void before_consensus(int64_t step, dist::Collectives& coll) const;
-  /// The checkpointer's hooks (checkpoint_write_failure, checkpoint_corruption).
+  /// signal: sends this process SIGTERM (or SIGINT), once or twice, when an entry names this
+  /// phase (start, compile, step, eval; save is sent from the checkpoint hooks) and step.
+  void signal(const char* phase, int64_t step) const;
+  /// The checkpointer's hooks (checkpoint_write_failure, checkpoint_corruption, signal at save).
   checkpoint::Hooks checkpoint_hooks() const;
 
  private:

@@ -1,0 +1,208 @@
+// Documented maxima against what a run can hold (docs/inputs.md, class 7): a key at the maximum
+// the schema documents either runs or is refused before anything is allocated, exit 2 naming
+// the key and the sizes (never "DefaultCPUAllocator: can't allocate", exit 1); train.beta1 and
+// train.beta2 stop below 1, as torch's AdamW needs. The memory estimate
+// (trainer/config/limits.h) is checked against the models keel builds.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "helpers.h"
+#include "keel/models/model.h"
+#include "keel/trainer/config/config.h"
+#include "keel/trainer/config/limits.h"
+
+using keel::testing::run_keel;
+using keel::testing::source_path;
+using keel::testing::TempDir;
+
+namespace {
+
+const std::string kSmoke = "configs/synthetic_smoke.toml";
+
+// "--model.width=1048576": the key at the maximum the schema documents.
+std::string at_max(const std::string& key) {
+  const keel::FieldInfo* f = keel::find_field(key);
+  if (!f || !f->has_max) {
+    ADD_FAILURE() << key << " has no documented maximum";
+    return "--" + key + "=0";
+  }
+  return "--" + key + "=" + std::to_string(static_cast<int64_t>(f->max));
+}
+
+// `file` with the command-line options `extra` ("--section.key=value"), as keel resolves it.
+keel::Config resolved(const std::string& file, const std::vector<std::string>& extra = {}) {
+  keel::Config cfg;
+  keel::load_toml_file(source_path(file), cfg);
+  for (const auto& o : extra) {
+    const auto eq = o.find('=');
+    keel::apply_override(cfg, o.substr(2, eq - 2), o.substr(eq + 1));
+  }
+  keel::validate(cfg);
+  return cfg;
+}
+
+// keel train on synthetic_smoke.toml with `extra` is exit 2 naming `key` (and telling to lower
+// it), before anything is allocated.
+void expect_refused_naming(const std::string& key, const std::vector<std::string>& extra) {
+  const double need = keel::estimate_memory(resolved(kSmoke, extra), 1, /*on_cuda=*/false).host_bytes;
+  const auto available = keel::available_memory_bytes();
+  ASSERT_TRUE(available.has_value()) << "no /proc/meminfo and no sysconf(_SC_PHYS_PAGES)";
+  if (*available >= need)
+    GTEST_SKIP() << "this machine has " << *available << " bytes available: enough for " << need
+                 << " (the config may run here)";
+  TempDir d;
+  std::vector<std::string> args = {"train",          "--config", source_path(kSmoke), "--train.steps=2",
+                                   "--run.device=cpu", "--run.dir=" + d.file("run")};
+  args.insert(args.end(), extra.begin(), extra.end());
+  const auto r = run_keel(args, {}, 300);
+  EXPECT_FALSE(r.signaled) << "ended by signal " << r.signal << "\n" << r.output;
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find(key), std::string::npos) << "expected '" << key << "' in:\n" << r.output;
+  EXPECT_NE(r.output.find("lower " + key), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("is available"), std::string::npos) << r.output;
+  EXPECT_EQ(r.output.find("can't allocate"), std::string::npos) << r.output;
+}
+
+}  // namespace
+
+TEST(Limits, ModelWidthAtItsMaximumIsRefusedNamingTheKey) {
+  expect_refused_naming("model.width", {at_max("model.width")});  // mlp: 7 x 2^40 weights
+}
+
+TEST(Limits, ModelContextAtItsMaximumIsRefusedNamingTheKey) {
+  // gpt on synthetic tokens: attention scores of 2^20 x 2^20 per head and sample.
+  expect_refused_naming("model.context", {"--model.name=gpt", at_max("model.context")});
+}
+
+TEST(Limits, ModelNumClassesAtItsMaximumIsRefusedNamingTheKey) {
+  // mlp: a Linear(256, 2^24) and a 784 x 2^24 labelling rule for the synthetic images.
+  expect_refused_naming("model.num_classes", {at_max("model.num_classes")});
+}
+
+TEST(Limits, SyntheticSizeAtItsMaximumIsRefusedNamingTheKey) {
+  expect_refused_naming("data.synthetic_size", {at_max("data.synthetic_size")});  // 2^28 images of 3136 bytes
+}
+
+TEST(Limits, BetaOfOneIsRefusedNamingTheKeyAndBelowOneTrains) {
+  // The config layer: the file and the command line.
+  for (const std::string key : {"beta1", "beta2"}) {
+    keel::Config cfg;
+    std::string error;
+    try {
+      keel::load_toml_string("[train]\n" + key + " = 1.0\n", "beta.toml", cfg);
+      keel::validate(cfg);
+    } catch (const keel::InputError& e) {
+      error = e.what();
+    }
+    EXPECT_NE(error.find("train." + key), std::string::npos) << "'" << error << "'";
+    keel::Config ok;
+    keel::load_toml_string("[train]\n" + key + " = 0.99999\n", "beta.toml", ok);
+    EXPECT_NO_THROW(keel::validate(ok));
+  }
+  // The binary: exit 2 naming the key, not torch's "Invalid beta parameter" (exit 1).
+  TempDir d;
+  const std::vector<std::string> base = {"train", "--config", source_path(kSmoke), "--train.steps=2",
+                                         "--run.device=cpu", "--run.dir=" + d.file("run")};
+  for (const std::string key : {"train.beta1", "train.beta2"}) {
+    auto args = base;
+    args.push_back("--" + key + "=1.0");
+    const auto r = run_keel(args);
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find(key), std::string::npos) << r.output;
+    EXPECT_EQ(r.output.find("Invalid beta parameter"), std::string::npos) << r.output;
+  }
+  auto args = base;
+  args.push_back("--train.beta2=0.99999");
+  const auto r = run_keel(args);
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// The estimate counts the parameters the models build, exactly.
+TEST(Limits, ParameterEstimateIsWhatTheModelsBuild) {
+  struct Case {
+    const char* name;
+    int64_t width, depth, heads, context, vocab, classes;
+  };
+  const std::vector<Case> cases = {
+      {"mlp", 0, 0, 4, 128, 256, 10}, {"mlp", 32, 2, 4, 128, 256, 7}, {"mlp", 16, 1, 4, 128, 256, 3},
+      {"cnn", 0, 0, 4, 128, 256, 10}, {"cnn", 0, 0, 4, 128, 256, 33}, {"gpt", 0, 0, 4, 128, 256, 10},
+      {"gpt", 32, 2, 4, 16, 256, 10}, {"gpt", 16, 3, 2, 8, 50, 10}};
+  for (const auto& c : cases) {
+    keel::ModelConfig m;
+    m.name = c.name;
+    m.width = c.width;
+    m.depth = c.depth;
+    m.heads = c.heads;
+    m.context = c.context;
+    m.vocab = c.vocab;
+    m.num_classes = c.classes;
+    const auto estimate = keel::estimate_parameters(m);
+    ASSERT_TRUE(estimate.has_value()) << c.name;
+    const auto model = keel::models::create_model(m);
+    EXPECT_EQ(static_cast<int64_t>(*estimate), model->num_parameters())
+        << c.name << " width " << c.width << " depth " << c.depth << " classes " << c.classes;
+  }
+  keel::ModelConfig mlp, cnn, ts;
+  mlp.name = "mlp";
+  cnn.name = "cnn";
+  ts.name = "torchscript";
+  EXPECT_EQ(*keel::estimate_parameters(mlp), 664074);  // 784 -> 8 x 256 -> 10
+  EXPECT_EQ(*keel::estimate_parameters(cnn), 421642);  // the benchmark table's CNN
+  EXPECT_FALSE(keel::estimate_parameters(ts).has_value());
+}
+
+TEST(Limits, MemoryEstimateAcceptsTheShippedConfigsAndNamesTheKeyOfOneThatCannotFit) {
+  // Every shipped config fits in 4 GB, 2 ranks on the host.
+  for (const char* file : {"configs/synthetic_smoke.toml", "configs/fashion_mnist_cnn.toml",
+                           "configs/fashion_mnist_mlp.toml", "configs/gpt_text.toml"}) {
+    const keel::Config cfg = resolved(file);
+    EXPECT_LT(keel::estimate_memory(cfg, 2, false).host_bytes, 1e9) << file;
+    EXPECT_EQ(keel::memory_problem(cfg, 2, 2, false, 4e9), "") << file;
+  }
+
+  // synthetic_smoke: the mlp's parameters, gradients and AdamW's two moments, float32; the
+  // images of both splits.
+  const keel::Config smoke = resolved(kSmoke);
+  const keel::MemoryEstimate e = keel::estimate_memory(smoke, 1, false);
+  EXPECT_EQ(e.parameters, 664074);
+  EXPECT_DOUBLE_EQ(e.model_bytes, 664074.0 * 4 * 4);
+  EXPECT_GE(e.data_bytes, (4096 + 1024) * 784 * 4.0);
+  EXPECT_GT(e.activation_bytes, 0);
+  EXPECT_GE(e.host_bytes, e.model_bytes + e.data_bytes * 0.5);
+  EXPECT_LT(e.host_bytes, 2e8);
+  // SGD without momentum keeps no state; ZeRO partitions AdamW's.
+  const keel::Config sgd = resolved(kSmoke, {"--train.optimizer=sgd", "--train.momentum=0"});
+  EXPECT_DOUBLE_EQ(keel::estimate_memory(sgd, 1, false).model_bytes, 664074.0 * 4 * 2);
+  const keel::Config zero = resolved(kSmoke, {"--dist.zero=1"});
+  EXPECT_DOUBLE_EQ(keel::estimate_memory(zero, 4, false).model_bytes, 664074.0 * 4 * (2 + 2.0 / 4));
+  // Ranks on one host each hold a copy.
+  EXPECT_EQ(keel::memory_problem(smoke, 8, 8, false, 8 * e.host_bytes + 1), "");
+  EXPECT_NE(keel::memory_problem(smoke, 8, 8, false, 8 * e.host_bytes - 1), "");
+  // On a GPU only the parameters (built on the CPU) and the data are in host memory; the
+  // model state and the activations are checked against the GPU's free memory when known.
+  EXPECT_LT(keel::estimate_memory(smoke, 1, true).host_bytes, e.host_bytes);
+  EXPECT_DOUBLE_EQ(keel::estimate_memory(smoke, 1, true).device_bytes, e.model_bytes + e.activation_bytes);
+  EXPECT_EQ(keel::memory_problem(smoke, 1, 1, true, 1e12, 80e9), "");
+  const keel::Config long_context = resolved(kSmoke, {"--model.name=gpt", "--model.context=1048576"});
+  EXPECT_EQ(keel::memory_problem(long_context, 1, 1, true, 1e12), "");  // the GPU's memory unknown
+  const std::string gpu_problem = keel::memory_problem(long_context, 1, 1, true, 1e12, 80e9);
+  for (const char* want : {"GPU memory", "80.0 GB is free", "lower model.context"})
+    EXPECT_NE(gpu_problem.find(want), std::string::npos) << "'" << want << "' not in: " << gpu_problem;
+
+  // A wide mlp: 1.3e10 parameters, 207 GB with gradients and AdamW state.
+  const keel::Config wide = resolved(kSmoke, {"--model.width=65536", "--model.depth=4"});
+  const std::string problem = keel::memory_problem(wide, 1, 1, false, 20e9);
+  for (const char* want : {"model.width = 65536", "model.depth = 4", "AdamW", "207.0 GB",
+                           "20.0 GB is available", "lower model.width"})
+    EXPECT_NE(problem.find(want), std::string::npos) << "'" << want << "' not in: " << problem;
+  EXPECT_LT(problem.size(), 2000u) << problem;  // whole through first_error's 2 KiB
+  // Not the parameters but the data: the key to lower is the data's.
+  const keel::Config big_data = resolved(kSmoke, {"--data.synthetic_size=16777216"});
+  const std::string data_problem = keel::memory_problem(big_data, 1, 1, false, 20e9);
+  EXPECT_NE(data_problem.find("lower data.synthetic_size"), std::string::npos) << data_problem;
+}

@@ -1,0 +1,1064 @@
+#!/usr/bin/env python3
+"""trainer/compile/aot_package.py: one training step of a model, compiled ahead of time by
+AOTInductor into a .pt2 package that keel's C++ trainer loads and runs with no Python.
+
+Run by keel (compile.mode = inductor) with keel's venv Python when a package is missing, or by
+hand:
+
+    python trainer/compile/aot_package.py --model gpt --model-config '{"width":64,"depth":2,
+        "context":32}' --batch 4 --amp off --device cpu --out /cache/gpt.pt2 [--check]
+    python trainer/compile/aot_package.py --module mypkg.net:make --batch 32 --out net.pt2
+
+What is compiled: step(*params, *buffers, input, target[, grad_scale]) -> (loss, *grads[,
+*updated buffers]): the model's forward (under bf16/fp16 autocast with --amp), keel's default
+loss (cross-entropy over the last dimension, mean over every sample or token, cast to float32,
+exactly as trainer/trainer.cpp computes it) and the gradient of every parameter
+(torch.autograd.grad), traced by make_fx into one flat ATen graph, exported with
+torch.export.export(strict=False) and compiled by AOTInductor. Parameters, buffers and data are
+graph INPUTS (no weights are baked in), so keel's optimizer, GradScaler, ZeRO, checkpoints and
+DDP keep owning them. Optionally a second model, "forward": (params, buffers, input) -> logits
+in eval mode, for evaluation at --eval-batch.
+
+Outputs, published only when everything (including --check) passed: both are staged in a
+fresh directory beside PATH and renamed into place, the package first, the manifest last:
+  PATH.pt2   the package: model "train_step" (and "forward" unless --no-forward or it cannot be
+             captured); each also carries metadata keel_format, keel_model, keel_signature
+             (AOTIModelPackageLoader::get_metadata())
+  PATH.json  the manifest ("format": "keel-aoti-step/1"): for each model its batch, graph_sha256
+             and ordered inputs and outputs (name, kind, shape, dtype); versions, compiler,
+             CPU ISA or GPU arch, threads, Inductor options, timings, SHA-256 of the package
+A package without a manifest, or whose SHA-256 is not the manifest's, is incomplete or foreign
+and must be rebuilt. --trace-only prints the manifest's signature part (with graph_sha256) in
+a few seconds and writes nothing.
+
+Exit codes (the last line on stderr is the one-line reason):
+  0 ok; 1 any other failure (the compiler, a bug); 2 bad arguments or model config;
+  3 graph break: "graph break at FILE:LINE: OP (REASON)[ in MODEL: SOURCE LINE]";
+  4 --deterministic and a non-deterministic op: "non-deterministic op at FILE:LINE: OP (REASON)";
+  5 --check: the package disagrees with eager PyTorch (nothing is written);
+  6 a custom op without a fake (Meta) kernel: "custom op NS::OP has no fake kernel: ... (FIX)".
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import importlib
+import importlib.util
+import inspect
+import json
+import linecache
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+
+FORMAT = "keel-aoti-step/1"
+EXIT_ERROR, EXIT_USAGE, EXIT_GRAPH_BREAK, EXIT_NONDETERMINISTIC, EXIT_CHECK, EXIT_NO_FAKE_KERNEL = 1, 2, 3, 4, 5, 6
+
+# keel's [model] keys (trainer/config/schema.cpp). Those that do not change the graph
+# (name, path, input, init_from) are accepted and ignored.
+MODEL_KEYS = {"name", "path", "width", "depth", "heads", "context", "vocab", "input", "num_classes", "init_from"}
+MODEL_DEFAULTS = {"width": 0, "depth": 0, "heads": 4, "context": 128, "vocab": 256, "num_classes": 10}
+
+# Random ops: keel's TorchScript list (trainer/compile/compile.cpp nondeterministic_ops()) plus
+# the rest of ATen's samplers. Refused with --deterministic, listed in the manifest otherwise.
+RANDOM_OPS = {
+    "aten::dropout", "aten::dropout_", "aten::feature_dropout", "aten::alpha_dropout", "aten::native_dropout",
+    "aten::bernoulli", "aten::bernoulli_", "aten::rand", "aten::randn", "aten::randint", "aten::randperm",
+    "aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::multinomial", "aten::normal",
+    "aten::normal_", "aten::uniform", "aten::uniform_", "aten::exponential", "aten::exponential_", "aten::rrelu",
+    "aten::rrelu_with_noise", "aten::rrelu_with_noise_functional", "aten::poisson", "aten::cauchy_",
+    "aten::geometric_", "aten::log_normal_", "aten::random_", "aten::_fused_dropout", "aten::_standard_gamma",
+    "aten::binomial", "aten::_sample_dirichlet", "prims::inductor_random", "prims::inductor_seeds",
+}
+# ATen kernels with no deterministic CUDA implementation (torch.use_deterministic_algorithms'
+# list). index_put/scatter with accumulate are NOT here: with --deterministic Inductor falls
+# back to ATen's kernels for them, which are deterministic when the runtime sets
+# at::globalContext().setDeterministicAlgorithms(true, false) (the manifest says so).
+CUDA_NONDETERMINISTIC_OPS = {
+    "aten::avg_pool3d_backward", "aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward",
+    "aten::max_pool3d_with_indices_backward", "aten::adaptive_max_pool2d_backward",
+    "aten::adaptive_max_pool3d_backward", "aten::fractional_max_pool2d_backward",
+    "aten::fractional_max_pool3d_backward", "aten::max_unpool1d", "aten::max_unpool2d", "aten::max_unpool3d",
+    "aten::upsample_linear1d_backward", "aten::upsample_bilinear2d_backward", "aten::upsample_bicubic2d_backward",
+    "aten::upsample_trilinear3d_backward", "aten::_upsample_bilinear2d_aa_backward",
+    "aten::reflection_pad1d_backward", "aten::reflection_pad2d_backward", "aten::reflection_pad3d_backward",
+    "aten::replication_pad1d_backward", "aten::replication_pad2d_backward", "aten::replication_pad3d_backward",
+    "aten::nll_loss2d_forward", "aten::_ctc_loss_backward", "aten::_embedding_bag_dense_backward",
+    "aten::_embedding_bag_per_sample_weights_backward", "aten::put", "aten::put_", "aten::histc",
+    "aten::bincount", "aten::kthvalue", "aten::median", "aten::nanmedian", "aten::grid_sampler_2d_backward",
+    "aten::grid_sampler_3d_backward",
+}
+
+
+def log(msg: str) -> None:
+    print(f"aot_package: {msg}", file=sys.stderr, flush=True)
+
+
+class Refusal(Exception):
+    """A reason to stop with a given exit code and a one-line message."""
+
+    def __init__(self, code: int, line: str):
+        super().__init__(line)
+        self.code = code
+        self.line = line
+
+
+# ---------------------------------------------------------------------------------------------
+# Arguments
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="aot_package.py",
+        description="Compile one training step (forward + cross-entropy + backward) ahead of time with AOTInductor.",
+    )
+    which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--model", choices=["mlp", "cnn", "gpt"], help="a keel built-in model")
+    which.add_argument("--module", metavar="PKG.MOD:FACTORY",
+                       help="a user's nn.Module: FACTORY([batch=B], [device=D]) returns (module, example_input, "
+                            "example_target[, loss_fn(output, target)])")
+    p.add_argument("--model-config", default="{}", metavar="JSON",
+                   help="keel's [model] keys as a JSON object (or @file.json): width, depth, heads, context, vocab, "
+                        "num_classes; 0 or absent = keel's default")
+    p.add_argument("--batch", type=int, help="per-rank micro-batch of the training step (required with --model)")
+    p.add_argument("--eval-batch", type=int, help="batch of the 'forward' model (default: --batch)")
+    p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
+                   help="autocast traced into the step (fp16: CUDA only, adds the grad_scale input)")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", required=True, metavar="PATH.pt2")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU: intra-op threads the package is compiled for (Inductor bakes the count into its "
+                        "kernels); 0 = torch.get_num_threads(). Must equal the trainer's per-rank threads")
+    p.add_argument("--max-autotune", action="store_true", help="Inductor max_autotune (slower compile)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="refuse non-deterministic ops (exit 4); compile with deterministic algorithms")
+    p.add_argument("--fullgraph", action="store_true",
+                   help="also treat data-dependent output shapes (x[mask], nonzero) as graph breaks")
+    p.add_argument("--grad-scale-input", action="store_true",
+                   help="add a float32 scalar input 'grad_scale': gradients are of loss * grad_scale (GradScaler, "
+                        "1/grad_accum); the returned loss is unscaled. Implied by --amp fp16")
+    p.add_argument("--no-forward", action="store_true", help="package only 'train_step' (no evaluation model)")
+    p.add_argument("--load-library", action="append", default=[], metavar="LIB.so",
+                   help="torch.ops.load_library() before tracing (custom ops registered with TORCH_LIBRARY)")
+    p.add_argument("--trace-only", action="store_true",
+                   help="trace, export and run the graph checks; write nothing (fast: no C++ compile)")
+    p.add_argument("--check", action="store_true",
+                   help="load the package, run it on random inputs and compare with eager PyTorch (exit 5 if off)")
+    p.add_argument("--check-rtol", type=float, default=None,
+                   help="--check: an output passes when max|compiled - eager| <= rtol * max|eager| + atol "
+                        "(default rtol 1e-5; 3e-2 with --amp)")
+    p.add_argument("--check-atol", type=float, default=None,
+                   help="--check: see --check-rtol (default 1e-7; 1e-5 with --amp), for outputs that are ~0 "
+                        "(e.g. the gradient of a bias followed by a normalisation)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the --check inputs and initial weights")
+    p.add_argument("--verbose", action="store_true", help="Python tracebacks on failure")
+    a = p.parse_args(argv)
+    if not a.out.endswith(".pt2"):
+        p.error("--out must end with .pt2")
+    if a.model and a.batch is None:
+        p.error("--batch is required with --model")
+    for name in ("batch", "eval_batch"):
+        v = getattr(a, name)
+        if v is not None and v < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.threads < 0:
+        p.error("--threads must be >= 0")
+    if a.amp == "fp16":
+        if a.device != "cuda":
+            p.error("--amp fp16 needs --device cuda (keel's amp.dtype = fp16 is CUDA only)")
+        a.grad_scale_input = True
+    return a
+
+
+def read_model_config(text: str) -> dict:
+    if text.startswith("@"):
+        with open(text[1:]) as f:
+            text = f.read()
+    try:
+        cfg = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise Refusal(EXIT_USAGE, f"--model-config is not JSON: {e}")
+    if not isinstance(cfg, dict):
+        raise Refusal(EXIT_USAGE, "--model-config must be a JSON object of keel's [model] keys")
+    unknown = sorted(set(cfg) - MODEL_KEYS)
+    if unknown:
+        raise Refusal(EXIT_USAGE, f"--model-config: unknown key(s) {', '.join(unknown)} (keel's [model] keys: "
+                                  f"{', '.join(sorted(MODEL_KEYS))})")
+    out = dict(MODEL_DEFAULTS)
+    for k, v in cfg.items():
+        if k in MODEL_DEFAULTS:
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise Refusal(EXIT_USAGE, f"--model-config: {k} must be a non-negative integer, got {v!r}")
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+
+
+def load_reference_models():
+    """tests/golden/reference_models.py: PyTorch twins of keel's C++ models, same names."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    candidates = [os.environ.get("KEEL_REFERENCE_MODELS", ""), os.path.join(here, "reference_models.py"),
+                  os.path.join(here, "..", "..", "tests", "golden", "reference_models.py")]
+    for path in candidates:
+        if path and os.path.isfile(path):
+            spec = importlib.util.spec_from_file_location("keel_reference_models", path)
+            mod = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(mod)
+            return mod, os.path.realpath(path)
+    raise Refusal(EXIT_ERROR, "cannot find reference_models.py (keel's PyTorch model twins); set KEEL_REFERENCE_MODELS "
+                              "to its path (tests/golden/reference_models.py in the source tree)")
+
+
+def cpp_parameter_names(model: str, cfg: dict) -> list:
+    """Parameter names in the order keel's C++ model registers them (models/*.cpp,
+    torch::nn::Module::named_parameters(recurse=true): own parameters, then submodules in
+    registration order). The reference module must produce exactly these."""
+    lin = lambda p: [f"{p}.weight", f"{p}.bias"]  # Linear, Conv2d, LayerNorm: weight then bias
+    if model == "mlp":
+        return [n for i in range(cfg["depth"] + 1) for n in lin(f"fc.{i}")]
+    if model == "cnn":
+        return lin("conv1") + lin("conv2") + lin("fc1") + lin("fc2")
+    names = ["wte.weight", "wpe.weight"]
+    for i in range(cfg["depth"]):
+        b = f"h.{i}"
+        names += lin(f"{b}.ln_1") + lin(f"{b}.attn.c_attn") + lin(f"{b}.attn.c_proj") + lin(f"{b}.ln_2")
+        names += lin(f"{b}.mlp.c_fc") + lin(f"{b}.mlp.c_proj")
+    return names + lin("ln_f")
+
+
+def builtin_model(name: str, cfg: dict, batch: int):
+    """keel's model `name` with keel's defaults (models/*.cpp make_*), its input kind and the
+    example input and target of one micro-batch."""
+    import torch
+
+    ref, ref_path = load_reference_models()
+    if name == "mlp":
+        cfg["width"] = cfg["width"] or 256
+        cfg["depth"] = cfg["depth"] or 8
+        module = ref.Mlp(width=cfg["width"], depth=cfg["depth"], classes=cfg["num_classes"])
+    elif name == "cnn":
+        module = ref.Cnn(classes=cfg["num_classes"])
+    else:
+        cfg["width"] = cfg["width"] or 256
+        cfg["depth"] = cfg["depth"] or 4
+        if cfg["heads"] < 1 or cfg["width"] % cfg["heads"] != 0:
+            raise Refusal(EXIT_USAGE, f"model: width {cfg['width']} is not divisible by model.heads = {cfg['heads']}")
+        if cfg["vocab"] < 2 or cfg["context"] < 1:
+            raise Refusal(EXIT_USAGE, "model: vocab must be >= 2 and context >= 1")
+        module = ref.Gpt(vocab=cfg["vocab"], context=cfg["context"], layers=cfg["depth"], heads=cfg["heads"],
+                         d=cfg["width"])
+    if name in ("mlp", "cnn"):
+        if cfg["num_classes"] < 2:
+            raise Refusal(EXIT_USAGE, "model: num_classes must be >= 2")
+        graph_cfg = {k: cfg[k] for k in (("width", "depth", "num_classes") if name == "mlp" else ("num_classes",))}
+        kind, classes = "image", cfg["num_classes"]
+        x = torch.randn(batch, 1, 28, 28)
+        y = torch.randint(0, classes, (batch,))
+    else:
+        graph_cfg = {k: cfg[k] for k in ("width", "depth", "heads", "context", "vocab")}
+        kind, classes = "tokens", cfg["vocab"]
+        x = torch.randint(0, classes, (batch, cfg["context"]))
+        y = torch.randint(0, classes, (batch, cfg["context"]))
+    names = [n for n, _ in module.named_parameters()]
+    want = cpp_parameter_names(name, cfg)
+    if names != want:
+        raise Refusal(EXIT_ERROR, f"{ref_path}: the {name} twin's parameter names differ from keel's C++ model "
+                                  f"({names[:4]}... vs {want[:4]}...): fix reference_models.py")
+    return module, x, y, None, {"model": name, "model_config": graph_cfg, "input_kind": kind,
+                                "num_classes": classes, "reference": ref_path}
+
+
+def user_model(spec: str, batch, device: str):
+    import torch
+
+    if ":" not in spec:
+        raise Refusal(EXIT_USAGE, "--module must be PKG.MOD:FACTORY")
+    mod_name, fn_name = spec.split(":", 1)
+    if os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
+    try:
+        factory = getattr(importlib.import_module(mod_name), fn_name)
+    except (ImportError, AttributeError) as e:
+        raise Refusal(EXIT_USAGE, f"--module {spec}: {type(e).__name__}: {e}")
+    params = inspect.signature(factory).parameters
+    kw = {}
+    if "batch" in params and batch is not None:
+        kw["batch"] = batch
+    if "device" in params:
+        kw["device"] = device
+    got = factory(**kw)
+    if not isinstance(got, (tuple, list)) or len(got) not in (3, 4):
+        raise Refusal(EXIT_USAGE, f"--module {spec}: the factory must return (module, example_input, example_target"
+                                  f"[, loss_fn]), got {type(got).__name__}")
+    module, x, y = got[:3]
+    loss_fn = got[3] if len(got) == 4 else None
+    if not isinstance(module, torch.nn.Module) or not torch.is_tensor(x) or not torch.is_tensor(y):
+        raise Refusal(EXIT_USAGE, f"--module {spec}: expected (nn.Module, Tensor, Tensor), got "
+                                  f"({type(module).__name__}, {type(x).__name__}, {type(y).__name__})")
+    if batch is not None and x.shape[0] != batch:
+        raise Refusal(EXIT_USAGE, f"--module {spec}: the example input's batch is {x.shape[0]}, not --batch {batch} "
+                                  "(give the factory a `batch` parameter)")
+    return module, x, y, loss_fn, {"module": spec, "input_kind": "features",
+                                   "loss": "custom" if loss_fn else "cross_entropy"}
+
+
+def keel_cross_entropy(logits, target):
+    """trainer/trainer.cpp cross_entropy(): over the last dimension, mean over all rows."""
+    import torch.nn.functional as F
+
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The traced functions
+
+
+class TrainStep:
+    """step(*params, *buffers, input, target[, grad_scale]) -> (loss, *grads, *new buffers)."""
+
+    def __init__(self, module, pnames, bnames, loss_fn, amp_dtype, device_type, grad_scale):
+        self.module, self.pnames, self.bnames = module, pnames, bnames
+        self.loss_fn = loss_fn or keel_cross_entropy
+        self.amp_dtype, self.device_type, self.grad_scale = amp_dtype, device_type, grad_scale
+        # Indices of the buffers returned (updated) after the gradients: all of them while
+        # tracing; then only those the graph mutates (prune_buffer_outputs()).
+        self.returned = None
+
+    def __call__(self, *flat):
+        import torch
+
+        n_p, n_b = len(self.pnames), len(self.bnames)
+        params, bufs = flat[:n_p], flat[n_p:n_p + n_b]
+        x, y = flat[n_p + n_b], flat[n_p + n_b + 1]
+        with torch.enable_grad():
+            ps = [p.detach().requires_grad_(True) for p in params]
+            # Buffers are copied so that the graph stays functional: a forward that updates
+            # them (BatchNorm running stats) updates the copies, returned as extra outputs.
+            bs = [b.clone() for b in bufs]
+            state = dict(zip(self.pnames, ps))
+            state.update(zip(self.bnames, bs))
+            amp = (torch.autocast(self.device_type, dtype=self.amp_dtype) if self.amp_dtype is not None
+                   else contextlib.nullcontext())
+            with amp:  # as keel: forward and loss under autocast, the loss then cast to float32
+                out = torch.func.functional_call(self.module, state, (x,), strict=True, tie_weights=True)
+                loss = self.loss_fn(out, y).to(torch.float32)
+            seed = loss * flat[n_p + n_b + 2] if self.grad_scale else loss
+            grads = torch.autograd.grad(seed, ps, allow_unused=True, materialize_grads=True)
+        returned = range(len(bs)) if self.returned is None else self.returned
+        return (loss.detach(), *grads, *(bs[i] for i in returned))
+
+
+class Forward:
+    """forward(*params, *buffers, input) -> logits, in eval mode, no autocast (as keel's evaluate())."""
+
+    def __init__(self, module, pnames, bnames):
+        self.module, self.pnames, self.bnames = module, pnames, bnames
+
+    def __call__(self, *flat):
+        import torch
+
+        n_p, n_b = len(self.pnames), len(self.bnames)
+        state = dict(zip(self.pnames, flat[:n_p]))
+        state.update(zip(self.bnames, [b.clone() for b in flat[n_p:n_p + n_b]]))
+        with torch.no_grad():
+            out = torch.func.functional_call(self.module, state, (flat[n_p + n_b],), strict=True, tie_weights=True)
+        return tuple(torch.utils._pytree.tree_leaves(out))
+
+
+# ---------------------------------------------------------------------------------------------
+# Where a failure comes from
+
+
+def _is_torch_file(path: str) -> bool:
+    import torch
+
+    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
+    real = os.path.realpath(path)
+    return real.startswith(torch_dir + os.sep) or real.startswith(os.path.dirname(contextlib.__file__) + os.sep)
+
+
+def _is_this_file(path: str) -> bool:
+    return os.path.realpath(path) == os.path.realpath(__file__)
+
+
+def user_frame(tb):
+    """(index, frame, lineno) of the innermost frame of the user's (or keel's) code in a traceback."""
+    entries = []
+    while tb is not None:
+        entries.append((tb.tb_frame, tb.tb_lineno))
+        tb = tb.tb_next
+    best = None
+    for i, (fr, line) in enumerate(entries):
+        path = fr.f_code.co_filename
+        if _is_torch_file(path) or path.startswith("<"):
+            continue
+        if _is_this_file(path) and best is not None and not _is_this_file(best[1].f_code.co_filename):
+            continue  # prefer model code over this script's wrappers
+        best = (i, fr, line)
+    return best, entries
+
+
+def describe_break(e: BaseException):
+    """(file, line, op, reason) of a construct make_fx could not capture."""
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    found, entries = user_frame(e.__traceback__)
+    file, line, op = "<unknown>", 0, None
+    if found:
+        i, fr, line = found
+        file = fr.f_code.co_filename
+        for fr2, _ in entries[i + 1:]:
+            func = fr2.f_locals.get("func")
+            if callable(func) and not isinstance(func, type):
+                op = getattr(func, "__qualname__", None) or str(func)
+                op = op.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
+                if hasattr(func, "_schema"):
+                    op = func._schema.name
+                break
+            name = fr2.f_code.co_name
+            if name.startswith("__") and name.endswith("__"):
+                self_obj = fr2.f_locals.get("self")
+                op = f"{type(self_obj).__name__}.{name}" if self_obj is not None else name
+                break
+    func = getattr(e, "func", None)
+    if func is not None and hasattr(func, "_schema"):
+        op = op or func._schema.name
+    op = op or type(e).__name__
+    if isinstance(e, DynamicOutputShapeException):
+        reason = "output shape depends on tensor values"
+    elif isinstance(e, DataDependentOutputException):
+        reason = "a Python value read from a tensor"
+    elif op.endswith("__bool__"):
+        reason = "data-dependent control flow: a Python branch on a tensor's value"
+    elif any(op.endswith(s) for s in ("__int__", "__float__", "__index__", "item", "tolist")):
+        reason = "a Python number read from a tensor's value"
+    else:
+        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
+    return file, line, op, reason
+
+
+def location_of_node(node):
+    """FILE:LINE of the innermost user frame in a traced node's stack trace."""
+    st = node.meta.get("stack_trace") or ""
+    best = None
+    for ln in st.splitlines():
+        ln = ln.strip()
+        if ln.startswith('File "'):
+            try:
+                path = ln.split('"')[1]
+                lineno = int(ln.split("line ")[1].split(",")[0])
+            except (IndexError, ValueError):
+                continue
+            if _is_torch_file(path) or path.startswith("<"):
+                continue
+            if _is_this_file(path) and best is not None and not _is_this_file(best[0]):
+                continue
+            best = (path, lineno)
+    return best or ("<unknown>", 0)
+
+
+def source_text(file: str, line: int) -> str:
+    return linecache.getline(file, line).strip() if line else ""
+
+
+def op_name(node) -> str:
+    t = node.target
+    if hasattr(t, "_schema"):
+        return t._schema.name
+    return getattr(t, "__name__", str(t))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trace, export, compile
+
+
+def trace(fn, example, what: str):
+    import torch
+    from torch._subclasses.fake_tensor import UnsupportedOperatorException
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    # Batch norm's forward kernels update the running statistics in place without saying so in
+    # their schemas (aten::native_batch_norm has no Tensor(a!)); export would then drop the
+    # update. Decomposed, the update is an explicit copy_ into the buffer's copy, which export
+    # turns into an output.
+    aten = torch.ops.aten
+    bn = [aten.native_batch_norm, aten._native_batch_norm_legit, aten._batch_norm_with_update, aten.cudnn_batch_norm]
+    if hasattr(aten, "miopen_batch_norm"):
+        bn.append(aten.miopen_batch_norm)
+    decompositions = torch._decomp.get_decompositions(bn)
+    try:
+        return make_fx(fn, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True,
+                       _allow_non_fake_inputs=True)(*example)
+    except UnsupportedOperatorException as e:
+        func = getattr(e, "func", None)
+        name = func._schema.name if func is not None and hasattr(func, "_schema") else str(func)
+        ns = name.split("::")[0]
+        file, line, _, _ = describe_break(e)
+        if ns not in ("aten", "prims"):
+            raise Refusal(EXIT_NO_FAKE_KERNEL,
+                          f"custom op {name} has no fake kernel: the graph cannot be traced at {file}:{line} "
+                          f"(register one: torch.library.register_fake(\"{name}\") in Python, or a Meta kernel, "
+                          f"TORCH_LIBRARY_IMPL({ns}, Meta, m), in C++, loaded with --load-library)")
+        raise Refusal(EXIT_GRAPH_BREAK, f"graph break at {file}:{line}: {name} (no fake-tensor kernel)")
+    except (GuardOnDataDependentSymNode, torch._subclasses.fake_tensor.DataDependentOutputException,
+            torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
+        file, line, op, reason = describe_break(e)
+        raise Refusal(EXIT_GRAPH_BREAK, f"graph break at {file}:{line}: {op} ({reason}) in {what}: "
+                                        f"{source_text(file, line)}")
+
+
+def name_placeholders(gm, names):
+    """Gives the graph's inputs keel's names (cosmetic: the package is called by position)."""
+    import re
+
+    nodes = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(nodes) == len(names), (len(nodes), len(names))
+    for node, name in zip(nodes, names):
+        ident = re.sub(r"\W", "_", name)
+        if ident[:1].isdigit():
+            ident = "_" + ident
+        node._rename(ident)
+        node.target = node.name
+    gm.recompile()
+
+
+def prune_buffer_outputs(gm, example, n_params: int, n_buffers: int, n_grads: int):
+    """The traced step returns every buffer's copy after the gradients; keep only those the step
+    changes. Schemas do not say it reliably (aten::native_batch_norm updates its running stats
+    with no Tensor(a!) annotation), so the graph is exported once (export functionalizes it) and
+    a buffer whose output is still a plain copy of its input is dropped. Returns the indices of
+    the buffers kept."""
+    import torch
+
+    if n_buffers == 0:
+        return []
+    ep = torch.export.export(gm, tuple(example), strict=False)
+    out = [n for n in ep.graph.nodes if n.op == "output"][0]
+    bufs = list(out.args[0])[1 + n_grads:]
+    assert len(bufs) == n_buffers, (len(bufs), n_buffers)
+    keep = []
+    for i, node in enumerate(bufs):
+        while node.op == "call_function" and op_name(node) in ("aten::clone", "aten::alias", "aten::detach"):
+            node = node.args[0]
+        if node.op != "placeholder":
+            keep.append(i)
+    out = [n for n in gm.graph.nodes if n.op == "output"][0]
+    vals = list(out.args[0])
+    out.args = (tuple(vals[:1 + n_grads] + [vals[1 + n_grads + i] for i in keep]),)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()
+    return keep
+
+
+def check_graph(gm, args, device: str, label: str):
+    """Graph-level pitfalls: random and non-deterministic ops, data-dependent shapes, device
+    transfers, baked-in tensor constants. Returns findings; raises with --deterministic and
+    --fullgraph."""
+    import torch
+
+    found = {"random": [], "nondeterministic": [], "dynamic_shapes": [], "device_transfers": [], "constants": []}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            val = getattr(gm, node.target, None)
+            if torch.is_tensor(val) and all(c["name"] != node.target for c in found["constants"]):
+                found["constants"].append({"name": node.target, "shape": list(val.shape),
+                                           "dtype": str(val.dtype).replace("torch.", "")})
+            continue
+        if node.op != "call_function":
+            continue
+        name = op_name(node)
+        file, line = location_of_node(node)
+        where = {"op": name, "file": file, "line": line}
+        if name in RANDOM_OPS:
+            found["random"].append(where)
+        elif device == "cuda" and name in CUDA_NONDETERMINISTIC_OPS:
+            found["nondeterministic"].append(where)
+        val = node.meta.get("val")
+        vals = val if isinstance(val, (tuple, list)) else [val]
+        if any(torch.is_tensor(v) and any(not isinstance(s, int) for s in v.shape) for v in vals):
+            found["dynamic_shapes"].append(where)
+        if name in ("aten::_to_copy", "aten::to") and "device" in node.kwargs:
+            dev = node.kwargs["device"]
+            if dev is not None and torch.device(dev).type != device:
+                found["device_transfers"].append(dict(where, to=str(dev)))
+    if args.deterministic:
+        bad = found["random"] + found["nondeterministic"]
+        if bad:
+            first = bad[0]
+            others = sorted({b["op"] for b in bad} - {first["op"]})
+            kind = "random" if first in found["random"] else "no deterministic CUDA kernel"
+            raise Refusal(EXIT_NONDETERMINISTIC,
+                          f"non-deterministic op at {first['file']}:{first['line']}: {first['op']} ({kind}"
+                          f"{'; also ' + ', '.join(others) if others else ''})")
+    if args.fullgraph:
+        for key, why in (("dynamic_shapes", "output shape depends on tensor values"),
+                         ("device_transfers", "a device transfer inside the graph")):
+            if found[key]:
+                f = found[key][0]
+                raise Refusal(EXIT_GRAPH_BREAK, f"graph break at {f['file']}:{f['line']}: {f['op']} ({why})")
+    for key in ("random", "nondeterministic", "dynamic_shapes", "device_transfers"):
+        unique = {}
+        for f in found[key]:
+            unique.setdefault((f["op"], f["file"], f["line"]), f)
+        found[key] = list(unique.values())
+        for f in found[key]:
+            log(f"warning: {label}: {key.replace('_', ' ')}: {f['op']} at {f['file']}:{f['line']}")
+    if found["constants"]:
+        log(f"warning: {label}: tensor constants baked into the graph (not parameters or buffers): "
+            f"{', '.join(c['name'] for c in found['constants'])}")
+    return found
+
+
+def deterministic_dry_run(step, real_inputs):
+    """One eager step with torch.use_deterministic_algorithms(True): ATen raises for kernels
+    with no deterministic implementation on this device; name the op and the line."""
+    import torch
+
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        step(*real_inputs)
+    except RuntimeError as e:
+        msg = str(e)
+        if "does not have a deterministic implementation" not in msg:
+            raise
+        op = msg.split(" does not have a deterministic implementation")[0].strip()
+        found, _ = user_frame(e.__traceback__)
+        file, line = (found[1].f_code.co_filename, found[2]) if found else ("<unknown>", 0)
+        raise Refusal(EXIT_NONDETERMINISTIC, f"non-deterministic op at {file}:{line}: {op} (no deterministic "
+                                             f"kernel on this device)")
+    finally:
+        torch.use_deterministic_algorithms(prev)
+
+
+def tensor_spec(name, t, kind):
+    return {"name": name, "kind": kind, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
+
+
+def compile_one(ep, options):
+    import torch
+
+    gm = ep.module(check_guards=False)
+    ex_args, ex_kwargs = ep.example_inputs
+    return torch._inductor.aot_compile(gm, ex_args, ex_kwargs, options=options)
+
+
+def graph_fingerprint(gm) -> str:
+    """SHA-256 of a graph's nodes: op, target, arguments, output shapes, dtypes and strides; no
+    source locations (the same model from another checkout hashes the same)."""
+    import torch
+
+    def meta(v):
+        if isinstance(v, (tuple, list)):
+            return [meta(x) for x in v]
+        if torch.is_tensor(v):
+            return [str(v.dtype), [str(s) for s in v.shape], [str(s) for s in v.stride()], v.device.type]
+        return repr(type(v).__name__)
+
+    h = hashlib.sha256()
+    for n in gm.graph.nodes:
+        target = n.target if isinstance(n.target, str) else getattr(n.target, "__name__", str(n.target))
+        if hasattr(n.target, "_schema"):
+            target = f"{n.target._schema.name}.{n.target._overloadname}"
+        h.update(repr((n.op, n.name, target, str(n.args), str(sorted(n.kwargs.items())),
+                       meta(n.meta.get("val")))).encode())
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def sha256_file(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def environment(device: str, threads: int) -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "cuda": torch.version.cuda,
+           "machine": platform.machine()}
+    if device == "cpu":
+        try:
+            from torch._inductor.cpp_builder import get_cpp_compiler
+            from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+            cxx = get_cpp_compiler()
+            ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+            env["cxx"] = {"path": cxx, "version": ver.splitlines()[0] if ver else ""}
+            env["cpu_vec_isa"] = str(pick_vec_isa()) or "none"
+        except Exception as e:  # informative only
+            env["cxx"] = {"error": str(e)}
+        env["threads"] = threads
+    else:
+        props = torch.cuda.get_device_properties(torch.cuda.current_device())
+        env["gpu"] = {"name": props.name, "capability": f"{props.major}.{props.minor}",
+                      "arch": f"sm_{props.major}{props.minor}"}
+    return env
+
+
+def stage(path: str):
+    """A fresh directory beside `path` and the path of a file in it with `path`'s name (a PT2
+    archive records its file name inside, so the staged package is the final one byte for
+    byte). publish() renames it over `path`: readers see the old file or the whole new one."""
+    d = os.path.dirname(os.path.abspath(path)) or "."
+    tmpdir = tempfile.mkdtemp(dir=d, prefix="." + os.path.basename(path) + ".tmp-")
+    return tmpdir, os.path.join(tmpdir, os.path.basename(path))
+
+
+def publish(tmp: str, path: str) -> None:
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def discard(tmpdir: str) -> None:
+    import shutil
+
+    shutil.rmtree(tmpdir, ignore_errors=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Check
+
+
+def compare(name, got, want):
+    import torch
+
+    got, want = got.detach().float().cpu(), want.detach().float().cpu()
+    if got.shape != want.shape:
+        return {"name": name, "abs": float("inf"), "rel": float("inf"), "scale": 0.0, "note": f"shape {list(got.shape)} vs "
+                                                                              f"{list(want.shape)}"}
+    diff = (got - want).abs().max().item() if got.numel() else 0.0
+    scale = want.abs().max().item() if want.numel() else 0.0
+    finite = bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())
+    rel = diff / scale if scale > 0 else diff
+    return {"name": name, "abs": diff if finite else float("inf"), "rel": rel if finite else float("inf"),
+            "scale": scale}
+
+
+def median_ms(fn, reps=5):
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return min(times), statistics.median(times)
+
+
+def run_check(path, models, rtol, atol, device):
+    import torch
+    from torch._inductor.package import load_package
+
+    report = {"rtol": rtol, "atol": atol, "models": {}}
+    ok = True
+    for model_name, (fn, inputs, out_names, unscale) in models.items():
+        compiled = load_package(path, model_name)
+        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+        got = compiled(*inputs)
+        want = fn(*inputs)
+        # gradients of loss * grad_scale are compared unscaled, so that atol means the same
+        rows = [compare(n, g / u, w / u) for n, g, w, u in zip(out_names, got, want, unscale)]
+        worst = max(rows, key=lambda r: r["rel"])
+        for r in rows:
+            r["pass"] = r["abs"] <= rtol * r["scale"] + atol
+        passed = len(got) == len(want) and all(r["pass"] for r in rows)
+        ok &= passed
+        grads = [r for r in rows if r["name"].startswith("grad:")]
+        line = f"check {model_name}: "
+        if rows[0]["name"] == "loss":
+            line += f"loss rel {rows[0]['rel']:.2e} (abs {rows[0]['abs']:.2e})"
+            if grads:
+                g = max(grads, key=lambda r: r["rel"])
+                line += f"; worst of {len(grads)} gradients {g['name'][5:]} rel {g['rel']:.2e} (abs {g['abs']:.2e})"
+        else:
+            line += f"{rows[0]['name']} rel {rows[0]['rel']:.2e} (abs {rows[0]['abs']:.2e})"
+        timing = {}
+        with torch.no_grad() if model_name == "forward" else contextlib.nullcontext():
+            timing["compiled_ms_min"], timing["compiled_ms_median"] = median_ms(lambda: (compiled(*inputs), sync()))
+            timing["eager_ms_min"], timing["eager_ms_median"] = median_ms(lambda: (fn(*inputs), sync()))
+        failed = [r["name"] for r in rows if not r["pass"]]
+        line += (f"; max rel {worst['rel']:.2e} (tolerance rtol {rtol:g} + atol {atol:g}): "
+                 f"{'pass' if passed else 'FAIL ' + ', '.join(failed)}"
+                 f"; {timing['compiled_ms_min']:.2f} ms compiled vs {timing['eager_ms_min']:.2f} ms eager "
+                 f"(best of 5; a rough figure, not a benchmark)")
+        print(line, flush=True)
+        report["models"][model_name] = {"passed": passed, "max_rel": worst["rel"],
+                                        "max_abs": max(r["abs"] for r in rows), "outputs": rows, **timing}
+    report["passed"] = ok
+    return report
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    import torch
+
+    for lib in args.load_library:
+        torch.ops.load_library(lib)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise Refusal(EXIT_ERROR, "--device cuda: no CUDA device visible to this process")
+    threads = args.threads or torch.get_num_threads()
+    if args.device == "cpu":
+        torch.set_num_threads(threads)
+    device = torch.device(args.device)
+    torch.manual_seed(args.seed)
+
+    if args.model:
+        cfg = read_model_config(args.model_config)
+        module, x, y, loss_fn, ident = builtin_model(args.model, cfg, args.batch)
+    else:
+        module, x, y, loss_fn, ident = user_model(args.module, args.batch, args.device)
+    batch = x.shape[0]
+    eval_batch = args.eval_batch or batch
+    module = module.to(device)
+    x, y = x.to(device), y.to(device)
+    pnames = [n for n, _ in module.named_parameters()]
+    bnames = [n for n, _ in module.named_buffers()]
+    params = [p.detach() for _, p in module.named_parameters()]
+    buffers = [b.detach() for _, b in module.named_buffers()]
+    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+
+    # --- train_step: trace
+    step = TrainStep(module, pnames, bnames, loss_fn, amp_dtype, args.device, args.grad_scale_input)
+    in_specs = ([tensor_spec(n, t, "parameter") for n, t in zip(pnames, params)] +
+                [tensor_spec(n, t, "buffer") for n, t in zip(bnames, buffers)] +
+                [tensor_spec("input", x, "input"), tensor_spec("target", y, "target")])
+    example = [*params, *buffers, x, y]
+    if args.grad_scale_input:
+        gs = torch.ones((), dtype=torch.float32, device=device)
+        example.append(gs)
+        in_specs.append(tensor_spec("grad_scale", gs, "grad_scale"))
+    timings = {}
+    module.train()
+    t0 = time.perf_counter()
+    gm = trace(step, example, "the training step")
+    timings["trace_s"] = time.perf_counter() - t0
+    step.returned = prune_buffer_outputs(gm, example, len(pnames), len(bnames), len(pnames))
+    mutated = [bnames[i] for i in step.returned]
+    name_placeholders(gm, [s["name"] for s in in_specs])
+    findings = check_graph(gm, args, args.device, "train_step")
+    fake_out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
+    out_vals = [o.meta["val"] for o in fake_out]
+    out_specs = [tensor_spec("loss", out_vals[0], "loss")]
+    out_specs += [tensor_spec(f"grad:{n}", v, "grad") for n, v in zip(pnames, out_vals[1:1 + len(pnames)])]
+    out_specs += [tensor_spec(f"buffer:{n}", v, "buffer_update") for n, v in zip(mutated, out_vals[1 + len(pnames):])]
+    if args.deterministic:
+        deterministic_dry_run(step, example)
+
+    # --- forward (evaluation): trace
+    models = {"train_step": {"gm": gm, "example": example, "inputs": in_specs, "outputs": out_specs,
+                             "batch": batch, "amp": args.amp, "mode": "train"}}
+    forward_skipped = "--no-forward" if args.no_forward else None
+    if not args.no_forward:
+        module.eval()
+        if eval_batch == batch:
+            xe = x
+        elif x.is_floating_point():
+            xe = torch.randn(eval_batch, *x.shape[1:], device=device, dtype=x.dtype)
+        else:
+            hi = ident.get("num_classes") or int(x.max().item()) + 1
+            xe = torch.randint(0, hi, (eval_batch, *x.shape[1:]), device=device, dtype=x.dtype)
+        fwd = Forward(module, pnames, bnames)
+        f_example = [*params, *buffers, xe]
+        f_specs = in_specs[:len(pnames) + len(bnames)] + [tensor_spec("input", xe, "input")]
+        t0 = time.perf_counter()
+        try:
+            fgm = trace(fwd, f_example, "the evaluation forward")
+            name_placeholders(fgm, [s["name"] for s in f_specs])
+            check_graph(fgm, args, args.device, "forward")
+        except Refusal as r:
+            # The training step is what matters: without --fullgraph an evaluation forward that
+            # cannot be captured is left out (keel evaluates eagerly), with a warning.
+            if args.fullgraph or r.code != EXIT_GRAPH_BREAK:
+                raise
+            log(f"warning: no 'forward' model: {r.line}")
+            forward_skipped = r.line
+        timings["trace_s"] += time.perf_counter() - t0
+        module.train()
+        if forward_skipped is None:
+            fout = [n for n in fgm.graph.nodes if n.op == "output"][0].args[0]
+            fvals = [o.meta["val"] for o in fout]
+            f_outs = ([tensor_spec("logits", fvals[0], "logits")] if len(fvals) == 1 else
+                      [tensor_spec(f"output:{i}", v, "output") for i, v in enumerate(fvals)])
+            models["forward"] = {"gm": fgm, "example": f_example, "inputs": f_specs, "outputs": f_outs,
+                                 "batch": eval_batch, "amp": "off", "mode": "eval"}
+
+    # --- export
+    t0 = time.perf_counter()
+    for name, m in models.items():
+        m["ep"] = torch.export.export(m["gm"], tuple(m["example"]), strict=False)
+        # Tensor constants of the traced graph (a module's plain tensor attributes) come back
+        # lifted as buffers or constants: they are baked into the package (listed in findings).
+        n_in = sum(1 for s in m["ep"].graph_signature.input_specs if str(s.kind) == "InputKind.USER_INPUT")
+        if n_in != len(m["inputs"]):
+            raise Refusal(EXIT_ERROR, f"{name}: exported graph has {n_in} inputs, expected {len(m['inputs'])}")
+    timings["export_s"] = time.perf_counter() - t0
+
+    options = {"fallback_random": True}  # random ops draw from ATen's generators, as eager does
+    if args.device == "cpu":
+        options["cpp.threads"] = threads
+    if args.max_autotune:
+        options["max_autotune"] = True
+    if args.deterministic:
+        options["deterministic"] = True
+    env = environment(args.device, threads)
+    # graph_sha256: SHA-256 of the exported graph's code (ATen ops, shapes, dtypes in its
+    # annotations), the same for the same model, shapes and torch version. --trace-only gives it
+    # in seconds, so a compile cache can be keyed on it before anything is compiled.
+    for m in models.values():
+        m["graph_sha256"] = graph_fingerprint(m["ep"].graph_module)
+    signature = {"format": FORMAT, **ident, "device": args.device, "amp": args.amp,
+                 "models": {n: {"batch": m["batch"], "mode": m["mode"], "amp": m["amp"],
+                                "graph_sha256": m["graph_sha256"], "inputs": m["inputs"], "outputs": m["outputs"]}
+                            for n, m in models.items()}}
+
+    if args.trace_only:
+        print(json.dumps({**signature, "findings": findings, "forward_skipped": forward_skipped,
+                          "timings_s": timings}, indent=1))
+        return 0
+
+    # --- compile (deterministic algorithms on: Inductor then avoids atomic-add scatters)
+    det = contextlib.ExitStack()
+    if args.deterministic:
+        prev = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        det.callback(torch.use_deterministic_algorithms, prev)
+    files = {}
+    with det:
+        for name, m in models.items():
+            t0 = time.perf_counter()
+            opts = dict(options)
+            opts["aot_inductor.package"] = True
+            opts["aot_inductor.metadata"] = {"keel_format": FORMAT, "keel_model": name,
+                                             "keel_signature": json.dumps(signature["models"][name])}
+            files[name] = compile_one(m["ep"], opts)
+            timings[f"compile_{name}_s"] = time.perf_counter() - t0
+            log(f"compiled {name} in {timings[f'compile_{name}_s']:.1f} s")
+    timings["compile_s"] = sum(v for k, v in timings.items() if k.startswith("compile_") and k != "compile_s")
+
+    # --- package (staged beside --out), check the staged package, then publish: the package,
+    # then the manifest, each by rename. A package that fails --check is never published.
+    from torch._inductor.package import package_aoti
+
+    out = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    tmpdir, staged = stage(out)
+    try:
+        t0 = time.perf_counter()
+        package_aoti(staged, files)
+        digest = sha256_file(staged)
+        timings["package_s"] = time.perf_counter() - t0
+        check = None
+        if args.check:
+            t0 = time.perf_counter()
+            torch.manual_seed(args.seed + 1)
+            amp = args.amp != "off"
+            rtol = args.check_rtol if args.check_rtol is not None else (3e-2 if amp else 1e-5)
+            atol = args.check_atol if args.check_atol is not None else (1e-5 if amp else 1e-7)
+            chk = {}
+            for name, m in models.items():
+                fresh = []
+                for t, spec in zip(m["example"], m["inputs"]):
+                    if spec["kind"] == "input" and t.is_floating_point():
+                        fresh.append(torch.randn_like(t))
+                    elif spec["kind"] == "grad_scale":
+                        fresh.append(torch.full_like(t, 256.0))  # a GradScaler-like scale
+                    elif spec["kind"] in ("input", "target") and not t.is_floating_point():
+                        hi = ident.get("num_classes") or int(t.max().item()) + 1
+                        fresh.append(torch.randint_like(t, 0, max(hi, 1)))
+                    else:
+                        fresh.append(t.clone())
+                fn = step if name == "train_step" else Forward(module, pnames, bnames)
+                scale = fresh[-1].item() if name == "train_step" and args.grad_scale_input else 1.0
+                chk[name] = (wrap_mode(module, name, fn), fresh, [o["name"] for o in m["outputs"]],
+                             [scale if o["kind"] == "grad" else 1.0 for o in m["outputs"]])
+            check = run_check(staged, chk, rtol, atol, args.device)
+            timings["check_s"] = time.perf_counter() - t0
+            if not check["passed"]:
+                worst = max(m["max_rel"] for m in check["models"].values())
+                raise Refusal(EXIT_CHECK, f"check failed: the package disagrees with eager PyTorch (max rel "
+                                          f"{worst:.2e}, tolerance rtol {rtol:g} + atol {atol:g}); nothing written")
+        timings["total_s"] = time.perf_counter() - t_start
+        manifest = {
+            **signature,
+            "package": os.path.basename(out),
+            "sha256": digest,
+            "bytes": os.path.getsize(staged),
+            "compile_seconds": round(timings["compile_s"] + timings["trace_s"] + timings["export_s"], 3),
+            "timings_s": {k: round(v, 3) for k, v in timings.items()},
+            "environment": env,
+            "inductor_options": options,
+            "deterministic": args.deterministic,
+            "fullgraph": args.fullgraph,
+            "max_autotune": args.max_autotune,
+            "grad_scale_input": args.grad_scale_input,
+            "loss": "custom" if loss_fn else "cross_entropy over the last dimension, mean over all rows, float32",
+            "runtime": {
+                "threads": threads if args.device == "cpu" else None,
+                "deterministic_algorithms": args.deterministic,
+                "buffers_updated": mutated,
+            },
+                "forward_skipped": forward_skipped,
+            "check": check,
+        }
+        manifest_path = os.path.splitext(out)[0] + ".json"
+        staged_manifest = os.path.join(tmpdir, os.path.basename(manifest_path))
+        with open(staged_manifest, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.write("\n")
+        publish(staged, out)
+        publish(staged_manifest, manifest_path)
+    finally:
+        discard(tmpdir)
+    print(f"wrote {out} ({manifest['bytes']} bytes, sha256 {digest[:16]}...) and {manifest_path}; trace "
+          f"{timings['trace_s']:.1f} s, export {timings['export_s']:.1f} s, compile {timings['compile_s']:.1f} s",
+          flush=True)
+    return 0
+
+
+def wrap_mode(module, name, fn):
+    def run(*a):
+        module.train(name == "train_step")
+        try:
+            return fn(*a)
+        finally:
+            module.train()
+
+    return run
+
+
+if __name__ == "__main__":
+    import warnings
+
+    warnings.filterwarnings("ignore", category=FutureWarning)  # torch-internal deprecations, not the user's
+    verbose = "--verbose" in sys.argv
+    try:
+        sys.exit(main())
+    except Refusal as r:
+        if verbose:
+            traceback.print_exc()
+        print(r.line, file=sys.stderr, flush=True)
+        sys.exit(r.code)
+    except SystemExit:
+        raise
+    except BaseException as e:  # one line for the C++ side; the traceback with --verbose
+        if verbose:
+            traceback.print_exc()
+        first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        print(f"aot_package: error: {type(e).__name__}: {first}", file=sys.stderr, flush=True)
+        sys.exit(EXIT_ERROR)

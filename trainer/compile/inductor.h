@@ -1,0 +1,89 @@
+// trainer/compile/inductor.h: compile.mode = "inductor": the whole training step (forward,
+// loss, backward) compiled ahead of time by Inductor and run from C++, with no Python in the
+// loop.
+//
+// Owns: the packaging step (trainer/compile/aot_package.py, run with keel's venv Python when a
+// package is missing: make_fx of forward + cross-entropy + autograd.grad, torch.export,
+// AOTInductor), the package cache (compile.cache_dir, keyed by the SHA-256 of everything that
+// changes the generated code; one process per cache entry compiles while the others wait on its
+// lock, published atomically, checked by SHA-256 before it is loaded, rebuilt when damaged),
+// loading it (torch::inductor::AOTIModelPackageLoader), and running it inside a C++ autograd
+// function: the step returns the loss and every parameter's gradient at once; backward hands the
+// gradients to autograd, so c10d's Reducer (buckets, comm hooks, ZeRO stage 2, accumulation),
+// the GradScaler's scaling and everything after backward work exactly as in eager mode.
+// Parameters stay keel's C++ tensors, passed in as inputs every step (never baked in).
+// Does not own: the decision to use it or to fall back to eager (trainer/compile/pipeline.h,
+// the trainer), evaluation (eager, the same parameters).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "keel/trainer/compile/compile.h"
+#include "keel/trainer/compile/config.h"
+
+namespace torch::inductor {
+class AOTIModelPackageLoader;
+}
+
+namespace keel {
+
+/// What the packaging step compiles: one model at one static shape.
+struct InductorRequest {
+  std::string model;                  // a built-in model: mlp | cnn | gpt
+  nlohmann::json model_config;        // the [model] section
+  int64_t batch = 0;                  // per-rank micro-batch of the training step
+  std::string amp = "off";            // off | bf16
+  torch::Device device{torch::kCPU};
+  int64_t threads = 1;                // intra-op threads (Inductor's CPU kernels are compiled for a count)
+  CompileConfig cfg;                  // fullgraph, deterministic, max_autotune, cache_dir, python
+  std::vector<std::string> param_names;  // the model's, in order (the package must take exactly these)
+};
+
+/// A loaded training-step package.
+class InductorStep {
+ public:
+  /// The package for `req` from the cache, or compiled into it (see above). Fills `report`
+  /// (mode, compile_ms, cache, package). Throws CompileError when the step cannot be captured
+  /// (a graph break, a non-deterministic op with compile.deterministic, a custom op without a
+  /// fake kernel), naming the op and the Python source line; InputError for a request keel
+  /// cannot package (another model); std::runtime_error when the packaging step fails.
+  static std::shared_ptr<InductorStep> load_or_compile(const InductorRequest& req, CompileReport& report);
+  ~InductorStep();
+
+  /// Whether a batch of this shape runs in the package (else the step runs eager).
+  bool fits(const torch::Tensor& input, const torch::Tensor& target) const;
+  /// Runs the step on `params` (the model's, in its order), `input` and `target`: returns the
+  /// mean cross-entropy (float32, 0-dim) whose backward gives each parameter its gradient
+  /// (times the gradient of the loss: a 1/grad_accum, a loss scale).
+  torch::Tensor loss(const std::vector<torch::Tensor>& params, const torch::Tensor& input, const torch::Tensor& target);
+  /// The package's SHA-256 (ranks agree on it in the per-step consensus).
+  const std::string& sha256() const { return sha256_; }
+  const std::string& path() const { return path_; }
+  /// The cache key of `req` (hex SHA-256; tests).
+  static std::string cache_key(const InductorRequest& req);
+
+  /// Runs the package's outputs for the autograd function (internal).
+  std::vector<torch::Tensor> run(std::vector<torch::Tensor> inputs);
+
+ private:
+  InductorStep() = default;
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  std::string path_, sha256_;
+  std::vector<int64_t> input_shape_, target_shape_;
+  size_t num_params_ = 0;
+};
+
+/// The [model] section of `cfg` as the packaging step reads it (--model-config).
+nlohmann::json model_config_json(const Config& cfg);
+
+/// `keel compile`: the package for the run `cfg` describes (one process; the per-rank threads
+/// of this launch), from the cache or compiled into it. Returns what compile() reports.
+CompileReport package_training_step(const Config& cfg);
+
+}  // namespace keel

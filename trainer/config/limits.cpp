@@ -1,0 +1,356 @@
+// What a config may ask for beyond the schema's per-key ranges: exclusive maxima, and the memory
+// a config needs, estimated from the config alone before anything is allocated.
+//
+// The memory estimate is a lower bound: only tensors that a run allocates for certain are
+// counted, so that a config it refuses cannot run, and a config that can run is never refused.
+// The models' shapes are those of models/mlp.cpp, models/cnn.cpp and models/gpt.cpp; the
+// synthetic data's are those of trainer/data/datasets.cpp (make_synthetic) and the sampler's
+// (trainer/data/sampler.cpp). tests/test_limits.cpp checks the parameter counts against the
+// models that are built.
+#include "keel/trainer/config/limits.h"
+
+#include <unistd.h>
+
+#include <c10/core/CachingDeviceAllocator.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <string>
+#include <utility>
+#include <variant>
+#include <vector>
+
+#include "keel/common/error.h"
+
+namespace keel {
+namespace {
+
+// Input of the built-in image models: (1, 28, 28) float32 (models/mlp.cpp, models/cnn.cpp).
+constexpr double kImageFeatures = 784;
+
+std::string bytes_text(double b) {
+  static const char* const units[] = {"bytes", "kB", "MB", "GB", "TB", "PB", "EB"};
+  int u = 0;
+  while (b >= 1000.0 && u < 6) {
+    b /= 1000.0;
+    ++u;
+  }
+  char buf[64];
+  if (u == 0) std::snprintf(buf, sizeof buf, "%.0f bytes", b);
+  else std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
+  return buf;
+}
+
+std::string count_text(double n) {
+  char buf[64];
+  if (n < 1e9) std::snprintf(buf, sizeof buf, "%.0f", n);
+  else std::snprintf(buf, sizeof buf, "%.2g", n);
+  return buf;
+}
+
+// A config key that sizes a part, as written in the message.
+struct KeyUse {
+  std::string name;       // "model.width"
+  int64_t value = 0;      // as configured
+  int64_t effective = 0;  // after the model's default (model.width = 0 -> 256)
+  double reference = 1;   // its default: the key furthest above it is the one to lower
+};
+
+std::string key_text(const KeyUse& k) {
+  std::string s = k.name + " = " + std::to_string(k.value);
+  if (k.value != k.effective) s += " (the default, " + std::to_string(k.effective) + ")";
+  return s;
+}
+
+std::string keys_text(const std::vector<KeyUse>& keys) {
+  std::string s;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    if (i) s += i + 1 == keys.size() ? " and " : ", ";
+    s += key_text(keys[i]);
+  }
+  return s;
+}
+
+std::string culprit_of(const std::vector<KeyUse>& keys) {
+  std::string best;
+  double best_ratio = -1;
+  for (const auto& k : keys) {
+    const double ratio = static_cast<double>(k.effective) / std::max(1.0, k.reference);
+    if (ratio > best_ratio) best_ratio = ratio, best = k.name;
+  }
+  return best;
+}
+
+// The shape of a built-in model, defaults applied as the model's factory applies them.
+struct Shape {
+  std::string name;  // mlp | cnn | gpt
+  double width = 0, depth = 0;
+};
+
+std::optional<Shape> builtin_shape(const ModelConfig& m) {
+  if (m.name == "mlp") return Shape{"mlp", double(m.width > 0 ? m.width : 256), double(m.depth > 0 ? m.depth : 8)};
+  if (m.name == "cnn") return Shape{"cnn", 0, 0};
+  if (m.name == "gpt") return Shape{"gpt", double(m.width > 0 ? m.width : 256), double(m.depth > 0 ? m.depth : 4)};
+  return std::nullopt;
+}
+
+}  // namespace
+
+std::optional<double> estimate_parameters(const ModelConfig& m) {
+  const auto shape = builtin_shape(m);
+  if (!shape) return std::nullopt;
+  const double classes = static_cast<double>(m.num_classes);
+  if (shape->name == "mlp") {
+    // Linear(784, w), depth - 1 x Linear(w, w), Linear(w, classes); weights and biases.
+    const double w = shape->width, layers = shape->depth;
+    return kImageFeatures * w + w + (layers - 1) * (w * w + w) + w * classes + classes;
+  }
+  if (shape->name == "cnn") {
+    // conv1 (1 -> 32, 3x3), conv2 (32 -> 64, 3x3), fc1 (3136 -> 128), fc2 (128 -> classes).
+    return (1 * 32 * 9 + 32) + (32 * 64 * 9 + 64) + (64 * 7 * 7 * 128 + 128) + 128 * classes + classes;
+  }
+  // gpt: wte (vocab x d, tied to the output), wpe (context x d), per block ln_1, c_attn (d -> 3d),
+  // c_proj (d -> d), ln_2, c_fc (d -> 4d), c_proj (4d -> d): 12 d^2 + 13 d; ln_f.
+  const double d = shape->width, layers = shape->depth;
+  return static_cast<double>(m.vocab) * d + static_cast<double>(m.context) * d + layers * (12 * d * d + 13 * d) + 2 * d;
+}
+
+MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cuda) {
+  MemoryEstimate e;
+  const auto shape = builtin_shape(cfg.model);
+  const auto params = estimate_parameters(cfg.model);
+  world_size = std::max<int64_t>(1, world_size);
+  const Config defaults;
+  const int64_t default_depth = shape && shape->name == "gpt" ? 4 : 8;
+  const KeyUse k_width{"model.width", cfg.model.width, shape ? static_cast<int64_t>(shape->width) : cfg.model.width, 256};
+  const KeyUse k_depth{"model.depth", cfg.model.depth, shape ? static_cast<int64_t>(shape->depth) : cfg.model.depth,
+                       static_cast<double>(default_depth)};
+  const KeyUse k_classes{"model.num_classes", cfg.model.num_classes, cfg.model.num_classes,
+                         static_cast<double>(defaults.model.num_classes)};
+  const KeyUse k_context{"model.context", cfg.model.context, cfg.model.context, static_cast<double>(defaults.model.context)};
+  const KeyUse k_vocab{"model.vocab", cfg.model.vocab, cfg.model.vocab, static_cast<double>(defaults.model.vocab)};
+  const KeyUse k_heads{"model.heads", cfg.model.heads, cfg.model.heads, static_cast<double>(defaults.model.heads)};
+  const KeyUse k_batch{"train.batch_size", cfg.train.batch_size, cfg.train.batch_size,
+                       static_cast<double>(defaults.train.batch_size)};
+  const KeyUse k_size{"data.synthetic_size", cfg.data.synthetic_size, cfg.data.synthetic_size,
+                      static_cast<double>(defaults.data.synthetic_size)};
+
+  // Parameters (float32: autocast keeps them so), their gradients, the optimizer's state.
+  double P = 0, G = 0, S = 0;
+  std::string state_name = "no optimizer state";
+  MemoryItem model_item, model_host_item;  // all of it; on a GPU, the parameters built on the CPU
+  if (params) {
+    e.parameters = *params;
+    P = 4 * *params;
+    G = P;
+    if (cfg.train.optimizer == OptimizerKind::AdamW) S = 2 * P, state_name = "AdamW state";
+    else if (cfg.train.momentum > 0) S = P, state_name = "SGD momentum";
+    if (cfg.dist.zero >= 1) S /= static_cast<double>(world_size);  // partitioned by parameter
+    e.model_bytes = P + G + S;
+    std::vector<KeyUse> keys;
+    if (shape->name == "mlp") keys = {k_width, k_depth, k_classes};
+    else if (shape->name == "cnn") keys = {k_classes};
+    else keys = {k_width, k_depth, k_vocab, k_context};
+    const std::string head = keys_text(keys) + (keys.size() > 1 ? " make" : " makes") + " the " + shape->name +
+                             " model " + count_text(*params) + " parameters: ";
+    model_item = {head + bytes_text(e.model_bytes) + " with gradients and " + state_name, culprit_of(keys),
+                  e.model_bytes};
+    model_host_item = {head + bytes_text(P) + " in host memory, where it is built before it moves to the GPU",
+                       culprit_of(keys), P};
+  }
+
+  // One training micro-batch's activations: what is saved for backward, at least. Under
+  // autocast, 2 bytes per value.
+  const bool synthetic = cfg.data.name == "synthetic";
+  const double n = static_cast<double>(cfg.data.synthetic_size);
+  const double n_test = std::max(1.0, std::floor(n / 4));
+  // Samples in a micro-batch: the whole batch with drop_last (the sampler refuses fewer
+  // samples than one global batch); without it, at most the rank's share of a synthetic
+  // split, and 1 for data whose size is not known here.
+  double batch = static_cast<double>(cfg.train.batch_size);
+  if (!cfg.data.drop_last)
+    batch = synthetic ? std::min(batch, std::ceil(n / static_cast<double>(world_size))) : 1;
+  const double ab = cfg.amp.dtype == AmpDtype::Off ? 4 : 2;
+  double A = 0;
+  std::vector<KeyUse> act_keys;
+  if (shape && shape->name == "mlp") {
+    // The input, each hidden ReLU's output, the logits and their log-softmax.
+    A = batch * (kImageFeatures + shape->depth * shape->width + 2 * static_cast<double>(cfg.model.num_classes)) * ab;
+    act_keys = {k_batch, k_width, k_depth, k_classes};
+  } else if (shape && shape->name == "cnn") {
+    // The input, conv1's ReLU (32 x 28 x 28), pool 1 (32 x 14 x 14), conv2's ReLU (64 x 14 x 14),
+    // pool 2 (64 x 7 x 7), fc1's ReLU (128), the logits and their log-softmax.
+    A = batch * (784 + 25088 + 6272 + 12544 + 3136 + 128 + 2 * static_cast<double>(cfg.model.num_classes)) * ab;
+    act_keys = {k_batch, k_classes};
+  } else if (shape && shape->name == "gpt") {
+    // Per block: the attention probabilities (batch x heads x T x T, saved by softmax) and the
+    // causal mask (T x T bool, saved by masked_fill), 16 x width values per token (the inputs
+    // of the layer norms and linear layers, q/k/v, GELU's input); one more T x T score tensor
+    // while the last block's softmax is made; the final layer norm; the logits and their
+    // log-softmax (T x vocab per sample).
+    const double T = static_cast<double>(cfg.model.context), d = shape->width, L = shape->depth;
+    const double H = static_cast<double>(cfg.model.heads), V = static_cast<double>(cfg.model.vocab);
+    A = L * (batch * H * T * T * ab + T * T) + batch * H * T * T * ab + batch * T * (16 * L * d + 2 * d) * ab +
+        2 * batch * T * V * ab;
+    act_keys = {k_batch, k_context, k_heads, k_depth, k_width, k_vocab};
+  }
+  e.activation_bytes = A;
+  MemoryItem act_item;
+  if (A > 0)
+    act_item = {keys_text(act_keys) + " need " + bytes_text(A) +
+                    " of activations for one micro-batch (saved for the backward pass)",
+                culprit_of(act_keys), A};
+
+  // The synthetic dataset (data/datasets.cpp, make_synthetic): a train split of
+  // data.synthetic_size samples and a test split of a quarter of it, made one after the other;
+  // then the sampler's order of an epoch (a permutation and its copy, int64).
+  double d_build = 0, d_kept = 0;
+  std::vector<KeyUse> data_keys = {k_size};
+  std::string data_text;
+  if (synthetic && shape) {
+    if (shape->name == "gpt") {
+      // A start and a stride per sequence (int64).
+      d_kept = (n + n_test) * 16;
+      d_build = d_kept;
+      data_text = "sequences of 16 bytes";
+    } else {
+      // Images (1, 28, 28) float32 and int64 labels; the labels are the argmax of x @ rule,
+      // rule (784 x classes) float32, over a (count x classes) float32 product.
+      const double C = static_cast<double>(cfg.model.num_classes), f = kImageFeatures;
+      const double rule = f * C * 4;
+      d_kept = (n + n_test) * (f * 4 + 8);
+      d_build = std::max(rule + n * f * 4 + n * C * 4, rule + n * (f * 4 + 8) + n_test * f * 4 + n_test * C * 4);
+      data_text = "images of " + count_text(f * 4) + " bytes, labelled through a 784 x " +
+                  std::to_string(cfg.model.num_classes) + " float matrix";
+      data_keys.push_back(k_classes);
+    }
+  }
+  const double d_sampler = synthetic && shape ? 16 * n : 0;
+  e.data_bytes = std::max(d_build, d_kept + d_sampler);
+  MemoryItem data_item;
+  if (e.data_bytes > 0)
+    data_item = {keys_text(data_keys) + (data_keys.size() > 1 ? " make" : " makes") + " synthetic data of " +
+                     bytes_text(e.data_bytes) + " (" + count_text(n) + " train + " + count_text(n_test) + " test " +
+                     data_text + ", and the sampler's order of an epoch)",
+                 culprit_of(data_keys), e.data_bytes};
+
+  // The phases of a run, in order; each is a sum of what is alive at once.
+  //  build: the model (built on the CPU) while the data are made;
+  //  sample: the kept data and the sampler's order (on a GPU the model has moved there);
+  //  step: from the second step on, parameters, gradients (zeroed, kept), optimizer state and
+  //  a micro-batch's activations (and on the CPU the data); a one-step run has its activations
+  //  or its gradients and optimizer state at their peak, not both.
+  const bool several_steps = cfg.train.epochs == 0 && cfg.train.steps >= 2;
+  const double state_and_activations = several_steps ? P + G + S + A : P + std::max(A, G + S);
+  double host = P + d_build;
+  if (on_cuda) {
+    host = std::max(host, d_kept + d_sampler);
+    e.device_bytes = state_and_activations;
+  } else {
+    host = std::max(host, P + d_kept + d_sampler);
+    host = std::max(host, state_and_activations + d_kept);
+  }
+  e.host_bytes = host;
+
+  auto add = [](std::vector<MemoryItem>& to, const MemoryItem& it) {
+    if (it.bytes > 0) to.push_back(it);
+  };
+  if (on_cuda) {
+    add(e.items, model_host_item);
+    add(e.items, data_item);
+    add(e.device_items, model_item);
+    add(e.device_items, act_item);
+  } else {
+    add(e.items, model_item);
+    add(e.items, act_item);
+    add(e.items, data_item);
+  }
+  auto largest_first = [](const MemoryItem& a, const MemoryItem& b) { return a.bytes > b.bytes; };
+  std::stable_sort(e.items.begin(), e.items.end(), largest_first);
+  std::stable_sort(e.device_items.begin(), e.device_items.end(), largest_first);
+  return e;
+}
+
+std::optional<double> available_memory_bytes() {
+  double avail = -1, swap = 0;
+  {
+    std::ifstream in("/proc/meminfo");
+    std::string line;
+    while (std::getline(in, line)) {
+      double kb = 0;
+      if (std::sscanf(line.c_str(), "MemAvailable: %lf kB", &kb) == 1) avail = kb * 1024;
+      else if (std::sscanf(line.c_str(), "SwapFree: %lf kB", &kb) == 1) swap = kb * 1024;
+    }
+  }
+  if (avail < 0) {  // no /proc: all of the physical memory, an upper bound
+    const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) return std::nullopt;
+    avail = static_cast<double>(pages) * static_cast<double>(page);
+  }
+  // A container's limit (cgroup v2, then v1; "max" or an absurd number means none). The limit
+  // itself, not what is left under it: the page cache it counts can be reclaimed.
+  for (const char* path : {"/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"}) {
+    std::ifstream f(path);
+    double limit = 0;
+    if (f >> limit && limit > 0) avail = std::min(avail, limit);
+  }
+  return avail + swap;
+}
+
+std::optional<double> device_free_bytes(int index) {
+  if (index < 0) return std::nullopt;
+  try {
+    // The CUDA allocator of LibTorch (libc10_cuda) answers with cudaMemGetInfo; a CPU-only
+    // LibTorch has none and throws.
+    c10::DeviceAllocator* allocator = c10::getDeviceAllocator(c10::DeviceType::CUDA);
+    const std::pair<size_t, size_t> free_total = allocator->getMemoryInfo(static_cast<c10::DeviceIndex>(index));
+    return static_cast<double>(free_total.first);
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+namespace {
+
+// "config: <the parts, largest first>. This run needs at least <need> of <where> but
+// <available>; lower <key>". Parts under 1% of the largest are left out.
+std::string compose(const std::vector<MemoryItem>& items, double need, const std::string& where,
+                    const std::string& per_rank, const std::string& available) {
+  std::string parts;
+  for (const auto& it : items)
+    if (it.bytes >= 0.01 * items.front().bytes) parts += (parts.empty() ? "" : "; ") + it.text;
+  return "config: " + parts + ". This run needs at least " + bytes_text(need) + " of " + where + per_rank + " but " +
+         available + "; lower " + items.front().culprit;
+}
+
+}  // namespace
+
+std::string memory_problem(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda,
+                           double available_bytes, std::optional<double> device_available_bytes) {
+  const MemoryEstimate e = estimate_memory(cfg, world_size, on_cuda);
+  ranks_on_host = std::max<int64_t>(1, ranks_on_host);
+  const double need = e.host_bytes * static_cast<double>(ranks_on_host);
+  if (!e.items.empty() && need > available_bytes) {
+    std::string per_rank;
+    if (ranks_on_host > 1)
+      per_rank = " (" + bytes_text(e.host_bytes) + " per rank x " + std::to_string(ranks_on_host) + " ranks on this host)";
+    return compose(e.items, need, "memory", per_rank,
+                   bytes_text(available_bytes) + " is available (MemAvailable + SwapFree)");
+  }
+  if (on_cuda && device_available_bytes && !e.device_items.empty() && e.device_bytes > *device_available_bytes)
+    return compose(e.device_items, e.device_bytes, "GPU memory", "",
+                   bytes_text(*device_available_bytes) + " is free on this rank's GPU");
+  return "";
+}
+
+void check_memory(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda, int device_index) {
+  const auto available = available_memory_bytes();
+  if (!available) return;
+  const std::optional<double> device = on_cuda ? device_free_bytes(device_index) : std::nullopt;
+  const std::string problem = memory_problem(cfg, world_size, ranks_on_host, on_cuda, *available, device);
+  if (!problem.empty()) throw InputError(problem);
+}
+
+}  // namespace keel
