@@ -135,6 +135,23 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants);
 // Every file's checksum (each problem listed), then the loader's own checks (read_step: the
 // shard set of the saved world, the index against the shards, each rank's file): what
 // `keel inspect` calls verified is exactly what training would load.
+std::string optimizer_tensor_problem(const std::string& name, const torch::Tensor& t, bool step_count,
+                                     const torch::Tensor& param, int64_t step) {
+  const std::string what =
+      "optimizer state \"" + name + "\" (" + c10::toString(t.scalar_type()) + c10::str(t.sizes()) + ")";
+  if (step_count) {
+    if (t.numel() != 1 || !c10::isIntegralType(t.scalar_type(), /*includeBool=*/false))
+      return what + " must be a single integer (a step count)";
+    const int64_t v = t.reshape({}).item<int64_t>();
+    if (v < 0 || v > step) return what + " = " + std::to_string(v) + " is outside [0, " + std::to_string(step) + "]";
+  } else if (t.sizes() != param.sizes() || t.scalar_type() != param.scalar_type()) {
+    const size_t dot = name.find_last_of('.');
+    return what + " does not match its parameter " + name.substr(0, dot) + " (" + c10::toString(param.scalar_type()) +
+           c10::str(param.sizes()) + ")";
+  }
+  return "";
+}
+
 std::vector<std::string> verify_step(const std::string& step_dir) {
   nlohmann::json meta;
   try {
@@ -567,22 +584,11 @@ void check_optimizer_tensors(const nlohmann::json& o, const Loaded& L, const std
     const std::string param = n.substr(0, dot), field = n.substr(dot + 1);
     if (!model.count(param))
       throw FormatError(dir + ": optimizer state \"" + n + "\" is of " + param + ", which is not a model tensor");
-    const std::string kind = o["fields"].value(field, "param");
-    const auto file = index.find(n);
-    const std::string what = dir + "/" + (file == index.end() ? std::string("?") : file->second) +
-                             ": optimizer state \"" + n + "\" (" + c10::toString(t.scalar_type()) +
-                             c10::str(t.sizes()) + ")";
-    if (kind == "scalar") {
-      if (t.numel() != 1 || !c10::isIntegralType(t.scalar_type(), /*includeBool=*/false))
-        throw FormatError(what + " must be a single integer (a step count)");
-      const int64_t v = t.reshape({}).item<int64_t>();
-      if (v < 0 || v > L.step)
-        throw FormatError(what + " = " + std::to_string(v) + " is outside [0, " + std::to_string(L.step) + "]");
-    } else {
-      const torch::Tensor& p = *model.at(param);
-      if (t.sizes() != p.sizes() || t.scalar_type() != p.scalar_type())
-        throw FormatError(what + " does not match its parameter " + param + " (" + c10::toString(p.scalar_type()) +
-                          c10::str(p.sizes()) + ")");
+    const std::string problem =
+        optimizer_tensor_problem(n, t, o["fields"].value(field, "param") == "scalar", *model.at(param), L.step);
+    if (!problem.empty()) {
+      const auto file = index.find(n);
+      throw FormatError(dir + "/" + (file == index.end() ? std::string("?") : file->second) + ": " + problem);
     }
   }
 }

@@ -151,6 +151,12 @@ std::string rank_file(int64_t rank);
 /// rank (ties: the lower rank), deterministic.
 std::vector<int64_t> assign_shards(const std::vector<uint64_t>& sizes, int64_t world);
 
+/// What is wrong with the optimizer state tensor `name` ("<parameter>.<field>") of a step
+/// saved after `step` optimizer steps, or "": a step count (`step_count`) is one integer in
+/// [0, step]; any other field has the shape and dtype of its parameter `param`.
+std::string optimizer_tensor_problem(const std::string& name, const torch::Tensor& t, bool step_count,
+                                     const torch::Tensor& param, int64_t step);
+
 /// Verifies every file listed in `step_dir`/meta.json against its recorded size and SHA-256.
 /// Returns the problems found (empty: the step verifies).
 std::vector<std::string> verify_step(const std::string& step_dir);

@@ -185,16 +185,9 @@ std::string OptimizerState::check(const checkpoint::Loaded& loaded) const {
     const size_t dot = n.find_last_of('.');
     const auto p = dot == std::string::npos ? params.end() : params.find(n.substr(0, dot));
     if (p == params.end()) continue;  // another model's or optimizer's: load() says so (exit 2)
-    const std::string what = "optimizer state \"" + n + "\" (" + c10::toString(t.scalar_type()) + c10::str(t.sizes()) + ")";
-    if (n.substr(dot + 1) == "step") {
-      if (t.numel() != 1 || !c10::isIntegralType(t.scalar_type(), /*includeBool=*/false))
-        return what + " must be a single integer (a step count)";
-      const int64_t v = t.reshape({}).item<int64_t>();
-      if (v < 0 || v > loaded.step) return what + " = " + std::to_string(v) + " is outside [0, " + std::to_string(loaded.step) + "]";
-    } else if (t.sizes() != p->second->sizes() || t.scalar_type() != p->second->scalar_type()) {
-      return what + " does not match its parameter " + p->first + " (" + c10::toString(p->second->scalar_type()) +
-             c10::str(p->second->sizes()) + ")";
-    }
+    const std::string problem =
+        checkpoint::optimizer_tensor_problem(n, t, n.substr(dot + 1) == "step", *p->second, loaded.step);
+    if (!problem.empty()) return problem;
   }
   return "";
 }
