@@ -24,6 +24,17 @@ bool loss_scaling_enabled(const AmpConfig& cfg) {
   return cfg.loss_scaling == LossScaling::Dynamic || (cfg.loss_scaling == LossScaling::Auto && cfg.dtype == AmpDtype::Fp16);
 }
 
+torch::Tensor nonfinite(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.grad());
+  if (grads.empty()) return torch::zeros({1}, torch::kFloat);
+  const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(grads.front().device());
+  auto found = torch::zeros({1}, opts);
+  at::_amp_foreach_non_finite_check_and_unscale_(grads, found, torch::ones({1}, opts));
+  return found;
+}
+
 GradScaler::GradScaler(const AmpConfig& cfg) {
   s_.scale = cfg.init_scale;
   s_.growth_factor = cfg.growth_factor;

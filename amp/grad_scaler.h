@@ -63,6 +63,12 @@ class GradScaler : public checkpoint::Stateful {
   bool unscaled_ = false;
 };
 
+/// Whether any defined gradient of `params` holds inf/NaN, as a float32 tensor of one element
+/// on their device (1 or 0; nothing is read by the host): one multi-tensor kernel
+/// (_amp_foreach_non_finite_check_and_unscale_ with an inverse scale of 1, which leaves the
+/// gradients bit-identical). A CPU float32 0 when no parameter has a gradient.
+torch::Tensor nonfinite(const std::vector<torch::Tensor>& params);
+
 /// True when amp.loss_scaling resolves to dynamic (auto: only for fp16).
 bool loss_scaling_enabled(const AmpConfig& cfg);
 

@@ -6,6 +6,7 @@ first 5 steps).
   ... --compile            # torch.compile (Inductor), in the order place -> compile -> DDP
   ... --compile --compile-mode max-autotune-no-cudagraphs   # another torch.compile mode
   ... --device cuda        # on the GPU (DDP over NCCL under torchrun)
+  ... --fused              # torch.optim.AdamW(fused=True) instead of PyTorch's default implementation
   ... --zero               # torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO stage 1) over AdamW
 
 Prints one JSON line. Under a launcher (WORLD_SIZE > 1, or MASTER_ADDR set) the model is
@@ -39,6 +40,9 @@ def main():
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile's mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--fused", action="store_true",
+                    help="torch.optim.AdamW(fused=True): one kernel for all parameters (default: PyTorch's default "
+                         "implementation, the for-loop on CPU and foreach on CUDA)")
     ap.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: the AdamW state partitioned across ranks")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -74,7 +78,7 @@ def main():
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if args.fused else None)
     gen = torch.Generator().manual_seed(rank)
     times = []
     for step in range(args.steps):
@@ -106,6 +110,8 @@ def main():
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
         if args.compile and args.compile_mode != "default":
             out["impl"] += "-" + args.compile_mode
+        if args.fused:
+            out["impl"] += "-fused"
         if args.zero:
             out["impl"] += "-zero1"
         if tokens_per_sample:

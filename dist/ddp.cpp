@@ -192,13 +192,8 @@ void DataParallel::sync_parameters() {
   zero_broadcast_parameters(params_, owner_, *coll_, bucket_bytes_);
 }
 
-double DataParallel::clip_grad_norm(double max_norm) {
-  if (zero_ < 1 || coll_->size() == 1) {
-    std::vector<torch::Tensor> p;
-    for (const auto& [n, t] : params_) p.push_back(t);
-    return torch::nn::utils::clip_grad_norm_(p, max_norm);
-  }
-  return zero_clip_grad_norm(params_, owner_, *coll_, max_norm);
+torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
+  return dist::clip_grad_norm(params_, owner_, *coll_, max_norm, zero_ >= 1 && coll_->size() > 1);
 }
 
 DataParallel::~DataParallel() = default;

@@ -68,10 +68,11 @@ class DataParallel {
   /// parameters reach every rank (one broadcast per owner, dist/zero.h).
   void sync_parameters();
   /// Clips the owned gradients to a global L2 norm of `max_norm` and returns the norm before
-  /// clipping, with the arithmetic of torch::nn::utils::clip_grad_norm_ (per-parameter norms,
-  /// then the norm of their vector): with zero >= 1 the per-parameter norms of the owners are
-  /// exchanged in one all-reduce, so the result is bit-identical to zero = 0's.
-  double clip_grad_norm(double max_norm);
+  /// clipping (0-dim, on the device: the host reads it only if it wants), with the foreach
+  /// arithmetic of torch.nn.utils.clip_grad_norm_ (dist::clip_grad_norm): with zero >= 1 the
+  /// per-parameter norms of the owners are exchanged in one all-reduce, so the result is
+  /// bit-identical to zero = 0's.
+  torch::Tensor clip_grad_norm(double max_norm);
 
  private:
   std::shared_ptr<models::Model> model_;

@@ -120,33 +120,34 @@ void zero_broadcast_parameters(const models::NamedTensors& params, const std::ve
   }
 }
 
-double zero_clip_grad_norm(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
-                           double max_norm) {
-  // Row 0: the per-parameter norms (the owner's; 0 elsewhere); row 1: whether the owner has a
-  // gradient. Summed over ranks, each entry is exactly its owner's.
+torch::Tensor clip_grad_norm(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
+                             double max_norm, bool sharded) {
+  // torch.nn.utils.clip_grad_norm_'s foreach arithmetic: the per-parameter norms in one
+  // _foreach_norm, the norm of their vector, coef = max_norm / (total + 1e-6) clamped to 1, and
+  // one _foreach_mul_. The vector has an entry per parameter of the model (0 where this rank has
+  // no gradient, or, sharded, does not own it), so that it is the same vector whether or not the
+  // norms are summed across owners (each entry is non-zero on its owner only: the sum is exact).
+  std::vector<torch::Tensor> grads;
+  std::vector<size_t> at;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& g = params[i].second.grad();
+    if (g.defined() && (!sharded || owner[i] == coll.rank())) {
+      grads.push_back(g.detach());
+      at.push_back(i);
+    }
+  }
   const auto& first = params.front().second;
-  auto opts = torch::TensorOptions().dtype(first.scalar_type()).device(first.device());
-  std::vector<torch::Tensor> norms, has;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& g = params[i].second.grad();
-    const bool mine = owner[i] == coll.rank() && g.defined();
-    norms.push_back(mine ? g.detach().norm(2.0) : torch::zeros({}, opts));
-    has.push_back(torch::full({}, mine ? 1.0 : 0.0, opts));
+  const auto zero = torch::zeros({}, first.options().dtype(first.scalar_type()).requires_grad(false));
+  std::vector<torch::Tensor> entries(params.size(), zero);
+  if (!grads.empty()) {
+    const auto norms = at::_foreach_norm(grads, 2);
+    for (size_t k = 0; k < at.size(); ++k) entries[at[k]] = norms[k];
   }
-  auto table = torch::stack({torch::stack(norms), torch::stack(has)});
-  coll.all_reduce(table, ReduceOp::Sum, "ZeRO gradient norm");
-  const auto has_grad = table[1].to(torch::kCPU, torch::kDouble);
-  std::vector<torch::Tensor> kept;
-  for (size_t i = 0; i < params.size(); ++i)
-    if (has_grad[static_cast<int64_t>(i)].item<double>() != 0) kept.push_back(table[0][static_cast<int64_t>(i)]);
-  if (kept.empty()) return 0.0;
-  const torch::Tensor total = kept.size() == 1 ? kept[0] : torch::stack(kept).norm(2.0);
-  const auto coef = torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0);
-  for (size_t i = 0; i < params.size(); ++i) {
-    const auto& g = params[i].second.grad();
-    if (owner[i] == coll.rank() && g.defined()) g.detach().mul_(coef);
-  }
-  return total.item<double>();
+  torch::Tensor table = torch::stack(entries);
+  if (sharded) coll.all_reduce(table, ReduceOp::Sum, "ZeRO gradient norm");
+  const torch::Tensor total = at::linalg_vector_norm(table, 2);
+  if (!grads.empty()) at::_foreach_mul_(grads, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
+  return total;
 }
 
 }  // namespace keel::dist

@@ -41,12 +41,14 @@ std::unique_ptr<c10d::CommHookInterface> make_reduce_scatter_hook(c10::intrusive
 void zero_broadcast_parameters(const models::NamedTensors& params, const std::vector<int64_t>& owner,
                                Collectives& coll, size_t bucket_bytes);
 
-/// Collective. Clips the gradients this rank owns (`owner[i] == coll.rank()`) to a global L2
-/// norm of `max_norm` and returns the norm before clipping, with the arithmetic of
-/// torch::nn::utils::clip_grad_norm_ over all of `params`: each owner's per-parameter norms and
-/// has-gradient flags are summed across ranks in one all-reduce (each entry is non-zero on one
-/// rank only, so the sum is exact), then the norm of the per-parameter norms is taken.
-double zero_clip_grad_norm(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
-                           double max_norm);
+/// Clips the gradients to a global L2 norm of `max_norm` and returns the norm before clipping
+/// (a 0-dim tensor on the gradients' device: nothing is read by the host), with the arithmetic of
+/// torch.nn.utils.clip_grad_norm_ (foreach): per-parameter norms in one _foreach_norm, the norm
+/// of their vector, one _foreach_mul_ by the clamped coefficient. `sharded` (collective; ZeRO):
+/// only the gradients this rank owns (`owner[i] == coll.rank()`) are read and scaled, and the
+/// per-parameter norms are summed across ranks in one all-reduce (each is non-zero on its owner
+/// only, so the sum is exact and the norm bit-identical to the unsharded one).
+torch::Tensor clip_grad_norm(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
+                             double max_norm, bool sharded);
 
 }  // namespace keel::dist

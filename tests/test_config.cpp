@@ -126,6 +126,24 @@ TEST(ConfigErrors, CudaOnlySettingsInACpuBuild) {
   EXPECT_NE(load_error("[amp]\ndtype = \"fp16\"\n").find("CUDA"), std::string::npos);
 }
 
+// compile.cuda_graphs: each combination a captured step cannot serve is refused by its keys.
+TEST(ConfigErrors, CudaGraphsRefuseWhatAGraphCannotServe) {
+  const std::string on = "[compile]\ncuda_graphs = true\n";
+  if (!KEEL_CUDA_BUILD) {
+    EXPECT_NE(load_error(on).find("needs a CUDA build"), std::string::npos);
+    return;
+  }
+  const std::string cpu = load_error(on + "[run]\ndevice = \"cpu\"\n");
+  EXPECT_NE(cpu.find("compile.cuda_graphs"), std::string::npos) << cpu;
+  EXPECT_NE(cpu.find("run.device = \"cpu\""), std::string::npos) << cpu;
+  const std::string gloo = load_error(on + "[dist]\nbackend = \"gloo\"\n");
+  EXPECT_NE(gloo.find("dist.backend = \"gloo\""), std::string::npos) << gloo;
+  const std::string unused = load_error(on + "[dist]\nfind_unused_parameters = true\n");
+  EXPECT_NE(unused.find("dist.find_unused_parameters = true"), std::string::npos) << unused;
+  // What it could serve is still refused: not built yet.
+  EXPECT_NE(load_error(on).find("not implemented"), std::string::npos);
+}
+
 TEST(ConfigOverrides, ParsesEachType) {
   Config cfg;
   keel::apply_override(cfg, "train.lr", "0.25");

@@ -151,6 +151,9 @@ TEST(Golden, CnnMatchesPyTorch) {
   check_golden(*m, "cnn.pt");
 }
 
+// keel's gpt runs fused causal attention (at::scaled_dot_product_attention, is_causal); the
+// golden file was made with the explicit masked softmax (reference_models.Gpt(sdpa=False)), so
+// this also checks the two agree within expect_close's tolerance (rtol 1e-4, atol 1e-5).
 TEST(Golden, GptMatchesPyTorch) {
   keel::ModelConfig c = model_cfg("gpt");
   c.width = 64;

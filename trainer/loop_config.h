@@ -60,6 +60,7 @@ struct TrainConfig {
   int64_t eval_interval = 0;
   int64_t log_interval = 50;
   bool skip_nonfinite = false;
+  bool fused_optimizer = true;  // one ATen kernel per step (_fused_adamw_ / _fused_sgd_); false: torch::optim's loop
 };
 
 }  // namespace keel

@@ -1,6 +1,8 @@
 #include "keel/trainer/optim.h"
 
+#include <algorithm>
 #include <cmath>
+#include <optional>
 #include <map>
 #include <sstream>
 #include <type_traits>
@@ -13,13 +15,126 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
                                                         const std::vector<torch::Tensor>& params) {
   if (cfg.optimizer == OptimizerKind::Sgd) {
     auto o = torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay);
+    if (cfg.fused_optimizer) return std::make_unique<FusedSgd>(params, o);
     return std::make_unique<torch::optim::SGD>(params, o);
   }
   auto o = torch::optim::AdamWOptions(cfg.lr)
                .betas({cfg.beta1, cfg.beta2})
                .eps(cfg.eps)
                .weight_decay(cfg.weight_decay);
+  if (cfg.fused_optimizer) return std::make_unique<FusedAdamW>(params, o);
   return std::make_unique<torch::optim::AdamW>(params, o);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The fused optimizers: per parameter group, the parameters with a gradient are grouped by
+// device (one kernel each; keel's are all on one), the state is created on first use as
+// PyTorch creates it, and one ATen kernel updates them all, reading found_inf on the device.
+// ---------------------------------------------------------------------------------------------
+torch::Tensor FusedOptimizer::step(LossClosure closure) {
+  TORCH_CHECK(!closure, "keel's fused optimizers take no closure");
+  step_unless({});
+  return {};
+}
+
+namespace {
+
+// The parameters of `group` that have a gradient, grouped by device (in order of first use).
+std::vector<std::vector<torch::Tensor>> by_device(const torch::optim::OptimizerParamGroup& group) {
+  std::vector<std::vector<torch::Tensor>> out;
+  for (const auto& p : group.params()) {
+    if (!p.grad().defined()) continue;
+    TORCH_CHECK(!p.grad().is_sparse(), "keel's fused optimizers do not take sparse gradients");
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& l) { return l.front().device() == p.device(); });
+    if (it == out.end()) out.push_back({p});
+    else it->push_back(p);
+  }
+  return out;
+}
+
+std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
+  std::vector<torch::Tensor> g;
+  g.reserve(params.size());
+  for (const auto& p : params) g.push_back(p.grad());
+  return g;
+}
+
+std::optional<torch::Tensor> on_device(const torch::Tensor& found_inf, const torch::Device& device) {
+  if (!found_inf.defined()) return std::nullopt;
+  TORCH_CHECK(found_inf.numel() == 1 && found_inf.scalar_type() == torch::kFloat,
+              "found_inf must be a float32 tensor of one element");
+  return found_inf.device() == device ? found_inf : found_inf.to(device);
+}
+
+}  // namespace
+
+FusedAdamW::FusedAdamW(std::vector<torch::Tensor> params, const torch::optim::AdamWOptions& o)
+    : FusedOptimizer(std::move(params), std::make_unique<torch::optim::AdamWOptions>(o)) {}
+
+void FusedAdamW::step_unless(const torch::Tensor& found_inf) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::AdamWOptions&>(group.options());
+    for (const auto& params : by_device(group)) {
+      std::vector<torch::Tensor> m, v, vmax, steps;
+      for (const auto& p : params) {
+        auto& slot = state_[p.unsafeGetTensorImpl()];
+        if (!slot) {
+          auto s = std::make_unique<ParamState>();
+          s->step = torch::zeros({}, p.options().dtype(torch::kFloat));
+          s->exp_avg = torch::zeros_like(p, torch::MemoryFormat::Preserve);
+          s->exp_avg_sq = torch::zeros_like(p, torch::MemoryFormat::Preserve);
+          if (o.amsgrad()) s->max_exp_avg_sq = torch::zeros_like(p, torch::MemoryFormat::Preserve);
+          slot = std::move(s);
+        }
+        auto& s = static_cast<ParamState&>(*slot);
+        steps.push_back(s.step);
+        m.push_back(s.exp_avg);
+        v.push_back(s.exp_avg_sq);
+        if (o.amsgrad()) vmax.push_back(s.max_exp_avg_sq);
+      }
+      const auto inf = on_device(found_inf, params.front().device());
+      // As torch.optim's _fused_adamw: the kernel reads the counts after the increment, and
+      // leaves everything else alone when found_inf is set; the increment is undone then.
+      at::_foreach_add_(steps, 1);
+      at::_fused_adamw_(params, grads_of(params), m, v, vmax, steps, o.lr(), std::get<0>(o.betas()),
+                        std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false,
+                        /*grad_scale=*/std::nullopt, inf);
+      if (inf) at::_foreach_sub_(steps, std::vector<torch::Tensor>(steps.size(), inf->reshape({})));
+    }
+  }
+}
+
+FusedSgd::FusedSgd(std::vector<torch::Tensor> params, const torch::optim::SGDOptions& o)
+    : FusedOptimizer(std::move(params), std::make_unique<torch::optim::SGDOptions>(o)) {
+  TORCH_CHECK(o.dampening() == 0 && !o.nesterov(), "keel's fused SGD has no dampening and no Nesterov momentum");
+}
+
+void FusedSgd::step_unless(const torch::Tensor& found_inf) {
+  torch::NoGradGuard no_grad;
+  for (auto& group : param_groups_) {
+    const auto& o = static_cast<const torch::optim::SGDOptions&>(group.options());
+    for (const auto& params : by_device(group)) {
+      std::vector<torch::Tensor> buffers;
+      if (o.momentum() != 0) {
+        for (const auto& p : params) {
+          auto& slot = state_[p.unsafeGetTensorImpl()];
+          if (!slot) {
+            // PyTorch starts a buffer as a copy of the first gradient (is_first_step); a zero
+            // buffer stepped normally is the same without dampening (momentum * 0 + grad), and
+            // stays right when that first step is skipped by found_inf.
+            auto s = std::make_unique<ParamState>();
+            s->momentum_buffer = torch::zeros_like(p, torch::MemoryFormat::Preserve);
+            slot = std::move(s);
+          }
+          buffers.push_back(static_cast<ParamState&>(*slot).momentum_buffer);
+        }
+      }
+      at::_fused_sgd_(params, grads_of(params), buffers, o.weight_decay(), o.momentum(), o.lr(), /*dampening=*/0.0,
+                      /*nesterov=*/false, /*maximize=*/false, /*is_first_step=*/false, /*grad_scale=*/std::nullopt,
+                      on_device(found_inf, params.front().device()));
+    }
+  }
 }
 
 LrSchedule::LrSchedule(const TrainConfig& cfg, int64_t total_steps)
@@ -68,7 +183,14 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
   for (const auto& [name, p] : params) {
     auto it = st.find(key_of(opt, p));
     if (it == st.end()) continue;  // no step has touched this parameter yet
-    if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
+    if (auto* f = dynamic_cast<FusedAdamW::ParamState*>(it->second.get())) {
+      out.emplace_back(name + ".step", f->step.to(torch::kCPU, torch::kLong));
+      out.emplace_back(name + ".exp_avg", f->exp_avg);
+      out.emplace_back(name + ".exp_avg_sq", f->exp_avg_sq);
+      if (f->max_exp_avg_sq.defined()) out.emplace_back(name + ".max_exp_avg_sq", f->max_exp_avg_sq);
+    } else if (auto* g = dynamic_cast<FusedSgd::ParamState*>(it->second.get())) {
+      out.emplace_back(name + ".momentum_buffer", g->momentum_buffer);
+    } else if (auto* a = dynamic_cast<torch::optim::AdamWParamState*>(it->second.get())) {
       out.emplace_back(name + ".step", torch::tensor(a->step(), torch::kLong));
       out.emplace_back(name + ".exp_avg", a->exp_avg());
       out.emplace_back(name + ".exp_avg_sq", a->exp_avg_sq());
@@ -84,7 +206,8 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
 
 void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state) {
   std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
-  const bool adamw = dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr;
+  const bool fused = dynamic_cast<FusedOptimizer*>(&opt) != nullptr;
+  const bool adamw = dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr || dynamic_cast<FusedAdamW*>(&opt) != nullptr;
   std::string problems;
   size_t used = 0;
   auto& st = opt.state();
@@ -112,6 +235,15 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
         problems += "\n  " + name + ": partial AdamW state (step, exp_avg and exp_avg_sq are all needed)";
         continue;
       }
+      if (fused) {
+        auto s = std::make_unique<FusedAdamW::ParamState>();
+        s->step = torch::full({}, static_cast<double>(step.item<int64_t>()), p.options().dtype(torch::kFloat));
+        s->exp_avg = like_param(m, "exp_avg");
+        s->exp_avg_sq = like_param(v, "exp_avg_sq");
+        if (vmax.defined()) s->max_exp_avg_sq = like_param(vmax, "max_exp_avg_sq");
+        st[key_of(opt, p)] = std::move(s);
+        continue;
+      }
       auto s = std::make_unique<torch::optim::AdamWParamState>();
       s->step(step.item<int64_t>());
       s->exp_avg(like_param(m, "exp_avg"));
@@ -121,6 +253,12 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
     } else {
       auto mb = get("momentum_buffer");
       if (!mb.defined()) continue;
+      if (fused) {
+        auto s = std::make_unique<FusedSgd::ParamState>();
+        s->momentum_buffer = like_param(mb, "momentum_buffer");
+        st[key_of(opt, p)] = std::move(s);
+        continue;
+      }
       auto s = std::make_unique<torch::optim::SGDParamState>();
       s->momentum_buffer(like_param(mb, "momentum_buffer"));
       st[key_of(opt, p)] = std::move(s);
@@ -146,12 +284,12 @@ void zero_grads(const std::vector<torch::Tensor>& params) {
 }
 
 std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt) {
-  if (auto* a = dynamic_cast<torch::optim::AdamW*>(&opt)) {
+  if (dynamic_cast<torch::optim::AdamW*>(&opt) || dynamic_cast<FusedAdamW*>(&opt)) {
     std::map<std::string, std::string> f = {{"step", "scalar"}, {"exp_avg", "param"}, {"exp_avg_sq", "param"}};
-    if (static_cast<const torch::optim::AdamWOptions&>(a->defaults()).amsgrad()) f["max_exp_avg_sq"] = "param";
+    if (static_cast<const torch::optim::AdamWOptions&>(opt.defaults()).amsgrad()) f["max_exp_avg_sq"] = "param";
     return f;
   }
-  if (dynamic_cast<torch::optim::SGD*>(&opt)) return {{"momentum_buffer", "param"}};
+  if (dynamic_cast<torch::optim::SGD*>(&opt) || dynamic_cast<FusedSgd*>(&opt)) return {{"momentum_buffer", "param"}};
   throw std::runtime_error("checkpoint: optimizer state of an unsupported optimizer type");
 }
 

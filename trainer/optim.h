@@ -1,6 +1,8 @@
 // trainer/optim.h: optimizers and the learning-rate schedule.
 //
-// Owns: building torch::optim::AdamW / SGD from [train], and the warmup + cosine / constant
+// Owns: building the optimizer from [train] (keel's fused AdamW / SGD, one ATen kernel for all
+// parameters, or torch::optim's per-parameter loop with train.fused_optimizer = false), its
+// state in checkpoints (the same names and format for both), and the warmup + cosine / constant
 // schedule as a pure function of the step (so resume needs no schedule state beyond the step).
 #pragma once
 
@@ -20,6 +22,42 @@ namespace keel {
 
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
                                                         const std::vector<torch::Tensor>& params);
+
+/// An optimizer whose whole update is one fused ATen kernel per parameter group and device
+/// (PyTorch's `fused=True`): it takes the agreed inf/NaN verdict as a device tensor, so that a
+/// step to be skipped is skipped by the kernel itself, without the host reading the verdict.
+class FusedOptimizer : public torch::optim::Optimizer {
+ public:
+  using torch::optim::Optimizer::Optimizer;
+  /// Updates every parameter that has a gradient, unless `found_inf` (undefined, or a float32
+  /// tensor of one element on the parameters' device) is non-zero: then the parameters and the
+  /// state are left as they were (the step counts too).
+  virtual void step_unless(const torch::Tensor& found_inf) = 0;
+  torch::Tensor step(LossClosure closure = nullptr) override;
+};
+
+/// AdamW through at::_fused_adamw_ (CPU and CUDA): torch.optim.AdamW(fused=True)'s arithmetic.
+/// Per parameter: a float32 step count on the parameter's device (as PyTorch keeps it for the
+/// fused kernel; exact to 2^24 steps), exp_avg and exp_avg_sq (and max_exp_avg_sq with amsgrad).
+class FusedAdamW : public FusedOptimizer {
+ public:
+  struct ParamState : torch::optim::OptimizerCloneableParamState<ParamState> {
+    torch::Tensor step, exp_avg, exp_avg_sq, max_exp_avg_sq;
+  };
+  FusedAdamW(std::vector<torch::Tensor> params, const torch::optim::AdamWOptions& o);
+  void step_unless(const torch::Tensor& found_inf) override;
+};
+
+/// SGD (momentum, L2 weight decay, no dampening, no Nesterov) through at::_fused_sgd_:
+/// torch.optim.SGD(fused=True)'s arithmetic. Per parameter: momentum_buffer (with momentum > 0).
+class FusedSgd : public FusedOptimizer {
+ public:
+  struct ParamState : torch::optim::OptimizerCloneableParamState<ParamState> {
+    torch::Tensor momentum_buffer;
+  };
+  FusedSgd(std::vector<torch::Tensor> params, const torch::optim::SGDOptions& o);
+  void step_unless(const torch::Tensor& found_inf) override;
+};
 
 /// Learning rate for optimizer step `step` (0-based: the rate used by the step that brings the
 /// count from `step` to `step + 1`). Linear warmup: lr * (step + 1) / warmup_steps for
@@ -47,7 +85,8 @@ using NamedTensorList = std::vector<std::pair<std::string, torch::Tensor>>;
 /// The optimizer's per-parameter state as named tensors, for checkpoints: "<param>.<field>"
 /// with AdamW's step (an int64 scalar), exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)
 /// and SGD's momentum_buffer. `params` are the optimizer's parameters with their names.
-/// The tensors are the live state (not copies).
+/// The tensors are the live state (not copies), except the step count. Fused and loop
+/// optimizers write the same names and formats, so either loads the other's checkpoints.
 NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params);
 
 /// Restores what optimizer_state() returned (copies onto each parameter's device). Throws

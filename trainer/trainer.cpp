@@ -653,8 +653,7 @@ bool Trainer::Loop::local_nonfinite(double local_loss) {
   // With dist.zero >= 1 a rank reads only the gradients it owns; the consensus ORs the verdicts.
   if (scaler_) return scaler_->unscale_(owned_) || bad;
   if (cfg_.train.skip_nonfinite || faults_->watches_gradients())  // else: look only when asked
-    for (const auto& p : owned_)
-      if (p.grad().defined() && !torch::isfinite(p.grad()).all().item<bool>()) return true;
+    return amp::nonfinite(owned_).item<float>() != 0 || bad;
   return bad;
 }
 
@@ -665,7 +664,7 @@ void Trainer::Loop::apply_update(StepResult& r) {
                              "); no rank applied the update; lower train.lr, set train.grad_clip, or set "
                              "train.skip_nonfinite = true to skip such steps");
   if (!r.skipped) {
-    if (cfg_.train.grad_clip > 0) r.grad_norm = dmodel_->clip_grad_norm(cfg_.train.grad_clip);
+    if (cfg_.train.grad_clip > 0) r.grad_norm = dmodel_->clip_grad_norm(cfg_.train.grad_clip).item<double>();
     optimizer_->step();
     dmodel_->sync_parameters();  // dist.zero >= 1: each owner's update to every rank
   } else {

@@ -41,9 +41,12 @@ class Cnn(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, d, heads):
+    # Fused causal attention (F.scaled_dot_product_attention), as keel's gpt; sdpa=False: the
+    # explicit masked softmax that tests/golden/gpt_small.pt was made with.
+    def __init__(self, d, heads, sdpa=True):
         super().__init__()
         self.heads = heads
+        self.sdpa = sdpa
         self.c_attn = nn.Linear(d, 3 * d)
         self.c_proj = nn.Linear(d, d)
 
@@ -53,6 +56,9 @@ class Attention(nn.Module):
         q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)
         k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
         v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
+        if self.sdpa:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).contiguous().view(B, T, C)
+            return self.c_proj(y)
         att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(C // self.heads))
         mask = torch.ones(T, T, dtype=torch.bool, device=x.device).triu(1)
         att = F.softmax(att.masked_fill(mask, float("-inf")), dim=-1)
@@ -71,10 +77,10 @@ class MlpBlock(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, d, heads):
+    def __init__(self, d, heads, sdpa=True):
         super().__init__()
         self.ln_1 = nn.LayerNorm(d)
-        self.attn = Attention(d, heads)
+        self.attn = Attention(d, heads, sdpa)
         self.ln_2 = nn.LayerNorm(d)
         self.mlp = MlpBlock(d)
 
@@ -84,11 +90,11 @@ class Block(nn.Module):
 
 
 class Gpt(nn.Module):
-    def __init__(self, vocab=256, context=128, layers=4, heads=4, d=256):
+    def __init__(self, vocab=256, context=128, layers=4, heads=4, d=256, sdpa=True):
         super().__init__()
         self.wte = nn.Embedding(vocab, d)
         self.wpe = nn.Embedding(context, d)
-        self.h = nn.ModuleList([Block(d, heads) for _ in range(layers)])
+        self.h = nn.ModuleList([Block(d, heads, sdpa) for _ in range(layers)])
         self.ln_f = nn.LayerNorm(d)
         # GPT-2 initialisation, as keel's models/gpt.cpp does it.
         with torch.no_grad():

@@ -107,7 +107,7 @@ class DistributedModel {
   int64_t zero() const { return ddp_->zero(); }
   std::vector<std::pair<std::string, int64_t>> owners() const { return ddp_->owners(); }
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
-  double clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
+  torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
   /// Compile results; recompiles keep counting while training.
   const CompileReport& compile_report() const { return *report_; }

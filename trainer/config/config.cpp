@@ -403,12 +403,26 @@ void validate(Config& cfg) {
          "(use \"gloo\" or \"auto\")");
   if (cfg.run.device == DeviceChoice::Cuda)
     fail("run.device = \"cuda\" needs a CUDA build of keel; this build is CPU-only");
-  if (cfg.compile.cuda_graphs) fail("compile.cuda_graphs = true needs a CUDA build of keel");
+  if (cfg.compile.cuda_graphs)
+    fail("compile.cuda_graphs = true needs a CUDA build of keel (CUDA graphs capture GPU work); this build is CPU-only");
   if (cfg.amp.dtype == AmpDtype::Fp16)
     fail("amp.dtype = \"fp16\" needs CUDA (fp16 autocast is CUDA-only); this build is CPU-only: use \"bf16\"");
 #else
-  // Not built yet (it needs a GPU to develop and verify): refused rather than ignored.
-  if (cfg.compile.cuda_graphs) fail("compile.cuda_graphs = true is not implemented in keel yet; remove it");
+  // Whole-step CUDA graphs replay one captured step: what cannot be captured, or changes from
+  // step to step, is refused by name, before the rest.
+  if (cfg.compile.cuda_graphs) {
+    if (cfg.run.device == DeviceChoice::Cpu)
+      fail("compile.cuda_graphs = true needs a GPU: run.device = \"cpu\" has no CUDA graphs (set run.device = "
+           "\"cuda\" or \"auto\", or compile.cuda_graphs = false)");
+    if (cfg.dist.backend == Backend::Gloo)
+      fail("compile.cuda_graphs = true needs NCCL: a dist.backend = \"gloo\" collective runs on the host and cannot "
+           "be captured in a CUDA graph (set dist.backend = \"nccl\" or \"auto\", or compile.cuda_graphs = false)");
+    if (cfg.dist.find_unused_parameters)
+      fail("compile.cuda_graphs = true cannot serve dist.find_unused_parameters = true: which gradients are "
+           "reduced changes from step to step, and a graph replays one step (set one of them to false)");
+    // Not built yet (it needs a GPU to develop and verify): refused rather than ignored.
+    fail("compile.cuda_graphs = true is not implemented in keel yet (issue 25 waits for a GPU); remove it");
+  }
 #endif
   // fault.inject syntax and types (the rank bound is checked when the world size is known).
   FaultPlan(cfg.fault.inject, std::numeric_limits<int64_t>::max());

@@ -145,6 +145,7 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("train", &C::train, "eval_interval", &TrainConfig::eval_interval, "steps between evaluations on the test split; 0 = never, otherwise also after the last step"), 0, 1e12);
   range(b.add("train", &C::train, "log_interval", &TrainConfig::log_interval, "steps between log lines (metrics.jsonl records every step)"), 1, 1e12);
   b.add("train", &C::train, "skip_nonfinite", &TrainConfig::skip_nonfinite, "skip, on every rank, a step whose gradients hold inf/NaN (default: stop with an error)");
+  b.add("train", &C::train, "fused_optimizer", &TrainConfig::fused_optimizer, "update every parameter with one fused ATen kernel (at::_fused_adamw_ / at::_fused_sgd_, as PyTorch's fused=True; CPU and CUDA); false: torch::optim's per-parameter loop. The checkpointed state is the same either way");
 
   // [dist]
   b.add("dist", &C::dist, "backend", &DistConfig::backend, kBackends, "process-group backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl");
