@@ -33,6 +33,8 @@ const char* kMeta = "meta.json";
 const char* kIndex = "model.safetensors.index.json";
 const char* kOptimizerIndex = "optimizer.safetensors.index.json";
 const char* kGraph = "graph.pt";
+const char* kPackage = "graph.pt2";
+const char* kPackageManifest = "graph.json";
 const char* kRankStateKey = "keel.rank_state";
 
 std::string numbered(const char* fmt, int64_t a, int64_t b) {
@@ -194,7 +196,7 @@ struct Checkpointer::Pending {
   NamedTensors model_shard, optimizer_shard, extra_shard, rank_tensors;
   bool has_extra = false;
   std::map<std::string, std::string> rank_meta;
-  std::string graph;
+  std::string graph, package, package_manifest;
   // Every rank's view of the whole plan (for the index).
   std::vector<std::string> model_names;
   std::vector<int64_t> model_owner;
@@ -262,6 +264,10 @@ void Checkpointer::write_shards(Pending& p) {
                                        {{"keel_step", std::to_string(p.step)}}, hooked(extra_file(rank_, world_))));
     rest.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta, hooked(rank_file(rank_))));
     if (rank_ == 0 && !p.graph.empty()) rest.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
+    if (rank_ == 0 && !p.package.empty()) {
+      rest.push_back(write_atomic(p.dir + "/" + kPackage, p.package));
+      rest.push_back(write_atomic(p.dir + "/" + kPackageManifest, p.package_manifest));
+    }
   } catch (const std::exception& e) {
     p.error = e.what();
   }
@@ -394,7 +400,11 @@ void Checkpointer::save(int64_t step, const State& state) {
   for (const auto& [name, t] : state.rank_tensors) p->rank_tensors.emplace_back(prefix + name, take("r:" + name, t));
   p->rank_meta[kRankStateKey] = state.rank_state.dump();
   p->rank_meta["keel_step"] = std::to_string(step);
-  if (rank_ == 0) p->graph = state.graph;
+  if (rank_ == 0) {
+    p->graph = state.graph;
+    p->package = state.package;
+    p->package_manifest = state.package_manifest;
+  }
 
   try {
     if (const std::string err = make_dirs(p->dir); !err.empty()) throw SaveError(err);
@@ -707,6 +717,12 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
     if (sha256_file(path) != expected_sha(L.meta, dir, kGraph)) throw FormatError(path + ": checksum mismatch");
     L.state.graph = path;  // the path; callers load it with torch::jit::load
   }
+  for (const auto& [name, field] : {std::pair{kPackage, &L.state.package}, std::pair{kPackageManifest, &L.state.package_manifest}})
+    if (L.meta["files"].contains(name)) {
+      const std::string path = dir + "/" + name;
+      if (sha256_file(path) != expected_sha(L.meta, dir, name)) throw FormatError(path + ": checksum mismatch");
+      *field = path;  // the path (trainer/compile/inductor.h seeds its cache from it)
+    }
   return L;
 }
 

@@ -10,7 +10,9 @@
 //   step_<N>/extra-0000r-of-0000W.safetensors     State::extra (a library user's own tensors), if any
 //   step_<N>/rank-0000r.safetensors               rank r's own state (RNG states, data position)
 //                                                 under keys "rank.<r>." and its metadata
-//   step_<N>/graph.pt                             the traced module (checkpoint.save_graph)
+//   step_<N>/graph.pt                             the traced module (checkpoint.save_graph, trace)
+//   step_<N>/graph.pt2, graph.json                the AOTInductor package of the training step and
+//                                                 its manifest (checkpoint.save_graph, inductor)
 //   step_<N>/meta.json                            written last: the commit marker
 // meta.json holds the step, world size, the resolved config's SHA-256, keel and LibTorch
 // versions, the replicated trainer state (schedule position, loss scaler, counters), the
@@ -96,6 +98,8 @@ struct State {
   NamedTensors rank_tensors;   // e.g. RNG states (stored as "rank.<r>.<name>")
   nlohmann::json rank_state = nlohmann::json::object();  // e.g. the data position
   std::string graph;           // serialized TorchScript module (rank 0 writes it), may be empty
+  std::string package;         // compile.mode = inductor: the step's .pt2 package (rank 0), may be empty
+  std::string package_manifest;  // and its manifest (JSON: signature, SHA-256, compile cache key)
 };
 
 /// Seams where tests and fault injection (trainer/fault/) step in; production runs set none.

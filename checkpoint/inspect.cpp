@@ -51,6 +51,13 @@ nlohmann::json inspect_step(const StepInfo& s) {
     j["created_utc"] = meta.value("created_utc", std::string());
     j["keel_version"] = meta.value("keel_version", std::string());
     j["torch_version"] = meta.value("torch_version", std::string());
+    // The graph stored with the step (checkpoint.save_graph), as meta.json lists it.
+    nlohmann::json graph = nlohmann::json::array();
+    for (const char* name : {"graph.pt", "graph.pt2", "graph.json"})
+      if (meta["files"].contains(name))
+        graph.push_back({{"file", name}, {"bytes", meta["files"][name].value("bytes", uint64_t{0})},
+                         {"sha256", meta["files"][name].value("sha256", std::string())}});
+    if (!graph.empty()) j["graph"] = graph;
     // Who holds the optimizer state: each rank's file, its tensors and bytes, and with
     // dist.zero >= 1 the parameters whose state that rank owns.
     if (meta.contains("optimizer") && meta["optimizer"].is_object()) {
@@ -114,6 +121,15 @@ std::string format_inspect(const nlohmann::json& r) {
     if (s.contains("created_utc")) os << " at " << s["created_utc"].get<std::string>();
     os << ", " << human_bytes(s["bytes"].get<uint64_t>()) << " of tensors\n";
     for (const auto& p : s["problems"]) os << "  problem: " << p.get<std::string>() << "\n";
+    if (s.contains("graph"))
+      for (const auto& g : s["graph"]) {
+        const std::string f = g["file"].get<std::string>();
+        os << "  graph: " << f << ", " << human_bytes(g["bytes"].get<uint64_t>()) << ", sha256 "
+           << g["sha256"].get<std::string>() << " ("
+           << (f == "graph.pt" ? "the traced TorchScript module"
+                               : f == "graph.pt2" ? "the AOTInductor package of the training step" : "its manifest")
+           << ")\n";
+      }
     if (s.contains("optimizer")) {
       const auto& o = s["optimizer"];
       const bool part = o["partitioned"].get<bool>();

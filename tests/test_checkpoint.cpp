@@ -913,7 +913,7 @@ TEST(CheckpointGraph, SaveGraphStoresAServableTracedModule) {
   const std::string e = error_of<BindError>([&] { copy_into(cnn_targets, tensors, step); });
   EXPECT_NE(e.find("missing from the checkpoint"), std::string::npos) << e;
   EXPECT_NE(e.find("unexpected (not in the model)"), std::string::npos) << e;
-  // save_graph without compile.mode = trace is a config error.
+  // save_graph without a compiled graph (compile.mode = inductor or trace) is a config error.
   auto bad = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--checkpoint.dir=" + d.file("x"),
                        "--checkpoint.save_graph=true"});
   EXPECT_EQ(bad.exit_code, 2);

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "helpers.h"
+#include "keel/checkpoint/io.h"
 #include "keel/checkpoint/safetensors.h"
 #include "multirank.h"
 
@@ -161,6 +162,64 @@ TEST(Inductor, OneCompileForAllRanksThenHitsAndADamagedPackageIsRebuilt) {
   ASSERT_EQ(third.exit_code, 0) << third.output;
   EXPECT_TRUE(contains(third.output, "SHA-256 differs from its manifest")) << third.output;
   EXPECT_EQ(summary(d.file("c"))["compile_cache"], "miss");
+}
+
+// checkpoint.save_graph in inductor mode: every step stores the package (graph.pt2) and its
+// manifest (graph.json), listed in meta.json with their SHA-256 and shown by `keel inspect`; a
+// resume on an empty compile cache loads the stored package instead of compiling ("checkpoint"),
+// a resume at another batch shape packages anew, and a damaged stored package is never loaded.
+TEST(Inductor, SaveGraphStoresThePackageAndAResumeThatFitsLoadsIt) {
+  TempDir d;
+  auto args = [&](const std::string& run, int steps, const std::string& cache, std::vector<std::string> extra = {}) {
+    auto a = model_args("mlp", d.file(run), "inductor", steps, extra);
+    a.insert(a.end(), {"--checkpoint.dir=" + d.file("ckpt"), "--checkpoint.interval=2", "--checkpoint.save_graph=true"});
+    if (!cache.empty())
+      for (auto& x : a)
+        if (x.rfind("--compile.cache_dir=", 0) == 0) x = "--compile.cache_dir=" + d.file(cache);
+    return a;
+  };
+  auto first = run_keel(args("a", 4, ""), {}, 900);  // the shared test cache: no compile here
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  const std::string step = d.file("ckpt/step_4");
+  const auto meta = nlohmann::json::parse(read_text(step + "/meta.json"));
+  for (const char* f : {"graph.pt2", "graph.json"}) {
+    ASSERT_TRUE(meta["files"].contains(f)) << meta.dump(2);
+    EXPECT_EQ(meta["files"][f]["sha256"], keel::checkpoint::sha256_file(step + "/" + f)) << f;
+  }
+  const auto manifest = nlohmann::json::parse(read_text(step + "/graph.json"));
+  EXPECT_EQ(manifest["sha256"], keel::checkpoint::sha256_file(step + "/graph.pt2"));
+  EXPECT_TRUE(manifest.contains("cache_key"));
+  auto inspect = run_keel({"inspect", d.file("ckpt")});
+  ASSERT_EQ(inspect.exit_code, 0) << inspect.output;
+  EXPECT_TRUE(contains(inspect.output, "graph: graph.pt2")) << inspect.output;
+  EXPECT_TRUE(contains(inspect.output, "the AOTInductor package of the training step")) << inspect.output;
+
+  // An empty cache: the stored package serves the resume.
+  auto fits = run_keel(args("b", 6, "cache-b"), {}, 900);
+  ASSERT_EQ(fits.exit_code, 0) << fits.output;
+  EXPECT_EQ(summary(d.file("b"))["compile_cache"], "checkpoint") << fits.output;
+  EXPECT_EQ(summary(d.file("b"))["resumed_from_step"], 4);
+  EXPECT_FALSE(contains(fits.output, "compile: packaging")) << fits.output;
+
+  // A damaged stored package (its SHA-256 no longer what meta.json lists) is never loaded: the
+  // step is packaged anew (a copy of the checkpoint, so that the run above stays intact).
+  std::filesystem::create_directories(d.file("damaged"));
+  std::filesystem::copy(d.file("ckpt/step_6"), d.file("damaged/step_6"), std::filesystem::copy_options::recursive);
+  flip_byte(d.file("damaged/step_6/graph.pt2"), 200);
+  auto damaged_args = args("c", 8, "cache-c");
+  for (auto& x : damaged_args)
+    if (x.rfind("--checkpoint.dir=", 0) == 0) x = "--checkpoint.dir=" + d.file("damaged");
+  auto damaged = run_keel(damaged_args, {}, 900);
+  ASSERT_EQ(damaged.exit_code, 0) << damaged.output;
+  EXPECT_TRUE(contains(damaged.output, "SHA-256 differs from the step's meta.json")) << damaged.output;
+  EXPECT_EQ(summary(d.file("c"))["compile_cache"], "miss") << damaged.output;
+
+  // A resume at another batch shape packages anew too.
+  auto other = run_keel(args("e", 8, "cache-e", {"--train.batch_size=4"}), {}, 900);
+  ASSERT_EQ(other.exit_code, 0) << other.output;
+  EXPECT_TRUE(contains(other.output, "was built for another run")) << other.output;
+  EXPECT_TRUE(contains(other.output, "compile: packaging")) << other.output;
+  EXPECT_EQ(summary(d.file("e"))["compile_cache"], "miss") << other.output;
 }
 
 // `keel compile` packages the step of the run its options describe into the cache, where

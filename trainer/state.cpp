@@ -3,6 +3,9 @@
 #include <mutex>
 
 #include "keel/common/error.h"
+#include "keel/common/file.h"
+#include "keel/common/sha256.h"
+#include "keel/trainer/compile/inductor.h"
 #include "keel/common/log.h"
 
 namespace keel {
@@ -85,6 +88,22 @@ void GraphState::save(checkpoint::State& state) const {
   state.graph = export_();
   if (state.graph.empty() && warn_)
     logging::warn("checkpoint.save_graph: the model is not traced (compile fell back to eager); no graph.pt");
+}
+
+void PackageState::save(checkpoint::State& state) const {
+  if (!main_) return;
+  if (!step_) {
+    logging::warn("checkpoint.save_graph: the training step runs eager (no package); no graph.pt2");
+    return;
+  }
+  std::string bytes = read_regular_file(step_->path(), uint64_t{16} << 30);
+  if (sha256_hex(bytes) != step_->sha256()) {  // the cache entry was replaced under this run
+    logging::warn("checkpoint.save_graph: {} changed since this run loaded it (SHA-256 differs); no graph.pt2",
+                  step_->path());
+    return;
+  }
+  state.package = std::move(bytes);
+  state.package_manifest = step_->manifest_for_checkpoint();
 }
 
 }  // namespace keel

@@ -18,6 +18,8 @@
 
 namespace keel {
 
+class InductorStep;
+
 /// Parameters and buffers, by name. Loading requires every name, shape and dtype to match and
 /// throws InputError listing the differences (the user chose a checkpoint of another model).
 class ModelState : public checkpoint::Stateful {
@@ -57,6 +59,21 @@ class GraphState : public checkpoint::Stateful {
  private:
   std::function<std::string()> export_;
   bool warn_;
+};
+
+/// checkpoint.save_graph with compile.mode = "inductor": rank 0 stores the loaded AOTInductor
+/// package (graph.pt2) and its manifest with the cache key (graph.json) with every step. Loaded
+/// through the compile cache, not here (InductorRequest::seed_dir). `step` is null when the
+/// training step runs eager (a warning then, once per save).
+class PackageState : public checkpoint::Stateful {
+ public:
+  PackageState(std::shared_ptr<InductorStep> step, bool main) : step_(std::move(step)), main_(main) {}
+  void save(checkpoint::State& state) const override;
+  void load(const checkpoint::Loaded&) override {}
+
+ private:
+  std::shared_ptr<InductorStep> step_;
+  bool main_;
 };
 
 /// The user's Callbacks::save_state / load_state.

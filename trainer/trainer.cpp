@@ -20,6 +20,7 @@
 
 #include "keel/amp/autocast.h"
 #include "keel/amp/grad_scaler.h"
+#include "keel/checkpoint/checkpoint.h"
 #include "keel/checkpoint/stateful.h"
 #include "keel/checkpoint/weights.h"
 #include "keel/common/atomic_file.h"
@@ -152,6 +153,22 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   r.cfg = cfg.compile;
   for (const auto& [n, p] : model.named_parameters()) r.param_names.push_back(n);
   return r;
+}
+
+// The checkpoint step whose stored package (checkpoint.save_graph) may serve compile.mode =
+// "inductor" when the compile cache has none: the step checkpoint.resume_from names, else the
+// newest committed one. A seed only: the cache checks its key and checksums before using it.
+std::string package_seed_dir(const CheckpointConfig& c) {
+  if (c.dir.empty()) return "";
+  const std::string& from = c.resume_from;
+  if (!from.empty()) {
+    const bool number = from.find_first_not_of("0123456789") == std::string::npos;
+    return number ? c.dir + "/step_" + from : from;
+  }
+  std::string newest;
+  for (const auto& s : checkpoint::list_steps(c.dir))
+    if (s.committed) newest = s.path;
+  return newest;
 }
 
 }  // namespace
@@ -380,6 +397,7 @@ void Trainer::Loop::compile_and_distribute() {
                     "training eager");
     } else {
       inductor = inductor_request(cfg_, *model_, device_, amp_, threads_);
+      inductor->seed_dir = package_seed_dir(cfg_.checkpoint);
     }
   }
   auto compile = [&] {
@@ -440,7 +458,9 @@ void Trainer::Loop::build_checkpointing() {
   if (scaler_) state_.add("grad_scaler", *scaler_);
   own("rng", std::make_unique<RngState>(device_));
   own("user", std::make_unique<UserState>(cb_.save_state, cb_.load_state));
-  if (cfg_.checkpoint.save_graph)
+  if (cfg_.checkpoint.save_graph && cfg_.compile.mode == CompileMode::Inductor)
+    own("graph", std::make_unique<PackageState>(dmodel_->inductor_step(), world_.is_main()));
+  else if (cfg_.checkpoint.save_graph)
     own("graph", std::make_unique<GraphState>([this] { return export_traced_module(dmodel_->model()); }, world_.is_main()));
   state_.add("sampler", *sampler_);
 

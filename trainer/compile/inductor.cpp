@@ -20,6 +20,7 @@
 #include "keel/common/file.h"
 #include "keel/common/log.h"
 #include "keel/common/sha256.h"
+#include "keel/checkpoint/io.h"
 #include "keel/trainer/config/config.h"
 
 #ifdef KEEL_WITH_CUDA
@@ -224,6 +225,41 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
   return sha256_hex(k.dump());
 }
 
+std::string InductorStep::manifest_for_checkpoint() const { return manifest_.dump(2) + "\n"; }
+
+namespace {
+
+// checkpoint.save_graph stored the package of a step as <seed_dir>/graph.pt2 with graph.json
+// (its manifest and cache key). When that key is `key` and both files have the SHA-256 that the
+// step's meta.json lists, they become the cache entry (`pt2`, `manifest_path`) and true is
+// returned; another key (other shapes, device, dtype, options, torch) or a damaged file: false,
+// and the step is packaged anew.
+bool seed_cache_from_checkpoint(const std::string& seed_dir, const std::string& key, const std::string& pt2,
+                                const std::string& manifest_path) {
+  if (seed_dir.empty() || !is_file(seed_dir + "/graph.pt2") || !is_file(seed_dir + "/graph.json")) return false;
+  try {
+    const auto meta = nlohmann::json::parse(checkpoint::read_metadata(seed_dir + "/meta.json"));
+    for (const char* f : {"graph.pt2", "graph.json"})
+      if (sha256_of_file(seed_dir + "/" + f) != meta.at("files").at(f).at("sha256").get<std::string>())
+        throw std::runtime_error(std::string(f) + ": SHA-256 differs from the step's meta.json (damaged or replaced)");
+    auto manifest = nlohmann::json::parse(read_regular_file(seed_dir + "/graph.json", uint64_t{64} << 20));
+    if (manifest.value("cache_key", "") != key) {
+      logging::info("compile: the package stored with checkpoint {} was built for another run (its shapes, device, "
+                    "dtype, compile options or torch differ); packaging this one anew", seed_dir);
+      return false;
+    }
+    write_atomic(pt2, read_regular_file(seed_dir + "/graph.pt2", uint64_t{16} << 30));
+    manifest.erase("cache_key");
+    write_atomic(manifest_path, manifest.dump(2) + "\n");
+    return true;
+  } catch (const std::exception& e) {
+    logging::warn("compile: the package stored with checkpoint {} cannot be used ({}); packaging anew", seed_dir, e.what());
+    return false;
+  }
+}
+
+}  // namespace
+
 std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorRequest& req, CompileReport& report) {
   if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt")
     throw InputError("compile.mode = \"inductor\" packages the built-in models mlp, cnn and gpt; model.name = \"" +
@@ -257,6 +293,10 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
     };
     if (usable()) {
       report.cache = "hit";
+    } else if (seed_cache_from_checkpoint(req.seed_dir, key, pt2, manifest_path) && usable()) {
+      report.cache = "checkpoint";
+      logging::info("compile: the package stored with checkpoint {} fits this run; loading it (cache entry {})",
+                    req.seed_dir, pt2);
     } else if (is_file(error_path)) {
       // Another process of this job (or an earlier run) found the step cannot be captured.
       throw CompileError(read_regular_file(error_path, 1 << 20));
@@ -303,6 +343,8 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
   auto step = std::shared_ptr<InductorStep>(new InductorStep());
   step->path_ = pt2;
   step->sha256_ = manifest.at("sha256").get<std::string>();
+  step->manifest_ = manifest;
+  step->manifest_["cache_key"] = key;
   const auto& sig = manifest.at("models").at("train_step");
   std::vector<std::string> names;
   for (const auto& in : sig.at("inputs")) {

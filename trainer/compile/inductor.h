@@ -43,6 +43,10 @@ struct InductorRequest {
   int64_t threads = 1;                // intra-op threads (Inductor's CPU kernels are compiled for a count)
   CompileConfig cfg;                  // fullgraph, deterministic, max_autotune, cache_dir, python
   std::vector<std::string> param_names;  // the model's, in order (the package must take exactly these)
+  /// A checkpoint step directory whose stored package (graph.pt2 + graph.json, checkpoint.save_graph)
+  /// may serve this request when the cache has none: used when its cache key is this request's
+  /// and both files have the SHA-256 meta.json lists; otherwise the step is packaged anew.
+  std::string seed_dir;
 };
 
 /// A loaded training-step package.
@@ -65,6 +69,9 @@ class InductorStep {
   /// The package's SHA-256 (ranks agree on it in the per-step consensus).
   const std::string& sha256() const { return sha256_; }
   const std::string& path() const { return path_; }
+  /// Its manifest (inputs, outputs, SHA-256) with "cache_key": what checkpoint.save_graph
+  /// stores beside the package as graph.json.
+  std::string manifest_for_checkpoint() const;
   /// The cache key of `req` (hex SHA-256; tests).
   static std::string cache_key(const InductorRequest& req);
 
@@ -75,6 +82,7 @@ class InductorStep {
   InductorStep() = default;
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
   std::string path_, sha256_;
+  nlohmann::json manifest_;
   std::vector<int64_t> input_shape_, target_shape_;
   size_t num_params_ = 0;
 };

@@ -109,6 +109,8 @@ class DistributedModel {
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
   torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
+  /// compile.mode = "inductor": the loaded package (null when the step runs eager).
+  const std::shared_ptr<InductorStep>& inductor_step() const { return step_; }
   /// Compile results; recompiles keep counting while training.
   const CompileReport& compile_report() const { return *report_; }
 

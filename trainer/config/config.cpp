@@ -426,8 +426,9 @@ void validate(Config& cfg) {
 #endif
   // fault.inject syntax and types (the rank bound is checked when the world size is known).
   FaultPlan(cfg.fault.inject, std::numeric_limits<int64_t>::max());
-  if (cfg.checkpoint.save_graph && cfg.compile.mode != CompileMode::Trace)
-    fail(std::string("checkpoint.save_graph = true stores the traced graph and needs compile.mode = \"trace\" (got \"") +
+  if (cfg.checkpoint.save_graph && cfg.compile.mode != CompileMode::Trace && cfg.compile.mode != CompileMode::Inductor)
+    fail(std::string("checkpoint.save_graph = true stores the compiled graph and needs compile.mode = \"inductor\" "
+                     "(the AOTInductor package) or \"trace\" (got \"") +
          choice_name(kCompileModes, cfg.compile.mode) + "\")");
   if (cfg.checkpoint.save_graph && cfg.checkpoint.dir.empty()) fail("checkpoint.save_graph = true needs checkpoint.dir");
   parse_profile_steps(cfg.run.profile_steps);

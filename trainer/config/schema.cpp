@@ -183,7 +183,7 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("checkpoint", &C::checkpoint, "keep", &CheckpointConfig::keep, "committed steps to keep (at least 2 with async saves)"), 1, 1e6);
   b.add("checkpoint", &C::checkpoint, "async", &CheckpointConfig::async, "write checkpoints in a background thread");
   b.add("checkpoint", &C::checkpoint, "resume_from", &CheckpointConfig::resume_from, "step directory or step number to resume from (an error if it does not load); \"\" = the newest committed step that verifies");
-  b.add("checkpoint", &C::checkpoint, "save_graph", &CheckpointConfig::save_graph, "also store the traced TorchScript module as graph.pt (needs compile.mode = \"trace\")");
+  b.add("checkpoint", &C::checkpoint, "save_graph", &CheckpointConfig::save_graph, "also store the compiled graph with each step: compile.mode = \"inductor\": the training step's AOTInductor package (graph.pt2, with its manifest graph.json; a resume that fits loads it instead of compiling); \"trace\": the traced TorchScript module (graph.pt)");
 
   // [fault]
   b.add("fault", &C::fault, "inject", &FaultConfig::inject, "faults to inject: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash] entries, TYPE one of collective_hang, crash, oom, nonfinite_grad, shape_mismatch, checkpoint_write_failure, checkpoint_corruption, graph_break, straggler (docs/faults.md; repeat the option for several)");
