@@ -10,10 +10,15 @@ work="$(mktemp -d)"
 trap 'rm -rf "$work"' EXIT
 cmake --install "$build" --prefix "$work/prefix" > "$work/install.log"
 gen=(); command -v ninja >/dev/null && gen=(-G Ninja)
-# The prefix and LibTorch (from keel's own build cache: the venv's torch, or the user's Torch_DIR).
-torch_dir=$(sed -n 's/^Torch_DIR:[A-Z]*=//p' "$build/CMakeCache.txt")
+# The documented command (docs/getting-started.md): the prefix alone. The installed package
+# finds the LibTorch keel was built with itself (no Torch_DIR, none in the environment).
+unset Torch_DIR
 cmake -S "$src/examples/custom_model" -B "$work/ex" "${gen[@]}" -DCMAKE_PREFIX_PATH="$work/prefix" \
-  -DTorch_DIR="$torch_dir" -DCMAKE_EXPORT_COMPILE_COMMANDS=ON > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+  -DCMAKE_EXPORT_COMPILE_COMMANDS=ON > "$work/configure.log" 2>&1 || { cat "$work/configure.log"; exit 1; }
+torch_dir=$(sed -n 's/^Torch_DIR:[A-Z]*=//p' "$build/CMakeCache.txt")
+found=$(sed -n 's/^Torch_DIR:[A-Z]*=//p' "$work/ex/CMakeCache.txt")
+[ "$(readlink -f "$found")" = "$(readlink -f "$torch_dir")" ] || {
+  echo "the example found LibTorch at $found, keel was built with $torch_dir"; exit 1; }
 cmake --build "$work/ex" > "$work/build.log" 2>&1 || { tail -50 "$work/build.log"; exit 1; }
 
 # The installed headers, each alone, with the example's own compile flags (the prefix and
