@@ -228,6 +228,16 @@ Checkpointer::~Checkpointer() {
   if (pending_ && pending_->thread.joinable()) pending_->thread.join();
 }
 
+std::string resume_from_dir(const std::string& dir, const std::string& resume_from) {
+  std::string d = resume_from;
+  if (!d.empty() && std::all_of(d.begin(), d.end(), ::isdigit)) {
+    if (d.size() > 18) throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\": not a step number (too large)");
+    return dir + "/step_" + std::to_string(std::stoll(d));
+  }
+  if (!is_directory(d) && is_directory(dir + "/" + d)) d = dir + "/" + d;
+  return d;
+}
+
 std::string Checkpointer::step_dir(int64_t step) const { return opts_.dir + "/step_" + std::to_string(step); }
 
 bool Checkpointer::write_finished() const { return !pending_ || pending_->done.load(); }
@@ -717,12 +727,11 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
     if (sha256_file(path) != expected_sha(L.meta, dir, kGraph)) throw FormatError(path + ": checksum mismatch");
     L.state.graph = path;  // the path; callers load it with torch::jit::load
   }
+  // The inductor package is not training state: a damaged one is reported and left out (the
+  // compile cache then packages the step anew), never a reason to give up the step. Checked
+  // where it is used (trainer/compile/inductor.cpp), so not hashed here on every rank.
   for (const auto& [name, field] : {std::pair{kPackage, &L.state.package}, std::pair{kPackageManifest, &L.state.package_manifest}})
-    if (L.meta["files"].contains(name)) {
-      const std::string path = dir + "/" + name;
-      if (sha256_file(path) != expected_sha(L.meta, dir, name)) throw FormatError(path + ": checksum mismatch");
-      *field = path;  // the path (trainer/compile/inductor.h seeds its cache from it)
-    }
+    if (L.meta["files"].contains(name)) *field = dir + "/" + name;
   return L;
 }
 
@@ -732,13 +741,7 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
                                          const std::function<std::string(const Loaded&)>& validate) {
   std::vector<std::string> candidates;
   if (!resume_from.empty()) {
-    std::string d = resume_from;
-    if (!d.empty() && std::all_of(d.begin(), d.end(), ::isdigit)) {
-      if (d.size() > 18)
-        throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\": not a step number (too large)");
-      d = step_dir(std::stoll(d));
-    }
-    else if (!is_directory(d) && is_directory(opts_.dir + "/" + d)) d = opts_.dir + "/" + d;
+    const std::string d = resume_from_dir(opts_.dir, resume_from);
     if (!path_exists(d + "/" + kMeta))
       throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\": " + d +
                         " is not a committed checkpoint step (no meta.json)");

@@ -100,6 +100,7 @@ struct State {
   std::string graph;           // serialized TorchScript module (rank 0 writes it), may be empty
   std::string package;         // compile.mode = inductor: the step's .pt2 package (rank 0), may be empty
   std::string package_manifest;  // and its manifest (JSON: signature, SHA-256, compile cache key)
+                                 // (loaded: their paths, not verified: see read_step)
 };
 
 /// Seams where tests and fault injection (trainer/fault/) step in; production runs set none.
@@ -141,6 +142,10 @@ struct StepInfo {
   std::string path;
   bool committed = false;      // meta.json present and parseable
 };
+
+/// The step directory `checkpoint.resume_from` names: a step number (step_<N> under `dir`), a
+/// directory, or a name under `dir`. Throws ResumeError for a number that is too large.
+std::string resume_from_dir(const std::string& dir, const std::string& resume_from);
 
 /// Step directories under `dir`, oldest first.
 std::vector<StepInfo> list_steps(const std::string& dir);

@@ -167,7 +167,8 @@ TEST(Inductor, OneCompileForAllRanksThenHitsAndADamagedPackageIsRebuilt) {
 // checkpoint.save_graph in inductor mode: every step stores the package (graph.pt2) and its
 // manifest (graph.json), listed in meta.json with their SHA-256 and shown by `keel inspect`; a
 // resume on an empty compile cache loads the stored package instead of compiling ("checkpoint"),
-// a resume at another batch shape packages anew, and a damaged stored package is never loaded.
+// a resume at another batch shape packages anew, and a damaged stored package is never loaded
+// (the step itself still resumes: the package is not training state).
 TEST(Inductor, SaveGraphStoresThePackageAndAResumeThatFitsLoadsIt) {
   TempDir d;
   auto args = [&](const std::string& run, int steps, const std::string& cache, std::vector<std::string> extra = {}) {
@@ -213,6 +214,7 @@ TEST(Inductor, SaveGraphStoresThePackageAndAResumeThatFitsLoadsIt) {
   ASSERT_EQ(damaged.exit_code, 0) << damaged.output;
   EXPECT_TRUE(contains(damaged.output, "SHA-256 differs from the step's meta.json")) << damaged.output;
   EXPECT_EQ(summary(d.file("c"))["compile_cache"], "miss") << damaged.output;
+  EXPECT_EQ(summary(d.file("c"))["resumed_from_step"], 6) << "a damaged package is not a damaged step";
 
   // A resume at another batch shape packages anew too.
   auto other = run_keel(args("e", 8, "cache-e", {"--train.batch_size=4"}), {}, 900);

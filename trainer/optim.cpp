@@ -39,13 +39,16 @@ torch::Tensor FusedOptimizer::step(LossClosure closure) {
 
 namespace {
 
-// The parameters of `group` that have a gradient, grouped by device (in order of first use).
+// The parameters of `group` that have a gradient, grouped by device and dtype as torch.optim
+// groups them for a fused kernel (in order of first use).
 std::vector<std::vector<torch::Tensor>> by_device(const torch::optim::OptimizerParamGroup& group) {
   std::vector<std::vector<torch::Tensor>> out;
   for (const auto& p : group.params()) {
     if (!p.grad().defined()) continue;
     TORCH_CHECK(!p.grad().is_sparse(), "keel's fused optimizers do not take sparse gradients");
-    auto it = std::find_if(out.begin(), out.end(), [&](const auto& l) { return l.front().device() == p.device(); });
+    auto it = std::find_if(out.begin(), out.end(), [&](const auto& l) {
+      return l.front().device() == p.device() && l.front().scalar_type() == p.scalar_type();
+    });
     if (it == out.end()) out.push_back({p});
     else it->push_back(p);
   }
@@ -59,11 +62,13 @@ std::vector<torch::Tensor> grads_of(const std::vector<torch::Tensor>& params) {
   return g;
 }
 
+// found_inf as the fused kernels read it: exactly 1.0 skips (any other value would apply the
+// update), so a non-zero verdict is made 1.0 first.
 std::optional<torch::Tensor> on_device(const torch::Tensor& found_inf, const torch::Device& device) {
   if (!found_inf.defined()) return std::nullopt;
   TORCH_CHECK(found_inf.numel() == 1 && found_inf.scalar_type() == torch::kFloat,
               "found_inf must be a float32 tensor of one element");
-  return found_inf.device() == device ? found_inf : found_inf.to(device);
+  return found_inf.to(device).ne(0).to(torch::kFloat);
 }
 
 }  // namespace

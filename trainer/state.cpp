@@ -96,13 +96,23 @@ void PackageState::save(checkpoint::State& state) const {
     logging::warn("checkpoint.save_graph: the training step runs eager (no package); no graph.pt2");
     return;
   }
-  std::string bytes = read_regular_file(step_->path(), uint64_t{16} << 30);
-  if (sha256_hex(bytes) != step_->sha256()) {  // the cache entry was replaced under this run
-    logging::warn("checkpoint.save_graph: {} changed since this run loaded it (SHA-256 differs); no graph.pt2",
-                  step_->path());
-    return;
+  // Rank 0 alone runs this: a failure must not stop it (the other ranks would wait in the save's
+  // collectives), so it is a warning and a step without the package.
+  if (unusable_) return;
+  if (bytes_.empty()) {
+    try {
+      std::string bytes = read_regular_file(step_->path(), uint64_t{16} << 30);
+      if (sha256_hex(bytes) != step_->sha256())  // the cache entry was replaced under this run
+        throw std::runtime_error("it changed since this run loaded it (SHA-256 differs)");
+      bytes_ = std::move(bytes);
+    } catch (const std::exception& e) {
+      logging::warn("checkpoint.save_graph: cannot store {}: {}; the steps of this run have no graph.pt2",
+                    step_->path(), e.what());
+      unusable_ = true;
+      return;
+    }
   }
-  state.package = std::move(bytes);
+  state.package = bytes_;
   state.package_manifest = step_->manifest_for_checkpoint();
 }
 

@@ -157,13 +157,21 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
 
 // The checkpoint step whose stored package (checkpoint.save_graph) may serve compile.mode =
 // "inductor" when the compile cache has none: the step checkpoint.resume_from names, else the
-// newest committed one. A seed only: the cache checks its key and checksums before using it.
+// newest committed one; only a step of this run's own checkpoint.dir (a package is native code:
+// keel loads one only from where this run writes its own). A seed only: the cache checks its
+// key and checksums before using it.
 std::string package_seed_dir(const CheckpointConfig& c) {
   if (c.dir.empty()) return "";
-  const std::string& from = c.resume_from;
-  if (!from.empty()) {
-    const bool number = from.find_first_not_of("0123456789") == std::string::npos;
-    return number ? c.dir + "/step_" + from : from;
+  if (!c.resume_from.empty()) {
+    std::string d;
+    try {
+      d = checkpoint::resume_from_dir(c.dir, c.resume_from);
+    } catch (const std::exception&) {
+      return "";  // the checkpointer reports it
+    }
+    std::error_code ec;
+    const auto parent = std::filesystem::path(d).lexically_normal().parent_path();
+    return std::filesystem::equivalent(parent, c.dir, ec) && !ec ? d : "";
   }
   std::string newest;
   for (const auto& s : checkpoint::list_steps(c.dir))

@@ -67,7 +67,7 @@ struct Summary {
   double wall_s = 0;                 // run() from start to end, seconds
   std::string compile_mode;          // off | trace | eager-fallback
   double compile_ms = 0;
-  std::string compile_cache;         // off | hit | miss
+  std::string compile_cache;         // off | hit | miss | checkpoint (inductor: the package stored with the checkpoint)
   int64_t recompiles = 0;
   std::string amp_dtype;             // off | bf16 | fp16
   std::optional<double> loss_scale;  // GradScaler's scale at the end (dynamic loss scaling)

@@ -138,7 +138,7 @@ int run_compile(Config cfg) {
     cfg.compile.mode = CompileMode::Inductor;
     const CompileReport r = package_training_step(cfg);
     std::cout << r.package << "\n";
-    std::cerr << "keel: " << (r.cache == "hit" ? "already in the compile cache" : "compiled") << " in "
+    std::cerr << "keel: " << (r.cache == "hit" ? "already in the compile cache" : r.cache == "checkpoint" ? "taken from the checkpoint" : "compiled") << " in "
               << static_cast<int64_t>(r.compile_ms) << " ms (sha256 " << r.package_sha256 << ")\n";
     return 0;
   } catch (const InputError& e) {

@@ -374,7 +374,8 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
   report.compile_ms = ms_since(t0);
   report.package = pt2;
   report.package_sha256 = step->sha256_;
-  logging::info("compile: {} the inductor package {} ({:.0f} ms)", report.cache == "hit" ? "cache hit:" : "built",
+  logging::info("compile: {} the inductor package {} ({:.0f} ms)",
+                report.cache == "hit" ? "cache hit:" : report.cache == "checkpoint" ? "from the checkpoint:" : "built",
                 pt2, report.compile_ms);
   return step;
 }
