@@ -24,16 +24,32 @@ bool loss_scaling_enabled(const AmpConfig& cfg) {
   return cfg.loss_scaling == LossScaling::Dynamic || (cfg.loss_scaling == LossScaling::Auto && cfg.dtype == AmpDtype::Fp16);
 }
 
-torch::Tensor nonfinite(const std::vector<torch::Tensor>& params) {
+namespace {
+
+// Multiplies every defined gradient of `params` by `inv` and returns whether any held inf/NaN, as
+// a float32 tensor of one element on their device (a CPU 0 when none has a gradient): the fused
+// kernel where the device has one, the same arithmetic in plain ATen ops elsewhere.
+torch::Tensor check_and_unscale(const std::vector<torch::Tensor>& params, float inv) {
   std::vector<torch::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
   if (grads.empty()) return torch::zeros({1}, torch::kFloat);
   const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(grads.front().device());
   auto found = torch::zeros({1}, opts);
-  at::_amp_foreach_non_finite_check_and_unscale_(grads, found, torch::ones({1}, opts));
+  if (GradScaler::has_fused_unscale(opts.device().type())) {
+    at::_amp_foreach_non_finite_check_and_unscale_(grads, found, torch::full({1}, inv, opts));
+    return found;
+  }
+  for (auto& g : grads) {
+    found = torch::maximum(found, torch::isfinite(g).all().logical_not().to(torch::kFloat).reshape({1}));
+    g.mul_(inv);
+  }
   return found;
 }
+
+}  // namespace
+
+torch::Tensor nonfinite(const std::vector<torch::Tensor>& params) { return check_and_unscale(params, 1.0f); }
 
 GradScaler::GradScaler(const AmpConfig& cfg) {
   s_.scale = cfg.init_scale;
@@ -54,24 +70,7 @@ bool GradScaler::unscale_(const std::vector<torch::Tensor>& params) {
                            "once per step, before gradient clipping and the optimizer step");
   unscaled_ = true;
   // PyTorch computes the inverse in double, then uses it in float32.
-  const float inv = static_cast<float>(1.0 / s_.scale);
-  std::vector<torch::Tensor> grads;
-  for (const auto& p : params)
-    if (p.grad().defined()) grads.push_back(p.grad());
-  if (grads.empty()) return false;
-  const auto device = grads.front().device();
-  if (has_fused_unscale(device.type())) {
-    auto found = torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(device));
-    auto inv_t = torch::full({1}, inv, torch::TensorOptions().dtype(torch::kFloat).device(device));
-    at::_amp_foreach_non_finite_check_and_unscale_(grads, found, inv_t);
-    return found.item<float>() != 0.0f;
-  }
-  bool found = false;
-  for (auto& g : grads) {
-    found = found || !torch::isfinite(g).all().item<bool>();
-    g.mul_(inv);
-  }
-  return found;
+  return check_and_unscale(params, static_cast<float>(1.0 / s_.scale)).item<float>() != 0.0f;
 }
 
 void GradScaler::update(bool found_inf) {
