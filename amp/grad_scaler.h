@@ -8,8 +8,11 @@
 // only when the grown value is finite.
 // unscale_ uses the fused ATen kernel (_amp_foreach_non_finite_check_and_unscale_) when the
 // dispatcher has one for the gradients' device (CUDA; CPU from LibTorch 2.3), and the same
-// arithmetic in plain ATen ops otherwise (LibTorch 1.13 on CPU). The scale itself lives on the
-// host, since the agreed verdict does.
+// arithmetic in plain ATen ops otherwise (LibTorch 1.13 on CPU). The scale and the growth
+// tracker are tensors on the gradients' device (float32 and int32, as PyTorch keeps them), moved
+// there at the first unscale; update(found_inf) runs _amp_update_scale_ there, so that a step
+// whose verdict stays on the device (dist.consensus = late) never makes the host wait. state()
+// and scale_value() read them (the host waits): checkpoints and log lines only.
 // Its checkpoint state is meta.json's "scaler" object (checkpoint::Stateful).
 // Thread-compatible.
 #pragma once
@@ -35,19 +38,29 @@ struct ScalerState {
 class GradScaler : public checkpoint::Stateful {
  public:
   explicit GradScaler(const AmpConfig& cfg);
-  explicit GradScaler(ScalerState s) : s_(s) {}
+  explicit GradScaler(ScalerState s) { load_state(s); }
 
-  torch::Tensor scale(const torch::Tensor& loss) const { return loss * static_cast<float>(s_.scale); }
+  /// loss times the scale (float32), on the loss's device.
+  torch::Tensor scale(const torch::Tensor& loss);
   /// Divides every defined gradient by the scale and returns true if any holds inf/NaN
   /// (this rank's verdict). Throws std::logic_error if called twice before update().
   bool unscale_(const std::vector<torch::Tensor>& params);
+  /// unscale_ without reading the verdict: a float32 tensor of one element on the gradients'
+  /// device (1 = inf/NaN).
+  torch::Tensor unscale_on_device(const std::vector<torch::Tensor>& params);
   /// Ends the step with the verdict agreed across ranks: backs off (and resets the tracker) on
   /// inf/NaN, otherwise counts a clean step and grows after growth_interval of them.
   void update(bool found_inf);
+  /// The same with the verdict as a tensor of one element (non-zero = inf/NaN), on the device.
+  void update(const torch::Tensor& found_inf);
 
-  double scale_value() const { return s_.scale; }
-  const ScalerState& state() const { return s_; }
-  void load_state(const ScalerState& s) { s_ = s; }
+  /// The scale (the host waits for it).
+  double scale_value() const;
+  /// The scale as a float32 tensor of one element, where it lives (nothing is read).
+  const torch::Tensor& scale_tensor() const { return scale_; }
+  /// The whole state (the host waits for the scale and the tracker).
+  ScalerState state() const;
+  void load_state(const ScalerState& s);
   /// shared["scaler"] = {scale, growth_tracker, growth_factor, backoff_factor, growth_interval}.
   void save(checkpoint::State& state) const override;
   /// Restores shared["scaler"]; a checkpoint without it (saved without loss scaling) keeps the
@@ -59,7 +72,11 @@ class GradScaler : public checkpoint::Stateful {
   static bool has_fused_unscale(c10::DeviceType device);
 
  private:
-  ScalerState s_;
+  void move_to(const torch::Device& device);
+  torch::Tensor scale_;    // float32, one element (0-dim)
+  torch::Tensor tracker_;  // int32, one element (0-dim): clean steps since the last change
+  double growth_factor_ = 2.0, backoff_factor_ = 0.5;
+  int64_t growth_interval_ = 2000;
   bool unscaled_ = false;
 };
 

@@ -1,5 +1,7 @@
 #include "keel/dist/collectives.h"
 
+#include "keel/common/host_copy.h"
+
 #include <algorithm>
 #include <cstring>
 #include <sstream>
@@ -184,6 +186,10 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
   } catch (const std::exception& e) {
     throw failure(std::string(d.validation ? "validation of " : "") + d.what + ": " + describe(d), e.what());
   }
+  count(d, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+}
+
+void Collectives::count(const Desc& d, double wait_ms) {
   // A probe is the 16-byte (f, -f) pair whatever it guards; otherwise the tensor's payload.
   const int64_t bytes =
       d.validation ? 16 : d.dtype >= 0 ? d.numel * static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(d.dtype))) : 0;
@@ -193,7 +199,7 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
   traffic_.probes += d.validation ? 1 : 0;
   traffic_.bytes_sent += bytes;
   traffic_.bytes_received += gather ? bytes * size() : bytes;
-  traffic_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  traffic_.wait_ms += wait_ms;
 }
 
 void Collectives::check(const Desc& d_in) {
@@ -316,63 +322,154 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
   traffic_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
+struct PendingStep::Impl {
+  int64_t step = 0, plan = 0, seq = 0, fingerprint = 0;
+  torch::Tensor found_inf;
+  HostCopy record;  // [world, 7] int64: each rank's (fingerprint, step, plan, loss bits, nonfinite, compute us, flags)
+  c10::intrusive_ptr<c10d::Work> work;  // waited for by the host only at resolve() (a GPU group)
+};
+
+int64_t PendingStep::step() const { return impl_ ? impl_->step : 0; }
+
+const torch::Tensor& PendingStep::found_inf() const {
+  static const torch::Tensor none;
+  return impl_ ? impl_->found_inf : none;
+}
+
+Collectives::Desc Collectives::step_desc(int64_t step, int64_t plan, int64_t seq) {
+  Desc d;
+  d.op = static_cast<int64_t>(OpCode::StepSync);
+  d.step = step;
+  d.extra = plan;
+  d.seq = seq;
+  d.what = "per-step consensus";
+  d.dtype = static_cast<int64_t>(torch::kLong);
+  d.numel = 7;
+  return d;
+}
+
+// The record built on the host, exchanged and read at once (dist.consensus = step).
 StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
                                      uint32_t flags) {
-  StepConsensus c;
-  if (!group_->pg()) {
+  if (!group_->pg()) {  // one process: nothing to agree on
+    StepConsensus c;
     c.mean_loss = loss;
     c.any_nonfinite = nonfinite;
     c.rank_compute_ms = {compute_ms};
     c.any_flags = c.all_flags = flags;
     return c;
   }
-  // No separate validation round: the record itself carries the step and plan, and is checked
-  // after the exchange (the optimizer has not stepped yet, so nothing is applied on a mismatch).
-  Desc d;
-  d.op = static_cast<int64_t>(OpCode::StepSync);
-  d.step = step;
-  d.extra = static_cast<int64_t>(plan & ((1ull << 62) - 1));
-  d.seq = static_cast<int64_t>(seq_++);
-  d.what = "per-step consensus";
-  d.dtype = static_cast<int64_t>(torch::kLong);
-  d.numel = 7;
+  const int64_t p = static_cast<int64_t>(plan & ((1ull << 62) - 1));
+  const Desc d = step_desc(step, p, static_cast<int64_t>(seq_++));
+  const int64_t f = static_cast<int64_t>(fingerprint(d.words()));
   int64_t loss_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
-  auto mine = torch::tensor({static_cast<int64_t>(fingerprint(d.words())), step, d.extra, loss_bits,
-                             int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
-                            torch::kLong);
+  auto mine = torch::tensor(
+      {f, step, p, loss_bits, int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)}, torch::kLong);
   mine = on_comm_device(mine);
   std::vector<std::vector<at::Tensor>> out(1);
   for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
   std::vector<at::Tensor> in{mine};
   wait(group_->pg()->allgather(out, in), d);
-  for (auto& o : out[0]) o = o.cpu();
-  mine = mine.cpu();
+  return read_step(torch::stack(out[0]).cpu(), f, step, nullptr);
+}
+
+// No separate validation round: the record itself carries the step and plan, and is checked when
+// it is resolved; until then found_inf() holds back the update of a rank that disagrees.
+PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch::Tensor& loss,
+                                       const torch::Tensor& nonfinite, double compute_ms, uint32_t flags) {
+  PendingStep p;
+  p.impl_ = std::make_shared<PendingStep::Impl>();
+  auto& im = *p.impl_;
+  im.step = step;
+  im.plan = static_cast<int64_t>(plan & ((1ull << 62) - 1));
+  im.seq = group_->pg() ? static_cast<int64_t>(seq_++) : 0;
+  const Desc d = step_desc(step, im.plan, im.seq);
+  im.fingerprint = static_cast<int64_t>(fingerprint(d.words()));
+  const torch::Device dev = group_->pg() ? group_->comm_device() : loss.device();
+  // The host's fields travel through pinned memory without a wait; the device's stay there.
+  auto host = torch::tensor({im.fingerprint, step, im.plan, static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
+                            torch::kLong);
+  const torch::Tensor fields =
+      dev.is_cpu() ? host : host.pin_memory().to(torch::TensorOptions().device(dev), /*non_blocking=*/true);
+  const torch::Tensor loss_bits = loss.detach().reshape({1}).to(dev).to(torch::kDouble).contiguous().view(torch::kLong);
+  const torch::Tensor bad = nonfinite.detach().reshape({1}).to(dev).ne(0).to(torch::kLong);
+  const torch::Tensor mine = torch::cat({fields.slice(0, 0, 3), loss_bits, bad, fields.slice(0, 3, 5)});
+  torch::Tensor all;
+  if (!group_->pg()) {
+    all = mine.unsqueeze(0);
+  } else {
+    std::vector<std::vector<at::Tensor>> out(1);
+    for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
+    std::vector<at::Tensor> in{mine};
+    im.work = group_->pg()->allgather(out, in);
+    // On the CPU the host waits here, as for every collective; on a GPU only the stream does
+    // (the host waits, bounded by dist.timeout_s, in resolve()).
+    if (dev.is_cpu()) {
+      wait(im.work, d);
+      im.work.reset();
+    } else {
+      im.work->wait();
+      count(d, 0.0);
+    }
+    all = torch::stack(out[0]);
+  }
+  torch::Tensor found = all.select(1, 4).ne(0).any();
+  if (mode_ != Validate::Off) found = found.logical_or(all.select(1, 0).ne(mine[0]).any());
+  im.found_inf = found.to(torch::kFloat).reshape({1});
+  im.record = HostCopy::start(all);
+  return p;
+}
+
+StepConsensus Collectives::resolve(PendingStep& pending, double* local_loss) {
+  if (!pending) throw std::logic_error("Collectives::resolve: no exchanged step");
+  auto& im = *pending.impl_;
+  const Desc d = step_desc(im.step, im.plan, im.seq);
+  if (im.work) {  // a GPU group: the host waits for the all-gather, bounded by dist.timeout_s
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      im.work->wait(group_->timeout() - report_grace());
+    } catch (const std::exception& e) {
+      step_ = im.step;  // the failure names the step whose record it is
+      throw failure(std::string(d.what) + ": " + describe(d), e.what());
+    }
+    traffic_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    im.work.reset();
+  }
+  return read_step(im.record.get(), im.fingerprint, im.step, local_loss);
+}
+
+// Every rank's record ([world, 7] int64 on the host): the consensus, or CollectiveMismatch naming
+// each rank's step and plan when a fingerprint differs from this rank's (`mine`).
+StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const {
+  const int64_t n = all.size(0);
+  StepConsensus c;
   bool agree = true;
   double sum = 0;
   c.all_flags = ~0u;
-  for (int64_t r = 0; r < size(); ++r) {
-    const int64_t* w = out[0][r].data_ptr<int64_t>();
-    agree &= (w[0] == mine[0].item<int64_t>());
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t* w = all[r].data_ptr<int64_t>();
+    agree &= (w[0] == mine);
     double l;
     std::memcpy(&l, &w[3], sizeof l);
     sum += l;
+    if (local_loss && r == (group_->pg() ? rank() : 0)) *local_loss = l;
     c.any_nonfinite |= (w[4] != 0);
-    c.rank_compute_ms.push_back(w[5] / 1000.0);
+    c.rank_compute_ms.push_back(static_cast<double>(w[5]) / 1000.0);
     c.any_flags |= static_cast<uint32_t>(w[6]);
     c.all_flags &= static_cast<uint32_t>(w[6]);
   }
   if (!agree && mode_ != Validate::Off) {
     std::ostringstream os;
     os << "ranks disagree at the end of step " << step << "'s backward; no update was applied:";
-    for (int64_t r = 0; r < size(); ++r) {
-      const int64_t* w = out[0][r].data_ptr<int64_t>();
+    for (int64_t r = 0; r < n; ++r) {
+      const int64_t* w = all[r].data_ptr<int64_t>();
       os << "\n  rank " << r << ": step " << w[1] << ", gradient plan " << std::hex << w[2] << std::dec;
     }
     os << "\nall ranks must run the same number of micro-batches per step over the same parameters";
     throw CollectiveMismatch(os.str());
   }
-  c.mean_loss = sum / static_cast<double>(size());
+  c.mean_loss = sum / static_cast<double>(n);
   return c;
 }
 

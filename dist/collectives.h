@@ -58,6 +58,25 @@ struct StepConsensus {
   uint32_t all_flags = 0;             // AND of every rank's `flags`
 };
 
+/// A per-step record on its way (Collectives::exchange_step): the exchange is issued and the
+/// verdict is on the device, but the host has not waited for either. resolve() reads it.
+class PendingStep {
+ public:
+  PendingStep() = default;
+  int64_t step() const;
+  /// float32, one element, on the devices' side (the group's device; the CPU with Gloo): 1 when
+  /// some rank saw inf/NaN, or when some rank's step or gradient plan differs from this rank's
+  /// (so that no update is applied before the disagreement is reported); else 0. What the fused
+  /// optimizer and the GradScaler take as found_inf.
+  const torch::Tensor& found_inf() const;
+  explicit operator bool() const { return impl_ != nullptr; }
+
+ private:
+  friend class Collectives;
+  struct Impl;
+  std::shared_ptr<Impl> impl_;
+};
+
 /// What keel's control collectives cost this rank so far: every call through this class (the
 /// per-step consensus, validation probes, checkpoint coordination, evaluation totals, buffer
 /// broadcasts, user collectives), not DDP's gradient all-reduce (the Reducer's own).
@@ -104,6 +123,16 @@ class Collectives {
   /// "checkpoint written"), returned OR-ed and AND-ed over ranks.
   StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
                           uint32_t flags = 0);
+  /// step_sync without waiting: `loss` (a float tensor of one element) and `nonfinite` (one
+  /// element, non-zero = inf/NaN) may live on the device and are not read by the host. With
+  /// NCCL the host neither waits for the all-gather nor for the values: the record is copied to
+  /// pinned memory behind an event, and PendingStep::found_inf() is computed on the device.
+  PendingStep exchange_step(int64_t step, uint64_t plan, const torch::Tensor& loss, const torch::Tensor& nonfinite,
+                            double compute_ms, uint32_t flags = 0);
+  /// Reads an exchanged record (waiting for it when needed) and checks it as step_sync does,
+  /// with the same CollectiveMismatch naming each rank's step and plan. Also returns this
+  /// rank's own loss (`local_loss`).
+  StepConsensus resolve(PendingStep& pending, double* local_loss = nullptr);
 
   /// What a rank whose collective failed reported through the store (see above), or nullopt
   /// while none has. Does not block. "" for one rank without a store.
@@ -122,6 +151,9 @@ class Collectives {
   struct Desc;
   void check(const Desc& d);
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
+  void count(const Desc& d, double wait_ms);  // the traffic counters, for a call that finished
+  static Desc step_desc(int64_t step, int64_t plan, int64_t seq);
+  StepConsensus read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const;
   std::string describe(const Desc& d) const;
   torch::Tensor on_comm_device(const torch::Tensor& t) const;
   // After a failed collective: records this rank's failure in the store and waits briefly for

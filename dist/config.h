@@ -22,6 +22,11 @@ enum class Validate { Always, FirstStep, Off };
 inline constexpr Choices<Validate, 3> kValidateModes{{
     {"always", Validate::Always}, {"first_step", Validate::FirstStep}, {"off", Validate::Off}}};
 
+/// dist.consensus: when the host reads the per-step consensus (docs/concepts.md).
+enum class Consensus { Auto, Step, Late };
+inline constexpr Choices<Consensus, 3> kConsensusModes{{
+    {"auto", Consensus::Auto}, {"step", Consensus::Step}, {"late", Consensus::Late}}};
+
 struct DistConfig {
   Backend backend = Backend::Auto;
   int64_t timeout_s = 300;
@@ -31,6 +36,7 @@ struct DistConfig {
   bool broadcast_buffers = true;
   CommHook comm_hook = CommHook::Allreduce;
   Validate validate = Validate::Always;
+  Consensus consensus = Consensus::Auto;
   /// ZeRO stage (docs/zero.md): 0 = replicated optimizer state; 1 = optimizer state partitioned
   /// by parameter; 2 = also gradients reduce-scattered to their owner.
   int64_t zero = 0;

@@ -13,6 +13,7 @@
 #   build      configure (CUDA build) + build keel; tests/link_check.sh
 #   cnn_nccl   cnn on the GPU, one rank, NCCL process group (dist.backend = nccl)
 #   gpt_nccl   gpt on the GPU, one rank, NCCL
+#   sync_debug gpt, NCCL, dist.consensus = late, run.sync_debug = error: no host sync in steps 6-29
 #   gloo_2r    two ranks on the one GPU, Gloo on CUDA tensors (NCCL refuses two ranks per device)
 #   fp16       fp16 autocast + GradScaler, initial scale 2^40: real fp16 overflows, steps skipped
 #   bf16       bf16 autocast
@@ -142,7 +143,7 @@ try:
 except Exception as e:
     print(json.dumps({"ok": False, "rc": rc, "error": f"no summary.json: {e}"})); sys.exit()
 keep = ["device", "backend", "world_size", "final_loss", "median_step_ms", "samples_per_s", "amp_dtype",
-        "loss_scale", "skipped_steps", "steps", "resumed_from_step", "torch_version"]
+        "loss_scale", "skipped_steps", "steps", "resumed_from_step", "torch_version", "consensus"]
 ok = rc == 0 and bool(eval(cond, {"math": math}, {"s": s}))
 print(json.dumps({"ok": ok, "rc": rc, **{k: s.get(k) for k in keep if k in s}}))
 PY
@@ -157,6 +158,11 @@ train_step cnn_nccl 1 "s['device'].startswith('$dev') and s['backend'] == '$nccl
   --model.name=cnn --train.batch_size=64 --train.steps=150 --dist.backend=$nccl
 train_step gpt_nccl 1 "s['device'].startswith('$dev') and s['backend'] == '$nccl' and $finite" \
   --model.name=gpt --train.batch_size=8 --train.steps=60 --dist.backend=$nccl
+# No host synchronisation in a steady step (issue 25, item 4): CUDA's sync debug mode set to
+# error from step 6 on; any operation that makes the host wait for the GPU fails the run.
+train_step sync_debug 1 "s['consensus'] == 'late' and s['steps'] == 30 and $finite" \
+  --model.name=gpt --train.batch_size=8 --train.steps=30 --dist.backend=$nccl --dist.consensus=late \
+  --train.grad_clip=1.0 --run.sync_debug=error
 train_step gloo_2r 2 "s['world_size'] == 2 and s['backend'] == 'gloo' and $finite" \
   --model.name=cnn --train.batch_size=64 --train.steps=60 --dist.backend=gloo
 # 2^40 overflows fp16 gradients for real: GradScaler skips those steps and backs off.

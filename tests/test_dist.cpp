@@ -104,6 +104,46 @@ TEST(Collectives, TrafficCountersCountCallsProbesAndBytes) {
   expect_all_ok(ranks);
 }
 
+// The step consensus exchanged now and read later (dist.consensus = late): two steps in flight
+// read in order give each step's mean loss and verdict; found_inf is 1 on every rank when one
+// rank saw inf/NaN, and when the ranks disagree on the gradient plan, which reading the record
+// then reports on every rank naming each rank's step and plan, as step_sync does.
+TEST(Collectives, TheStepConsensusReadLateStillNamesDisagreeingRanks) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    auto c = make_collectives(w, 20);
+    const auto loss = [&](double v) { return torch::full({1}, v + w.rank, torch::kDouble); };
+    const auto flag = [](bool b) { return torch::full({1}, b ? 1.0f : 0.0f); };
+    auto a = c->exchange_step(1, 7, loss(1.0), flag(false), 2.0);
+    auto b = c->exchange_step(2, 7, loss(3.0), flag(w.rank == 1), 2.0, /*flags=*/1u << w.rank);
+    EXPECT_EQ(a.found_inf().item<float>(), 0.0f);
+    EXPECT_EQ(b.found_inf().item<float>(), 1.0f);  // rank 1's inf holds rank 0 back too
+    double mine = 0;
+    const auto ca = c->resolve(a, &mine);
+    EXPECT_EQ(ca.mean_loss, 1.5);
+    EXPECT_EQ(mine, 1.0 + w.rank);
+    EXPECT_FALSE(ca.any_nonfinite);
+    const auto cb = c->resolve(b);
+    EXPECT_EQ(cb.mean_loss, 3.5);
+    EXPECT_TRUE(cb.any_nonfinite);
+    EXPECT_EQ(cb.any_flags, 3u);
+    EXPECT_EQ(cb.all_flags, 0u);
+    // Rank 1 ran another number of micro-batches: another gradient plan.
+    auto bad = c->exchange_step(3, w.rank == 0 ? 0xa1 : 0xb2, loss(1.0), flag(false), 2.0);
+    EXPECT_EQ(bad.found_inf().item<float>(), 1.0f);  // nobody applies step 3's update
+    try {
+      c->resolve(bad);
+      ADD_FAILURE() << "no error on rank " << w.rank;
+    } catch (const keel::dist::CollectiveMismatch& e) {
+      const std::string m = e.what();
+      EXPECT_NE(m.find("ranks disagree at the end of step 3's backward; no update was applied"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank 0: step 3, gradient plan a1"), std::string::npos) << m;
+      EXPECT_NE(m.find("rank 1: step 3, gradient plan b2"), std::string::npos) << m;
+    }
+  }, /*timeout_s=*/60);
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
 TEST(Collectives, MismatchedShapesFailFastOnEveryRankWithBothShapes) {
   auto ranks = run_ranks(2, [](const World& w) {
     auto c = make_collectives(w, /*timeout_s=*/20);

@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
+#include <map>
 #include <random>
 #include <signal.h>
 
@@ -170,6 +172,104 @@ TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
   EXPECT_NE(ranks[1].output.find("1125899906842624 bytes"), std::string::npos) << ranks[1].output;
   EXPECT_NE(ranks[1].output.find("the last committed checkpoint is step 4 (intact)"), std::string::npos) << ranks[1].output;
   EXPECT_TRUE(keel::checkpoint::verify_step(d.file("ck/step_4")).empty());
+}
+
+// dist.consensus = late (the default on a GPU) reads the step consensus one step late, the skip
+// decided on the device through found_inf. On 2 CPU ranks it must train exactly the steps that
+// "step" trains: an inf on rank 1 at step 5 skipped everywhere, the loss scale backing off and
+// growing, clipping, a periodic checkpoint in the middle: the same losses, grad norms and loss
+// scales in every metrics line, and the same final weights and optimizer state, to the bit.
+// With dist.zero = 2 too: each owner updates its share (skipping on the device) and broadcasts it.
+class LateConsensus : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(LateConsensus, TrainsTheSameStepsAsTheConsensusReadAtOnce) {
+  TempDir d;
+  std::map<std::string, std::vector<nlohmann::json>> lines;
+  for (const std::string mode : {"step", "late"}) {
+    SCOPED_TRACE(mode);
+    auto ranks = keel_ranks(run_args(d.file(mode), 14,
+                                     {"--fault.inject=nonfinite_grad@step=5,rank=1", "--amp.loss_scaling=dynamic",
+                                      "--amp.growth_interval=3", "--train.grad_clip=0.5", "--train.eval_interval=7",
+                                      "--checkpoint.dir=" + d.file(mode + "/ck"), "--checkpoint.interval=6",
+                                      "--dist.consensus=" + mode, std::string("--dist.zero=") + GetParam()}));
+    for (auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << r.output;
+    const auto s = nlohmann::json::parse(read_text(d.file(mode + "/run/summary.json")));
+    EXPECT_EQ(s["consensus"], mode);
+    EXPECT_EQ(s["skipped_steps"], 1);
+    EXPECT_EQ(s["steps"], 14);
+    // 65536, grown after 3 clean steps to 131072, backed off at step 5.
+    EXPECT_NE(ranks[0].output.find("step 5: inf/NaN on some rank; every rank skips this update (loss scale 131072 -> 65536)"),
+              std::string::npos) << ranks[0].output;
+    std::ifstream in(d.file(mode + "/run/metrics.jsonl"));
+    for (std::string line; std::getline(in, line);) lines[mode].push_back(nlohmann::json::parse(line));
+  }
+  ASSERT_EQ(lines["step"].size(), 14u);
+  ASSERT_EQ(lines["late"].size(), 14u);
+  for (size_t i = 0; i < 14; ++i) {
+    const auto &a = lines["step"][i], &b = lines["late"][i];
+    EXPECT_EQ(a["step"], b["step"]);
+    for (const char* key : {"loss", "loss_scale", "grad_norm", "test_loss", "skipped", "epoch"})
+      EXPECT_EQ(a.value(key, nlohmann::json()), b.value(key, nlohmann::json())) << key << " at step " << a["step"];
+  }
+  EXPECT_EQ(lines["late"][4].value("skipped", false), true);
+  EXPECT_EQ(lines["late"][2]["loss_scale"], 131072.0);  // steps 1-3 clean: grown
+  EXPECT_EQ(lines["late"][4]["loss_scale"], 65536.0);   // step 5: backed off
+  EXPECT_EQ(lines["late"][7]["loss_scale"], 131072.0);  // steps 6-8 clean: grown again
+  EXPECT_TRUE(lines["late"][4]["grad_norm"].is_null());  // no norm for a skipped step, in either mode
+  for (const char* step : {"step_6", "step_12", "step_14"}) {
+    int compared = 0;
+    for (const auto& f : std::filesystem::directory_iterator(d.file(std::string("step/ck/") + step))) {
+      const std::string name = f.path().filename().string();
+      if (name.find(".safetensors") == std::string::npos) continue;
+      EXPECT_EQ(read_text(f.path().string()), read_text(d.file(std::string("late/ck/") + step + "/" + name)))
+          << step << "/" << name;
+      ++compared;
+    }
+    EXPECT_GE(compared, 2) << step;  // the model and the optimizer state at least
+    // Every file's SHA-256, and the loop's counters, the loss scaler and the sampler's position.
+    auto meta = [&](const std::string& mode) {
+      auto m = nlohmann::json::parse(read_text(d.file(mode + "/ck/" + step + "/meta.json")));
+      return nlohmann::json{{"state", m["state"]}, {"files", m["files"]}};
+    };
+    EXPECT_EQ(meta("step"), meta("late")) << step;
+    EXPECT_FALSE(meta("late")["state"]["scaler"].is_null()) << step;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(FaultNonfiniteGrad, LateConsensus, ::testing::Values("0", "2"));
+
+// Read late, a non-finite step without skipping still stops every rank naming the step (no rank
+// applied its update: the device skipped it), and a stop request ends the run one step later,
+// with the final checkpoint committed.
+TEST(FaultNonfiniteGrad, ReadLateAnErrorStillNamesTheStepAndAStopComesOneStepLater) {
+  TempDir d;
+  auto args = nonfinite_args(d.file("run"));
+  args.push_back("--dist.consensus=late");
+  auto ranks = keel_ranks(args);
+  for (auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 1) << r.output;
+    EXPECT_NE(r.output.find("non-finite training loss or gradients at step 5"), std::string::npos) << r.output;
+  }
+  auto stop = keel_ranks(run_args(d.file("stop"), 20, {"--fault.inject=signal@step=4,rank=1", "--dist.consensus=late",
+                                                      "--checkpoint.dir=" + d.file("stop/ck")}));
+  for (auto& r : stop) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  }
+  const auto s = nlohmann::json::parse(read_text(d.file("stop/run/summary.json")));
+  EXPECT_EQ(s["steps"], 5);  // step 4's consensus carries the request, read during step 5
+  EXPECT_EQ(s["checkpoint_step"], 5);
+  EXPECT_TRUE(keel::checkpoint::verify_step(d.file("stop/ck/step_5")).empty());
+}
+
+// A late consensus with torch::optim's loop (which cannot skip on the device) is refused.
+TEST(FaultNonfiniteGrad, ReadLateNeedsTheFusedOptimizer) {
+  TempDir d;
+  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=2", "--run.dir=" + d.file("run"),
+                     "--dist.consensus=late", "--train.fused_optimizer=false"});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("dist.consensus = \"late\" needs train.fused_optimizer = true"), std::string::npos) << r.output;
 }
 
 TEST(FaultShapeMismatch, CaughtByValidationOnEveryRankWithBothShapes) {

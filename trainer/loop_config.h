@@ -21,6 +21,11 @@ inline constexpr Choices<logging::Level, 5> kLogLevels{{{"trace", logging::Level
                                                         {"warn", logging::Level::warn},
                                                         {"error", logging::Level::error}}};
 
+/// run.sync_debug: CUDA's sync debug mode over the steady steps (c10::cuda::SyncDebugMode).
+enum class SyncDebug { Off, Warn, Error };
+inline constexpr Choices<SyncDebug, 3> kSyncDebugModes{{
+    {"off", SyncDebug::Off}, {"warn", SyncDebug::Warn}, {"error", SyncDebug::Error}}};
+
 enum class OptimizerKind { AdamW, Sgd };
 inline constexpr Choices<OptimizerKind, 2> kOptimizers{{{"adamw", OptimizerKind::AdamW}, {"sgd", OptimizerKind::Sgd}}};
 
@@ -39,6 +44,7 @@ struct RunConfig {
   bool tensorboard = true;  // rank 0 writes TensorBoard event files under <dir>/tb/
   std::string profile_steps = "";  // "A-B": a profiler trace of those steps (trainer/profiler.h)
   double peak_tflops = 0;  // one rank's peak for MFU; 0 = measured at start (models that report FLOPs)
+  SyncDebug sync_debug = SyncDebug::Off;
 };
 
 struct TrainConfig {

@@ -43,6 +43,7 @@ nlohmann::json Summary::to_json() const {
       {"compile_cache", compile_cache},
       {"recompiles", recompiles},
       {"amp_dtype", amp_dtype},
+      {"consensus", consensus},
       {"loss_scale", or_null(loss_scale)},
       {"skipped_steps", skipped_steps},
       {"resumed_from_step", or_null(resumed_from_step)},

@@ -7,6 +7,9 @@
 #include <unistd.h>
 
 #include <ATen/record_function.h>
+#ifdef KEEL_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -26,6 +29,7 @@
 #include "keel/common/atomic_file.h"
 #include "keel/common/clock.h"
 #include "keel/common/file.h"
+#include "keel/common/host_copy.h"
 #include "keel/common/log.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
@@ -98,6 +102,32 @@ constexpr int64_t kMaxPlannedSteps = 1'000'000'000'000;
 // Bits of the per-step consensus (dist::Collectives::step_sync).
 constexpr uint32_t kFlagStop = 1u << 0;              // this rank received SIGINT/SIGTERM
 constexpr uint32_t kFlagCheckpointWritten = 1u << 1; // this rank's async checkpoint write is done
+
+// run.sync_debug: CUDA's sync debug mode while a steady step runs (the previous mode after).
+class SyncDebugScope {
+ public:
+  /// `pause`: off for the scope (a legitimate wait inside a checked step), whatever `mode` says.
+  explicit SyncDebugScope(SyncDebug mode, bool pause = false) {
+#ifdef KEEL_WITH_CUDA
+    auto& w = c10::cuda::warning_state();
+    if (pause ? w.get_sync_debug_mode() == c10::cuda::SyncDebugMode::L_DISABLED : mode == SyncDebug::Off) return;
+    prev_ = static_cast<int>(w.get_sync_debug_mode());
+    w.set_sync_debug_mode(pause ? c10::cuda::SyncDebugMode::L_DISABLED
+                          : mode == SyncDebug::Warn ? c10::cuda::SyncDebugMode::L_WARN
+                                                    : c10::cuda::SyncDebugMode::L_ERROR);
+#endif
+  }
+  ~SyncDebugScope() {
+#ifdef KEEL_WITH_CUDA
+    if (prev_ >= 0) c10::cuda::warning_state().set_sync_debug_mode(static_cast<c10::cuda::SyncDebugMode>(prev_));
+#endif
+  }
+  SyncDebugScope(const SyncDebugScope&) = delete;
+  SyncDebugScope& operator=(const SyncDebugScope&) = delete;
+
+ private:
+  int prev_ = -1;
+};
 
 // Cross-entropy over the last dimension: logits (..., C), target (...) int64.
 torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target) {
@@ -202,9 +232,22 @@ struct StepResult {
   double lr = 0;
   double step_ms = 0;
   double grad_norm = std::nan("");  // before clipping (train.grad_clip > 0)
+  double loss_scale = std::nan("");  // after the step's update (with a GradScaler)
+  double loss_scale_before = std::nan("");
+  int64_t epoch = 0;          // the sampler's epoch after the step's batches
   bool skipped = false;       // inf/NaN on some rank: no rank applied the update
   bool stop = false;          // some rank was asked to stop: every rank stops after this step
   dist::StepConsensus consensus;
+};
+
+// A step on its way: launched (forward, backward, the consensus exchanged, the update issued)
+// and, with dist.consensus = late, not yet read by the host.
+struct InFlight {
+  StepResult r;
+  Clock::time_point t0;
+  dist::PendingStep record;
+  bool resolved = false;  // r holds the consensus
+  HostCopy extras;        // float64 [grad norm, loss scale before the update, after it]
 };
 
 class Trainer::Loop {
@@ -222,11 +265,18 @@ class Trainer::Loop {
   void build_checkpointing();
   void resume();
   void open_outputs();
-  // One step, in order.
-  StepResult train_step();
-  double forward_backward();
-  bool local_nonfinite(double local_loss);
-  void apply_update(StepResult& r);
+  // One step, in order: begin (data, forward, backward, the verdict, the consensus exchanged),
+  // update, then finish (the consensus read, logs, evaluation, checkpoint), which with
+  // dist.consensus = late comes after the next step's begin.
+  InFlight begin_step(int64_t step);
+  torch::Tensor forward_backward(double* loss_now);
+  torch::Tensor to_device(const torch::Tensor& t) const;
+  torch::Tensor local_nonfinite(const torch::Tensor& local_loss);
+  bool local_nonfinite_now(double local_loss);
+  void resolve_step(InFlight& f);
+  void apply_update(InFlight& f);
+  void finish_step(InFlight& f, std::optional<Clock::time_point> next_t0);
+  bool needs_host(int64_t step) const;
   void watch_stragglers(const dist::StepConsensus& c);
   std::optional<EvalResult> maybe_evaluate(int64_t step);
   EvalResult evaluate(int64_t step);
@@ -296,6 +346,10 @@ class Trainer::Loop {
   std::optional<EvalResult> last_eval_;
   int stop_signal_ = 0;  // the signal that stopped the run (every rank the same, after finish())
   bool stopped_ = false; // the step consensus said some rank was asked to stop
+  bool stop_requested_ = false;  // ... read in a step's finish: the loop ends after the step in hand
+  int64_t current_step_ = 0;  // the step begun last (with a late consensus, one ahead of steps_done)
+  bool late_ = false;    // dist.consensus resolved: the consensus is read one step late
+  FusedOptimizer* fused_ = nullptr;  // optimizer_, when fused (the update can skip on the device)
   StragglerWatch stragglers_;
 };
 
@@ -451,6 +505,14 @@ void Trainer::Loop::build_optimizer() {
       *optimizer_, owned_named_, dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{},
       dmodel_->zero());
   schedule_.emplace(cfg_.train, progress_.total_steps);
+  // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
+  // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
+  fused_ = dynamic_cast<FusedOptimizer*>(optimizer_.get());
+  const Consensus mode = cfg_.dist.consensus;
+  if (mode == Consensus::Late && !fused_)
+    throw InputError("dist.consensus = \"late\" needs a fused optimizer (train.fused_optimizer = true)");
+  late_ = fused_ && (mode == Consensus::Late ||
+                     (mode == Consensus::Auto && device_.is_cuda() && group_->backend() == "nccl"));
 }
 
 // Every component registers its own part of a checkpoint (checkpoint/stateful.h).
@@ -567,12 +629,24 @@ Summary Trainer::Loop::run() {
     traffic_at_loop_ = coll_->traffic();
     steps_at_loop_ = progress_.steps_done;
     try {
-      while (progress_.steps_done < progress_.total_steps) {
-        const StepResult r = train_step();
-        const std::optional<EvalResult> eval = maybe_evaluate(r.step);
-        log_step(r, eval);
-        maybe_checkpoint(r.step);
-        if (r.stop) {  // every rank stops after the same step
+      std::optional<InFlight> late;  // dist.consensus = late: the step the host has not read yet
+      for (int64_t step = progress_.steps_done + 1; step <= progress_.total_steps; ++step) {
+        // run.sync_debug: from step 6 (warm-up done: the allocators' pools, the scale moved to
+        // the device), except the steps the host must see (evaluation, checkpoints, the last).
+        std::optional<SyncDebugScope> sync_debug;
+        if (device_.is_cuda() && step - steps_at_loop_ > 5 && !needs_host(step)) sync_debug.emplace(cfg_.run.sync_debug);
+        InFlight cur = begin_step(step);
+        if (late) {  // read one step late, before this step's update
+          finish_step(*late, cur.t0);
+          late.reset();
+        }
+        apply_update(cur);
+        if (late_ && !stop_requested_ && !needs_host(step)) {
+          late = std::move(cur);
+          continue;
+        }
+        finish_step(cur, std::nullopt);
+        if (stop_requested_) {  // every rank stops after the same step
           stopped_ = true;  // the signal's number, which may be another rank's, is agreed in finish()
           break;
         }
@@ -592,21 +666,31 @@ Summary Trainer::Loop::run() {
   return s;
 }
 
-// One optimizer step: data, forward, backward (gradients all-reduced on the last
-// micro-batch), unscale, the cross-rank consensus, then clip and step, or skip on every rank.
-StepResult Trainer::Loop::train_step() {
-  const auto t0 = Clock::now();
-  StepResult r;
-  r.step = progress_.steps_done + 1;
+// A step's start: data, forward, backward (gradients all-reduced on the last micro-batch),
+// unscale and this rank's verdict, then the cross-rank consensus exchanged (one all-gather) and,
+// with dist.consensus = step, read at once.
+InFlight Trainer::Loop::begin_step(int64_t step) {
+  InFlight f;
+  f.t0 = Clock::now();
+  StepResult& r = f.r;
+  r.step = current_step_ = step;
   if (profiler_) profiler_->before_step(r.step);
   coll_->set_step(r.step);
   r.lr = schedule_->at(r.step - 1);
   set_lr(*optimizer_, r.lr);
-  r.local_loss = forward_backward();
+  const torch::Tensor loss = forward_backward(late_ ? nullptr : &r.local_loss);
+  r.epoch = sampler_->position().epoch;
   faults_->after_backward(r.step, owned_);
-  const bool nonfinite = local_nonfinite(r.local_loss);
+  // The verdict on the device (late), or read now (step: the host decides, as cheaply as it can).
+  torch::Tensor nonfinite;
+  bool nonfinite_now = false;
+  if (late_) {
+    nonfinite = local_nonfinite(loss);
+  } else {
+    nonfinite_now = local_nonfinite_now(r.local_loss);
+  }
   faults_->before_consensus(r.step, *coll_);
-  const double compute_ms = ms_since(t0);
+  const double compute_ms = ms_since(f.t0);
   uint32_t flags = 0;
   if (g_stop_signal.load()) flags |= kFlagStop;
   if (ckpt_ && ckpt_->pending() && ckpt_->write_finished()) flags |= kFlagCheckpointWritten;
@@ -614,10 +698,23 @@ StepResult Trainer::Loop::train_step() {
   // mean loss, and whether any rank saw inf/NaN (then no rank steps).
   {
     RECORD_USER_SCOPE("keel::consensus");
-    r.consensus = coll_->step_sync(r.step, dmodel_->plan(), r.local_loss, nonfinite, compute_ms, flags);
+    if (late_) {
+      f.record = coll_->exchange_step(r.step, dmodel_->plan(), loss, nonfinite, compute_ms, flags);
+    } else {
+      r.consensus = coll_->step_sync(r.step, dmodel_->plan(), r.local_loss, nonfinite_now, compute_ms, flags);
+      resolve_step(f);
+    }
   }
+  return f;
+}
+
+// The consensus read: the same loss, verdict and flags on every rank, or CollectiveMismatch.
+void Trainer::Loop::resolve_step(InFlight& f) {
+  StepResult& r = f.r;
+  if (f.record) r.consensus = coll_->resolve(f.record, &r.local_loss);  // else: step_sync's already
   // An async checkpoint is committed once every rank has written its share.
   if (ckpt_ && ckpt_->pending() && (r.consensus.all_flags & kFlagCheckpointWritten)) {
+    SyncDebugScope pause(SyncDebug::Off, /*pause=*/true);  // the commit's agreement waits, rarely
     ckpt_->commit();
     notify_checkpoint();
   }
@@ -625,16 +722,48 @@ StepResult Trainer::Loop::train_step() {
   r.skipped = r.consensus.any_nonfinite;
   r.stop = (r.consensus.any_flags & kFlagStop) != 0;
   if (world_.is_main()) stragglers_.observe(r.consensus.rank_compute_ms);
-  {
-    RECORD_USER_SCOPE("keel::optimizer");
-    apply_update(r);
+  if (r.skipped && !scaler_ && !cfg_.train.skip_nonfinite)
+    throw std::runtime_error("non-finite training loss or gradients at step " + std::to_string(r.step) +
+                             " (local loss " + std::to_string(r.local_loss) +
+                             "); no rank applied the update; lower train.lr, set train.grad_clip, or set "
+                             "train.skip_nonfinite = true to skip such steps");
+  f.resolved = true;
+}
+
+// A step's end: the consensus read (when late, the host first reads it here), the time, the
+// counters, then evaluation, the log line and the checkpoint the step is due. `next_t0`: when
+// the next step began (late: a step's time is from its start to the next one's).
+void Trainer::Loop::finish_step(InFlight& f, std::optional<Clock::time_point> next_t0) {
+  if (!f.resolved) resolve_step(f);
+  StepResult& r = f.r;
+  if (f.extras.valid()) {  // late: what the device left for the host
+    const double* v = f.extras.get().data_ptr<double>();
+    r.grad_norm = v[0];
+    r.loss_scale_before = v[1];
+    r.loss_scale = v[2];
   }
-  r.step_ms = ms_since(t0);
+  if (r.skipped) {
+    ++progress_.skipped_steps;
+    logging::warn("step {}: inf/NaN on some rank; every rank skips this update{}", r.step,
+                  scaler_ ? fmt::format(" (loss scale {} -> {})", r.loss_scale_before, r.loss_scale) : std::string());
+  }
+  r.step_ms = next_t0 ? std::chrono::duration<double, std::milli>(*next_t0 - f.t0).count() : ms_since(f.t0);
   progress_.steps_done = r.step;
   progress_.last_loss = r.loss;
   record_step_time(r.step_ms);
-  if (profiler_) profiler_->after_step(r.step);
-  return r;
+  const std::optional<EvalResult> eval = maybe_evaluate(r.step);
+  log_step(r, eval);
+  maybe_checkpoint(r.step);
+  if (r.stop) stop_requested_ = true;
+}
+
+// Steps whose end the host must see before the next begins: evaluation and checkpoint steps, the
+// last, and the loop's first (a rank that disagrees on the gradient plan, e.g. another number of
+// micro-batches, is named before a second step's buckets are all-reduced).
+bool Trainer::Loop::needs_host(int64_t step) const {
+  const int64_t e = cfg_.train.eval_interval, c = cfg_.checkpoint.interval;
+  return step == progress_.total_steps || step == steps_at_loop_ + 1 || (e > 0 && step % e == 0) ||
+         (ckpt_ && c > 0 && step % c == 0);
 }
 
 void Trainer::Loop::record_step_time(double ms) {
@@ -644,10 +773,13 @@ void Trainer::Loop::record_step_time(double ms) {
   ++steps_timed_;
 }
 
-// Forward and backward over the step's micro-batches; returns this rank's mean loss.
-double Trainer::Loop::forward_backward() {
+// Forward and backward over the step's micro-batches; returns this rank's mean loss, a float64
+// tensor of one element on the device (nothing is read by the host), or, given `loss_now`, reads
+// it into *loss_now (the sum in double, as the tensor's) and returns nothing.
+torch::Tensor Trainer::Loop::forward_backward(double* loss_now) {
   zero_grads(params_);
-  double loss_sum = 0;
+  torch::Tensor loss_sum;
+  double host_sum = 0;
   for (int64_t micro = 0; micro < cfg_.train.grad_accum; ++micro) {
     // Gradients are all-reduced only on the last micro-batch of the step.
     const bool sync = micro + 1 == cfg_.train.grad_accum;
@@ -655,7 +787,8 @@ double Trainer::Loop::forward_backward() {
     torch::Tensor loss;
     {
       RECORD_USER_SCOPE("keel::forward");
-      const torch::Tensor input = b.input.to(device_), target = b.target.to(device_);
+      // On a GPU through pinned memory, without making the host wait for the copy.
+      const torch::Tensor input = to_device(b.input), target = to_device(b.target);
       // compile.mode = "inductor": forward, loss and backward in one compiled package.
       if (auto compiled = dmodel_->compiled_loss(input, target, sync)) {
         loss = *compiled;
@@ -670,39 +803,79 @@ double Trainer::Loop::forward_backward() {
       RECORD_USER_SCOPE("keel::backward");  // with the Reducer's gradient all-reduces on the last micro-batch
       dmodel_->backward(scaler_ ? scaler_->scale(scaled) : scaled, sync);
     }
-    loss_sum += loss.item<double>();
+    if (loss_now) {
+      host_sum += loss.item<double>();
+    } else {
+      const torch::Tensor l = loss.detach().to(torch::kDouble).reshape({1});
+      loss_sum = loss_sum.defined() ? loss_sum + l : l;
+    }
   }
-  return loss_sum / cfg_.train.grad_accum;
+  if (loss_now) {
+    *loss_now = host_sum / static_cast<double>(cfg_.train.grad_accum);
+    return {};
+  }
+  return loss_sum / static_cast<double>(cfg_.train.grad_accum);
 }
 
-// This rank's verdict on its gradients, after unscaling (before clipping).
-bool Trainer::Loop::local_nonfinite(double local_loss) {
-  bool bad = !std::isfinite(local_loss);
+torch::Tensor Trainer::Loop::to_device(const torch::Tensor& t) const {
+  if (device_.is_cpu() || !t.device().is_cpu()) return t.to(device_);
+  return (t.is_pinned() ? t : t.pin_memory()).to(torch::TensorOptions().device(device_), /*non_blocking=*/true);
+}
+
+// This rank's verdict on its loss and gradients, after unscaling (before clipping): a float32
+// tensor of one element on the device, 1 = inf/NaN.
+torch::Tensor Trainer::Loop::local_nonfinite(const torch::Tensor& local_loss) {
+  const torch::Tensor bad = local_loss.isfinite().logical_not().to(torch::kFloat).reshape({1});
   // With dist.zero >= 1 a rank reads only the gradients it owns; the consensus ORs the verdicts.
+  if (scaler_) return torch::maximum(scaler_->unscale_on_device(owned_).to(bad.device()), bad);
+  if (cfg_.train.skip_nonfinite || faults_->watches_gradients())  // else: look only when asked
+    return torch::maximum(amp::nonfinite(owned_).to(bad.device()), bad);
+  return bad;
+}
+
+// The same verdict, read by the host (dist.consensus = step).
+bool Trainer::Loop::local_nonfinite_now(double local_loss) {
+  bool bad = !std::isfinite(local_loss);
   if (scaler_) return scaler_->unscale_(owned_) || bad;
   if (cfg_.train.skip_nonfinite || faults_->watches_gradients())  // else: look only when asked
     return amp::nonfinite(owned_).item<float>() != 0 || bad;
   return bad;
 }
 
-void Trainer::Loop::apply_update(StepResult& r) {
-  if (r.skipped && !scaler_ && !cfg_.train.skip_nonfinite)
-    throw std::runtime_error("non-finite training loss or gradients at step " + std::to_string(r.step) +
-                             " (local loss " + std::to_string(r.local_loss) +
-                             "); no rank applied the update; lower train.lr, set train.grad_clip, or set "
-                             "train.skip_nonfinite = true to skip such steps");
-  if (!r.skipped) {
-    if (cfg_.train.grad_clip > 0) r.grad_norm = dmodel_->clip_grad_norm(cfg_.train.grad_clip).item<double>();
-    optimizer_->step();
-    dmodel_->sync_parameters();  // dist.zero >= 1: each owner's update to every rank
+// Clip and step, or skip on every rank. With dist.consensus = late the skip is decided on the
+// device (the consensus' found_inf feeds the fused kernel and the GradScaler) and the step's
+// grad norm and loss scales are copied to the host behind an event, read when the step
+// finishes; otherwise the host has read the consensus already and decides.
+void Trainer::Loop::apply_update(InFlight& f) {
+  RECORD_USER_SCOPE("keel::optimizer");
+  StepResult& r = f.r;
+  if (!late_) {
+    if (!r.skipped) {
+      if (cfg_.train.grad_clip > 0) r.grad_norm = dmodel_->clip_grad_norm(cfg_.train.grad_clip).item<double>();
+      optimizer_->step();
+      dmodel_->sync_parameters();  // dist.zero >= 1: each owner's update to every rank
+    }
+    if (scaler_) {
+      r.loss_scale_before = scaler_->scale_value();
+      scaler_->update(r.skipped);
+      r.loss_scale = scaler_->scale_value();
+    }
   } else {
-    ++progress_.skipped_steps;
-    logging::warn("step {}: inf/NaN on some rank; every rank skips this update{}", r.step,
-                  scaler_ ? fmt::format(" (loss scale {} -> {})", scaler_->scale_value(),
-                                        scaler_->scale_value() * cfg_.amp.backoff_factor)
-                          : std::string());
+    const torch::Device dev = params_.front().device();
+    const auto nan = torch::full({1}, std::nan(""), torch::TensorOptions().dtype(torch::kDouble).device(dev));
+    const torch::Tensor found = f.record.found_inf().to(dev);
+    torch::Tensor norm = nan;
+    if (cfg_.train.grad_clip > 0)  // NaN on a skipped step, as when the host decides
+      norm = torch::where(found.ne(0), nan,
+                          dmodel_->clip_grad_norm(cfg_.train.grad_clip).to(torch::kDouble).reshape({1}));
+    const torch::Tensor scale_before = scaler_ ? scaler_->scale_tensor().to(dev, torch::kDouble).reshape({1}) : nan;
+    fused_->step_unless(found);
+    dmodel_->sync_parameters();  // dist.zero >= 1: each owner's update (or its old values) to every rank
+    if (scaler_) scaler_->update(found);
+    const torch::Tensor scale_after = scaler_ ? scaler_->scale_tensor().to(dev, torch::kDouble).reshape({1}) : nan;
+    f.extras = HostCopy::start(torch::cat({norm, scale_before, scale_after}));
   }
-  if (scaler_) scaler_->update(r.skipped);
+  if (profiler_) profiler_->after_step(r.step);
 }
 
 std::optional<EvalResult> Trainer::Loop::maybe_evaluate(int64_t step) {
@@ -767,11 +940,11 @@ void Trainer::Loop::log_step(const StepResult& r, const std::optional<EvalResult
   const StepInfo info{r.step, r.loss, r.lr, r.step_ms, progress_.global_batch * 1000.0 / r.step_ms};
   const bool is_lm = spec_.kind == models::InputKind::Tokens;
   nlohmann::json line = {{"step", info.step}, {"loss", r.loss}, {"lr", r.lr}, {"step_ms", r.step_ms},
-                         {"samples_per_s", info.samples_per_s}, {"epoch", sampler_->position().epoch}};
+                         {"samples_per_s", info.samples_per_s}, {"epoch", r.epoch}};
   if (is_lm) line["tokens_per_s"] = info.samples_per_s * spec_.sample_shape.at(0);
   if (cfg_.train.grad_clip > 0) line["grad_norm"] = r.grad_norm;
   if (world_.size > 1) line["rank_compute_ms"] = r.consensus.rank_compute_ms;
-  if (scaler_) line["loss_scale"] = scaler_->scale_value();
+  if (scaler_) line["loss_scale"] = r.loss_scale;
   if (r.skipped) line["skipped"] = true;
   if (eval) {
     line["test_loss"] = eval->loss;
@@ -814,7 +987,7 @@ void Trainer::Loop::write_tensorboard(const StepResult& r, const std::optional<E
       {"train/skipped_steps", static_cast<double>(progress_.skipped_steps)}};
   if (spec_.kind == models::InputKind::Tokens)
     v.emplace_back("train/tokens_per_s", v[3].second * static_cast<double>(spec_.sample_shape.at(0)));
-  if (scaler_) v.emplace_back("train/loss_scale", scaler_->scale_value());
+  if (scaler_) v.emplace_back("train/loss_scale", r.loss_scale);
   if (cfg_.train.grad_clip > 0) v.emplace_back("train/grad_norm", r.grad_norm);
   if (last_mfu_) v.emplace_back("train/mfu", *last_mfu_);
   const auto& c = r.consensus.rank_compute_ms;
@@ -852,7 +1025,7 @@ void Trainer::Loop::notify_checkpoint() {
 
 // Out of memory (injected or real): say where, how much, and what survives.
 std::runtime_error Trainer::Loop::out_of_memory(const std::string& what, bool committed_step) const {
-  const std::string where = "out of memory at step " + std::to_string(progress_.steps_done + 1) + " on rank " +
+  const std::string where = "out of memory at step " + std::to_string(std::max(current_step_, progress_.steps_done + 1)) + " on rank " +
                             std::to_string(world_.rank);
   if (!committed_step) return std::runtime_error(where + " (" + what + "); lower train.batch_size");
   return std::runtime_error(where + ": " + what + "; the last committed checkpoint is " +
@@ -933,6 +1106,7 @@ Summary Trainer::Loop::summary() const {
   s.compile_cache = cr.cache;
   s.recompiles = cr.recompiles;
   s.amp_dtype = choice_name(kAmpDtypes, cfg_.amp.dtype);
+  s.consensus = late_ ? "late" : "step";
   if (scaler_) s.loss_scale = scaler_->scale_value();
   s.skipped_steps = progress_.skipped_steps;
   s.resumed_from_step = resumed_from_;

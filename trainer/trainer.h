@@ -70,6 +70,7 @@ struct Summary {
   std::string compile_cache;         // off | hit | miss | checkpoint (inductor: the package stored with the checkpoint)
   int64_t recompiles = 0;
   std::string amp_dtype;             // off | bf16 | fp16
+  std::string consensus;             // step | late: when the host read the per-step consensus (dist.consensus)
   std::optional<double> loss_scale;  // GradScaler's scale at the end (dynamic loss scaling)
   int64_t skipped_steps = 0;         // steps skipped on every rank for inf/NaN
   std::optional<int64_t> resumed_from_step;

@@ -424,6 +424,10 @@ void validate(Config& cfg) {
     fail("compile.cuda_graphs = true is not implemented in keel yet (issue 25 waits for a GPU); remove it");
   }
 #endif
+  if (cfg.dist.consensus == Consensus::Late && !cfg.train.fused_optimizer)
+    fail("dist.consensus = \"late\" needs train.fused_optimizer = true: the update is skipped on the device through "
+         "the fused kernel's found_inf, which torch::optim's loop cannot take (set train.fused_optimizer = true, or "
+         "dist.consensus = \"step\" or \"auto\")");
   // fault.inject syntax and types (the rank bound is checked when the world size is known).
   FaultPlan(cfg.fault.inject, std::numeric_limits<int64_t>::max());
   if (cfg.checkpoint.save_graph && cfg.compile.mode != CompileMode::Trace && cfg.compile.mode != CompileMode::Inductor)
