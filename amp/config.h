@@ -10,12 +10,12 @@ namespace keel {
 
 /// amp.dtype: the autocast dtype (Off: full precision).
 enum class AmpDtype { Off, Bf16, Fp16 };
-inline constexpr Choices<AmpDtype, 3> kAmpDtypes{{
-    {"off", AmpDtype::Off}, {"bf16", AmpDtype::Bf16}, {"fp16", AmpDtype::Fp16}}};
+inline constexpr Choices<AmpDtype, 3> kAmpDtypes{
+    {{"off", AmpDtype::Off}, {"bf16", AmpDtype::Bf16}, {"fp16", AmpDtype::Fp16}}};
 
 enum class LossScaling { Auto, Dynamic, Off };
-inline constexpr Choices<LossScaling, 3> kLossScalings{{
-    {"auto", LossScaling::Auto}, {"dynamic", LossScaling::Dynamic}, {"off", LossScaling::Off}}};
+inline constexpr Choices<LossScaling, 3> kLossScalings{
+    {{"auto", LossScaling::Auto}, {"dynamic", LossScaling::Dynamic}, {"off", LossScaling::Off}}};
 
 struct AmpConfig {
   AmpDtype dtype = AmpDtype::Off;

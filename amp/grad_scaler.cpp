@@ -19,23 +19,24 @@ std::string fmt_bound(double v) {
 
 }  // namespace
 
-
 bool loss_scaling_enabled(const AmpConfig& cfg) {
-  return cfg.loss_scaling == LossScaling::Dynamic || (cfg.loss_scaling == LossScaling::Auto && cfg.dtype == AmpDtype::Fp16);
+  return cfg.loss_scaling == LossScaling::Dynamic ||
+         (cfg.loss_scaling == LossScaling::Auto && cfg.dtype == AmpDtype::Fp16);
 }
 
 namespace {
 
-// Multiplies every defined gradient of `params` by `inv_scale` (one element; undefined = 1) and returns whether any held inf/NaN, as
-// a float32 tensor of one element on their device (a 0 when none has a gradient): the fused
-// kernel where the device has one, the same arithmetic in plain ATen ops elsewhere.
+// Multiplies every defined gradient of `params` by `inv_scale` (one element; undefined = 1) and returns whether any
+// held inf/NaN, as a float32 tensor of one element on their device (a 0 when none has a gradient): the fused kernel
+// where the device has one, the same arithmetic in plain ATen ops elsewhere.
 torch::Tensor check_and_unscale(const std::vector<torch::Tensor>& params, const torch::Tensor& inv_scale) {
   std::vector<torch::Tensor> grads;
   for (const auto& p : params)
     if (p.grad().defined()) grads.push_back(p.grad());
   if (grads.empty())  // on the parameters' device all the same, so that no verdict needs a copy
-    return torch::zeros({1}, torch::TensorOptions().dtype(torch::kFloat).device(
-                                 params.empty() ? torch::Device(torch::kCPU) : params.front().device()));
+    return torch::zeros({1}, torch::TensorOptions()
+                                 .dtype(torch::kFloat)
+                                 .device(params.empty() ? torch::Device(torch::kCPU) : params.front().device()));
   const auto opts = torch::TensorOptions().dtype(torch::kFloat).device(grads.front().device());
   auto found = torch::zeros({1}, opts);
   const torch::Tensor inv = inv_scale.defined() ? inv_scale.to(opts.device()) : torch::ones({1}, opts);
@@ -105,8 +106,9 @@ bool GradScaler::has_fused_unscale(c10::DeviceType device) {
 
 torch::Tensor GradScaler::unscale_on_device(const std::vector<torch::Tensor>& params) {
   if (unscaled_)
-    throw std::logic_error("GradScaler::unscale_() has already been called in this step; it may be called at most "
-                           "once per step, before gradient clipping and the optimizer step");
+    throw std::logic_error(
+        "GradScaler::unscale_() has already been called in this step; it may be called at most "
+        "once per step, before gradient clipping and the optimizer step");
   unscaled_ = true;
   for (const auto& p : params)
     if (p.grad().defined()) {
@@ -183,8 +185,9 @@ std::string GradScaler::check(const checkpoint::Loaded& loaded) const {
     const auto& v = j.value(key, nlohmann::json());
     const bool ok = (integer ? v.is_number_integer() : v.is_number()) && std::isfinite(v.get<double>()) &&
                     v.get<double>() >= lo && v.get<double>() <= hi;
-    return ok ? "" : std::string("state.scaler.") + key + " = " + v.dump() + " is not " + (integer ? "an integer" : "a number") +
-                         " in [" + fmt_bound(lo) + ", " + fmt_bound(hi) + "]";
+    return ok ? ""
+              : std::string("state.scaler.") + key + " = " + v.dump() + " is not " +
+                    (integer ? "an integer" : "a number") + " in [" + fmt_bound(lo) + ", " + fmt_bound(hi) + "]";
   };
   for (const auto& problem : {number("scale", 1e-30, 3e38, false), number("growth_tracker", 0, 1e15, true),
                               number("growth_factor", 1, 1e6, false), number("backoff_factor", 1e-6, 1, false),

@@ -35,9 +35,12 @@ int main(int argc, char** argv) {
   int repeat = 3;
   for (int i = 1; i + 1 < argc; i += 2) {
     const std::string a = argv[i];
-    if (a == "--dir") dir = argv[i + 1];
-    else if (a == "--mb") mb = std::stoll(argv[i + 1]);
-    else if (a == "--repeat") repeat = std::stoi(argv[i + 1]);
+    if (a == "--dir")
+      dir = argv[i + 1];
+    else if (a == "--mb")
+      mb = std::stoll(argv[i + 1]);
+    else if (a == "--repeat")
+      repeat = std::stoi(argv[i + 1]);
   }
   if (dir.empty()) {
     std::fprintf(stderr, "usage: keel_checkpoint_bench --dir DIR [--mb 384] [--repeat 3]\n");
@@ -45,7 +48,8 @@ int main(int argc, char** argv) {
   }
   using namespace keel;
   const dist::World world = dist::detect_world(dist::current_env());
-  auto coll = std::make_shared<dist::Collectives>(dist::Group::create(world, DistConfig{}, torch::kCPU), keel::Validate::Always);
+  auto coll = std::make_shared<dist::Collectives>(dist::Group::create(world, DistConfig{}, torch::kCPU),
+                                                  keel::Validate::Always);
 
   checkpoint::State st;
   const int64_t n_tensors = 24;
@@ -98,12 +102,18 @@ int main(int argc, char** argv) {
   }
   if (world.rank == 0) {
     const double s = median(save_ms), l = median(load_ms), b = median(block_ms);
-    nlohmann::json j = {{"bench", "checkpoint"}, {"world_size", world.size}, {"bytes", bytes},
-                        {"sync_save_ms", s}, {"sync_save_MBps", bytes / 1e3 / s},
+    nlohmann::json j = {{"bench", "checkpoint"},
+                        {"world_size", world.size},
+                        {"bytes", bytes},
+                        {"sync_save_ms", s},
+                        {"sync_save_MBps", bytes / 1e3 / s},
                         {"sync_write_ms_rank0", median(write_ms_sync)},
-                        {"load_ms", l}, {"load_MBps", bytes / 1e3 / l},
-                        {"async_blocking_ms", b}, {"async_write_ms", median(write_ms)},
-                        {"async_stall_vs_sync", b / s}, {"repeat", repeat}};
+                        {"load_ms", l},
+                        {"load_MBps", bytes / 1e3 / l},
+                        {"async_blocking_ms", b},
+                        {"async_write_ms", median(write_ms)},
+                        {"async_stall_vs_sync", b / s},
+                        {"repeat", repeat}};
     std::printf("%s\n", j.dump().c_str());
   }
   return 0;

@@ -61,12 +61,16 @@ int main(int argc, char** argv) {
       return 1;
     }
     const double ms = time_ms(iters, [&] { plain.all_reduce(t); });
-    emit({{"measure", "gloo_allreduce_gradients"}, {"model", name}, {"bytes", n * 4}, {"median_ms", ms},
+    emit({{"measure", "gloo_allreduce_gradients"},
+          {"model", name},
+          {"bytes", n * 4},
+          {"median_ms", ms},
           {"algbw_GBps", n * 4 / ms / 1e6}});
   }
   auto tiny = torch::zeros({2}, torch::kLong);
   emit({{"measure", "allreduce_16B_unvalidated"}, {"median_ms", time_ms(iters * 4, [&] { plain.all_reduce(tiny); })}});
-  emit({{"measure", "allreduce_16B_validated"}, {"median_ms", time_ms(iters * 4, [&] { validated.all_reduce(tiny); })}});
+  emit(
+      {{"measure", "allreduce_16B_validated"}, {"median_ms", time_ms(iters * 4, [&] { validated.all_reduce(tiny); })}});
   int64_t step = 0;
   emit({{"measure", "step_consensus"},
         {"median_ms", time_ms(iters * 4, [&] { plain.step_sync(++step, 42, 1.0, false, 1.0); })}});

@@ -19,14 +19,13 @@
 
 #include "keel/common/log.h"
 
-#include "keel/dist/collectives.h"
 #include "keel/common/clock.h"
 #include "keel/common/file.h"
+#include "keel/dist/collectives.h"
 #include "keel/version.h"
 
 namespace keel::checkpoint {
 namespace {
-
 
 constexpr size_t kRecordBytes = 8192;  // one rank's save result, gathered at commit
 const char* kMeta = "meta.json";
@@ -219,8 +218,7 @@ Checkpointer::Checkpointer(Options opts, std::shared_ptr<dist::Collectives> coll
   world_ = coll_->size();
   if (opts_.dir.empty()) throw std::invalid_argument("Checkpointer: empty checkpoint directory");
   // mkdir -p of the root (every rank: nodes may not share a view until it exists).
-  if (const std::string err = make_dirs(opts_.dir); !err.empty())
-    throw SaveError("checkpoint.dir: " + err);
+  if (const std::string err = make_dirs(opts_.dir); !err.empty()) throw SaveError("checkpoint.dir: " + err);
 }
 
 Checkpointer::~Checkpointer() {
@@ -231,7 +229,8 @@ Checkpointer::~Checkpointer() {
 std::string resume_from_dir(const std::string& dir, const std::string& resume_from) {
   std::string d = resume_from;
   if (!d.empty() && std::all_of(d.begin(), d.end(), ::isdigit)) {
-    if (d.size() > 18) throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\": not a step number (too large)");
+    if (d.size() > 18)
+      throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\": not a step number (too large)");
     return dir + "/step_" + std::to_string(std::stoll(d));
   }
   if (!is_directory(d) && is_directory(dir + "/" + d)) d = dir + "/" + d;
@@ -272,7 +271,8 @@ void Checkpointer::write_shards(Pending& p) {
     if (p.has_extra)
       rest.push_back(write_safetensors(p.dir + "/" + extra_file(rank_, world_), p.extra_shard,
                                        {{"keel_step", std::to_string(p.step)}}, hooked(extra_file(rank_, world_))));
-    rest.push_back(write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta, hooked(rank_file(rank_))));
+    rest.push_back(
+        write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta, hooked(rank_file(rank_))));
     if (rank_ == 0 && !p.graph.empty()) rest.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
     if (rank_ == 0 && !p.package.empty()) {
       rest.push_back(write_atomic(p.dir + "/" + kPackage, p.package));
@@ -344,8 +344,10 @@ void Checkpointer::save(int64_t step, const State& state) {
     for (int64_t r = 0; r < world_; ++r)
       if (all[r].item<int64_t>() != fp) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
     if (!differ.empty())
-      throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ + " hold a different set of "
-                      "tensors (names, dtypes or sizes) than rank " + std::to_string(rank_) +
+      throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ +
+                      " hold a different set of "
+                      "tensors (names, dtypes or sizes) than rank " +
+                      std::to_string(rank_) +
                       "; model and optimizer state must be replicated, or the optimizer partitioned the same way");
   }
   p->optimizer_meta = {{"zero", state.zero}, {"partitioned", partitioned}};
@@ -426,8 +428,10 @@ void Checkpointer::save(int64_t step, const State& state) {
   Pending* raw = p.get();
   pending_ = std::move(p);
   if (!raw->done.load()) {
-    if (opts_.async) raw->thread = std::thread([this, raw] { write_shards(*raw); });
-    else write_shards(*raw);
+    if (opts_.async)
+      raw->thread = std::thread([this, raw] { write_shards(*raw); });
+    else
+      write_shards(*raw);
   }
   last_blocking_ms_ = ms_since(t0);
   if (!opts_.async) {
@@ -465,8 +469,10 @@ void Checkpointer::commit() {
   }
   const std::string previous = last_committed_ >= 0 ? "step " + std::to_string(last_committed_) : "none";
   if (!failures.empty())
-    throw SaveError("checkpoint step " + std::to_string(p->step) + " was not saved (nothing committed; the previous "
-                    "checkpoint, " + previous + ", is intact):" + failures);
+    throw SaveError("checkpoint step " + std::to_string(p->step) +
+                    " was not saved (nothing committed; the previous "
+                    "checkpoint, " +
+                    previous + ", is intact):" + failures);
 
   // 3b. Rank 0 writes the index and the commit marker; every rank learns the outcome.
   std::string error;
@@ -526,7 +532,7 @@ void Checkpointer::commit() {
   for (const auto& r : results)
     for (const auto& f : r["files"]) total += f["bytes"].get<uint64_t>(), ++nfiles;
   logging::info("checkpoint: step {} committed ({:.1f} MB in {} files; this rank wrote in {:.0f} ms) -> {}", p->step,
-               total / 1e6, nfiles, p->write_ms, p->dir);
+                total / 1e6, nfiles, p->write_ms, p->dir);
   if (rank_ == 0) cleanup(p->step);
   if (opts_.hooks.after_commit) opts_.hooks.after_commit(p->step, p->dir);
 }
@@ -534,7 +540,8 @@ void Checkpointer::commit() {
 void Checkpointer::cleanup(int64_t keep_step) {
   std::vector<StepInfo> committed;
   for (const auto& s : list_steps(opts_.dir)) {
-    if (s.committed) committed.push_back(s);
+    if (s.committed)
+      committed.push_back(s);
     else if (s.step != keep_step) {
       logging::info("checkpoint: removing uncommitted {}", s.path);
       remove_tree(s.path);
@@ -584,7 +591,8 @@ void check_optimizer_manifest(const nlohmann::json& o, const std::map<std::strin
     throw FormatError(where + ": the optimizer state of " + std::to_string(n_missing) + " tensor(s) is missing (" +
                       missing + (n_missing > 8 ? ", ..." : "") + "): meta.json records it, the index does not list it");
   if (!unknown.empty())
-    throw FormatError(where + ": the index lists optimizer state that meta.json does not record: " + unknown.substr(0, 400));
+    throw FormatError(where +
+                      ": the index lists optimizer state that meta.json does not record: " + unknown.substr(0, 400));
 }
 
 // Each optimizer state tensor this rank read has its field's kind: a step count is one integer
@@ -597,7 +605,8 @@ void check_optimizer_tensors(const nlohmann::json& o, const Loaded& L, const std
   for (const auto& [n, t] : L.state.model) model[n] = &t;
   for (auto it = o["state"].begin(); it != o["state"].end(); ++it)
     if (!model.count(it.key()))
-      throw FormatError(dir + "/" + kMeta + ": optimizer.state names \"" + it.key() + "\", which is not a model tensor");
+      throw FormatError(dir + "/" + kMeta + ": optimizer.state names \"" + it.key() +
+                        "\", which is not a model tensor");
   for (const auto& [n, t] : L.state.optimizer) {
     const size_t dot = n.find_last_of('.');
     if (dot == std::string::npos) throw FormatError(dir + ": optimizer state \"" + n + "\" is not <parameter>.<field>");
@@ -730,7 +739,8 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
   // The inductor package is not training state: a damaged one is reported and left out (the
   // compile cache then packages the step anew), never a reason to give up the step. Checked
   // where it is used (trainer/compile/inductor.cpp), so not hashed here on every rank.
-  for (const auto& [name, field] : {std::pair{kPackage, &L.state.package}, std::pair{kPackageManifest, &L.state.package_manifest}})
+  for (const auto& [name, field] :
+       {std::pair{kPackage, &L.state.package}, std::pair{kPackageManifest, &L.state.package_manifest}})
     if (L.meta["files"].contains(name)) *field = dir + "/" + name;
   return L;
 }
@@ -754,8 +764,10 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
                         opts_.dir, n);
     const auto steps = list_steps(opts_.dir);
     for (auto it = steps.rbegin(); it != steps.rend(); ++it) {
-      if (it->committed) candidates.push_back(it->path);
-      else if (rank_ == 0) logging::info("checkpoint: ignoring {} (never committed)", it->path);
+      if (it->committed)
+        candidates.push_back(it->path);
+      else if (rank_ == 0)
+        logging::info("checkpoint: ignoring {} (never committed)", it->path);
     }
   }
   for (const auto& dir : candidates) {
@@ -773,11 +785,14 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
     const dist::RankError failed = dist::first_error(*coll_, problem, "checkpoint load verdict");
     if (!failed) {
       last_committed_ = L.step;
-      logging::info("checkpoint: {} (saved by {} rank(s), dist.zero = {}): this rank read and verified {} of the step's {} "
-                    "optimizer file(s)", dir, L.saved_world_size, L.saved_zero, L.optimizer_files_read, L.saved_world_size);
+      logging::info(
+          "checkpoint: {} (saved by {} rank(s), dist.zero = {}): this rank read and verified {} of the step's {} "
+          "optimizer file(s)",
+          dir, L.saved_world_size, L.saved_zero, L.optimizer_files_read, L.saved_world_size);
       return L;
     }
-    const std::string why = failed.rank == rank_ ? problem : "on rank " + std::to_string(failed.rank) + ": " + failed.message;
+    const std::string why =
+        failed.rank == rank_ ? problem : "on rank " + std::to_string(failed.rank) + ": " + failed.message;
     if (!resume_from.empty())
       throw ResumeError("checkpoint.resume_from = \"" + resume_from + "\" cannot be loaded: " + why);
     logging::warn("checkpoint: {} cannot be used: {}; falling back to the previous committed step", dir, why);
@@ -799,13 +814,15 @@ void Checkpointer::set_aside(const std::vector<std::string>& steps) {
   }
   for (const auto& from : steps) {
     std::string to = aside + "/" + from.substr(from.find_last_of('/') + 1);
-    for (int k = 1; path_exists(to); ++k) to = aside + "/" + from.substr(from.find_last_of('/') + 1) + "." + std::to_string(k);
+    for (int k = 1; path_exists(to); ++k)
+      to = aside + "/" + from.substr(from.find_last_of('/') + 1) + "." + std::to_string(k);
     if (::rename(from.c_str(), to.c_str()) != 0)
       logging::warn("checkpoint: cannot move {} to {}: {}", from, to, std::strerror(errno));
   }
-  logging::warn("checkpoint: none of the {} committed step(s) under {} can be used; moved to {} (kept, see the "
-                "warnings above and `keel inspect {}`); starting fresh",
-                steps.size(), opts_.dir, aside, aside);
+  logging::warn(
+      "checkpoint: none of the {} committed step(s) under {} can be used; moved to {} (kept, see the "
+      "warnings above and `keel inspect {}`); starting fresh",
+      steps.size(), opts_.dir, aside, aside);
 }
 
 }  // namespace keel::checkpoint
@@ -826,8 +843,8 @@ void copy_into(const NamedTensors& targets, const NamedTensors& source, const st
     }
     const torch::Tensor& s = *it->second;
     if (s.sizes() != t.sizes() || s.scalar_type() != t.scalar_type())
-      mismatched += "\n    " + n + ": checkpoint " + c10::toString(s.scalar_type()) + c10::str(s.sizes()) +
-                    ", model " + c10::toString(t.scalar_type()) + c10::str(t.sizes());
+      mismatched += "\n    " + n + ": checkpoint " + c10::toString(s.scalar_type()) + c10::str(s.sizes()) + ", model " +
+                    c10::toString(t.scalar_type()) + c10::str(t.sizes());
   }
   for (const auto& [n, t] : source)
     if (!target_names.count(n)) unexpected += "\n    " + n + " " + c10::toString(t.scalar_type()) + c10::str(t.sizes());

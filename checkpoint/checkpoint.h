@@ -78,13 +78,13 @@ class SaveError : public std::runtime_error {
 /// Everything one step saves. `model`, `optimizer` and `shared` must be the same on every rank
 /// (they are written once, sharded); `rank_tensors` and `rank_state` are this rank's own.
 struct State {
-  NamedTensors model;          // parameters and buffers, by name
-  NamedTensors optimizer;      // optimizer state tensors, by name ("<parameter>.<field>")
+  NamedTensors model;      // parameters and buffers, by name
+  NamedTensors optimizer;  // optimizer state tensors, by name ("<parameter>.<field>")
   /// Empty: `optimizer` is replicated (the same on every rank). Otherwise (dist.zero >= 1) the
   /// owner rank of every parameter, the same on every rank, and `optimizer` holds this rank's
   /// own partition (the state of the parameters it owns), written by this rank alone.
   std::vector<std::pair<std::string, int64_t>> optimizer_owners;
-  int64_t zero = 0;            // dist.zero, recorded in meta.json
+  int64_t zero = 0;  // dist.zero, recorded in meta.json
   /// What the optimizer's state looks like, recorded in meta.json ("optimizer": "fields" and
   /// "state") so that every rank and `keel inspect` check a step's optimizer state before it is
   /// used: each per-parameter field and its kind ("scalar": one integer element in [0, step],
@@ -93,12 +93,12 @@ struct State {
   /// A parameter has either every field or none (never stepped). Empty: not recorded.
   std::map<std::string, std::string> optimizer_fields;
   std::vector<std::string> optimizer_params;
-  NamedTensors extra;          // your own replicated tensors (sharded like the optimizer state)
-  nlohmann::json shared = nlohmann::json::object();      // small replicated state (-> meta.json)
-  NamedTensors rank_tensors;   // e.g. RNG states (stored as "rank.<r>.<name>")
+  NamedTensors extra;                                // your own replicated tensors (sharded like the optimizer state)
+  nlohmann::json shared = nlohmann::json::object();  // small replicated state (-> meta.json)
+  NamedTensors rank_tensors;                         // e.g. RNG states (stored as "rank.<r>.<name>")
   nlohmann::json rank_state = nlohmann::json::object();  // e.g. the data position
-  std::string graph;           // serialized TorchScript module (rank 0 writes it), may be empty
-  std::string package;         // compile.mode = inductor: the step's .pt2 package (rank 0), may be empty
+  std::string graph;             // serialized TorchScript module (rank 0 writes it), may be empty
+  std::string package;           // compile.mode = inductor: the step's .pt2 package (rank 0), may be empty
   std::string package_manifest;  // and its manifest (JSON: signature, SHA-256, compile cache key)
                                  // (loaded: their paths, not verified: see read_step)
 };
@@ -114,10 +114,10 @@ struct Hooks {
 };
 
 struct Options {
-  std::string dir;             // checkpoint.dir
-  int64_t keep = 3;            // committed steps kept
+  std::string dir;   // checkpoint.dir
+  int64_t keep = 3;  // committed steps kept
   bool async = false;
-  std::string config_sha256;   // the resolved config's hash, recorded in meta.json
+  std::string config_sha256;  // the resolved config's hash, recorded in meta.json
   Hooks hooks;
   /// Which optimizer state tensors this rank loads (by name); empty = all of them. Only the
   /// optimizer files holding a wanted tensor are read and verified on this rank.
@@ -127,10 +127,10 @@ struct Options {
 /// What load() found.
 struct Loaded {
   int64_t step = 0;
-  std::string path;            // the step directory
+  std::string path;  // the step directory
   int64_t saved_world_size = 0;
   nlohmann::json meta;
-  State state;                 // rank_* hold this rank's own state when the step has it
+  State state;  // rank_* hold this rank's own state when the step has it
   bool has_rank_state = false;
   int64_t optimizer_files_read = 0;  // of the saved world's optimizer files, those this rank read
   int64_t saved_zero = 0;            // meta.json "optimizer.zero" (0 when absent)
@@ -140,7 +140,7 @@ struct Loaded {
 struct StepInfo {
   int64_t step = 0;
   std::string path;
-  bool committed = false;      // meta.json present and parseable
+  bool committed = false;  // meta.json present and parseable
 };
 
 /// The step directory `checkpoint.resume_from` names: a step number (step_<N> under `dir`), a

@@ -12,16 +12,24 @@ namespace {
 
 std::string human_bytes(uint64_t b) {
   char buf[32];
-  if (b >= (1ull << 30)) std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ull << 30));
-  else if (b >= (1ull << 20)) std::snprintf(buf, sizeof buf, "%.2f MiB", b / double(1ull << 20));
-  else if (b >= 1024) std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
-  else std::snprintf(buf, sizeof buf, "%lu B", static_cast<unsigned long>(b));
+  if (b >= (1ull << 30))
+    std::snprintf(buf, sizeof buf, "%.2f GiB", b / double(1ull << 30));
+  else if (b >= (1ull << 20))
+    std::snprintf(buf, sizeof buf, "%.2f MiB", b / double(1ull << 20));
+  else if (b >= 1024)
+    std::snprintf(buf, sizeof buf, "%.1f KiB", b / 1024.0);
+  else
+    std::snprintf(buf, sizeof buf, "%lu B", static_cast<unsigned long>(b));
   return buf;
 }
 
 nlohmann::json inspect_step(const StepInfo& s) {
-  nlohmann::json j = {{"step", s.step}, {"path", s.path}, {"committed", s.committed}, {"verified", false},
-                      {"problems", nlohmann::json::array()}, {"tensors", nlohmann::json::array()}};
+  nlohmann::json j = {{"step", s.step},
+                      {"path", s.path},
+                      {"committed", s.committed},
+                      {"verified", false},
+                      {"problems", nlohmann::json::array()},
+                      {"tensors", nlohmann::json::array()}};
   // The tensors of every safetensors file present, committed or not.
   uint64_t total = 0;
   std::vector<std::string> names = list_dir(s.path);
@@ -32,8 +40,8 @@ nlohmann::json inspect_step(const StepInfo& s) {
       auto f = read_safetensors(s.path + "/" + n, "", /*load_tensors=*/false);
       total += f.bytes;
       for (const auto& t : f.header.tensors)
-        j["tensors"].push_back({{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape},
-                                {"bytes", t.end - t.begin}, {"file", n}});
+        j["tensors"].push_back(
+            {{"name", t.name}, {"dtype", t.dtype}, {"shape", t.shape}, {"bytes", t.end - t.begin}, {"file", n}});
     } catch (const std::exception& e) {
       j["problems"].push_back(e.what());
     }
@@ -55,7 +63,8 @@ nlohmann::json inspect_step(const StepInfo& s) {
     nlohmann::json graph = nlohmann::json::array();
     for (const char* name : {"graph.pt", "graph.pt2", "graph.json"})
       if (meta["files"].contains(name))
-        graph.push_back({{"file", name}, {"bytes", meta["files"][name].value("bytes", uint64_t{0})},
+        graph.push_back({{"file", name},
+                         {"bytes", meta["files"][name].value("bytes", uint64_t{0})},
                          {"sha256", meta["files"][name].value("sha256", std::string())}});
     if (!graph.empty()) j["graph"] = graph;
     // Who holds the optimizer state: each rank's file, its tensors and bytes, and with
@@ -74,8 +83,8 @@ nlohmann::json inspect_step(const StepInfo& s) {
           for (const auto& [name, owner] : o["owners"].items()) params += owner == r;
         ranks.push_back({{"rank", r}, {"file", file}, {"tensors", tensors}, {"bytes", bytes}, {"parameters", params}});
       }
-      j["optimizer"] = {{"zero", o.value("zero", int64_t{0})}, {"partitioned", o.value("partitioned", false)},
-                        {"ranks", ranks}};
+      j["optimizer"] = {
+          {"zero", o.value("zero", int64_t{0})}, {"partitioned", o.value("partitioned", false)}, {"ranks", ranks}};
     }
   } catch (const std::exception&) {
   }
@@ -126,8 +135,9 @@ std::string format_inspect(const nlohmann::json& r) {
         const std::string f = g["file"].get<std::string>();
         os << "  graph: " << f << ", " << human_bytes(g["bytes"].get<uint64_t>()) << ", sha256 "
            << g["sha256"].get<std::string>() << " ("
-           << (f == "graph.pt" ? "the traced TorchScript module"
-                               : f == "graph.pt2" ? "the AOTInductor package of the training step" : "its manifest")
+           << (f == "graph.pt"    ? "the traced TorchScript module"
+               : f == "graph.pt2" ? "the AOTInductor package of the training step"
+                                  : "its manifest")
            << ")\n";
       }
     if (s.contains("optimizer")) {
@@ -146,12 +156,13 @@ std::string format_inspect(const nlohmann::json& r) {
     }
     for (const auto& t : s["tensors"]) {
       std::string shape = "[";
-      for (size_t i = 0; i < t["shape"].size(); ++i) shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
+      for (size_t i = 0; i < t["shape"].size(); ++i)
+        shape += (i ? ", " : "") + std::to_string(t["shape"][i].get<int64_t>());
       shape += "]";
       char line[512];
       std::snprintf(line, sizeof line, "    %-44s %-5s %-18s %10s  %s\n", t["name"].get<std::string>().c_str(),
-                    t["dtype"].get<std::string>().c_str(), shape.c_str(), human_bytes(t["bytes"].get<uint64_t>()).c_str(),
-                    t["file"].get<std::string>().c_str());
+                    t["dtype"].get<std::string>().c_str(), shape.c_str(),
+                    human_bytes(t["bytes"].get<uint64_t>()).c_str(), t["file"].get<std::string>().c_str());
       os << line;
     }
   }

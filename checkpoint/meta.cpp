@@ -30,8 +30,8 @@ nlohmann::json parse_meta(const std::string& text, const std::string& path, cons
   const auto format = meta.value("format", nlohmann::json());
   const auto version = meta.value("format_version", nlohmann::json());
   if (format != "keel-checkpoint" || version != 1)
-    throw FormatError(path + ": \"format\" / \"format_version\" are not keel-checkpoint / 1 (" + format.dump() +
-                      " / " + version.dump() + ")");
+    throw FormatError(path + ": \"format\" / \"format_version\" are not keel-checkpoint / 1 (" + format.dump() + " / " +
+                      version.dump() + ")");
   // Integers in range, never trusted: a world size sizes every loop of the loader.
   auto integer = [&](const char* key, int64_t lo, int64_t hi) {
     const auto v = meta.value(key, nlohmann::json());
@@ -126,9 +126,11 @@ void check_index(const std::string& text, const std::string& path, const std::se
     if (!it.value().is_string()) throw FormatError(path + ": weight_map[\"" + it.key() + "\"] is not a file name");
     const std::string file = it.value().get<std::string>();
     if (!plain_name(file))
-      throw FormatError(path + ": weight_map[\"" + it.key() + "\"] = \"" + file + "\" points outside the checkpoint directory");
+      throw FormatError(path + ": weight_map[\"" + it.key() + "\"] = \"" + file +
+                        "\" points outside the checkpoint directory");
     if (!shard_names.count(file))
-      throw FormatError(path + ": weight_map[\"" + it.key() + "\"] names " + file + ", which is not a shard of this step");
+      throw FormatError(path + ": weight_map[\"" + it.key() + "\"] names " + file +
+                        ", which is not a shard of this step");
     if (!model_tensors.count(it.key()))
       throw FormatError(path + ": weight_map lists \"" + it.key() + "\", which no shard holds");
   }

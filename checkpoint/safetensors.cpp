@@ -11,25 +11,35 @@ namespace keel::checkpoint {
 
 std::string safetensors_dtype(c10::ScalarType t) {
   switch (t) {
-    case c10::kFloat: return "F32";
-    case c10::kDouble: return "F64";
-    case c10::kHalf: return "F16";
-    case c10::kBFloat16: return "BF16";
-    case c10::kLong: return "I64";
-    case c10::kInt: return "I32";
-    case c10::kShort: return "I16";
-    case c10::kChar: return "I8";
-    case c10::kByte: return "U8";
-    case c10::kBool: return "BOOL";
-    default: throw FormatError(std::string("safetensors has no dtype for ") + c10::toString(t));
+    case c10::kFloat:
+      return "F32";
+    case c10::kDouble:
+      return "F64";
+    case c10::kHalf:
+      return "F16";
+    case c10::kBFloat16:
+      return "BF16";
+    case c10::kLong:
+      return "I64";
+    case c10::kInt:
+      return "I32";
+    case c10::kShort:
+      return "I16";
+    case c10::kChar:
+      return "I8";
+    case c10::kByte:
+      return "U8";
+    case c10::kBool:
+      return "BOOL";
+    default:
+      throw FormatError(std::string("safetensors has no dtype for ") + c10::toString(t));
   }
 }
 
 c10::ScalarType scalar_type_of(const std::string& d) {
   static const std::map<std::string, c10::ScalarType> m = {
-      {"F32", c10::kFloat}, {"F64", c10::kDouble}, {"F16", c10::kHalf}, {"BF16", c10::kBFloat16},
-      {"I64", c10::kLong},  {"I32", c10::kInt},    {"I16", c10::kShort}, {"I8", c10::kChar},
-      {"U8", c10::kByte},   {"BOOL", c10::kBool}};
+      {"F32", c10::kFloat}, {"F64", c10::kDouble}, {"F16", c10::kHalf}, {"BF16", c10::kBFloat16}, {"I64", c10::kLong},
+      {"I32", c10::kInt},   {"I16", c10::kShort},  {"I8", c10::kChar},  {"U8", c10::kByte},       {"BOOL", c10::kBool}};
   auto it = m.find(d);
   if (it == m.end()) throw FormatError("dtype " + d + " has no LibTorch equivalent here");
   return it->second;
@@ -74,8 +84,8 @@ SafetensorsFile read_safetensors(const std::string& path, const std::string& exp
   if (!expected_sha256.empty()) {
     out.sha256 = file->sha256();
     if (out.sha256 != expected_sha256)
-      throw FormatError(path + ": checksum mismatch: SHA-256 " + out.sha256 + ", meta.json records " +
-                        expected_sha256 + " (the file was changed or cut after the checkpoint was committed)");
+      throw FormatError(path + ": checksum mismatch: SHA-256 " + out.sha256 + ", meta.json records " + expected_sha256 +
+                        " (the file was changed or cut after the checkpoint was committed)");
   }
   const uint8_t* p = file->data();
   out.header = parse_safetensors_header(p, file->size(), file->size(), path);
@@ -87,7 +97,8 @@ SafetensorsFile read_safetensors(const std::string& path, const std::string& exp
     torch::Tensor t;
     if (i.end > i.begin && off % es == 0) {
       // A view of the mapping; the mapping lives as long as any tensor of the file.
-      t = torch::from_blob(file->data() + off, i.shape, [file](void*) {}, torch::TensorOptions().dtype(dtype));
+      t = torch::from_blob(
+          file->data() + off, i.shape, [file](void*) {}, torch::TensorOptions().dtype(dtype));
     } else {
       // Misaligned for its dtype (another writer's layout), or empty: copied.
       t = torch::empty(i.shape, torch::TensorOptions().dtype(dtype));

@@ -33,14 +33,13 @@ struct WriteOptions {
 /// Writes `tensors` (in this order) with `metadata` to `path` atomically; returns its size and
 /// SHA-256. Names must be unique.
 WrittenFile write_safetensors(const std::string& path, const NamedTensors& tensors,
-                              const std::map<std::string, std::string>& metadata = {},
-                              const WriteOptions& opts = {});
+                              const std::map<std::string, std::string>& metadata = {}, const WriteOptions& opts = {});
 
 struct SafetensorsFile {
   Header header;
-  NamedTensors tensors;   // CPU tensors, in data order
+  NamedTensors tensors;  // CPU tensors, in data order
   uint64_t bytes = 0;
-  std::string sha256;     // computed when read_safetensors was asked to
+  std::string sha256;  // computed when read_safetensors was asked to
 };
 
 /// Reads and checks `path`. With `expected_sha256` non-empty, the file's checksum must match

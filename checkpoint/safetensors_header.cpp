@@ -16,9 +16,8 @@ namespace {
 
 size_t dtype_size(const std::string& d) {
   static const std::map<std::string, size_t> sizes = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2},
-      {"F16", 2},  {"BF16", 2}, {"I32", 4}, {"U32", 4},     {"F32", 4},     {"F64", 8}, {"I64", 8},
-      {"U64", 8}};
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E5M2", 1}, {"F8_E4M3", 1}, {"I16", 2}, {"U16", 2}, {"F16", 2},
+      {"BF16", 2}, {"I32", 4}, {"U32", 4}, {"F32", 4},     {"F64", 8},     {"I64", 8}, {"U64", 8}};
   auto it = sizes.find(d);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -27,8 +26,7 @@ Header parse_safetensors_header(const uint8_t* bytes, size_t size, uint64_t file
   if (file_size < 8 || size < 8) bad(what, "shorter than the 8-byte header length");
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | bytes[i];
-  if (n > kMaxHeaderBytes)
-    bad(what, "header length " + std::to_string(n) + " exceeds the 100 MB limit");
+  if (n > kMaxHeaderBytes) bad(what, "header length " + std::to_string(n) + " exceeds the 100 MB limit");
   if (n > file_size - 8)
     bad(what, "header length " + std::to_string(n) + " runs past the end of the " + std::to_string(file_size) +
                   "-byte file (truncated?)");
@@ -98,10 +96,12 @@ Header parse_safetensors_header(const uint8_t* bytes, size_t size, uint64_t file
   });
   uint64_t at = 0;
   for (const auto& t : h.tensors) {
-    if (t.begin < at) bad(what, "tensor \"" + t.name + "\" overlaps the tensor before it (begins at " +
-                                    std::to_string(t.begin) + ", previous ends at " + std::to_string(at) + ")");
-    if (t.begin > at) bad(what, "a hole in the data buffer before tensor \"" + t.name + "\" (bytes " +
-                                    std::to_string(at) + ".." + std::to_string(t.begin) + ")");
+    if (t.begin < at)
+      bad(what, "tensor \"" + t.name + "\" overlaps the tensor before it (begins at " + std::to_string(t.begin) +
+                    ", previous ends at " + std::to_string(at) + ")");
+    if (t.begin > at)
+      bad(what, "a hole in the data buffer before tensor \"" + t.name + "\" (bytes " + std::to_string(at) + ".." +
+                    std::to_string(t.begin) + ")");
     at = t.end;
   }
   if (at != h.data_size)

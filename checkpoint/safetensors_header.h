@@ -34,16 +34,16 @@ constexpr uint64_t kMaxHeaderBytes = 100ull << 20;  // what the reference reader
 
 struct TensorInfo {
   std::string name;
-  std::string dtype;             // "F32", "BF16", "I64", ...
+  std::string dtype;  // "F32", "BF16", "I64", ...
   std::vector<int64_t> shape;
-  uint64_t begin = 0, end = 0;   // byte range within the data buffer
+  uint64_t begin = 0, end = 0;  // byte range within the data buffer
 };
 
 struct Header {
-  std::vector<TensorInfo> tensors;          // in data order (sorted by begin)
+  std::vector<TensorInfo> tensors;  // in data order (sorted by begin)
   std::map<std::string, std::string> metadata;
-  uint64_t data_start = 0;                  // file offset of the data buffer (8 + N)
-  uint64_t data_size = 0;                   // bytes of the data buffer
+  uint64_t data_start = 0;  // file offset of the data buffer (8 + N)
+  uint64_t data_size = 0;   // bytes of the data buffer
 };
 
 /// Bytes per element of a safetensors dtype name; 0 for an unknown name.

@@ -40,8 +40,9 @@ std::vector<std::string> files_at(const std::string& path) {
       throw InputError("model.init_from: " + index_path + ": no \"weight_map\" object");
     std::set<std::string> names;
     for (const auto& [tensor, file] : index["weight_map"].items()) {
-      if (!file.is_string() || file.get<std::string>().empty() || file.get<std::string>().find('/') != std::string::npos ||
-          file.get<std::string>() == "." || file.get<std::string>() == "..")
+      if (!file.is_string() || file.get<std::string>().empty() ||
+          file.get<std::string>().find('/') != std::string::npos || file.get<std::string>() == "." ||
+          file.get<std::string>() == "..")
         throw InputError("model.init_from: " + index_path + ": tensor \"" + tensor + "\" maps to " + file.dump() +
                          ", not a file name in the index's directory");
       names.insert(file.get<std::string>());
@@ -53,8 +54,7 @@ std::vector<std::string> files_at(const std::string& path) {
   if (is_directory(path)) {
     if (path_exists(path + "/" + kIndexName)) return from_index(path + "/" + kIndexName);
     if (path_exists(path + "/model.safetensors")) return {path + "/model.safetensors"};
-    throw InputError("model.init_from = \"" + path + "\": a directory without " + kIndexName +
-                     " or model.safetensors");
+    throw InputError("model.init_from = \"" + path + "\": a directory without " + kIndexName + " or model.safetensors");
   }
   if (const std::string what = not_a_regular_file(path); !what.empty())
     throw InputError("model.init_from = \"" + path + "\": " + (what == "missing" ? "not found" : "is " + what));
@@ -95,8 +95,9 @@ int64_t load_weights(models::Model& model, const std::string& path) {
       throw InputError("model.init_from: " + file + ": \"" + name + "\" has shape " + shape_str(src) +
                        ", the model's is " + shape_str(dst));
     if (src.is_floating_point() != dst.is_floating_point())
-      throw InputError("model.init_from: " + file + ": \"" + name + "\" is " + std::string(c10::toString(src.scalar_type())) +
-                       ", the model's is " + c10::toString(dst.scalar_type()));
+      throw InputError("model.init_from: " + file + ": \"" + name + "\" is " +
+                       std::string(c10::toString(src.scalar_type())) + ", the model's is " +
+                       c10::toString(dst.scalar_type()));
     dst.copy_(src);
     found.erase(it);
     ++loaded;

@@ -3,8 +3,8 @@
 #pragma once
 #include <torch/torch.h>
 
+#include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-#include <memory>
-#include <functional>

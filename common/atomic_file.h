@@ -16,9 +16,9 @@
 namespace keel {
 
 struct WrittenFile {
-  std::string name;     // file name within its directory
+  std::string name;  // file name within its directory
   uint64_t bytes = 0;
-  std::string sha256;   // hex
+  std::string sha256;  // hex
 };
 
 /// Called before each write(2) with the bytes already written; a non-zero return is the errno

@@ -31,12 +31,20 @@ void log(Level level, fmt::format_string<A...> f, A&&... a) {
   if (enabled(level)) write(level, fmt::format(f, std::forward<A>(a)...));
 }
 template <class... A>
-void debug(fmt::format_string<A...> f, A&&... a) { log(Level::debug, f, std::forward<A>(a)...); }
+void debug(fmt::format_string<A...> f, A&&... a) {
+  log(Level::debug, f, std::forward<A>(a)...);
+}
 template <class... A>
-void info(fmt::format_string<A...> f, A&&... a) { log(Level::info, f, std::forward<A>(a)...); }
+void info(fmt::format_string<A...> f, A&&... a) {
+  log(Level::info, f, std::forward<A>(a)...);
+}
 template <class... A>
-void warn(fmt::format_string<A...> f, A&&... a) { log(Level::warn, f, std::forward<A>(a)...); }
+void warn(fmt::format_string<A...> f, A&&... a) {
+  log(Level::warn, f, std::forward<A>(a)...);
+}
 template <class... A>
-void error(fmt::format_string<A...> f, A&&... a) { log(Level::error, f, std::forward<A>(a)...); }
+void error(fmt::format_string<A...> f, A&&... a) {
+  log(Level::error, f, std::forward<A>(a)...);
+}
 
 }  // namespace keel::logging

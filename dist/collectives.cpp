@@ -15,12 +15,18 @@ enum class OpCode : int64_t { AllReduce = 1, Broadcast, AllGather, Barrier, Broa
 
 static const char* op_name(int64_t code) {
   switch (static_cast<OpCode>(code)) {
-    case OpCode::AllReduce: return "all_reduce";
-    case OpCode::Broadcast: return "broadcast";
-    case OpCode::AllGather: return "all_gather";
-    case OpCode::Barrier: return "barrier";
-    case OpCode::BroadcastCoalesced: return "broadcast_coalesced";
-    case OpCode::StepSync: return "step_sync";
+    case OpCode::AllReduce:
+      return "all_reduce";
+    case OpCode::Broadcast:
+      return "broadcast";
+    case OpCode::AllGather:
+      return "all_gather";
+    case OpCode::Barrier:
+      return "barrier";
+    case OpCode::BroadcastCoalesced:
+      return "broadcast_coalesced";
+    case OpCode::StepSync:
+      return "step_sync";
   }
   return "?";
 }
@@ -75,8 +81,7 @@ uint64_t fingerprint(const std::vector<int64_t>& words) {
   return h & ((1ull << 62) - 1);
 }
 
-Collectives::Collectives(std::shared_ptr<Group> group, Validate validate)
-    : group_(std::move(group)), mode_(validate) {}
+Collectives::Collectives(std::shared_ptr<Group> group, Validate validate) : group_(std::move(group)), mode_(validate) {}
 
 // NCCL moves only CUDA tensors: host tensors (validation probes, the per-step record,
 // checkpoint coordination, metric totals) travel through a copy on the group's device.
@@ -128,7 +133,8 @@ std::string Collectives::missing_ranks(const std::string& what) {
   // a fresh connection tells in a moment.
   if (!group_->store_reachable(report_grace()))
     return std::string(group_->store_on_rank0() ? "rank 0 is unreachable" : "the store's host is unreachable") +
-           ": the store at " + group_->store_address() + (group_->store_on_rank0() ? ", which rank 0 serves," : " (torchrun's agent)") +
+           ": the store at " + group_->store_address() +
+           (group_->store_on_rank0() ? ", which rank 0 serves," : " (torchrun's agent)") +
            " cannot be reached from this host either (that host is lost, or the network between the two is cut; " +
            timeout + ")";
   try {
@@ -191,8 +197,10 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
 
 void Collectives::count(const Desc& d, double wait_ms) {
   // A probe is the 16-byte (f, -f) pair whatever it guards; otherwise the tensor's payload.
-  const int64_t bytes =
-      d.validation ? 16 : d.dtype >= 0 ? d.numel * static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(d.dtype))) : 0;
+  const int64_t bytes = d.validation ? 16
+                        : d.dtype >= 0
+                            ? d.numel * static_cast<int64_t>(c10::elementSize(static_cast<c10::ScalarType>(d.dtype)))
+                            : 0;
   const bool gather = !d.validation && (d.op == static_cast<int64_t>(OpCode::AllGather) ||
                                         d.op == static_cast<int64_t>(OpCode::StepSync));
   traffic_.collectives += 1;
@@ -241,7 +249,9 @@ void Collectives::all_reduce(torch::Tensor& t, ReduceOp op, const char* what) {
   torch::Tensor c = on_comm_device(t);
   std::vector<at::Tensor> v{c};
   c10d::AllreduceOptions o;
-  o.reduceOp = op == ReduceOp::Min ? c10d::ReduceOp::MIN : op == ReduceOp::Max ? c10d::ReduceOp::MAX : c10d::ReduceOp::SUM;
+  o.reduceOp = op == ReduceOp::Min   ? c10d::ReduceOp::MIN
+               : op == ReduceOp::Max ? c10d::ReduceOp::MAX
+                                     : c10d::ReduceOp::SUM;
   wait(group_->pg()->allreduce(v, o), d);
   if (!c.is_same(t)) t.copy_(c);
   if (op == ReduceOp::Avg) t.div_(static_cast<double>(size()));
@@ -365,7 +375,8 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   int64_t loss_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
   auto mine = torch::tensor(
-      {f, step, p, loss_bits, int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)}, torch::kLong);
+      {f, step, p, loss_bits, int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
+      torch::kLong);
   mine = on_comm_device(mine);
   std::vector<std::vector<at::Tensor>> out(1);
   for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));

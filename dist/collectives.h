@@ -51,11 +51,11 @@ class CollectiveError : public std::runtime_error {
 
 /// What every rank learns at the end of a step's backward (one all-gather).
 struct StepConsensus {
-  double mean_loss = 0;               // loss averaged over ranks
-  bool any_nonfinite = false;         // some rank saw inf/NaN (loss or gradients)
-  std::vector<double> rank_compute_ms;// each rank's forward+backward time this step
-  uint32_t any_flags = 0;             // OR of every rank's `flags`
-  uint32_t all_flags = 0;             // AND of every rank's `flags`
+  double mean_loss = 0;                 // loss averaged over ranks
+  bool any_nonfinite = false;           // some rank saw inf/NaN (loss or gradients)
+  std::vector<double> rank_compute_ms;  // each rank's forward+backward time this step
+  uint32_t any_flags = 0;               // OR of every rank's `flags`
+  uint32_t all_flags = 0;               // AND of every rank's `flags`
 };
 
 /// A per-step record on its way (Collectives::exchange_step): the exchange is issued and the
@@ -87,8 +87,8 @@ struct TrafficStats {
   int64_t bytes_received = 0;  // payload it got back (world x its input for an all-gather)
   double wait_ms = 0;          // time spent waiting for them (latency, and other ranks' lateness)
   TrafficStats operator-(const TrafficStats& o) const {
-    return {collectives - o.collectives, probes - o.probes, bytes_sent - o.bytes_sent, bytes_received - o.bytes_received,
-            wait_ms - o.wait_ms};
+    return {collectives - o.collectives, probes - o.probes, bytes_sent - o.bytes_sent,
+            bytes_received - o.bytes_received, wait_ms - o.wait_ms};
   }
 };
 
@@ -114,8 +114,8 @@ class Collectives {
   /// Broadcasts a list of tensors from `root`, coalesced into messages of at most
   /// `bucket_bytes` (c10d; up to two in flight). The list's dtypes and shapes are validated as
   /// one descriptor.
-  void broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root = 0, const char* what = "broadcast_coalesced",
-                           size_t bucket_bytes = size_t{256} << 20);
+  void broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root = 0,
+                           const char* what = "broadcast_coalesced", size_t bucket_bytes = size_t{256} << 20);
 
   /// The per-step consensus, one all-gather: checks that every rank is at the same `step`
   /// with the same `plan` fingerprint (gradient bucket layout), and shares losses, non-finite

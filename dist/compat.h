@@ -6,8 +6,8 @@
 // Not installed: users never see it.
 #pragma once
 
-#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 #include <torch/csrc/distributed/c10d/reducer.hpp>
@@ -53,9 +53,8 @@ c10::intrusive_ptr<c10d::ProcessGroup> wrap_backend(const c10::intrusive_ptr<c10
   return pg;
 }
 
-inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                              int rank, int size,
-                                                              std::chrono::milliseconds timeout,
+inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                              int size, std::chrono::milliseconds timeout,
                                                               const std::string& hostname,
                                                               const std::vector<std::string>& interfaces) {
   auto opts = c10d::ProcessGroupGloo::Options::create(timeout);
@@ -72,9 +71,8 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_gloo_group(const c10::intrusi
 }
 
 #ifdef KEEL_WITH_CUDA
-inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store,
-                                                              int rank, int size,
-                                                              std::chrono::milliseconds timeout) {
+inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(const c10::intrusive_ptr<c10d::Store>& store, int rank,
+                                                              int size, std::chrono::milliseconds timeout) {
   auto opts = c10d::ProcessGroupNCCL::Options::create();
   opts->timeout = timeout;
   auto nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, rank, size, opts);
@@ -84,15 +82,14 @@ inline c10::intrusive_ptr<c10d::ProcessGroup> make_nccl_group(const c10::intrusi
 
 inline std::unique_ptr<c10d::Reducer> make_reducer(std::vector<at::Tensor> params,
                                                    std::vector<std::vector<size_t>> bucket_indices,
-                                                   c10::intrusive_ptr<c10d::ProcessGroup> pg,
-                                                   int64_t bucket_bytes_cap, bool find_unused,
-                                                   std::unordered_map<size_t, std::string> names,
+                                                   c10::intrusive_ptr<c10d::ProcessGroup> pg, int64_t bucket_bytes_cap,
+                                                   bool find_unused, std::unordered_map<size_t, std::string> names,
                                                    int64_t first_bucket_bytes_cap) {
   std::vector<bool> sparse(params.size(), false);
-  return std::make_unique<c10d::Reducer>(std::move(params), std::move(bucket_indices), std::move(pg),
-                                         std::move(sparse), bucket_bytes_cap, find_unused,
-                                         /*gradient_as_bucket_view=*/true, std::move(names),
-                                         first_bucket_bytes_cap, /*skip_all_reduce_unused_params=*/false,
+  return std::make_unique<c10d::Reducer>(std::move(params), std::move(bucket_indices), std::move(pg), std::move(sparse),
+                                         bucket_bytes_cap, find_unused,
+                                         /*gradient_as_bucket_view=*/true, std::move(names), first_bucket_bytes_cap,
+                                         /*skip_all_reduce_unused_params=*/false,
                                          /*use_python_reducer=*/false,
                                          /*bucket_bytes_cap_list=*/std::vector<int64_t>{});
 }

@@ -10,22 +10,22 @@
 namespace keel {
 
 enum class Backend { Auto, Gloo, Nccl };
-inline constexpr Choices<Backend, 3> kBackends{{
-    {"auto", Backend::Auto}, {"gloo", Backend::Gloo}, {"nccl", Backend::Nccl}}};
+inline constexpr Choices<Backend, 3> kBackends{
+    {{"auto", Backend::Auto}, {"gloo", Backend::Gloo}, {"nccl", Backend::Nccl}}};
 
 enum class CommHook { Allreduce, Bf16, Fp16 };
-inline constexpr Choices<CommHook, 3> kCommHooks{{
-    {"allreduce", CommHook::Allreduce}, {"bf16", CommHook::Bf16}, {"fp16", CommHook::Fp16}}};
+inline constexpr Choices<CommHook, 3> kCommHooks{
+    {{"allreduce", CommHook::Allreduce}, {"bf16", CommHook::Bf16}, {"fp16", CommHook::Fp16}}};
 
 /// dist.validate: which collectives are checked across ranks.
 enum class Validate { Always, FirstStep, Off };
-inline constexpr Choices<Validate, 3> kValidateModes{{
-    {"always", Validate::Always}, {"first_step", Validate::FirstStep}, {"off", Validate::Off}}};
+inline constexpr Choices<Validate, 3> kValidateModes{
+    {{"always", Validate::Always}, {"first_step", Validate::FirstStep}, {"off", Validate::Off}}};
 
 /// dist.consensus: when the host reads the per-step consensus (docs/concepts.md).
 enum class Consensus { Auto, Step, Late };
-inline constexpr Choices<Consensus, 3> kConsensusModes{{
-    {"auto", Consensus::Auto}, {"step", Consensus::Step}, {"late", Consensus::Late}}};
+inline constexpr Choices<Consensus, 3> kConsensusModes{
+    {{"auto", Consensus::Auto}, {"step", Consensus::Step}, {"late", Consensus::Late}}};
 
 struct DistConfig {
   Backend backend = Backend::Auto;

@@ -4,8 +4,8 @@
 
 #include <algorithm>
 #include <cctype>
-#include <unordered_map>
 #include <sstream>
+#include <unordered_map>
 
 #include "keel/dist/compat.h"
 #include "keel/dist/zero.h"
@@ -45,9 +45,7 @@ class CompressHook : public c10d::CommHookInterface {
     return fut->then([compressed](c10::ivalue::Future&) -> c10::IValue { return c10::IValue(compressed); },
                      c10::TensorType::get());
   }
-  at::Tensor parseHookResult(const c10::IValue& result) override {
-    return result.toTensor().to(at::kFloat);
-  }
+  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor().to(at::kFloat); }
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
@@ -87,14 +85,17 @@ void verify_parameters_across_ranks(const models::NamedTensors& params, Collecti
     if (same) continue;
     os << "parameter #" << i << " '" << params[i].first << "' (name on this rank):";
     for (int64_t r = 0; r < coll.size(); ++r)
-      os << " rank " << r << " has " << shape_str(all[r].data_ptr<int64_t>() + i * width) << (r + 1 < coll.size() ? ";" : "");
+      os << " rank " << r << " has " << shape_str(all[r].data_ptr<int64_t>() + i * width)
+         << (r + 1 < coll.size() ? ";" : "");
     throw CollectiveMismatch(os.str());
   }
 }
 
 DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll,
                            const DistConfig& cfg)
-    : model_(std::move(model)), coll_(std::move(coll)), zero_(cfg.zero),
+    : model_(std::move(model)),
+      coll_(std::move(coll)),
+      zero_(cfg.zero),
       bucket_bytes_(static_cast<size_t>(std::max(1.0, cfg.bucket_cap_mb * 1024 * 1024))) {
   auto named = model_->named_parameters();
   verify_parameters_across_ranks(named, *coll_);
@@ -155,14 +156,15 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   if (zero_ == 2) {
     std::unordered_map<const void*, int64_t> owner;
     for (size_t i = 0; i < params.size(); ++i) owner[params[i].unsafeGetTensorImpl()] = owner_[i];
-    reducer_->register_comm_hook(make_reduce_scatter_hook(coll_->group()->pg(), std::move(owner), coll_->size(), coll_->rank()));
+    reducer_->register_comm_hook(
+        make_reduce_scatter_hook(coll_->group()->pg(), std::move(owner), coll_->size(), coll_->rank()));
   } else if (cfg.comm_hook != CommHook::Allreduce) {
     reducer_->register_comm_hook(std::make_unique<CompressHook>(
         coll_->group()->pg(), cfg.comm_hook == CommHook::Fp16 ? at::kHalf : at::kBFloat16, coll_->size()));
   }
   logging::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
-               num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb,
-               zero_ == 2 ? std::string("reduce-scatter (dist.zero = 2)") : choice_name(kCommHooks, cfg.comm_hook));
+                num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb,
+                zero_ == 2 ? std::string("reduce-scatter (dist.zero = 2)") : choice_name(kCommHooks, cfg.comm_hook));
   if (zero_ >= 1) {
     int64_t mine = 0, all = 0, count = 0;
     for (size_t i = 0; i < params.size(); ++i) {
@@ -203,8 +205,8 @@ namespace {
 // "Application timeout caused pair closure", "Connection reset by peer", NCCL watchdog errors).
 bool from_process_group(std::string what) {
   for (auto& c : what) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  for (const char* mark : {"gloo", "nccl", "c10d", "processgroup", "connection", "timed out", "timeout", "pair closure",
-                           "peer"})
+  for (const char* mark :
+       {"gloo", "nccl", "c10d", "processgroup", "connection", "timed out", "timeout", "pair closure", "peer"})
     if (what.find(mark) != std::string::npos) return true;
   return false;
 }

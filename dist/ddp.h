@@ -30,8 +30,8 @@
 #include <string>
 
 #include "keel/dist/collectives.h"
-#include "keel/models/model.h"
 #include "keel/dist/config.h"
+#include "keel/models/model.h"
 
 namespace c10d {
 class Reducer;

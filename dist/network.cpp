@@ -1,10 +1,10 @@
 #include "keel/dist/network.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <ifaddrs.h>
 #include <net/if.h>
 #include <netdb.h>
-#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -101,8 +101,8 @@ InterfaceChoice choose_interface(const std::string& configured) {
     std::string have;
     for (const auto& h : interface_names()) have += (have.empty() ? "" : ", ") + h;
     const bool exists = ::if_nametoindex(n.c_str()) != 0;
-    throw InputError(c.source + " = \"" + n + "\": " +
-                     (exists ? "that interface is down or has no address" : "no such network interface") +
+    throw InputError(c.source + " = \"" + n +
+                     "\": " + (exists ? "that interface is down or has no address" : "no such network interface") +
                      " on host " + hostname() + " (interfaces up here: " + (have.empty() ? "none" : have) + ")");
   }
   return c;

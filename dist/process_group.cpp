@@ -12,9 +12,7 @@
 namespace keel::dist {
 namespace {
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
+bool is_loopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }
 
 std::string local_hostname() {
   char buf[256] = {0};
@@ -62,8 +60,9 @@ std::string resolve_backend(Backend backend, const torch::Device& device) {
     throw InputError("dist.backend = \"nccl\" needs a CUDA build of keel; this build is CPU-only");
 #else
     if (!device.is_cuda())
-      throw InputError("dist.backend = \"nccl\" needs CUDA devices, but run.device resolved to " + device.str() +
-                       (torch::cuda::is_available() ? "" : " (no GPU on this machine): use dist.backend = \"gloo\" or \"auto\""));
+      throw InputError(
+          "dist.backend = \"nccl\" needs CUDA devices, but run.device resolved to " + device.str() +
+          (torch::cuda::is_available() ? "" : " (no GPU on this machine): use dist.backend = \"gloo\" or \"auto\""));
     return "nccl";
 #endif
   }
@@ -125,10 +124,11 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
     }
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
-    throw std::runtime_error("rendezvous: cannot reach the TCPStore at " + host + ":" + std::to_string(port) +
-                             " (" + world.launcher + "): " + what.substr(0, what.find('\n')) +
-                             "; check MASTER_ADDR and MASTER_PORT: rank 0 must be able to listen on that port and every "
-                             "rank to reach it (a port another program holds, or a firewall, gives this error)");
+    throw std::runtime_error(
+        "rendezvous: cannot reach the TCPStore at " + host + ":" + std::to_string(port) + " (" + world.launcher +
+        "): " + what.substr(0, what.find('\n')) +
+        "; check MASTER_ADDR and MASTER_PORT: rank 0 must be able to listen on that port and every "
+        "rank to reach it (a port another program holds, or a firewall, gives this error)");
   }
   g->store_host_ = host;
   g->store_port_ = port;
@@ -141,21 +141,20 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
     // address is often not one this host has: containers, network namespaces), else Gloo's
     // default (the hostname's).
     const std::string gloo_host = is_loopback(host) ? "127.0.0.1" : local_address_toward(host);
-    g->pg_ = compat::make_gloo_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size),
-                                     g->timeout_, gloo_host, iface.names);
+    g->pg_ = compat::make_gloo_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size), g->timeout_,
+                                     gloo_host, iface.names);
   }
 #ifdef KEEL_WITH_CUDA
   else {
     g->comm_device_ = device;
-    g->pg_ = compat::make_nccl_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size),
-                                     g->timeout_);
+    g->pg_ =
+        compat::make_nccl_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size), g->timeout_);
   }
 #endif
   std::string via;
   for (const auto& n : iface.names) via += (via.empty() ? "" : ",") + n;
-  logging::info("process group: {} ranks over {} ({}), store {}, interface {}, timeout {} s", world.size,
-                g->backend_, world.launcher, where, via.empty() ? "by route" : via + " (" + iface.source + ")",
-                cfg.timeout_s);
+  logging::info("process group: {} ranks over {} ({}), store {}, interface {}, timeout {} s", world.size, g->backend_,
+                world.launcher, where, via.empty() ? "by route" : via + " (" + iface.source + ")", cfg.timeout_s);
   return g;
 }
 

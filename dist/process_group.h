@@ -14,8 +14,8 @@
 #include <memory>
 #include <string>
 
-#include "keel/dist/world.h"
 #include "keel/dist/config.h"
+#include "keel/dist/world.h"
 
 namespace c10d {
 class ProcessGroup;
@@ -47,7 +47,9 @@ class Group {
   const c10::intrusive_ptr<c10d::ProcessGroup>& pg() const { return pg_; }
   const c10::intrusive_ptr<c10d::Store>& store() const { return store_; }
   /// host:port of the TCPStore ("" without one).
-  std::string store_address() const { return store_host_.empty() ? "" : store_host_ + ":" + std::to_string(store_port_); }
+  std::string store_address() const {
+    return store_host_.empty() ? "" : store_host_ + ":" + std::to_string(store_port_);
+  }
   /// Whether the store's host answers within `timeout` (a fresh connection): false when that
   /// host is lost or cut off from this one, where a store operation would block for
   /// dist.timeout_s.

@@ -30,20 +30,17 @@ int64_t parse_int(const Env& env, const std::string& key, const std::string& lau
   return x;
 }
 
-void require(const Env& env, const std::vector<std::string>& required,
-             const std::vector<std::string>& all, const std::string& launcher) {
+void require(const Env& env, const std::vector<std::string>& required, const std::vector<std::string>& all,
+             const std::string& launcher) {
   std::string missing;
   for (const auto& k : required)
     if (!env.count(k)) missing += (missing.empty() ? "" : ", ") + k;
   if (!missing.empty())
-    throw InputError("incomplete " + launcher + " environment: found " + found_list(env, all) +
-                     "; missing " + missing);
+    throw InputError("incomplete " + launcher + " environment: found " + found_list(env, all) + "; missing " + missing);
 }
 
 void check_ranges(const World& w) {
-  auto bad = [&](const std::string& m) {
-    throw InputError("inconsistent " + w.launcher + " environment: " + m);
-  };
+  auto bad = [&](const std::string& m) { throw InputError("inconsistent " + w.launcher + " environment: " + m); };
   if (w.size < 1) bad("world size " + std::to_string(w.size) + " < 1");
   if (w.size > kMaxWorldSize)
     bad("world size " + std::to_string(w.size) + " is more than keel supports (" + std::to_string(kMaxWorldSize) + ")");
@@ -69,12 +66,17 @@ Env current_env() {
 
 World detect_world(const Env& env) {
   World w;
-  const std::vector<std::string> torchrun_keys = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
-                                                  "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT"};
+  const std::vector<std::string> torchrun_keys = {"RANK",
+                                                  "WORLD_SIZE",
+                                                  "LOCAL_RANK",
+                                                  "LOCAL_WORLD_SIZE",
+                                                  "MASTER_ADDR",
+                                                  "MASTER_PORT",
+                                                  "TORCHELASTIC_RESTART_COUNT"};
   const std::vector<std::string> ompi_keys = {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
                                               "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"};
-  const std::vector<std::string> slurm_keys = {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                                               "SLURM_NTASKS_PER_NODE", "MASTER_ADDR", "MASTER_PORT"};
+  const std::vector<std::string> slurm_keys = {"SLURM_PROCID",          "SLURM_NTASKS", "SLURM_LOCALID",
+                                               "SLURM_NTASKS_PER_NODE", "MASTER_ADDR",  "MASTER_PORT"};
   if (env.count("RANK") || env.count("WORLD_SIZE") || env.count("LOCAL_RANK")) {
     w.launcher = "torchrun";
     require(env, {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}, torchrun_keys, w.launcher);
@@ -93,18 +95,22 @@ World detect_world(const Env& env) {
     require(env, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}, ompi_keys, w.launcher);
     w.rank = parse_int(env, "OMPI_COMM_WORLD_RANK", w.launcher);
     w.size = parse_int(env, "OMPI_COMM_WORLD_SIZE", w.launcher);
-    w.local_rank = env.count("OMPI_COMM_WORLD_LOCAL_RANK") ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", w.launcher) : 0;
-    w.local_size = env.count("OMPI_COMM_WORLD_LOCAL_SIZE") ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", w.launcher) : 1;
+    w.local_rank =
+        env.count("OMPI_COMM_WORLD_LOCAL_RANK") ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_RANK", w.launcher) : 0;
+    w.local_size =
+        env.count("OMPI_COMM_WORLD_LOCAL_SIZE") ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", w.launcher) : 1;
     // Rank 0 opens the store on a free port and shares its address through MPI itself.
   } else if (env.count("SLURM_PROCID") && env.count("SLURM_NTASKS") && env.at("SLURM_NTASKS") != "1") {
     w.launcher = "srun";
-    require(env, {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"}, slurm_keys, w.launcher);
+    require(env, {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"}, slurm_keys,
+            w.launcher);
     w.rank = parse_int(env, "SLURM_PROCID", w.launcher);
     w.size = parse_int(env, "SLURM_NTASKS", w.launcher);
     w.local_rank = parse_int(env, "SLURM_LOCALID", w.launcher);
     // SLURM_NTASKS_PER_NODE may read "2(x3)"; its leading number is the local size.
-    w.local_size = env.count("SLURM_NTASKS_PER_NODE") ? std::max<int64_t>(1, std::atoll(env.at("SLURM_NTASKS_PER_NODE").c_str()))
-                                                      : w.size;
+    w.local_size = env.count("SLURM_NTASKS_PER_NODE")
+                       ? std::max<int64_t>(1, std::atoll(env.at("SLURM_NTASKS_PER_NODE").c_str()))
+                       : w.size;
     w.local_size = std::min(w.local_size, w.size);
     w.master_addr = env.at("MASTER_ADDR");
     w.master_port = parse_int(env, "MASTER_PORT", w.launcher);

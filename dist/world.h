@@ -23,11 +23,11 @@ struct World {
   int64_t size = 1;
   int64_t local_rank = 0;
   int64_t local_size = 1;
-  int64_t restart_count = 0;          // TORCHELASTIC_RESTART_COUNT (0 for other launchers)
-  std::string launcher = "none";      // torchrun | mpirun | srun | none
-  std::string master_addr;            // rendezvous host (torchrun, srun)
-  int64_t master_port = 0;            // rendezvous port (torchrun, srun)
-  bool agent_store = false;           // torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE)
+  int64_t restart_count = 0;      // TORCHELASTIC_RESTART_COUNT (0 for other launchers)
+  std::string launcher = "none";  // torchrun | mpirun | srun | none
+  std::string master_addr;        // rendezvous host (torchrun, srun)
+  int64_t master_port = 0;        // rendezvous port (torchrun, srun)
+  bool agent_store = false;       // torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE)
   bool is_main() const { return rank == 0; }
 };
 

@@ -108,8 +108,8 @@ std::unique_ptr<c10d::CommHookInterface> make_reduce_scatter_hook(c10::intrusive
   return std::make_unique<ReduceScatterHook>(std::move(pg), std::move(owner), world, rank);
 }
 
-void zero_broadcast_parameters(const models::NamedTensors& params, const std::vector<int64_t>& owner,
-                               Collectives& coll, size_t bucket_bytes) {
+void zero_broadcast_parameters(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
+                               size_t bucket_bytes) {
   if (coll.size() == 1) return;
   torch::NoGradGuard ng;
   for (int64_t r = 0; r < coll.size(); ++r) {

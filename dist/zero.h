@@ -38,8 +38,8 @@ std::unique_ptr<c10d::CommHookInterface> make_reduce_scatter_hook(c10::intrusive
 /// `bucket_bytes`. (Measured on gpt at 2 ranks over Gloo, the step's keel::optimizer region:
 /// 8 ms at zero = 0, 19 ms with these broadcasts, 25-35 ms with an all-gather of flat
 /// partitions instead, whose flatten and unflatten copies cost more than they save.)
-void zero_broadcast_parameters(const models::NamedTensors& params, const std::vector<int64_t>& owner,
-                               Collectives& coll, size_t bucket_bytes);
+void zero_broadcast_parameters(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
+                               size_t bucket_bytes);
 
 /// Clips the gradients to a global L2 norm of `max_norm` and returns the norm before clipping
 /// (a 0-dim tensor on the gradients' device: nothing is read by the host), with the arithmetic of

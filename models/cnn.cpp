@@ -16,10 +16,10 @@ struct CnnImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     TORCH_CHECK(x.dim() == 4 && x.size(1) == 1 && x.size(2) == 28 && x.size(3) == 28,
                 "cnn expects input (B, 1, 28, 28), got ", x.sizes());
-    auto h = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);   // (B, 32, 14, 14)
-    h = torch::max_pool2d(torch::relu(conv2->forward(h)), 2);        // (B, 64, 7, 7)
-    h = torch::relu(fc1->forward(h.flatten(1)));                     // (B, 128)
-    return fc2->forward(h);                                          // (B, classes)
+    auto h = torch::max_pool2d(torch::relu(conv1->forward(x)), 2);  // (B, 32, 14, 14)
+    h = torch::max_pool2d(torch::relu(conv2->forward(h)), 2);       // (B, 64, 7, 7)
+    h = torch::relu(fc1->forward(h.flatten(1)));                    // (B, 128)
+    return fc2->forward(h);                                         // (B, classes)
   }
   torch::nn::Conv2d conv1, conv2;
   torch::nn::Linear fc1, fc2;

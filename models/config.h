@@ -11,8 +11,8 @@ namespace keel {
 
 /// model.input: what a TorchScript model eats.
 enum class ModelInput { Auto, Image, Tokens };
-inline constexpr Choices<ModelInput, 3> kModelInputs{{
-    {"auto", ModelInput::Auto}, {"image", ModelInput::Image}, {"tokens", ModelInput::Tokens}}};
+inline constexpr Choices<ModelInput, 3> kModelInputs{
+    {{"auto", ModelInput::Auto}, {"image", ModelInput::Image}, {"tokens", ModelInput::Tokens}}};
 
 struct ModelConfig {
   std::string name = "cnn";

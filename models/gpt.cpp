@@ -17,8 +17,8 @@ struct AttentionImpl : torch::nn::Module {
   // x: (B, T, C) -> (B, T, C)
   torch::Tensor forward(const torch::Tensor& x) {
     const int64_t B = x.size(0), T = x.size(1), C = x.size(2), hd = C / heads;
-    auto qkv = c_attn->forward(x).split(C, /*dim=*/2);                   // 3 x (B, T, C)
-    auto q = qkv[0].view({B, T, heads, hd}).transpose(1, 2);              // (B, H, T, hd)
+    auto qkv = c_attn->forward(x).split(C, /*dim=*/2);        // 3 x (B, T, C)
+    auto q = qkv[0].view({B, T, heads, hd}).transpose(1, 2);  // (B, H, T, hd)
     auto k = qkv[1].view({B, T, heads, hd}).transpose(1, 2);
     auto v = qkv[2].view({B, T, heads, hd}).transpose(1, 2);
     // Fused causal attention (flash or cuDNN kernels on the GPU, a flash kernel on the CPU),
@@ -74,22 +74,26 @@ struct GptImpl : torch::nn::Module {
     for (auto& p : named_parameters()) {
       const auto& name = p.key();
       auto& t = p.value();
-      if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0) t.zero_();
-      else if (name.find("ln_") != std::string::npos) t.fill_(1.0);
-      else if (name.find("c_proj.weight") != std::string::npos) t.normal_(0.0, 0.02 / std::sqrt(2.0 * layers));
-      else t.normal_(0.0, 0.02);
+      if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0)
+        t.zero_();
+      else if (name.find("ln_") != std::string::npos)
+        t.fill_(1.0);
+      else if (name.find("c_proj.weight") != std::string::npos)
+        t.normal_(0.0, 0.02 / std::sqrt(2.0 * layers));
+      else
+        t.normal_(0.0, 0.02);
     }
   }
   // idx: (B, T) int64 -> logits (B, T, vocab)
   torch::Tensor forward(const torch::Tensor& idx) {
-    TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= context, "gpt expects tokens (B, T<=", context,
-                "), got ", idx.sizes());
+    TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= context, "gpt expects tokens (B, T<=", context, "), got ",
+                idx.sizes());
     const int64_t T = idx.size(1);
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    auto x = wte->forward(idx) + wpe->forward(pos);                 // (B, T, C)
+    auto x = wte->forward(idx) + wpe->forward(pos);  // (B, T, C)
     for (const auto& block : *h) x = block->as<Block>()->forward(x);
     x = ln_f->forward(x);
-    return torch::matmul(x, wte->weight.t());                       // tied output projection
+    return torch::matmul(x, wte->weight.t());  // tied output projection
   }
   int64_t context;
   torch::nn::Embedding wte, wpe;
@@ -104,8 +108,8 @@ std::shared_ptr<Model> make_gpt(const ModelConfig& cfg) {
   const int64_t d = cfg.width > 0 ? cfg.width : 256;
   const int64_t layers = cfg.depth > 0 ? cfg.depth : 4;
   if (d % cfg.heads != 0)
-    throw InputError("model: width " + std::to_string(d) + " is not divisible by model.heads = " +
-                     std::to_string(cfg.heads));
+    throw InputError("model: width " + std::to_string(d) +
+                     " is not divisible by model.heads = " + std::to_string(cfg.heads));
   InputSpec spec{InputKind::Tokens, {cfg.context}, cfg.vocab};
   Gpt gpt(cfg.vocab, cfg.context, layers, cfg.heads, d);
   // Per token: 6 x the parameters it multiplies with (all but the position embedding, a lookup;
@@ -113,8 +117,8 @@ std::shared_ptr<Model> make_gpt(const ModelConfig& cfg) {
   // and their weighted sum, 12 x layers x context x width (forward 4, backward 8).
   int64_t params = 0;
   for (const auto& p : gpt->parameters()) params += p.numel();
-  const double per_token = 6.0 * static_cast<double>(params - cfg.context * d) +
-                           12.0 * static_cast<double>(layers * cfg.context * d);
+  const double per_token =
+      6.0 * static_cast<double>(params - cfg.context * d) + 12.0 * static_cast<double>(layers * cfg.context * d);
   return std::make_shared<ModuleModel<Gpt>>("gpt", gpt, spec, per_token * static_cast<double>(cfg.context));
 }
 

@@ -98,8 +98,7 @@ class ModuleModel : public Model {
 
 /// Builds a model from its config section. `data_kind` is the input kind the chosen dataset
 /// produces natively, if it has one (models that can eat either, like torchscript, use it).
-using ModelFactory =
-    std::function<std::shared_ptr<Model>(const ModelConfig&, std::optional<InputKind> data_kind)>;
+using ModelFactory = std::function<std::shared_ptr<Model>(const ModelConfig&, std::optional<InputKind> data_kind)>;
 
 /// Registers a model under `name` (model.name in the config). Thread-safe. Throws
 /// std::invalid_argument when the name is empty or already taken (built-ins included).
@@ -107,8 +106,7 @@ void register_model(const std::string& name, ModelFactory factory);
 /// Names of every registered model, sorted.
 std::vector<std::string> registered_models();
 /// Builds cfg.name; throws keel::InputError for an unknown name or a bad model config.
-std::shared_ptr<Model> create_model(const ModelConfig& cfg,
-                                    std::optional<InputKind> data_kind = std::nullopt);
+std::shared_ptr<Model> create_model(const ModelConfig& cfg, std::optional<InputKind> data_kind = std::nullopt);
 
 // Built-in factories (registered automatically; exposed for tests and the golden checks).
 std::shared_ptr<Model> make_mlp(const ModelConfig& cfg);

@@ -7,9 +7,12 @@ namespace keel::models {
 
 const char* input_kind_name(InputKind k) {
   switch (k) {
-    case InputKind::Image: return "image";
-    case InputKind::Tokens: return "tokens";
-    case InputKind::Features: return "features";
+    case InputKind::Image:
+      return "image";
+    case InputKind::Tokens:
+      return "tokens";
+    case InputKind::Features:
+      return "features";
   }
   return "?";
 }

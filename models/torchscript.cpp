@@ -17,8 +17,7 @@ class TorchScriptModel : public Model {
   InputSpec input_spec() const override { return spec_; }
   torch::Tensor forward(const torch::Tensor& input) override {
     auto out = module_.forward({input});
-    TORCH_CHECK(out.isTensor(), "torchscript model: forward must return one Tensor, got ",
-                out.tagKind());
+    TORCH_CHECK(out.isTensor(), "torchscript model: forward must return one Tensor, got ", out.tagKind());
     return out.toTensor();
   }
   NamedTensors named_parameters() const override {
@@ -44,18 +43,18 @@ class TorchScriptModel : public Model {
 std::shared_ptr<Model> make_torchscript(const ModelConfig& cfg, std::optional<InputKind> data_kind) {
   torch::jit::Module m;
   if (const std::string what = not_a_regular_file(cfg.path); !what.empty())
-    throw InputError("model.path = \"" + cfg.path + "\": " + (what == "missing" ? "file not found" : "is " + what +
-                     ", not a TorchScript file"));
+    throw InputError("model.path = \"" + cfg.path +
+                     "\": " + (what == "missing" ? "file not found" : "is " + what + ", not a TorchScript file"));
   try {
     m = torch::jit::load(cfg.path);
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
-    throw InputError("model.path = \"" + cfg.path + "\": cannot load TorchScript module: " +
-                     what.substr(0, what.find('\n')));
+    throw InputError("model.path = \"" + cfg.path +
+                     "\": cannot load TorchScript module: " + what.substr(0, what.find('\n')));
   }
-  InputKind kind = cfg.input == ModelInput::Tokens ? InputKind::Tokens
+  InputKind kind = cfg.input == ModelInput::Tokens  ? InputKind::Tokens
                    : cfg.input == ModelInput::Image ? InputKind::Image
-                   : data_kind.value_or(InputKind::Image);
+                                                    : data_kind.value_or(InputKind::Image);
   InputSpec spec = kind == InputKind::Image ? InputSpec{InputKind::Image, {1, 28, 28}, cfg.num_classes}
                                             : InputSpec{InputKind::Tokens, {cfg.context}, cfg.vocab};
   return std::make_shared<TorchScriptModel>(std::move(m), spec);

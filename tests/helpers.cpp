@@ -5,8 +5,8 @@
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
-#include <sys/socket.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -88,8 +88,7 @@ ProcResult wait_process(Child& c, double timeout_s) {
   return r;
 }
 
-ProcResult run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env,
-                       double timeout_s) {
+ProcResult run_process(const std::vector<std::string>& argv, const std::vector<std::string>& env, double timeout_s) {
   Child c = spawn_process(argv, env);
   return wait_process(c, timeout_s);
 }
@@ -124,12 +123,12 @@ ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, co
                              int max_restarts, double timeout_s) {
   // An explicit endpoint on a free port (PyTorch 1.13's --standalone always took port 29400, so
   // two jobs at once shared it; 2.11's picks a free one, and Restart.* tests it).
-  std::vector<std::string> argv = {KEEL_TORCHRUN, "--nnodes=1", "--rdzv_backend=c10d",
-                                   "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_port()),
-                                   "--rdzv_id=keel-test-" + std::to_string(::getpid()), "--nproc_per_node=" + std::to_string(nproc),
-                                   "--max_restarts=" + std::to_string(max_restarts), "--no_python",
-                                   // --tee 3 keeps each attempt's output under log_dir as well.
-                                   "--tee", "3", "--log_dir", log_dir, KEEL_BINARY};
+  std::vector<std::string> argv = {
+      KEEL_TORCHRUN, "--nnodes=1", "--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_port()),
+      "--rdzv_id=keel-test-" + std::to_string(::getpid()), "--nproc_per_node=" + std::to_string(nproc),
+      "--max_restarts=" + std::to_string(max_restarts), "--no_python",
+      // --tee 3 keeps each attempt's output under log_dir as well.
+      "--tee", "3", "--log_dir", log_dir, KEEL_BINARY};
   argv.insert(argv.end(), args.begin(), args.end());
   return run_process(argv, {}, timeout_s);
 }

@@ -25,7 +25,7 @@ struct ProcResult {
   bool signaled = false;  // ended by a signal (a crash, for keel)
   int signal = 0;
   bool timed_out = false;
-  std::string output;     // stdout and stderr, interleaved
+  std::string output;  // stdout and stderr, interleaved
 };
 
 /// A started child process (its own process group) whose output goes to a temp file.

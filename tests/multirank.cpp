@@ -13,15 +13,14 @@ namespace keel::testing {
 
 bool is_rank_process() { return std::getenv("KEEL_TEST_RANK") != nullptr; }
 
-
 static std::string self_exe() {
   char buf[4096];
   ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
   return n > 0 ? std::string(buf, n) : std::string();
 }
 
-std::vector<ProcResult> run_ranks(int n, const std::function<void(const keel::dist::World&)>& body,
-                                  double timeout_s, const std::vector<std::string>& extra_env) {
+std::vector<ProcResult> run_ranks(int n, const std::function<void(const keel::dist::World&)>& body, double timeout_s,
+                                  const std::vector<std::string>& extra_env) {
   if (is_rank_process()) {
     body(keel::dist::detect_world(keel::dist::current_env()));
     return {};
@@ -31,10 +30,10 @@ std::vector<ProcResult> run_ranks(int n, const std::function<void(const keel::di
   const int port = free_port();
   std::vector<Child> children;
   for (int r = 0; r < n; ++r) {
-    std::vector<std::string> env = {"KEEL_TEST_RANK=" + std::to_string(r), "RANK=" + std::to_string(r),
-                                    "WORLD_SIZE=" + std::to_string(n), "LOCAL_RANK=" + std::to_string(r),
+    std::vector<std::string> env = {"KEEL_TEST_RANK=" + std::to_string(r),   "RANK=" + std::to_string(r),
+                                    "WORLD_SIZE=" + std::to_string(n),       "LOCAL_RANK=" + std::to_string(r),
                                     "LOCAL_WORLD_SIZE=" + std::to_string(n), "MASTER_ADDR=127.0.0.1",
-                                    "MASTER_PORT=" + std::to_string(port), "OMP_NUM_THREADS=1"};
+                                    "MASTER_PORT=" + std::to_string(port),   "OMP_NUM_THREADS=1"};
     env.insert(env.end(), extra_env.begin(), extra_env.end());
     children.push_back(spawn_process({self_exe(), "--gtest_filter=" + filter}, env));
   }
@@ -56,9 +55,9 @@ std::vector<ProcResult> run_keel_ranks(int n, const std::vector<std::string>& ar
   const int port = free_port();
   std::vector<Child> kids;
   for (int r = 0; r < n; ++r) {
-    std::vector<std::string> env = {"RANK=" + std::to_string(r), "WORLD_SIZE=" + std::to_string(n),
+    std::vector<std::string> env = {"RANK=" + std::to_string(r),       "WORLD_SIZE=" + std::to_string(n),
                                     "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(n),
-                                    "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)};
+                                    "MASTER_ADDR=127.0.0.1",           "MASTER_PORT=" + std::to_string(port)};
     env.insert(env.end(), extra_env.begin(), extra_env.end());
     kids.push_back(spawn_keel(args, env));
   }

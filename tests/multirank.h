@@ -14,8 +14,8 @@
 #include <string>
 #include <vector>
 
-#include "keel/dist/world.h"
 #include "helpers.h"
+#include "keel/dist/world.h"
 
 namespace keel::testing {
 

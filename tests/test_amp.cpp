@@ -4,12 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "helpers.h"
 #include "keel/amp/autocast.h"
 #include "keel/amp/grad_scaler.h"
-#include "helpers.h"
-#include "multirank.h"
 #include "keel/trainer/compile/compile.h"
 #include "keel/trainer/trainer.h"
+#include "multirank.h"
 
 using keel::amp::GradScaler;
 using namespace keel::testing;
@@ -27,7 +27,12 @@ keel::AmpConfig amp_cfg(double init, int64_t interval) {
 TEST(GradScaler, ExactScaleSequenceForAScriptedPattern) {
   GradScaler s(amp_cfg(4.0, 3));
   // Each entry: the step's verdict (true = inf/NaN), then the scale and tracker after update().
-  struct Step { bool inf; double scale; int64_t tracker; const char* why; };
+  struct Step {
+    bool inf;
+    double scale;
+    int64_t tracker;
+    const char* why;
+  };
   const Step steps[] = {
       {false, 4, 1, "clean step 1 of 3"},
       {false, 4, 2, "clean step 2 of 3"},
@@ -152,30 +157,34 @@ TORCH_MODULE(InfOnce);
 
 TEST(AmpDist, OnlyRankOneSeesInfAndBothRanksSkip) {
   TempDir d;
-  auto ranks = run_ranks(2, [](const keel::dist::World& w) {
-    keel::models::register_model("inf_once", [](const keel::ModelConfig&, std::optional<keel::models::InputKind>) {
-      return std::make_shared<keel::models::ModuleModel<InfOnce>>(
-          "inf_once", InfOnce(), keel::models::InputSpec{keel::models::InputKind::Image, {1, 28, 28}, 10});
-    });
-    TempDir rd;
-    keel::Config cfg;
-    cfg.run.dir = rd.file("run");
-    cfg.run.threads = 1;
-    cfg.model.name = "inf_once";
-    cfg.data.name = "synthetic";
-    cfg.data.synthetic_size = 512;
-    cfg.train.steps = 20;
-    cfg.train.batch_size = 16;
-    cfg.amp.loss_scaling = keel::LossScaling::Dynamic;
-    keel::validate(cfg);
-    keel::Callbacks cb;
-    cb.on_end = [&](keel::models::Model& m) {
-      torch::save(m.parameters(), std::string(std::getenv("KEEL_TEST_OUT")) + "/rank" + std::to_string(w.rank) + ".pt");
-    };
-    auto summary = keel::Trainer(cfg, w, cb).run();
-    EXPECT_EQ(summary.skipped_steps, 1);
-    EXPECT_EQ(summary.loss_scale.value_or(0), 32768.0);  // one backoff from 65536
-  }, 120, {"KEEL_TEST_OUT=" + d.path()});
+  auto ranks = run_ranks(
+      2,
+      [](const keel::dist::World& w) {
+        keel::models::register_model("inf_once", [](const keel::ModelConfig&, std::optional<keel::models::InputKind>) {
+          return std::make_shared<keel::models::ModuleModel<InfOnce>>(
+              "inf_once", InfOnce(), keel::models::InputSpec{keel::models::InputKind::Image, {1, 28, 28}, 10});
+        });
+        TempDir rd;
+        keel::Config cfg;
+        cfg.run.dir = rd.file("run");
+        cfg.run.threads = 1;
+        cfg.model.name = "inf_once";
+        cfg.data.name = "synthetic";
+        cfg.data.synthetic_size = 512;
+        cfg.train.steps = 20;
+        cfg.train.batch_size = 16;
+        cfg.amp.loss_scaling = keel::LossScaling::Dynamic;
+        keel::validate(cfg);
+        keel::Callbacks cb;
+        cb.on_end = [&](keel::models::Model& m) {
+          torch::save(m.parameters(),
+                      std::string(std::getenv("KEEL_TEST_OUT")) + "/rank" + std::to_string(w.rank) + ".pt");
+        };
+        auto summary = keel::Trainer(cfg, w, cb).run();
+        EXPECT_EQ(summary.skipped_steps, 1);
+        EXPECT_EQ(summary.loss_scale.value_or(0), 32768.0);  // one backoff from 65536
+      },
+      120, {"KEEL_TEST_OUT=" + d.path()});
   if (is_rank_process()) return;
   expect_all_ok(ranks);
   std::vector<torch::Tensor> p0, p1;

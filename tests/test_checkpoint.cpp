@@ -15,17 +15,17 @@
 #include <functional>
 #include <thread>
 
+#include "helpers.h"
 #include "keel/checkpoint/checkpoint.h"
 #include "keel/checkpoint/inspect.h"
 #include "keel/checkpoint/meta.h"
 #include "keel/checkpoint/weights.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
-#include "helpers.h"
-#include "multirank.h"
 #include "keel/models/model.h"
 #include "keel/trainer/optim.h"
 #include "keel/trainer/trainer.h"
+#include "multirank.h"
 
 #include <torch/script.h>
 
@@ -70,7 +70,6 @@ std::string error_of(F&& f) {
   }
   return "";
 }
-
 
 TEST(Safetensors, RoundTripsEveryDtypeBitExactly) {
   TempDir d;
@@ -132,7 +131,10 @@ TEST(SafetensorsHeader, RefusesEveryKindOfBadHeader) {
       {st_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,16]}})", 8), "out of range or truncated"},
       {st_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8), "offsets hold 8"},
       {st_file(R"({"a":{"dtype":"F32","shape":[4611686018427387904,4],"data_offsets":[0,8]}})", 8), "overflows"},
-      {st_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12), "overlaps"},
+      {st_file(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+           12),
+       "overlaps"},
       {st_file(R"({"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})", 8), "a hole"},
       {st_file(ok, 12), "trailing bytes"},
       {st_file(R"({"__metadata__":{"k":1}})", 0), "is not a string"},
@@ -253,7 +255,8 @@ TEST(CheckpointResume, BadResumeFromIsInputAPeerDyingDuringLoadIsNot) {
   auto ranks = run_ranks(2, [&](const keel::dist::World& w) {
     keel::DistConfig cfg;
     cfg.timeout_s = 10;
-    auto coll = std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU), keel::Validate::Always);
+    auto coll = std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU),
+                                                          keel::Validate::Always);
     Options o2;
     o2.dir = dir;
     Checkpointer ck(o2, coll);
@@ -336,8 +339,10 @@ TEST(Checkpointer, CorruptOrTruncatedNewestStepFallsBackToThePrevious) {
       c.save(8, small_state(8.f));
     }
     const std::string shard = d.file("ck/step_8/optimizer-00001-of-00001.safetensors");
-    if (truncate) ASSERT_EQ(::truncate(shard.c_str(), 20), 0);
-    else flip_byte(shard, 2);
+    if (truncate)
+      ASSERT_EQ(::truncate(shard.c_str(), 20), 0);
+    else
+      flip_byte(shard, 2);
     EXPECT_FALSE(verify_step(d.file("ck/step_8")).empty());
     Checkpointer c(o, local_collectives());
     auto L = c.load();
@@ -472,14 +477,21 @@ TEST(OptimizerState, RoundTripContinuesBitExactly) {
 // ---- the keel binary ------------------------------------------------------------------------
 
 std::vector<std::string> train_args(const std::string& dir, int steps, int interval) {
-  return {"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=" + std::to_string(steps),
-          "--train.batch_size=16", "--run.threads=1", "--run.dir=" + dir + "/run",
-          "--checkpoint.dir=" + dir + "/ckpt", "--checkpoint.interval=" + std::to_string(interval),
+  return {"train",
+          "--model.name=mlp",
+          "--data.name=synthetic",
+          "--train.steps=" + std::to_string(steps),
+          "--train.batch_size=16",
+          "--run.threads=1",
+          "--run.dir=" + dir + "/run",
+          "--checkpoint.dir=" + dir + "/ckpt",
+          "--checkpoint.interval=" + std::to_string(interval),
           "--dist.timeout_s=30"};
 }
 
-nlohmann::json summary_of(const std::string& dir) { return nlohmann::json::parse(read_text(dir + "/run/summary.json")); }
-
+nlohmann::json summary_of(const std::string& dir) {
+  return nlohmann::json::parse(read_text(dir + "/run/summary.json"));
+}
 
 // The acceptance of the checkpoint and fault issues: a 2-rank torchrun job whose rank 1 is
 // SIGKILLed at step 25, with checkpoints every 10 steps (async) and --max_restarts=2, resumes
@@ -508,9 +520,9 @@ void sigkill_resume_case(const std::string& zero) {
   EXPECT_EQ(s["restart_count"], 1);
   EXPECT_EQ(s["steps"], 40);
   EXPECT_TRUE(summary_of(d.file("clean"))["resumed_from_step"].is_null());
-  for (const char* f : {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
-                        "optimizer-00001-of-00002.safetensors", "optimizer-00002-of-00002.safetensors",
-                        "rank-00000.safetensors", "rank-00001.safetensors"})
+  for (const char* f :
+       {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors", "optimizer-00001-of-00002.safetensors",
+        "optimizer-00002-of-00002.safetensors", "rank-00000.safetensors", "rank-00001.safetensors"})
     EXPECT_EQ(sha256_file(d.file(std::string("clean/ckpt/step_40/") + f)),
               sha256_file(d.file(std::string("crash/ckpt/step_40/") + f)))
         << f << " differs";
@@ -530,7 +542,8 @@ TEST(CheckpointResume, LossScalerStateIsRestored) {
   TempDir d;
   auto args = [&](const std::string& sub, int steps) {
     auto a = train_args(d.file(sub), steps, 5);
-    for (const char* x : {"--amp.loss_scaling=dynamic", "--amp.growth_interval=4", "--fault.inject=nonfinite_grad@step=3,rank=0"})
+    for (const char* x :
+         {"--amp.loss_scaling=dynamic", "--amp.growth_interval=4", "--fault.inject=nonfinite_grad@step=3,rank=0"})
       a.push_back(x);
     return a;
   };
@@ -572,10 +585,12 @@ TEST(CheckpointResume, TamperedMetadataFallsBackNamingTheField) {
       {"negative step", [](nlohmann::json& m) { m["step"] = -5; }, "\"step\" must be an integer in [0"},
       {"step of another directory", [](nlohmann::json& m) { m["step"] = 7; }, "\"step\" is 7 in the directory step_10"},
       {"step as a string", [](nlohmann::json& m) { m["step"] = "ten"; }, "\"step\" must be an integer"},
-      {"absurd world size", [](nlohmann::json& m) { m["world_size"] = 1000000000; }, "\"world_size\" must be an integer"},
+      {"absurd world size", [](nlohmann::json& m) { m["world_size"] = 1000000000; },
+       "\"world_size\" must be an integer"},
       {"another format", [](nlohmann::json& m) { m["format_version"] = 2; }, "format_version"},
       {"loss scale 0", [](nlohmann::json& m) { m["state"]["scaler"]["scale"] = 0; }, "state.scaler.scale = 0"},
-      {"skipped steps as a string", [](nlohmann::json& m) { m["state"]["skipped_steps"] = "x"; }, "state.skipped_steps"},
+      {"skipped steps as a string", [](nlohmann::json& m) { m["state"]["skipped_steps"] = "x"; },
+       "state.skipped_steps"},
       {"negative data position", [](nlohmann::json& m) { m["state"]["data_position"]["batch"] = -1; },
        "state.data_position.batch = -1"},
   };
@@ -613,7 +628,7 @@ TEST(CheckpointResume, AllCommittedStepsUnusableAreSetAsideAndTheRunStartsFresh)
   EXPECT_TRUE(exists(d.file("ckpt/corrupt/step_5/meta.json")));
   EXPECT_TRUE(exists(d.file("ckpt/corrupt/step_10/meta.json")));
   EXPECT_TRUE(summary_of(d.path())["resumed_from_step"].is_null());
-  EXPECT_TRUE(exists(d.file("ckpt/step_10/meta.json")));  // the fresh run's own
+  EXPECT_TRUE(exists(d.file("ckpt/step_10/meta.json")));                  // the fresh run's own
   EXPECT_EQ(run_keel({"inspect", d.file("ckpt/corrupt")}).exit_code, 1);  // still there to look at
 }
 
@@ -681,7 +696,8 @@ TEST(CheckpointResume, CorruptNewestStepFallsBackWithAWarningNamingTheFile) {
   auto ranks = run_keel_ranks(2, train_args(d.path(), 15, 5));
   for (auto& r : ranks) {
     ASSERT_EQ(r.exit_code, 0) << r.output;
-    EXPECT_NE(r.output.find("step_10/model-00002-of-00002.safetensors: checksum mismatch"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("step_10/model-00002-of-00002.safetensors: checksum mismatch"), std::string::npos)
+        << r.output;
     EXPECT_NE(r.output.find("falling back to the previous committed step"), std::string::npos) << r.output;
   }
   EXPECT_EQ(summary_of(d.path())["resumed_from_step"], 5);
@@ -854,7 +870,10 @@ TEST(KeelInspect, VerifiesWhatTheLoaderVerifies) {
          write_file_entry(opt_index_name, index.dump(), m);
        },
        "is not an optimizer file of this step"},
-      {"optimizer owner outside the saved world", [&](nlohmann::json& m) { m["optimizer"]["owners"] = {{"fc.0.weight", 7}}; },
+      {"optimizer owner outside the saved world",
+       [&](nlohmann::json& m) {
+         m["optimizer"]["owners"] = {{"fc.0.weight", 7}};
+       },
        "must be a rank in [0, 1), got 7"},
   };
   for (const auto& c : cases) {
@@ -995,15 +1014,21 @@ TEST(RealClients, PyTorchLoadsKeelsShardsAndGetsKeelsLogits) {
     nlohmann::json args;
     std::vector<std::string> flags;
   };
-  const std::vector<Case> cases = {
-      {"mlp", {{"width", 32}, {"depth", 2}}, {"--model.width=32", "--model.depth=2"}},
-      {"gpt", {{"width", 32}, {"depth", 1}, {"context", 16}, {"heads", 4}},
-       {"--model.width=32", "--model.depth=1", "--model.context=16", "--model.heads=4"}}};
+  const std::vector<Case> cases = {{"mlp", {{"width", 32}, {"depth", 2}}, {"--model.width=32", "--model.depth=2"}},
+                                   {"gpt",
+                                    {{"width", 32}, {"depth", 1}, {"context", 16}, {"heads", 4}},
+                                    {"--model.width=32", "--model.depth=1", "--model.context=16", "--model.heads=4"}}};
   for (const auto& c : cases) {
     TempDir d;
-    std::vector<std::string> args = {"train", "--model.name=" + c.name, "--data.name=synthetic", "--train.steps=3",
-                                     "--train.batch_size=4", "--train.eval_interval=0", "--run.threads=1",
-                                     "--checkpoint.dir=" + d.file("ckpt"), "--checkpoint.interval=3",
+    std::vector<std::string> args = {"train",
+                                     "--model.name=" + c.name,
+                                     "--data.name=synthetic",
+                                     "--train.steps=3",
+                                     "--train.batch_size=4",
+                                     "--train.eval_interval=0",
+                                     "--run.threads=1",
+                                     "--checkpoint.dir=" + d.file("ckpt"),
+                                     "--checkpoint.interval=3",
                                      "--run.dir=" + d.file("run")};
     args.insert(args.end(), c.flags.begin(), c.flags.end());
     expect_all_ok(run_keel_ranks(2, args));
@@ -1037,16 +1062,18 @@ TEST(RealClients, PyTorchWeightsInitialiseAKeelRun) {
   if (py.exit_code == 77) GTEST_SKIP() << py.output;
   ASSERT_EQ(py.exit_code, 0) << py.output;
   const double want = nlohmann::json::parse(py.output)["first_loss"].get<double>();
-  auto r = run_keel({"train", "--model.name=mlp", "--model.width=32", "--model.depth=2", "--data.name=synthetic",
-                     "--data.shuffle=false", "--train.steps=1", "--train.batch_size=16", "--train.eval_interval=0",
-                     "--run.threads=1", "--model.init_from=" + d.file("init.safetensors"), "--run.dir=" + d.file("run")});
+  auto r =
+      run_keel({"train", "--model.name=mlp", "--model.width=32", "--model.depth=2", "--data.name=synthetic",
+                "--data.shuffle=false", "--train.steps=1", "--train.batch_size=16", "--train.eval_interval=0",
+                "--run.threads=1", "--model.init_from=" + d.file("init.safetensors"), "--run.dir=" + d.file("run")});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("tensors from " + d.file("init.safetensors")), std::string::npos) << r.output;
   const auto line = nlohmann::json::parse(read_text(d.file("run/metrics.jsonl")));
   EXPECT_NEAR(line["loss"].get<double>(), want, 1e-6 * want) << "keel " << line["loss"] << ", PyTorch " << want;
   // A file that does not fit the model is bad input naming the tensor and both shapes.
-  auto bad = run_keel({"train", "--model.name=mlp", "--model.width=64", "--model.depth=2", "--data.name=synthetic",
-                       "--train.steps=1", "--model.init_from=" + d.file("init.safetensors"), "--run.dir=" + d.file("bad")});
+  auto bad =
+      run_keel({"train", "--model.name=mlp", "--model.width=64", "--model.depth=2", "--data.name=synthetic",
+                "--train.steps=1", "--model.init_from=" + d.file("init.safetensors"), "--run.dir=" + d.file("bad")});
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("\"fc.0.weight\" has shape [32, 784], the model's is [64, 784]"), std::string::npos)
       << bad.output;

@@ -1,7 +1,7 @@
 // The keel binary as a user meets it: exit codes and messages for every class of bad input
 // (never a signal), --help listing every key, --version, --print-config.
-#include <gtest/gtest.h>
 #include <arpa/inet.h>
+#include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -40,8 +40,9 @@ TEST(CliNoGpu, CudaDeviceNcclAndFp16ExitTwoSayingThereIsNoGpu) {
   if (!KEEL_CUDA_BUILD) GTEST_SKIP() << "a CPU build refuses these while loading the config (ConfigErrors.*)";
   if (torch::cuda::is_available()) GTEST_SKIP() << "this machine has a GPU";
   TempDir d;
-  const std::vector<std::string> base = {"train", "--config", keel::testing::source_path("configs/synthetic_smoke.toml"),
-                                         "--train.steps=2", "--run.dir=" + d.file("run")};
+  const std::vector<std::string> base = {"train", "--config",
+                                         keel::testing::source_path("configs/synthetic_smoke.toml"), "--train.steps=2",
+                                         "--run.dir=" + d.file("run")};
   auto with = [&](const std::string& extra) {
     auto a = base;
     a.push_back(extra);
@@ -98,8 +99,9 @@ TEST(CliBadInput, InputsThatAreNotRegularFilesAreRefusedAtOnce) {
   const std::string fifo = d.file("fifo");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0644), 0);
   const std::string dir = d.path();
-  const std::vector<std::string> smoke = {"train", "--config", keel::testing::source_path("configs/synthetic_smoke.toml"),
-                                          "--train.steps=2", "--run.dir=" + d.file("run")};
+  const std::vector<std::string> smoke = {"train", "--config",
+                                          keel::testing::source_path("configs/synthetic_smoke.toml"), "--train.steps=2",
+                                          "--run.dir=" + d.file("run")};
   auto with = [&](std::vector<std::string> extra) {
     auto a = smoke;
     a.insert(a.end(), extra.begin(), extra.end());
@@ -165,7 +167,8 @@ TEST(Cli, ConfigReferenceDocIsInSync) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_EQ(keel::testing::read_text(keel::testing::source_path("docs/config.md")), r.output)
       << "docs/config.md is stale: regenerate it with `build/keel config-reference > docs/config.md`";
-  for (const auto& f : keel::config_schema()) EXPECT_NE(r.output.find("| `" + f.key + "` |"), std::string::npos) << f.dotted();
+  for (const auto& f : keel::config_schema())
+    EXPECT_NE(r.output.find("| `" + f.key + "` |"), std::string::npos) << f.dotted();
 }
 
 TEST(Cli, NoSubcommandIsUsageError) {
@@ -226,7 +229,8 @@ TEST(CliBadInput, UnknownModel) {
 
 TEST(CliBadInput, UnknownDataset) {
   TempDir d;  // a run.dir of its own: runs lock theirs (two tests on the default one would collide)
-  expect_input_error(run_keel({"train", "--data.name=imagenet", "--run.dir=" + d.file("run")}), "data.name = \"imagenet\"");
+  expect_input_error(run_keel({"train", "--data.name=imagenet", "--run.dir=" + d.file("run")}),
+                     "data.name = \"imagenet\"");
 }
 
 TEST(CliBadInput, MissingDataDirectory) {
@@ -315,8 +319,9 @@ TEST(CliBadInput, RunNameCheckpointDirAndTakenPort) {
   socklen_t len = sizeof a;
   ASSERT_EQ(::getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len), 0);
   const std::string port = "MASTER_PORT=" + std::to_string(ntohs(a.sin_port));
-  auto r = run_keel({"train", "--data.name=synthetic", "--train.steps=1", "--dist.timeout_s=5", "--run.dir=" + d.file("r")},
-                    {"RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", port}, 120);
+  auto r =
+      run_keel({"train", "--data.name=synthetic", "--train.steps=1", "--dist.timeout_s=5", "--run.dir=" + d.file("r")},
+               {"RANK=0", "WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", port}, 120);
   ::close(fd);
   EXPECT_EQ(r.exit_code, 1) << r.output;
   EXPECT_NE(r.output.find("a port another program holds"), std::string::npos) << r.output;
@@ -326,7 +331,8 @@ TEST(CliBadInput, RunNameCheckpointDirAndTakenPort) {
 TEST(KeelPlot, WritesPngCurvesFromMetrics) {
   TempDir d;
   auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=12", "--train.batch_size=16",
-                     "--train.eval_interval=6", "--amp.loss_scaling=dynamic", "--run.threads=1", "--run.dir=" + d.file("run")});
+                     "--train.eval_interval=6", "--amp.loss_scaling=dynamic", "--run.threads=1",
+                     "--run.dir=" + d.file("run")});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto p = run_keel({"plot", d.file("run")});
   ASSERT_EQ(p.exit_code, 0) << p.output;

@@ -2,8 +2,8 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
-#include <fstream>
 #include <torch/library.h>
+#include <fstream>
 
 #include <nlohmann/json.hpp>
 
@@ -29,8 +29,8 @@ struct LambdaImpl : torch::nn::Module {
 TORCH_MODULE(Lambda);
 
 std::shared_ptr<keel::models::Model> make(LambdaImpl::Fn fn) {
-  return std::make_shared<keel::models::ModuleModel<Lambda>>("test", Lambda(std::move(fn)),
-                                                             keel::models::InputSpec{keel::models::InputKind::Image, {8}, 4});
+  return std::make_shared<keel::models::ModuleModel<Lambda>>(
+      "test", Lambda(std::move(fn)), keel::models::InputSpec{keel::models::InputKind::Image, {8}, 4});
 }
 
 CompileConfig trace_cfg(bool fullgraph = false) {
@@ -103,7 +103,8 @@ TORCH_LIBRARY_IMPL(keel_test, CompositeImplicitAutograd, m) {
   m.impl("scaled_tanh", [](const torch::Tensor& x, double s) { return torch::tanh(x) * s; });
 }
 torch::Tensor scaled_tanh(const torch::Tensor& x, double s) {
-  static auto op = c10::Dispatcher::singleton().findSchemaOrThrow("keel_test::scaled_tanh", "")
+  static auto op = c10::Dispatcher::singleton()
+                       .findSchemaOrThrow("keel_test::scaled_tanh", "")
                        .typed<torch::Tensor(const torch::Tensor&, double)>();
   return op.call(x, s);
 }
@@ -189,7 +190,8 @@ TEST(CompileCache, MissThenHitThenCorruptEntryIsRebuilt) {
     return traced;
   };
   compile("miss");
-  const std::string entry = keel::CompileCache(cfg.cache_dir).entry_path(keel::compile_cache_key("lambda-tanh", cfg, example, "off"));
+  const std::string entry =
+      keel::CompileCache(cfg.cache_dir).entry_path(keel::compile_cache_key("lambda-tanh", cfg, example, "off"));
   ASSERT_TRUE(keel::testing::exists(entry));
   auto traced = compile("hit");
   // Training through a graph loaded from the cache reaches the parameters.
@@ -268,8 +270,8 @@ TEST(Compile, TraceAndOffAgreeOnCnnAfter20Steps) {
   int i = 0;
   for (const char* mode : {"off", "trace"}) {
     auto r = keel::testing::run_keel({"train", "--model.name=cnn", "--data.name=synthetic", "--train.steps=20",
-                                      "--train.batch_size=16", "--compile.mode=" + std::string(mode),
-                                      "--run.threads=1", "--run.dir=" + d.file(mode)});
+                                      "--train.batch_size=16", "--compile.mode=" + std::string(mode), "--run.threads=1",
+                                      "--run.dir=" + d.file(mode)});
     ASSERT_EQ(r.exit_code, 0) << r.output;
     auto s = nlohmann::json::parse(keel::testing::read_text(d.file(std::string(mode) + "/summary.json")));
     EXPECT_EQ(s["compile_mode"], mode);

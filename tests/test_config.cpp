@@ -98,7 +98,10 @@ TEST(ConfigErrors, NotAChoice) {
 }
 
 TEST(ConfigErrors, BinaryFile) {
-  std::string bin("\x7f" "ELF\x02\x01\x01\0\0\0\0", 12);
+  std::string bin(
+      "\x7f"
+      "ELF\x02\x01\x01\0\0\0\0",
+      12);
   auto msg = load_error(bin);
   EXPECT_NE(msg.find("not a TOML file"), std::string::npos) << msg;
   // Invalid UTF-8 without NUL bytes is refused by the parser.
@@ -195,16 +198,47 @@ TEST(ConfigDump, RoundTripsEveryKey) {
 }
 
 TEST(ConfigSchema, EveryContractKeyExists) {
-  for (const char* k : {"run.name", "run.dir", "run.seed", "run.threads", "model.name", "model.path",
-                        "data.name", "data.path", "data.drop_last", "train.steps", "train.epochs",
-                        "train.batch_size", "train.grad_accum", "train.optimizer", "train.lr",
-                        "train.weight_decay", "train.warmup_steps", "train.schedule", "train.grad_clip",
-                        "train.eval_interval", "dist.timeout_s", "dist.backend", "dist.bucket_cap_mb",
-                        "dist.find_unused_parameters", "dist.comm_hook", "dist.validate", "compile.mode",
-                        "compile.fullgraph", "compile.deterministic", "compile.max_recompiles",
-                        "compile.cache_dir", "compile.cuda_graphs", "amp.dtype", "amp.loss_scaling",
-                        "checkpoint.dir", "checkpoint.interval", "checkpoint.keep", "checkpoint.async",
-                        "checkpoint.resume_from", "checkpoint.save_graph", "fault.inject",
+  for (const char* k : {"run.name",
+                        "run.dir",
+                        "run.seed",
+                        "run.threads",
+                        "model.name",
+                        "model.path",
+                        "data.name",
+                        "data.path",
+                        "data.drop_last",
+                        "train.steps",
+                        "train.epochs",
+                        "train.batch_size",
+                        "train.grad_accum",
+                        "train.optimizer",
+                        "train.lr",
+                        "train.weight_decay",
+                        "train.warmup_steps",
+                        "train.schedule",
+                        "train.grad_clip",
+                        "train.eval_interval",
+                        "dist.timeout_s",
+                        "dist.backend",
+                        "dist.bucket_cap_mb",
+                        "dist.find_unused_parameters",
+                        "dist.comm_hook",
+                        "dist.validate",
+                        "compile.mode",
+                        "compile.fullgraph",
+                        "compile.deterministic",
+                        "compile.max_recompiles",
+                        "compile.cache_dir",
+                        "compile.cuda_graphs",
+                        "amp.dtype",
+                        "amp.loss_scaling",
+                        "checkpoint.dir",
+                        "checkpoint.interval",
+                        "checkpoint.keep",
+                        "checkpoint.async",
+                        "checkpoint.resume_from",
+                        "checkpoint.save_graph",
+                        "fault.inject",
                         "train.skip_nonfinite"})
     EXPECT_NE(keel::find_field(k), nullptr) << k;
 }

@@ -44,7 +44,8 @@ TEST(FashionMnist, LoadsSmallDataset) {
 TEST(FashionMnist, RealDatasetIfInstalled) {
   if (!exists("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz"))
     GTEST_SKIP() << "dataset-fashion-mnist is not installed (scripts/setup.sh installs it)";
-  auto images = keel::data::read_idx("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz", 0x803, {-1, 28, 28});
+  auto images =
+      keel::data::read_idx("/usr/share/datasets/fashion-mnist/t10k-images-idx3-ubyte.gz", 0x803, {-1, 28, 28});
   auto labels = keel::data::read_idx("/usr/share/datasets/fashion-mnist/t10k-labels-idx1-ubyte.gz", 0x801, {-1});
   EXPECT_EQ(images.size(0), 10000);
   EXPECT_EQ(labels.size(0), 10000);

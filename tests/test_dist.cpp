@@ -10,14 +10,14 @@
 
 #include <nlohmann/json.hpp>
 
-#include "keel/dist/collectives.h"
-#include "keel/dist/network.h"
-#include "keel/dist/ddp.h"
-#include "keel/dist/process_group.h"
 #include "helpers.h"
 #include "keel/checkpoint/safetensors.h"
-#include "multirank.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/ddp.h"
+#include "keel/dist/network.h"
+#include "keel/dist/process_group.h"
 #include "keel/trainer/trainer.h"
+#include "multirank.h"
 
 using keel::dist::Collectives;
 using keel::dist::World;
@@ -25,7 +25,8 @@ using namespace keel::testing;
 
 namespace {
 
-std::shared_ptr<Collectives> make_collectives(const World& w, int64_t timeout_s = 30, keel::Validate validate = keel::Validate::Always) {
+std::shared_ptr<Collectives> make_collectives(const World& w, int64_t timeout_s = 30,
+                                              keel::Validate validate = keel::Validate::Always) {
   keel::DistConfig cfg;
   cfg.timeout_s = timeout_s;
   cfg.validate = validate;
@@ -109,76 +110,89 @@ TEST(Collectives, TrafficCountersCountCallsProbesAndBytes) {
 // rank saw inf/NaN, and when the ranks disagree on the gradient plan, which reading the record
 // then reports on every rank naming each rank's step and plan, as step_sync does.
 TEST(Collectives, TheStepConsensusReadLateStillNamesDisagreeingRanks) {
-  auto ranks = run_ranks(2, [](const World& w) {
-    auto c = make_collectives(w, 20);
-    const auto loss = [&](double v) { return torch::full({1}, v + w.rank, torch::kDouble); };
-    const auto flag = [](bool b) { return torch::full({1}, b ? 1.0f : 0.0f); };
-    auto a = c->exchange_step(1, 7, loss(1.0), flag(false), 2.0);
-    auto b = c->exchange_step(2, 7, loss(3.0), flag(w.rank == 1), 2.0, /*flags=*/1u << w.rank);
-    EXPECT_EQ(a.found_inf().item<float>(), 0.0f);
-    EXPECT_EQ(b.found_inf().item<float>(), 1.0f);  // rank 1's inf holds rank 0 back too
-    double mine = 0;
-    const auto ca = c->resolve(a, &mine);
-    EXPECT_EQ(ca.mean_loss, 1.5);
-    EXPECT_EQ(mine, 1.0 + w.rank);
-    EXPECT_FALSE(ca.any_nonfinite);
-    const auto cb = c->resolve(b);
-    EXPECT_EQ(cb.mean_loss, 3.5);
-    EXPECT_TRUE(cb.any_nonfinite);
-    EXPECT_EQ(cb.any_flags, 3u);
-    EXPECT_EQ(cb.all_flags, 0u);
-    // Rank 1 ran another number of micro-batches: another gradient plan.
-    auto bad = c->exchange_step(3, w.rank == 0 ? 0xa1 : 0xb2, loss(1.0), flag(false), 2.0);
-    EXPECT_EQ(bad.found_inf().item<float>(), 1.0f);  // nobody applies step 3's update
-    try {
-      c->resolve(bad);
-      ADD_FAILURE() << "no error on rank " << w.rank;
-    } catch (const keel::dist::CollectiveMismatch& e) {
-      const std::string m = e.what();
-      EXPECT_NE(m.find("ranks disagree at the end of step 3's backward; no update was applied"), std::string::npos) << m;
-      EXPECT_NE(m.find("rank 0: step 3, gradient plan a1"), std::string::npos) << m;
-      EXPECT_NE(m.find("rank 1: step 3, gradient plan b2"), std::string::npos) << m;
-    }
-  }, /*timeout_s=*/60);
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        auto c = make_collectives(w, 20);
+        const auto loss = [&](double v) { return torch::full({1}, v + w.rank, torch::kDouble); };
+        const auto flag = [](bool b) { return torch::full({1}, b ? 1.0f : 0.0f); };
+        auto a = c->exchange_step(1, 7, loss(1.0), flag(false), 2.0);
+        auto b = c->exchange_step(2, 7, loss(3.0), flag(w.rank == 1), 2.0, /*flags=*/1u << w.rank);
+        EXPECT_EQ(a.found_inf().item<float>(), 0.0f);
+        EXPECT_EQ(b.found_inf().item<float>(), 1.0f);  // rank 1's inf holds rank 0 back too
+        double mine = 0;
+        const auto ca = c->resolve(a, &mine);
+        EXPECT_EQ(ca.mean_loss, 1.5);
+        EXPECT_EQ(mine, 1.0 + w.rank);
+        EXPECT_FALSE(ca.any_nonfinite);
+        const auto cb = c->resolve(b);
+        EXPECT_EQ(cb.mean_loss, 3.5);
+        EXPECT_TRUE(cb.any_nonfinite);
+        EXPECT_EQ(cb.any_flags, 3u);
+        EXPECT_EQ(cb.all_flags, 0u);
+        // Rank 1 ran another number of micro-batches: another gradient plan.
+        auto bad = c->exchange_step(3, w.rank == 0 ? 0xa1 : 0xb2, loss(1.0), flag(false), 2.0);
+        EXPECT_EQ(bad.found_inf().item<float>(), 1.0f);  // nobody applies step 3's update
+        try {
+          c->resolve(bad);
+          ADD_FAILURE() << "no error on rank " << w.rank;
+        } catch (const keel::dist::CollectiveMismatch& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("ranks disagree at the end of step 3's backward; no update was applied"), std::string::npos)
+              << m;
+          EXPECT_NE(m.find("rank 0: step 3, gradient plan a1"), std::string::npos) << m;
+          EXPECT_NE(m.find("rank 1: step 3, gradient plan b2"), std::string::npos) << m;
+        }
+      },
+      /*timeout_s=*/60);
   if (is_rank_process()) return;
   expect_all_ok(ranks);
 }
 
 TEST(Collectives, MismatchedShapesFailFastOnEveryRankWithBothShapes) {
-  auto ranks = run_ranks(2, [](const World& w) {
-    auto c = make_collectives(w, /*timeout_s=*/20);
-    c->set_step(3);
-    auto t = w.rank == 0 ? torch::zeros({8, 16}) : torch::zeros({8, 16, 32});
-    try {
-      c->all_reduce(t, keel::dist::ReduceOp::Sum, "user all_reduce");
-      ADD_FAILURE() << "no error on rank " << w.rank;
-    } catch (const keel::dist::CollectiveMismatch& e) {
-      const std::string m = e.what();
-      EXPECT_NE(m.find("rank 0: all_reduce(sum) Float [8, 16]"), std::string::npos) << m;
-      EXPECT_NE(m.find("rank 1: all_reduce(sum) Float [8, 16, 32]"), std::string::npos) << m;
-      EXPECT_NE(m.find("step 3"), std::string::npos) << m;
-    }
-  }, /*timeout_s=*/60);
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        auto c = make_collectives(w, /*timeout_s=*/20);
+        c->set_step(3);
+        auto t = w.rank == 0 ? torch::zeros({8, 16}) : torch::zeros({8, 16, 32});
+        try {
+          c->all_reduce(t, keel::dist::ReduceOp::Sum, "user all_reduce");
+          ADD_FAILURE() << "no error on rank " << w.rank;
+        } catch (const keel::dist::CollectiveMismatch& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("rank 0: all_reduce(sum) Float [8, 16]"), std::string::npos) << m;
+          EXPECT_NE(m.find("rank 1: all_reduce(sum) Float [8, 16, 32]"), std::string::npos) << m;
+          EXPECT_NE(m.find("step 3"), std::string::npos) << m;
+        }
+      },
+      /*timeout_s=*/60);
   if (is_rank_process()) return;
   expect_all_ok(ranks);
 }
 
 TEST(Collectives, MismatchedDtypeAndOrderAreCaught) {
-  auto ranks = run_ranks(2, [](const World& w) {
-    auto c = make_collectives(w, 20);
-    auto t = w.rank == 0 ? torch::zeros({4}, torch::kFloat) : torch::zeros({4}, torch::kDouble);
-    EXPECT_THROW(c->all_reduce(t), keel::dist::CollectiveMismatch);
-    // One rank broadcasts while the other all-reduces.
-    auto u = torch::zeros({4});
-    try {
-      if (w.rank == 0) c->broadcast(u, 0); else c->all_reduce(u);
-      ADD_FAILURE() << "no error";
-    } catch (const keel::dist::CollectiveMismatch& e) {
-      const std::string m = e.what();
-      EXPECT_NE(m.find("broadcast Float [4] root 0"), std::string::npos) << m;
-      EXPECT_NE(m.find("all_reduce(sum) Float [4]"), std::string::npos) << m;
-    }
-  }, 60);
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        auto c = make_collectives(w, 20);
+        auto t = w.rank == 0 ? torch::zeros({4}, torch::kFloat) : torch::zeros({4}, torch::kDouble);
+        EXPECT_THROW(c->all_reduce(t), keel::dist::CollectiveMismatch);
+        // One rank broadcasts while the other all-reduces.
+        auto u = torch::zeros({4});
+        try {
+          if (w.rank == 0)
+            c->broadcast(u, 0);
+          else
+            c->all_reduce(u);
+          ADD_FAILURE() << "no error";
+        } catch (const keel::dist::CollectiveMismatch& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("broadcast Float [4] root 0"), std::string::npos) << m;
+          EXPECT_NE(m.find("all_reduce(sum) Float [4]"), std::string::npos) << m;
+        }
+      },
+      60);
   if (is_rank_process()) return;
   expect_all_ok(ranks);
 }
@@ -202,22 +216,25 @@ TEST(Collectives, ValidateModes) {
 }
 
 TEST(Ddp, ParameterShapeMismatchNamesTheParameterAndShapes) {
-  auto ranks = run_ranks(2, [](const World& w) {
-    auto c = make_collectives(w, 20);
-    keel::ModelConfig mc;
-    mc.name = "mlp";
-    mc.width = w.rank == 0 ? 256 : 128;
-    auto model = keel::models::create_model(mc);
-    try {
-      keel::dist::DataParallel ddp(model, c, keel::DistConfig{});
-      ADD_FAILURE() << "no error";
-    } catch (const keel::dist::CollectiveMismatch& e) {
-      const std::string m = e.what();
-      EXPECT_NE(m.find("'fc.0.weight'"), std::string::npos) << m;
-      EXPECT_NE(m.find("rank 0 has Float [256, 784]"), std::string::npos) << m;
-      EXPECT_NE(m.find("rank 1 has Float [128, 784]"), std::string::npos) << m;
-    }
-  }, 60);
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        auto c = make_collectives(w, 20);
+        keel::ModelConfig mc;
+        mc.name = "mlp";
+        mc.width = w.rank == 0 ? 256 : 128;
+        auto model = keel::models::create_model(mc);
+        try {
+          keel::dist::DataParallel ddp(model, c, keel::DistConfig{});
+          ADD_FAILURE() << "no error";
+        } catch (const keel::dist::CollectiveMismatch& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("'fc.0.weight'"), std::string::npos) << m;
+          EXPECT_NE(m.find("rank 0 has Float [256, 784]"), std::string::npos) << m;
+          EXPECT_NE(m.find("rank 1 has Float [128, 784]"), std::string::npos) << m;
+        }
+      },
+      60);
   if (is_rank_process()) return;
   expect_all_ok(ranks);
 }
@@ -319,12 +336,14 @@ void expect_same_params(const std::vector<torch::Tensor>& a, const std::vector<t
 void check_equivalence(int64_t batch, int64_t accum) {
   TempDir d;
   const std::string out = d.file("rank0_params.pt");
-  auto ranks = run_ranks(2, [&](const World& w) {
-    TempDir rd;
-    auto params = train_and_get_params(equivalence_config(rd.file("run"), batch, accum), w);
-    const char* path = std::getenv("KEEL_TEST_OUT");
-    if (w.rank == 0 && path) torch::save(params, path);
-  }, 120, {"KEEL_TEST_OUT=" + out});
+  auto ranks = run_ranks(2,
+                         [&](const World& w) {
+                           TempDir rd;
+                           auto params = train_and_get_params(equivalence_config(rd.file("run"), batch, accum), w);
+                           const char* path = std::getenv("KEEL_TEST_OUT");
+                           if (w.rank == 0 && path) torch::save(params, path);
+                         },
+                         120, {"KEEL_TEST_OUT=" + out});
   if (is_rank_process()) return;
   expect_all_ok(ranks);
   auto single = train_and_get_params(equivalence_config(d.file("single"), 64, 1), World{});
@@ -357,8 +376,9 @@ TEST(Ddp, Fp16CompressionHookTrains) { check_hook_trains("fp16"); }
 
 // A model with a parameter that never receives a gradient.
 struct WithUnusedImpl : torch::nn::Module {
-  WithUnusedImpl() : used(register_module("used", torch::nn::Linear(784, 10))),
-                     unused(register_module("unused", torch::nn::Linear(3, 3))) {}
+  WithUnusedImpl()
+      : used(register_module("used", torch::nn::Linear(784, 10))),
+        unused(register_module("unused", torch::nn::Linear(3, 3))) {}
   torch::Tensor forward(const torch::Tensor& x) { return used->forward(x.flatten(1)); }
   torch::nn::Linear used, unused;
 };
@@ -391,17 +411,20 @@ TEST(Ddp, FindUnusedParametersTrainsAModelWithAnUnusedParameter) {
 }
 
 TEST(Ddp, UnusedParameterWithoutFindUnusedIsAnError) {
-  auto ranks = run_ranks(2, [](const World& w) {
-    register_with_unused();
-    TempDir rd;
-    try {
-      keel::Trainer(unused_config(rd.file("run"), false), w).run();
-      ADD_FAILURE() << "expected the Reducer to refuse an unused parameter";
-    } catch (const std::exception& e) {
-      // c10d's Reducer names the option and the parameter.
-      EXPECT_NE(std::string(e.what()).find("find_unused_parameters"), std::string::npos) << e.what();
-    }
-  }, 90);
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        register_with_unused();
+        TempDir rd;
+        try {
+          keel::Trainer(unused_config(rd.file("run"), false), w).run();
+          ADD_FAILURE() << "expected the Reducer to refuse an unused parameter";
+        } catch (const std::exception& e) {
+          // c10d's Reducer names the option and the parameter.
+          EXPECT_NE(std::string(e.what()).find("find_unused_parameters"), std::string::npos) << e.what();
+        }
+      },
+      90);
   if (is_rank_process()) return;
   expect_all_ok(ranks);
 }
@@ -414,7 +437,9 @@ struct WithBnImpl : torch::nn::Module {
       : fc(register_module("fc", torch::nn::Linear(784, 32))),
         bn(register_module("bn", torch::nn::BatchNorm1d(32))),
         out(register_module("out", torch::nn::Linear(32, 10))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return out->forward(torch::relu(bn->forward(fc->forward(x.flatten(1))))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    return out->forward(torch::relu(bn->forward(fc->forward(x.flatten(1)))));
+  }
   torch::nn::Linear fc;
   torch::nn::BatchNorm1d bn;
   torch::nn::Linear out;
@@ -423,33 +448,37 @@ TORCH_MODULE(WithBn);
 
 // Each rank's BatchNorm running mean after training, as rank r printed it ("bn_mean <r> <sum>").
 std::vector<std::string> bn_means(bool broadcast, const std::string& ckpt_dir) {
-  auto ranks = run_ranks(2, [broadcast](const World& w) {
-    keel::models::register_model("with_bn", [](const keel::ModelConfig&, std::optional<keel::models::InputKind>) {
-      return std::make_shared<keel::models::ModuleModel<WithBn>>(
-          "with_bn", WithBn(), keel::models::InputSpec{keel::models::InputKind::Image, {1, 28, 28}, 10});
-    });
-    TempDir rd;
-    keel::Config cfg = equivalence_config(rd.file("run"), 16, 1);
-    cfg.model.name = "with_bn";
-    cfg.train.steps = 6;
-    cfg.dist.broadcast_buffers = broadcast;
-    if (broadcast) cfg.checkpoint.dir = std::getenv("KEEL_TEST_CKPT");
-    keel::Callbacks cb;
-    cb.on_end = [&](keel::models::Model& m) {
-      for (const auto& [n, t] : m.named_buffers())
-        if (n == "bn.running_mean")
-          std::printf("bn_mean %ld %.17g\n", long(w.rank), t.sum().item<double>());
-      std::fflush(stdout);
-    };
-    keel::Trainer(cfg, w, cb).run();
-  }, 120, {"KEEL_TEST_CKPT=" + ckpt_dir});
+  auto ranks = run_ranks(
+      2,
+      [broadcast](const World& w) {
+        keel::models::register_model("with_bn", [](const keel::ModelConfig&, std::optional<keel::models::InputKind>) {
+          return std::make_shared<keel::models::ModuleModel<WithBn>>(
+              "with_bn", WithBn(), keel::models::InputSpec{keel::models::InputKind::Image, {1, 28, 28}, 10});
+        });
+        TempDir rd;
+        keel::Config cfg = equivalence_config(rd.file("run"), 16, 1);
+        cfg.model.name = "with_bn";
+        cfg.train.steps = 6;
+        cfg.dist.broadcast_buffers = broadcast;
+        if (broadcast) cfg.checkpoint.dir = std::getenv("KEEL_TEST_CKPT");
+        keel::Callbacks cb;
+        cb.on_end = [&](keel::models::Model& m) {
+          for (const auto& [n, t] : m.named_buffers())
+            if (n == "bn.running_mean") std::printf("bn_mean %ld %.17g\n", long(w.rank), t.sum().item<double>());
+          std::fflush(stdout);
+        };
+        keel::Trainer(cfg, w, cb).run();
+      },
+      120, {"KEEL_TEST_CKPT=" + ckpt_dir});
   std::vector<std::string> means;
   if (is_rank_process()) return means;
   expect_all_ok(ranks);
   for (int r = 0; r < 2; ++r) {
     const std::string tag = "bn_mean " + std::to_string(r) + " ";
     const auto at = ranks[r].output.find(tag);
-    means.push_back(at == std::string::npos ? "" : ranks[r].output.substr(at + tag.size(), ranks[r].output.find('\n', at) - at - tag.size()));
+    means.push_back(at == std::string::npos
+                        ? ""
+                        : ranks[r].output.substr(at + tag.size(), ranks[r].output.find('\n', at) - at - tag.size()));
   }
   return means;
 }
@@ -484,8 +513,9 @@ TEST(Ddp, WithoutBroadcastBuffersEachRankKeepsItsOwnStatistics) {
 // --- launchers --------------------------------------------------------------------------------
 
 std::vector<std::string> smoke_args(const std::string& dir) {
-  return {"train", "--config", source_path("configs/synthetic_smoke.toml"), "--train.steps=20",
-          "--run.dir=" + dir, "--run.threads=1"};
+  return {
+      "train",          "--config", source_path("configs/synthetic_smoke.toml"), "--train.steps=20", "--run.dir=" + dir,
+      "--run.threads=1"};
 }
 
 double final_loss(const std::string& dir) {
@@ -498,15 +528,17 @@ double final_loss(const std::string& dir) {
 // used to abort one rank inside Gloo; a different lr trained and checkpointed two models.
 TEST(RankAgreement, DifferentConfigsStopEveryRankNamingTheKey) {
   TempDir d;
-  auto launch = [&](const std::string& tag, const std::vector<std::string>& rank0, const std::vector<std::string>& rank1) {
+  auto launch = [&](const std::string& tag, const std::vector<std::string>& rank0,
+                    const std::vector<std::string>& rank1) {
     const int port = free_port();
     std::vector<Child> kids;
     for (int r = 0; r < 2; ++r) {
       auto args = smoke_args(d.file(tag + std::to_string(r)));
       const auto& extra = r == 0 ? rank0 : rank1;
       args.insert(args.end(), extra.begin(), extra.end());
-      kids.push_back(spawn_keel(args, {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "LOCAL_RANK=" + std::to_string(r),
-                                       "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)}));
+      kids.push_back(
+          spawn_keel(args, {"RANK=" + std::to_string(r), "WORLD_SIZE=2", "LOCAL_RANK=" + std::to_string(r),
+                            "LOCAL_WORLD_SIZE=2", "MASTER_ADDR=127.0.0.1", "MASTER_PORT=" + std::to_string(port)}));
     }
     std::vector<ProcResult> out;
     for (auto& k : kids) out.push_back(wait_process(k, 120));
@@ -538,7 +570,7 @@ TEST(RankAgreement, DifferentConfigsStopEveryRankNamingTheKey) {
 TEST(Launch, TorchrunMpirunAndSingleProcessRunTheSameConfig) {
   TempDir d;
   // torchrun's default (static) rendezvous, as users type it.
-  std::vector<std::string> torchrun = {KEEL_TORCHRUN, "--nproc_per_node", "2", "--no_python",
+  std::vector<std::string> torchrun = {KEEL_TORCHRUN,   "--nproc_per_node",          "2",        "--no_python",
                                        "--master_port", std::to_string(free_port()), KEEL_BINARY};
   auto args = smoke_args(d.file("torchrun"));
   torchrun.insert(torchrun.end(), args.begin(), args.end());

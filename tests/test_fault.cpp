@@ -5,11 +5,12 @@
 #include <nlohmann/json.hpp>
 
 #include "helpers.h"
-#include "multirank.h"
+#include "keel/checkpoint/checkpoint.h"
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/fault/fault.h"
-#include "keel/checkpoint/checkpoint.h"
+#include "multirank.h"
 
+#include <signal.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -17,7 +18,6 @@
 #include <fstream>
 #include <map>
 #include <random>
-#include <signal.h>
 
 using keel::FaultPlan;
 using namespace keel::testing;
@@ -40,7 +40,7 @@ TEST(FaultPlan, ParsesEntriesAndFiresOncePerJob) {
   EXPECT_FALSE(p.fires("nonfinite_grad", 5, 0, 0));
   EXPECT_FALSE(p.fires("nonfinite_grad", 6, 1, 0));
   EXPECT_FALSE(p.fires("nonfinite_grad", 5, 1, /*restart_count=*/1));  // not again after a restart
-  EXPECT_TRUE(p.fires("nonfinite_grad", 7, 0, 2));                      // unless `always`
+  EXPECT_TRUE(p.fires("nonfinite_grad", 7, 0, 2));                     // unless `always`
   EXPECT_TRUE(FaultPlan({}, 1).entries().empty());
   // restart=K: only in the K-th restart; straggler lasts from its step on.
   FaultPlan q({"crash@step=9,rank=1,restart=2", "straggler@step=4,rank=0,ms=30"}, 2);
@@ -70,8 +70,14 @@ TEST(FaultPlan, BadEntriesNameTheEntry) {
 std::vector<ProcResult> keel_ranks(const std::vector<std::string>& args) { return run_keel_ranks(2, args); }
 
 std::vector<std::string> nonfinite_args(const std::string& dir) {
-  return {"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=20", "--train.batch_size=16",
-          "--run.threads=1", "--run.dir=" + dir, "--fault.inject=nonfinite_grad@step=5,rank=1"};
+  return {"train",
+          "--model.name=mlp",
+          "--data.name=synthetic",
+          "--train.steps=20",
+          "--train.batch_size=16",
+          "--run.threads=1",
+          "--run.dir=" + dir,
+          "--fault.inject=nonfinite_grad@step=5,rank=1"};
 }
 
 TEST(FaultNonfiniteGrad, WithLossScalingEveryRankSkipsTheStep) {
@@ -111,8 +117,13 @@ TEST(FaultNonfiniteGrad, SkipNonfiniteSkipsOnEveryRank) {
 // ---- the other fault types (docs/faults.md) --------------------------------------------------
 
 std::vector<std::string> run_args(const std::string& dir, int steps, std::vector<std::string> extra) {
-  std::vector<std::string> a = {"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=" + std::to_string(steps),
-                                "--train.batch_size=16", "--run.threads=1", "--run.dir=" + dir + "/run",
+  std::vector<std::string> a = {"train",
+                                "--model.name=mlp",
+                                "--data.name=synthetic",
+                                "--train.steps=" + std::to_string(steps),
+                                "--train.batch_size=16",
+                                "--run.threads=1",
+                                "--run.dir=" + dir + "/run",
                                 "--dist.timeout_s=30"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
@@ -125,7 +136,8 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 TEST(FaultCollectiveHang, PeersTimeOutNamingTheCollectiveAndTheMissingRank) {
   TempDir d;
   const auto t0 = std::chrono::steady_clock::now();
-  auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=collective_hang@step=5,rank=1", "--dist.timeout_s=6"}));
+  auto ranks =
+      keel_ranks(run_args(d.path(), 20, {"--fault.inject=collective_hang@step=5,rank=1", "--dist.timeout_s=6"}));
   const double s = seconds_since(t0);
   for (auto& r : ranks) {
     EXPECT_FALSE(r.signaled) << r.output;
@@ -161,8 +173,9 @@ TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRankWithZero2) { crash_case("2");
 
 TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
   TempDir d;
-  auto ranks = keel_ranks(run_args(d.path(), 20, {"--fault.inject=oom@step=5,rank=1", "--checkpoint.dir=" + d.file("ck"),
-                                                  "--checkpoint.interval=2"}));
+  auto ranks = keel_ranks(
+      run_args(d.path(), 20,
+               {"--fault.inject=oom@step=5,rank=1", "--checkpoint.dir=" + d.file("ck"), "--checkpoint.interval=2"}));
   for (size_t k = 0; k < ranks.size(); ++k) {
     const auto& r = ranks[k];
     EXPECT_FALSE(r.signaled) << "rank " << k << " ended by signal " << r.signal << "; its output:\n" << r.output;
@@ -170,7 +183,8 @@ TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
   }
   EXPECT_NE(ranks[1].output.find("out of memory at step 5 on rank 1"), std::string::npos) << ranks[1].output;
   EXPECT_NE(ranks[1].output.find("1125899906842624 bytes"), std::string::npos) << ranks[1].output;
-  EXPECT_NE(ranks[1].output.find("the last committed checkpoint is step 4 (intact)"), std::string::npos) << ranks[1].output;
+  EXPECT_NE(ranks[1].output.find("the last committed checkpoint is step 4 (intact)"), std::string::npos)
+      << ranks[1].output;
   EXPECT_TRUE(keel::checkpoint::verify_step(d.file("ck/step_4")).empty());
 }
 
@@ -187,19 +201,21 @@ TEST_P(LateConsensus, TrainsTheSameStepsAsTheConsensusReadAtOnce) {
   std::map<std::string, std::vector<nlohmann::json>> lines;
   for (const std::string mode : {"step", "late"}) {
     SCOPED_TRACE(mode);
-    auto ranks = keel_ranks(run_args(d.file(mode), 14,
-                                     {"--fault.inject=nonfinite_grad@step=5,rank=1", "--amp.loss_scaling=dynamic",
-                                      "--amp.growth_interval=3", "--train.grad_clip=0.5", "--train.eval_interval=7",
-                                      "--checkpoint.dir=" + d.file(mode + "/ck"), "--checkpoint.interval=6",
-                                      "--dist.consensus=" + mode, std::string("--dist.zero=") + GetParam()}));
+    auto ranks = keel_ranks(run_args(
+        d.file(mode), 14,
+        {"--fault.inject=nonfinite_grad@step=5,rank=1", "--amp.loss_scaling=dynamic", "--amp.growth_interval=3",
+         "--train.grad_clip=0.5", "--train.eval_interval=7", "--checkpoint.dir=" + d.file(mode + "/ck"),
+         "--checkpoint.interval=6", "--dist.consensus=" + mode, std::string("--dist.zero=") + GetParam()}));
     for (auto& r : ranks) ASSERT_EQ(r.exit_code, 0) << r.output;
     const auto s = nlohmann::json::parse(read_text(d.file(mode + "/run/summary.json")));
     EXPECT_EQ(s["consensus"], mode);
     EXPECT_EQ(s["skipped_steps"], 1);
     EXPECT_EQ(s["steps"], 14);
     // 65536, grown after 3 clean steps to 131072, backed off at step 5.
-    EXPECT_NE(ranks[0].output.find("step 5: inf/NaN on some rank; every rank skips this update (loss scale 131072 -> 65536)"),
-              std::string::npos) << ranks[0].output;
+    EXPECT_NE(
+        ranks[0].output.find("step 5: inf/NaN on some rank; every rank skips this update (loss scale 131072 -> 65536)"),
+        std::string::npos)
+        << ranks[0].output;
     std::ifstream in(d.file(mode + "/run/metrics.jsonl"));
     for (std::string line; std::getline(in, line);) lines[mode].push_back(nlohmann::json::parse(line));
   }
@@ -212,9 +228,9 @@ TEST_P(LateConsensus, TrainsTheSameStepsAsTheConsensusReadAtOnce) {
       EXPECT_EQ(a.value(key, nlohmann::json()), b.value(key, nlohmann::json())) << key << " at step " << a["step"];
   }
   EXPECT_EQ(lines["late"][4].value("skipped", false), true);
-  EXPECT_EQ(lines["late"][2]["loss_scale"], 131072.0);  // steps 1-3 clean: grown
-  EXPECT_EQ(lines["late"][4]["loss_scale"], 65536.0);   // step 5: backed off
-  EXPECT_EQ(lines["late"][7]["loss_scale"], 131072.0);  // steps 6-8 clean: grown again
+  EXPECT_EQ(lines["late"][2]["loss_scale"], 131072.0);   // steps 1-3 clean: grown
+  EXPECT_EQ(lines["late"][4]["loss_scale"], 65536.0);    // step 5: backed off
+  EXPECT_EQ(lines["late"][7]["loss_scale"], 131072.0);   // steps 6-8 clean: grown again
   EXPECT_TRUE(lines["late"][4]["grad_norm"].is_null());  // no norm for a skipped step, in either mode
   for (const char* step : {"step_6", "step_12", "step_14"}) {
     int compared = 0;
@@ -251,8 +267,9 @@ TEST(FaultNonfiniteGrad, ReadLateAnErrorStillNamesTheStepAndAStopComesOneStepLat
     EXPECT_EQ(r.exit_code, 1) << r.output;
     EXPECT_NE(r.output.find("non-finite training loss or gradients at step 5"), std::string::npos) << r.output;
   }
-  auto stop = keel_ranks(run_args(d.file("stop"), 20, {"--fault.inject=signal@step=4,rank=1", "--dist.consensus=late",
-                                                      "--checkpoint.dir=" + d.file("stop/ck")}));
+  auto stop = keel_ranks(run_args(
+      d.file("stop"), 20,
+      {"--fault.inject=signal@step=4,rank=1", "--dist.consensus=late", "--checkpoint.dir=" + d.file("stop/ck")}));
   for (auto& r : stop) {
     EXPECT_FALSE(r.signaled) << r.output;
     EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
@@ -266,10 +283,11 @@ TEST(FaultNonfiniteGrad, ReadLateAnErrorStillNamesTheStepAndAStopComesOneStepLat
 // A late consensus with torch::optim's loop (which cannot skip on the device) is refused.
 TEST(FaultNonfiniteGrad, ReadLateNeedsTheFusedOptimizer) {
   TempDir d;
-  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=2", "--run.dir=" + d.file("run"),
-                     "--dist.consensus=late", "--train.fused_optimizer=false"});
+  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=2",
+                     "--run.dir=" + d.file("run"), "--dist.consensus=late", "--train.fused_optimizer=false"});
   EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_NE(r.output.find("dist.consensus = \"late\" needs train.fused_optimizer = true"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("dist.consensus = \"late\" needs train.fused_optimizer = true"), std::string::npos)
+      << r.output;
 }
 
 TEST(FaultShapeMismatch, CaughtByValidationOnEveryRankWithBothShapes) {
@@ -286,15 +304,16 @@ TEST(FaultShapeMismatch, CaughtByValidationOnEveryRankWithBothShapes) {
 
 TEST(FaultGraphBreak, FullgraphStopsEveryRankOtherwiseTheRankFallsBack) {
   TempDir d;
-  auto ranks = keel_ranks(run_args(d.path(), 6, {"--fault.inject=graph_break@step=1,rank=1", "--compile.mode=trace",
-                                                 "--compile.fullgraph=true"}));
+  auto ranks = keel_ranks(run_args(
+      d.path(), 6, {"--fault.inject=graph_break@step=1,rank=1", "--compile.mode=trace", "--compile.fullgraph=true"}));
   for (auto& r : ranks) {
     EXPECT_FALSE(r.signaled) << r.output;
     EXPECT_EQ(r.exit_code, 1) << r.output;
   }
   EXPECT_NE(ranks[1].output.find("compile (fullgraph): graph break"), std::string::npos) << ranks[1].output;
   EXPECT_NE(ranks[0].output.find("compile failed on rank 1"), std::string::npos) << ranks[0].output;
-  auto soft = keel_ranks(run_args(d.file("soft"), 6, {"--fault.inject=graph_break@step=1,rank=1", "--compile.mode=trace"}));
+  auto soft =
+      keel_ranks(run_args(d.file("soft"), 6, {"--fault.inject=graph_break@step=1,rank=1", "--compile.mode=trace"}));
   for (auto& r : soft) ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(soft[1].output.find("graph break"), std::string::npos) << soft[1].output;
   EXPECT_NE(soft[1].output.find("training the eager model instead"), std::string::npos) << soft[1].output;
@@ -325,7 +344,8 @@ TEST(FaultStraggler, RunCompletesAndTheSlowRankIsNamed) {
 }
 
 // run_args with checkpoints in DIR/ck every `interval` steps, then `extra`.
-std::vector<std::string> checkpointed_args(const std::string& dir, int steps, int interval, std::vector<std::string> extra) {
+std::vector<std::string> checkpointed_args(const std::string& dir, int steps, int interval,
+                                           std::vector<std::string> extra) {
   extra.insert(extra.begin(), {"--checkpoint.dir=" + dir + "/ck", "--checkpoint.interval=" + std::to_string(interval)});
   return run_args(dir, steps, extra);
 }
@@ -336,7 +356,8 @@ void expect_same_end(const std::string& clean, const std::string& faulty, int st
   EXPECT_EQ(metrics_losses(clean + "/run"), metrics_losses(faulty + "/run"));
   for (const char* kind : {"model", "optimizer"})
     for (int r = 1; r <= 2; ++r) {
-      const std::string f = "/ck/step_" + std::to_string(step) + "/" + kind + "-0000" + std::to_string(r) + "-of-00002.safetensors";
+      const std::string f =
+          "/ck/step_" + std::to_string(step) + "/" + kind + "-0000" + std::to_string(r) + "-of-00002.safetensors";
       EXPECT_EQ(keel::checkpoint::sha256_file(clean + f), keel::checkpoint::sha256_file(faulty + f)) << f;
     }
 }
@@ -352,11 +373,12 @@ void corruption_case(const std::string& zero) {
     return checkpointed_args(d.file(sub), 20, 5, std::move(extra));
   };
   ASSERT_EQ(run_torchrun_keel(2, args("clean", {}), d.file("clean/logs")).exit_code, 0);
-  auto r = run_torchrun_keel(2, args("bad", {"--fault.inject=checkpoint_corruption@step=10,rank=1",
-                                             "--fault.inject=crash@step=13,rank=0"}),
-                             d.file("bad/logs"), /*max_restarts=*/1);
+  auto r = run_torchrun_keel(
+      2, args("bad", {"--fault.inject=checkpoint_corruption@step=10,rank=1", "--fault.inject=crash@step=13,rank=0"}),
+      d.file("bad/logs"), /*max_restarts=*/1);
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_NE(r.output.find("step_10/model-00002-of-00002.safetensors: checksum mismatch"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("step_10/model-00002-of-00002.safetensors: checksum mismatch"), std::string::npos)
+      << r.output;
   EXPECT_EQ(summary_field(d.file("bad/run"), "resumed_from_step"), "5");
   expect_same_end(d.file("clean"), d.file("bad"), 20);
 }
@@ -379,9 +401,10 @@ TEST(FaultCheckpointCorruption, AnOptimizerPartitionReadByItsOwnerOnlyStillFails
   // Rank 0 did not read it: it reports rank 1's finding, by rank, not one of its own.
   EXPECT_EQ(ranks[0].output.find("cannot be used: " + d.file("ck/step_10/optimizer-00002-of-00002.safetensors")),
             std::string::npos)
-      << "rank 0 read rank 1's partition:\n" << ranks[0].output;
-  EXPECT_NE(ranks[0].output.find("cannot be used: on rank 1: " + d.file("ck/step_10/optimizer-00002-of-00002.safetensors") +
-                                 ": checksum mismatch"),
+      << "rank 0 read rank 1's partition:\n"
+      << ranks[0].output;
+  EXPECT_NE(ranks[0].output.find("cannot be used: on rank 1: " +
+                                 d.file("ck/step_10/optimizer-00002-of-00002.safetensors") + ": checksum mismatch"),
             std::string::npos)
       << ranks[0].output;
   EXPECT_EQ(summary_field(d.file("run"), "resumed_from_step"), "5");

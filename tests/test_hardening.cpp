@@ -85,10 +85,16 @@ void copy_tree(const std::string& from, const std::string& to) {
 
 // A short 2-rank (or 1-rank) run of the synthetic MLP, checkpoints every 5 steps under DIR/ckpt.
 std::vector<std::string> run_args(const std::string& dir, int steps, std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"train", "--model.name=mlp", "--data.name=synthetic",
-                                "--train.steps=" + std::to_string(steps), "--train.batch_size=8", "--run.threads=1",
-                                "--run.dir=" + dir + "/run", "--checkpoint.dir=" + dir + "/ckpt",
-                                "--checkpoint.interval=5", "--dist.timeout_s=60"};
+  std::vector<std::string> a = {"train",
+                                "--model.name=mlp",
+                                "--data.name=synthetic",
+                                "--train.steps=" + std::to_string(steps),
+                                "--train.batch_size=8",
+                                "--run.threads=1",
+                                "--run.dir=" + dir + "/run",
+                                "--checkpoint.dir=" + dir + "/ckpt",
+                                "--checkpoint.interval=5",
+                                "--dist.timeout_s=60"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -221,8 +227,8 @@ TEST(Hardening, DamagedOptimizerStateIsJudgedAlikeOnEveryRank) {
 // every rank alike, although only the owners read the partitioned tensors.
 TEST(Hardening, AnotherOptimizerOnResumeIsExitTwoOnEveryRank) {
   TempDir d;
-  expect_all_ok(run_keel_ranks(2, run_args(d.path(), 10, {"--dist.zero=1", "--train.optimizer=sgd",
-                                                          "--train.momentum=0.9"})));
+  expect_all_ok(
+      run_keel_ranks(2, run_args(d.path(), 10, {"--dist.zero=1", "--train.optimizer=sgd", "--train.momentum=0.9"})));
   auto ranks = run_keel_ranks(2, run_args(d.path(), 15, {"--dist.zero=1"}));
   for (size_t k = 0; k < ranks.size(); ++k) {
     EXPECT_EQ(ranks[k].exit_code, 2) << "rank " << k << ":\n" << ranks[k].output;
@@ -247,10 +253,7 @@ TEST(Hardening, SignalsAtEveryPhaseEndWithAFinalCheckpoint) {
       {"step", {"signal@step=2,rank=1", "signal@step=2,rank=0,phase=save"}, 2, {}},
       {"evaluation", {"signal@step=3,rank=0,phase=eval,twice"}, 4, {}},
       {"periodic save", {"signal@step=5,rank=1,phase=save", "signal@step=6,rank=1,phase=save"}, 6, {}},
-      {"async save",
-       {"signal@step=5,rank=0,phase=save,twice"},
-       6,
-       {"--checkpoint.async=true", "--checkpoint.keep=2"}},
+      {"async save", {"signal@step=5,rank=0,phase=save,twice"}, 6, {"--checkpoint.async=true", "--checkpoint.keep=2"}},
       {"final save", {"signal@step=8,rank=1,phase=save,twice,sig=2"}, 8, {}, SIGINT},
   };
   for (const auto& c : cases) {
@@ -270,8 +273,10 @@ TEST(Hardening, SignalsAtEveryPhaseEndWithAFinalCheckpoint) {
     // With checkpoint.async the signal comes from the writer thread, while the next step may
     // already be past its consensus: the run stops after that step or the one after.
     const int64_t steps = s["steps"].get<int64_t>();
-    if (c.extra.empty()) EXPECT_EQ(steps, c.final_step);
-    else EXPECT_TRUE(steps == c.final_step || steps == c.final_step + 1) << steps;
+    if (c.extra.empty())
+      EXPECT_EQ(steps, c.final_step);
+    else
+      EXPECT_TRUE(steps == c.final_step || steps == c.final_step + 1) << steps;
     EXPECT_EQ(s["checkpoint_step"], steps);
     const std::string step = d.file("ckpt/step_" + std::to_string(steps));
     EXPECT_TRUE(exists(step + "/meta.json"));
@@ -300,12 +305,16 @@ TEST(Hardening, TheResolvedConfigReplaysTheRun) {
   // its data, then its own config.toml replayed on 2 ranks into another run.dir.
   std::filesystem::create_directories(d.file("data"));
   write_small_fashion_mnist(d.file("data"), 128, 32);
-  const std::vector<std::string> quick = {"train", "--config", source_path("configs/fashion_mnist_cnn.toml"),
-                                          "--data.path=" + d.file("data"), "--train.epochs=2",
-                                          "--run.dir=" + d.file("quick"), "--run.threads=1"};
+  const std::vector<std::string> quick = {"train",
+                                          "--config",
+                                          source_path("configs/fashion_mnist_cnn.toml"),
+                                          "--data.path=" + d.file("data"),
+                                          "--train.epochs=2",
+                                          "--run.dir=" + d.file("quick"),
+                                          "--run.threads=1"};
   expect_all_ok(run_keel_ranks(2, quick));
-  expect_all_ok(run_keel_ranks(2, {"train", "--config", d.file("quick/config.toml"), "--run.dir=" + d.file("replay"),
-                                   "--run.threads=1"}));
+  expect_all_ok(run_keel_ranks(
+      2, {"train", "--config", d.file("quick/config.toml"), "--run.dir=" + d.file("replay"), "--run.threads=1"}));
   const auto a = metrics_losses(d.file("quick")), b = metrics_losses(d.file("replay"));
   ASSERT_FALSE(a.empty());
   EXPECT_EQ(a, b);

@@ -228,9 +228,13 @@ TEST(KeelPlot, ARunWhoseValuesAreAllNaNStillPlots) {
   ASSERT_EQ(::mkdir(run.c_str(), 0755), 0);
   std::string text;
   for (int s = 1; s <= 6; ++s) {
-    nlohmann::json j = {{"step", s},          {"loss", NAN},        {"lr", 0.01},
-                        {"step_ms", 3.0},     {"samples_per_s", 1000.0 + s},
-                        {"loss_scale", NAN},  {"rank_compute_ms", nlohmann::json::array({2.0 + s, NAN})}};
+    nlohmann::json j = {{"step", s},
+                        {"loss", NAN},
+                        {"lr", 0.01},
+                        {"step_ms", 3.0},
+                        {"samples_per_s", 1000.0 + s},
+                        {"loss_scale", NAN},
+                        {"rank_compute_ms", nlohmann::json::array({2.0 + s, NAN})}};
     if (s == 6) {
       j["test_loss"] = NAN;
       j["test_accuracy"] = NAN;
@@ -272,10 +276,11 @@ TEST(Interface, AListWithNoNameInItIsRefusedAtOneRankAsAtTwo) {
     EXPECT_NE(r.output.find("dist.interface = \""), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("no interface name in it"), std::string::npos) << r.output;
   }
-  const auto ranks = keel::testing::run_keel_ranks(
-      2, {"train", "--config", config, "--dist.interface=,", "--train.steps=1", "--run.threads=1",
-          "--dist.timeout_s=30", "--run.dir=" + d.file("two")},
-      60);
+  const auto ranks =
+      keel::testing::run_keel_ranks(2,
+                                    {"train", "--config", config, "--dist.interface=,", "--train.steps=1",
+                                     "--run.threads=1", "--dist.timeout_s=30", "--run.dir=" + d.file("two")},
+                                    60);
   ASSERT_EQ(ranks.size(), 2u);
   for (const auto& r : ranks) {
     EXPECT_FALSE(r.timed_out) << r.output;

@@ -31,10 +31,16 @@ bool contains(const std::string& s, const std::string& part) { return s.find(par
 // A small run of `model` on synthetic data (gpt: text of the repository's README).
 std::vector<std::string> model_args(const std::string& model, const std::string& dir, const std::string& mode,
                                     int steps, std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"train", "--model.name=" + model, "--train.steps=" + std::to_string(steps),
-                                "--train.batch_size=8", "--run.threads=1", "--run.dir=" + dir,
-                                "--compile.mode=" + mode, "--compile.cache_dir=" + shared_cache(),
-                                "--train.eval_interval=0", "--dist.timeout_s=300"};
+  std::vector<std::string> a = {"train",
+                                "--model.name=" + model,
+                                "--train.steps=" + std::to_string(steps),
+                                "--train.batch_size=8",
+                                "--run.threads=1",
+                                "--run.dir=" + dir,
+                                "--compile.mode=" + mode,
+                                "--compile.cache_dir=" + shared_cache(),
+                                "--train.eval_interval=0",
+                                "--dist.timeout_s=300"};
   if (model == "gpt") {
     a.insert(a.end(), {"--data.name=text", "--data.path=" + source_path("README.md"), "--model.context=32",
                        "--model.width=64", "--model.depth=2"});
@@ -75,8 +81,8 @@ void equivalence(const std::string& model, int ranks) {
   run("inductor", "inductor");
   EXPECT_EQ(summary(d.file("inductor"))["compile_mode"], "inductor");
   const double a = final_loss(d.file("eager")), b = final_loss(d.file("inductor"));
-  EXPECT_LE(std::abs(a - b), 1e-4 * std::abs(a)) << model << " at " << ranks << " rank(s): eager " << a
-                                                 << ", inductor " << b;
+  EXPECT_LE(std::abs(a - b), 1e-4 * std::abs(a))
+      << model << " at " << ranks << " rank(s): eager " << a << ", inductor " << b;
   const auto la = metrics_losses(d.file("eager")), lb = metrics_losses(d.file("inductor"));
   ASSERT_EQ(la.size(), lb.size());
   for (size_t i = 0; i < la.size(); ++i)
@@ -173,7 +179,8 @@ TEST(Inductor, SaveGraphStoresThePackageAndAResumeThatFitsLoadsIt) {
   TempDir d;
   auto args = [&](const std::string& run, int steps, const std::string& cache, std::vector<std::string> extra = {}) {
     auto a = model_args("mlp", d.file(run), "inductor", steps, extra);
-    a.insert(a.end(), {"--checkpoint.dir=" + d.file("ckpt"), "--checkpoint.interval=2", "--checkpoint.save_graph=true"});
+    a.insert(a.end(),
+             {"--checkpoint.dir=" + d.file("ckpt"), "--checkpoint.interval=2", "--checkpoint.save_graph=true"});
     if (!cache.empty())
       for (auto& x : a)
         if (x.rfind("--compile.cache_dir=", 0) == 0) x = "--compile.cache_dir=" + d.file(cache);
@@ -266,8 +273,10 @@ TEST(Inductor, ThePackagerNamesTheOpAndTheSourceLineOfWhatCannotBeCaptured) {
              "def shuffly():\n"
              "    return Shuffly(), torch.randn(2, 4), torch.tensor([0, 1])\n");
   auto package = [&](const std::string& factory, std::vector<std::string> extra) {
-    std::vector<std::string> argv = {KEEL_PYTHON, source_path("trainer/compile/aot_package.py"), "--module",
-                                     "mods:" + factory, "--out", d.file(factory + ".pt2"), "--trace-only"};
+    std::vector<std::string> argv = {KEEL_PYTHON,   source_path("trainer/compile/aot_package.py"),
+                                     "--module",    "mods:" + factory,
+                                     "--out",       d.file(factory + ".pt2"),
+                                     "--trace-only"};
     argv.insert(argv.end(), extra.begin(), extra.end());
     return run_process(argv, {"PYTHONPATH=" + d.path()}, 300);
   };

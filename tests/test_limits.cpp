@@ -54,8 +54,8 @@ void expect_refused_naming(const std::string& key, const std::vector<std::string
     GTEST_SKIP() << "this machine has " << *available << " bytes available: enough for " << need
                  << " (the config may run here)";
   TempDir d;
-  std::vector<std::string> args = {"train",          "--config", source_path(kSmoke), "--train.steps=2",
-                                   "--run.device=cpu", "--run.dir=" + d.file("run")};
+  std::vector<std::string> args = {"train",           "--config",         source_path(kSmoke),
+                                   "--train.steps=2", "--run.device=cpu", "--run.dir=" + d.file("run")};
   args.insert(args.end(), extra.begin(), extra.end());
   const auto r = run_keel(args, {}, 300);
   EXPECT_FALSE(r.signaled) << "ended by signal " << r.signal << "\n" << r.output;
@@ -105,8 +105,8 @@ TEST(Limits, BetaOfOneIsRefusedNamingTheKeyAndBelowOneTrains) {
   }
   // The binary: exit 2 naming the key, not torch's "Invalid beta parameter" (exit 1).
   TempDir d;
-  const std::vector<std::string> base = {"train", "--config", source_path(kSmoke), "--train.steps=2",
-                                         "--run.device=cpu", "--run.dir=" + d.file("run")};
+  const std::vector<std::string> base = {"train",           "--config",         source_path(kSmoke),
+                                         "--train.steps=2", "--run.device=cpu", "--run.dir=" + d.file("run")};
   for (const std::string key : {"train.beta1", "train.beta2"}) {
     auto args = base;
     args.push_back("--" + key + "=1.0");
@@ -128,10 +128,10 @@ TEST(Limits, ParameterEstimateIsWhatTheModelsBuild) {
     const char* name;
     int64_t width, depth, heads, context, vocab, classes;
   };
-  const std::vector<Case> cases = {
-      {"mlp", 0, 0, 4, 128, 256, 10}, {"mlp", 32, 2, 4, 128, 256, 7}, {"mlp", 16, 1, 4, 128, 256, 3},
-      {"cnn", 0, 0, 4, 128, 256, 10}, {"cnn", 0, 0, 4, 128, 256, 33}, {"gpt", 0, 0, 4, 128, 256, 10},
-      {"gpt", 32, 2, 4, 16, 256, 10}, {"gpt", 16, 3, 2, 8, 50, 10}};
+  const std::vector<Case> cases = {{"mlp", 0, 0, 4, 128, 256, 10}, {"mlp", 32, 2, 4, 128, 256, 7},
+                                   {"mlp", 16, 1, 4, 128, 256, 3}, {"cnn", 0, 0, 4, 128, 256, 10},
+                                   {"cnn", 0, 0, 4, 128, 256, 33}, {"gpt", 0, 0, 4, 128, 256, 10},
+                                   {"gpt", 32, 2, 4, 16, 256, 10}, {"gpt", 16, 3, 2, 8, 50, 10}};
   for (const auto& c : cases) {
     keel::ModelConfig m;
     m.name = c.name;
@@ -197,8 +197,8 @@ TEST(Limits, MemoryEstimateAcceptsTheShippedConfigsAndNamesTheKeyOfOneThatCannot
   // A wide mlp: 1.3e10 parameters, 207 GB with gradients and AdamW state.
   const keel::Config wide = resolved(kSmoke, {"--model.width=65536", "--model.depth=4"});
   const std::string problem = keel::memory_problem(wide, 1, 1, false, 20e9);
-  for (const char* want : {"model.width = 65536", "model.depth = 4", "AdamW", "207.0 GB",
-                           "20.0 GB is available", "lower model.width"})
+  for (const char* want :
+       {"model.width = 65536", "model.depth = 4", "AdamW", "207.0 GB", "20.0 GB is available", "lower model.width"})
     EXPECT_NE(problem.find(want), std::string::npos) << "'" << want << "' not in: " << problem;
   EXPECT_LT(problem.size(), 2000u) << problem;  // whole through first_error's 2 KiB
   // Not the parameters but the data: the key to lower is the data's.

@@ -60,14 +60,17 @@ TEST(Models, RegistryListsBuiltinsAndAcceptsUserModels) {
 }
 
 TEST(Models, RegisteringANameTwiceIsAnError) {
-  auto factory = [](const keel::ModelConfig& c, std::optional<keel::models::InputKind>) { return keel::models::make_mlp(c); };
+  auto factory = [](const keel::ModelConfig& c, std::optional<keel::models::InputKind>) {
+    return keel::models::make_mlp(c);
+  };
   keel::models::register_model("twice", factory);
   for (const char* name : {"twice", "cnn"}) {
     try {
       keel::models::register_model(name, factory);
       ADD_FAILURE() << name << ": no error";
     } catch (const std::invalid_argument& e) {
-      EXPECT_NE(std::string(e.what()).find(std::string("\"") + name + "\" is already registered"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(std::string("\"") + name + "\" is already registered"), std::string::npos)
+          << e.what();
     }
   }
   EXPECT_THROW(keel::models::register_model("", factory), std::invalid_argument);
@@ -139,8 +142,8 @@ void check_golden(keel::models::Model& m, const std::string& file) {
   for (auto& p : m.parameters()) p.mutable_grad() = torch::Tensor();
   auto logits = m.forward(entry(g, "input"));
   expect_close(logits, entry(g, "logits"), "logits");
-  auto loss = torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}),
-                                                   entry(g, "target").reshape({-1}));
+  auto loss =
+      torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), entry(g, "target").reshape({-1}));
   EXPECT_NEAR(loss.item<double>(), entry(g, "loss").item<double>(), 1e-5);
   loss.backward();
   for (auto& [name, p] : m.named_parameters()) expect_close(p.grad(), entry(g, "grad/" + name), "grad of " + name);

@@ -74,19 +74,25 @@ void replay(const std::string& name, Make make, const std::vector<std::string>& 
 }
 
 TEST(FusedOptimizer, AdamWIsPyTorchsFusedAdamWBitForBit) {
-  replay("adamw", [](const std::vector<torch::Tensor>& p) {
-    return std::make_unique<keel::FusedAdamW>(
-        p, torch::optim::AdamWOptions(1e-2).betas({0.8, 0.95}).eps(1e-6).weight_decay(0.1));
-  }, {"step", "exp_avg", "exp_avg_sq"});
+  replay("adamw",
+         [](const std::vector<torch::Tensor>& p) {
+           return std::make_unique<keel::FusedAdamW>(
+               p, torch::optim::AdamWOptions(1e-2).betas({0.8, 0.95}).eps(1e-6).weight_decay(0.1));
+         },
+         {"step", "exp_avg", "exp_avg_sq"});
 }
 
 TEST(FusedOptimizer, SgdIsPyTorchsFusedSgdBitForBit) {
-  replay("sgd", [](const std::vector<torch::Tensor>& p) {
-    return std::make_unique<keel::FusedSgd>(p, torch::optim::SGDOptions(1e-2).momentum(0.9).weight_decay(0.05));
-  }, {"momentum_buffer"});
-  replay("sgd_plain", [](const std::vector<torch::Tensor>& p) {
-    return std::make_unique<keel::FusedSgd>(p, torch::optim::SGDOptions(1e-2).momentum(0.0));
-  }, {});
+  replay("sgd",
+         [](const std::vector<torch::Tensor>& p) {
+           return std::make_unique<keel::FusedSgd>(p, torch::optim::SGDOptions(1e-2).momentum(0.9).weight_decay(0.05));
+         },
+         {"momentum_buffer"});
+  replay("sgd_plain",
+         [](const std::vector<torch::Tensor>& p) {
+           return std::make_unique<keel::FusedSgd>(p, torch::optim::SGDOptions(1e-2).momentum(0.0));
+         },
+         {});
 }
 
 // The train config builds them, and train.fused_optimizer = false the loop optimizers.
@@ -234,7 +240,8 @@ TEST(NonfiniteCheck, FindsInfAndNanAndLeavesGradientsAlone) {
   std::vector<torch::Tensor> before;
   for (int i = 0; i < 3; ++i) before.push_back(params[static_cast<size_t>(i)].grad().clone());
   EXPECT_EQ(keel::amp::nonfinite(params).item<float>(), 0.0f);
-  for (int i = 0; i < 3; ++i) EXPECT_TRUE(torch::equal(params[static_cast<size_t>(i)].grad(), before[static_cast<size_t>(i)]));
+  for (int i = 0; i < 3; ++i)
+    EXPECT_TRUE(torch::equal(params[static_cast<size_t>(i)].grad(), before[static_cast<size_t>(i)]));
   params[1].mutable_grad()[3] = std::numeric_limits<float>::infinity();
   EXPECT_EQ(keel::amp::nonfinite(params).item<float>(), 1.0f);
   params[1].mutable_grad()[3] = 0.0f;

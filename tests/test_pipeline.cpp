@@ -15,15 +15,16 @@ template <class T, class = void>
 struct can_compile : std::false_type {};
 template <class T>
 struct can_compile<T, std::void_t<decltype(std::declval<T>().compile(std::declval<const keel::CompileConfig&>(),
-                                                                      std::declval<const torch::Tensor&>()))>>
+                                                                     std::declval<const torch::Tensor&>()))>>
     : std::true_type {};
 
 template <class T, class = void>
 struct can_distribute : std::false_type {};
 template <class T>
-struct can_distribute<T, std::void_t<decltype(std::declval<T>().distribute(
-                             std::declval<std::shared_ptr<keel::dist::Collectives>>(),
-                             std::declval<const keel::DistConfig&>()))>> : std::true_type {};
+struct can_distribute<
+    T, std::void_t<decltype(std::declval<T>().distribute(std::declval<std::shared_ptr<keel::dist::Collectives>>(),
+                                                         std::declval<const keel::DistConfig&>()))>> : std::true_type {
+};
 
 // The order is the only one that type-checks.
 static_assert(can_compile<PlacedModel&&>::value, "a placed model can be compiled");

@@ -28,9 +28,17 @@ struct Outcome {
 
 // keel's arguments of every run here: 12 steps, a checkpoint every 4.
 std::vector<std::string> train_args(const std::string& dir) {
-  return {KEEL_BINARY, "train", "--config", source_path("configs/synthetic_smoke.toml"), "--train.steps=12",
-          "--train.eval_interval=0", "--run.threads=1", "--dist.timeout_s=30", "--checkpoint.interval=4",
-          "--checkpoint.dir=" + dir + "/ckpt", "--run.dir=" + dir + "/run"};
+  return {KEEL_BINARY,
+          "train",
+          "--config",
+          source_path("configs/synthetic_smoke.toml"),
+          "--train.steps=12",
+          "--train.eval_interval=0",
+          "--run.threads=1",
+          "--dist.timeout_s=30",
+          "--checkpoint.interval=4",
+          "--checkpoint.dir=" + dir + "/ckpt",
+          "--run.dir=" + dir + "/run"};
 }
 
 Outcome crash_and_restart(const std::vector<std::string>& rendezvous, const std::string& dir) {
@@ -62,8 +70,10 @@ TEST(Restart, EveryRendezvousKindRecoversEveryTime) {
   const std::vector<Kind> kinds = {
       {"static", [] { return std::vector<std::string>{"--master_port=" + std::to_string(free_port())}; }},
       {"standalone", [] { return std::vector<std::string>{"--standalone"}; }},
-      {"c10d", [] {
-         return std::vector<std::string>{"--rdzv_backend=c10d", "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_port()),
+      {"c10d",
+       [] {
+         return std::vector<std::string>{"--rdzv_backend=c10d",
+                                         "--rdzv_endpoint=127.0.0.1:" + std::to_string(free_port()),
                                          "--rdzv_id=keel-restart-" + std::to_string(::getpid())};
        }},
   };
@@ -99,14 +109,16 @@ TEST(Restart, MpirunRelaunchResumesEveryTime) {
     auto r = run_process(crashed, {}, 120);
     if (r.timed_out || r.exit_code == 0) {
       ++failures;
-      ADD_FAILURE() << "run " << i << ": the crashed launch " << (r.timed_out ? "hung" : "exited 0") << "\n" << r.output;
+      ADD_FAILURE() << "run " << i << ": the crashed launch " << (r.timed_out ? "hung" : "exited 0") << "\n"
+                    << r.output;
       continue;
     }
     r = run_process(argv, {}, 120);
     const bool ok = !r.timed_out && r.exit_code == 0;
     const auto s = ok ? nlohmann::json::parse(read_text(dir + "/run/summary.json")) : nlohmann::json::object();
     std::printf("mpirun relaunch %d: %s\n", i, ok ? "finished" : "FAILED");
-    if (!ok || s.value("resumed_from_step", -1) != 4 || s.value("steps", -1) != 12 || s.value("launcher", "") != "mpirun") {
+    if (!ok || s.value("resumed_from_step", -1) != 4 || s.value("steps", -1) != 12 ||
+        s.value("launcher", "") != "mpirun") {
       ++failures;
       ADD_FAILURE() << "run " << i << ": relaunch exit " << r.exit_code << ", summary " << s.dump() << "\n" << r.output;
     }

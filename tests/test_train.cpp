@@ -13,11 +13,11 @@
 #include <nlohmann/json.hpp>
 #include <thread>
 
-#include "keel/dist/world.h"
 #include "helpers.h"
-#include "multirank.h"
+#include "keel/dist/world.h"
 #include "keel/trainer/metrics.h"
 #include "keel/trainer/optim.h"
+#include "multirank.h"
 
 using keel::testing::run_keel;
 using keel::testing::TempDir;
@@ -41,8 +41,7 @@ TEST(EndToEnd, ShortCnnRunOnFashionMnistLossFalls) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto metrics = read_jsonl(d.file("run/metrics.jsonl"));
   ASSERT_EQ(metrics.size(), 150u);
-  for (const char* k : {"step", "loss", "lr", "step_ms", "samples_per_s"})
-    EXPECT_TRUE(metrics[0].contains(k)) << k;
+  for (const char* k : {"step", "loss", "lr", "step_ms", "samples_per_s"}) EXPECT_TRUE(metrics[0].contains(k)) << k;
   double first = 0, last = 0;
   for (int i = 0; i < 10; ++i) first += metrics[i]["loss"].get<double>() / 10;
   for (int i = 140; i < 150; ++i) last += metrics[i]["loss"].get<double>() / 10;
@@ -66,10 +65,10 @@ TEST(EndToEnd, GptOnTextReportsTokensPerSecond) {
   std::string text;
   for (int i = 0; i < 400; ++i) text += "the quick brown fox jumps over the lazy dog. ";
   keel::testing::write_text(d.file("corpus.txt"), text);
-  auto r = run_keel({"train", "--model.name=gpt", "--model.width=64", "--model.depth=2", "--model.context=32",
-                     "--data.name=text", "--data.path=" + d.file("corpus.txt"), "--train.steps=60",
-                     "--train.batch_size=8", "--train.lr=3e-3", "--train.eval_interval=60",
-                     "--run.dir=" + d.file("run"), "--run.threads=1"});
+  auto r =
+      run_keel({"train", "--model.name=gpt", "--model.width=64", "--model.depth=2", "--model.context=32",
+                "--data.name=text", "--data.path=" + d.file("corpus.txt"), "--train.steps=60", "--train.batch_size=8",
+                "--train.lr=3e-3", "--train.eval_interval=60", "--run.dir=" + d.file("run"), "--run.threads=1"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
   EXPECT_TRUE(summary.contains("tokens_per_s"));
@@ -96,16 +95,26 @@ TEST(EndToEnd, GptOnTextReportsTokensPerSecond) {
 // once, as metrics.jsonl does.
 TEST(TensorBoard, TheTensorboardReaderGetsWhatMetricsJsonlHolds) {
   TempDir d;
-  std::vector<std::string> args = {"train", "--model.name=gpt", "--model.width=32", "--model.depth=1",
-                                   "--model.context=16", "--data.name=synthetic", "--train.steps=12",
-                                   "--train.batch_size=4", "--train.eval_interval=5", "--train.grad_clip=1",
-                                   "--amp.loss_scaling=dynamic", "--run.threads=1", "--checkpoint.interval=6",
-                                   "--checkpoint.dir=" + d.file("ckpt"), "--run.dir=" + d.file("run")};
+  std::vector<std::string> args = {"train",
+                                   "--model.name=gpt",
+                                   "--model.width=32",
+                                   "--model.depth=1",
+                                   "--model.context=16",
+                                   "--data.name=synthetic",
+                                   "--train.steps=12",
+                                   "--train.batch_size=4",
+                                   "--train.eval_interval=5",
+                                   "--train.grad_clip=1",
+                                   "--amp.loss_scaling=dynamic",
+                                   "--run.threads=1",
+                                   "--checkpoint.interval=6",
+                                   "--checkpoint.dir=" + d.file("ckpt"),
+                                   "--run.dir=" + d.file("run")};
   keel::testing::expect_all_ok(keel::testing::run_keel_ranks(2, args));
   args.push_back("--checkpoint.resume_from=" + d.file("ckpt/step_6"));
   keel::testing::expect_all_ok(keel::testing::run_keel_ranks(2, args));
-  auto check = keel::testing::run_process({KEEL_PYTHON, keel::testing::source_path("tests/tensorboard_check.py"),
-                                           d.file("run")}, {}, 120);
+  auto check = keel::testing::run_process(
+      {KEEL_PYTHON, keel::testing::source_path("tests/tensorboard_check.py"), d.file("run")}, {}, 120);
   if (check.exit_code == 77) GTEST_SKIP() << check.output;
   EXPECT_EQ(check.exit_code, 0) << check.output;
   std::printf("%s", check.output.c_str());
@@ -147,8 +156,9 @@ TEST(Profiler, TraceOfTheGivenStepsHasTheLoopsRegions) {
 // MFU's denominator can be given (run.peak_tflops): then it is that, and MFU scales with it.
 TEST(EndToEnd, GivenPeakIsMfusDenominator) {
   TempDir d;
-  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=10", "--train.batch_size=16",
-                     "--train.eval_interval=0", "--run.peak_tflops=1e-6", "--run.dir=" + d.file("run"), "--run.threads=1"});
+  auto r =
+      run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=10", "--train.batch_size=16",
+                "--train.eval_interval=0", "--run.peak_tflops=1e-6", "--run.dir=" + d.file("run"), "--run.threads=1"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
   EXPECT_EQ(summary["peak_tflops"].get<double>(), 1e-6);
@@ -159,9 +169,9 @@ TEST(EndToEnd, GivenPeakIsMfusDenominator) {
 
 TEST(EndToEnd, GradAccumAndSgdOnSynthetic) {
   TempDir d;
-  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=30",
-                     "--train.batch_size=16", "--train.grad_accum=4", "--train.optimizer=sgd", "--train.lr=0.05",
-                     "--run.dir=" + d.file("run"), "--run.threads=1"});
+  auto r = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=30", "--train.batch_size=16",
+                     "--train.grad_accum=4", "--train.optimizer=sgd", "--train.lr=0.05", "--run.dir=" + d.file("run"),
+                     "--run.threads=1"});
   ASSERT_EQ(r.exit_code, 0) << r.output;
   auto summary = nlohmann::json::parse(keel::testing::read_text(d.file("run/summary.json")));
   EXPECT_EQ(summary["global_batch"], 64);
@@ -193,9 +203,8 @@ TEST(EndToEnd, HugePlannedRunsStartAndStopCleanly) {
 
 TEST(EndToEnd, SigtermStopsCleanlyAfterTheCurrentStep) {
   TempDir d;
-  auto child = keel::testing::spawn_keel({"train", "--model.name=mlp", "--data.name=synthetic",
-                                          "--train.steps=100000", "--run.dir=" + d.file("run"),
-                                          "--run.threads=1"});
+  auto child = keel::testing::spawn_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=100000",
+                                          "--run.dir=" + d.file("run"), "--run.threads=1"});
   // Wait until it is training.
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
   while (std::chrono::steady_clock::now() < deadline && read_jsonl(d.file("run/metrics.jsonl")).size() < 3)
@@ -217,10 +226,10 @@ TEST(Schedule, WarmupThenCosineExactValues) {
   t.warmup_steps = 4;
   t.schedule = keel::ScheduleKind::Cosine;
   keel::LrSchedule s(t, 14);
-  EXPECT_DOUBLE_EQ(s.at(0), 0.25);  // (0 + 1) / 4
-  EXPECT_DOUBLE_EQ(s.at(3), 1.0);   // end of warmup
-  EXPECT_DOUBLE_EQ(s.at(4), 1.0);   // cosine progress 0
-  EXPECT_NEAR(s.at(9), 0.5, 1e-12); // progress 5/10: 0.5 * (1 + cos(pi/2))
+  EXPECT_DOUBLE_EQ(s.at(0), 0.25);   // (0 + 1) / 4
+  EXPECT_DOUBLE_EQ(s.at(3), 1.0);    // end of warmup
+  EXPECT_DOUBLE_EQ(s.at(4), 1.0);    // cosine progress 0
+  EXPECT_NEAR(s.at(9), 0.5, 1e-12);  // progress 5/10: 0.5 * (1 + cos(pi/2))
   EXPECT_NEAR(s.at(14), 0.0, 1e-12);
   t.schedule = keel::ScheduleKind::Constant;
   keel::LrSchedule c(t, 14);
@@ -238,7 +247,9 @@ TEST(Metrics, AFullDiskLeavesOnlyWholeLinesAndCountsTheLostOnes) {
   ASSERT_GE(pid, 0);
   if (pid == 0) {
     ::signal(SIGXFSZ, SIG_IGN);  // the write then fails with EFBIG instead of killing
-    struct rlimit lim {100, 100};
+    struct rlimit lim {
+      100, 100
+    };
     ::setrlimit(RLIMIT_FSIZE, &lim);
     keel::JsonlWriter w(path);
     int ok = 0;
@@ -286,9 +297,13 @@ TEST(World, SingleProcessByDefault) {
 }
 
 TEST(World, Torchrun) {
-  auto w = keel::dist::detect_world({{"RANK", "1"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "1"},
-                                     {"LOCAL_WORLD_SIZE", "2"}, {"MASTER_ADDR", "127.0.0.1"},
-                                     {"MASTER_PORT", "29500"}, {"TORCHELASTIC_RESTART_COUNT", "3"}});
+  auto w = keel::dist::detect_world({{"RANK", "1"},
+                                     {"WORLD_SIZE", "2"},
+                                     {"LOCAL_RANK", "1"},
+                                     {"LOCAL_WORLD_SIZE", "2"},
+                                     {"MASTER_ADDR", "127.0.0.1"},
+                                     {"MASTER_PORT", "29500"},
+                                     {"TORCHELASTIC_RESTART_COUNT", "3"}});
   EXPECT_EQ(w.launcher, "torchrun");
   EXPECT_EQ(w.rank, 1);
   EXPECT_EQ(w.size, 2);
@@ -297,16 +312,21 @@ TEST(World, Torchrun) {
 }
 
 TEST(World, Mpirun) {
-  auto w = keel::dist::detect_world({{"OMPI_COMM_WORLD_RANK", "3"}, {"OMPI_COMM_WORLD_SIZE", "4"},
-                                     {"OMPI_COMM_WORLD_LOCAL_RANK", "1"}, {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
+  auto w = keel::dist::detect_world({{"OMPI_COMM_WORLD_RANK", "3"},
+                                     {"OMPI_COMM_WORLD_SIZE", "4"},
+                                     {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
+                                     {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
   EXPECT_EQ(w.launcher, "mpirun");
   EXPECT_EQ(w.rank, 3);
   EXPECT_EQ(w.local_size, 2);
 }
 
 TEST(World, Srun) {
-  auto w = keel::dist::detect_world({{"SLURM_PROCID", "5"}, {"SLURM_NTASKS", "8"}, {"SLURM_LOCALID", "1"},
-                                     {"SLURM_NTASKS_PER_NODE", "4(x2)"}, {"MASTER_ADDR", "node1"},
+  auto w = keel::dist::detect_world({{"SLURM_PROCID", "5"},
+                                     {"SLURM_NTASKS", "8"},
+                                     {"SLURM_LOCALID", "1"},
+                                     {"SLURM_NTASKS_PER_NODE", "4(x2)"},
+                                     {"MASTER_ADDR", "node1"},
                                      {"MASTER_PORT", "1234"}});
   EXPECT_EQ(w.launcher, "srun");
   EXPECT_EQ(w.rank, 5);
@@ -322,10 +342,12 @@ TEST(World, PartialOrInconsistentEnvironmentIsRefused) {
     EXPECT_NE(m.find("found RANK=0, WORLD_SIZE=2"), std::string::npos) << m;
     EXPECT_NE(m.find("missing MASTER_ADDR, MASTER_PORT"), std::string::npos) << m;
   }
-  EXPECT_THROW(keel::dist::detect_world({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
-               keel::InputError);
-  EXPECT_THROW(keel::dist::detect_world({{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
-               keel::InputError);
+  EXPECT_THROW(
+      keel::dist::detect_world({{"RANK", "2"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+      keel::InputError);
+  EXPECT_THROW(
+      keel::dist::detect_world({{"RANK", "x"}, {"WORLD_SIZE", "2"}, {"MASTER_ADDR", "h"}, {"MASTER_PORT", "1"}}),
+      keel::InputError);
   EXPECT_THROW(keel::dist::detect_world({{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}}),
                keel::InputError);
 }

@@ -24,12 +24,20 @@ using namespace keel::testing;
 namespace {
 
 // A 2-rank (or 1-rank) run of the synthetic MLP with checkpoints in DIR/ckpt every 5 steps.
-std::vector<std::string> zero_args(const std::string& dir, int steps, int zero, int batch, std::vector<std::string> extra = {}) {
-  std::vector<std::string> a = {"train", "--model.name=mlp", "--data.name=synthetic",
-                                "--train.steps=" + std::to_string(steps), "--train.batch_size=" + std::to_string(batch),
-                                "--train.grad_clip=0.5", "--run.threads=1", "--run.dir=" + dir + "/run",
-                                "--checkpoint.dir=" + dir + "/ckpt", "--checkpoint.interval=5",
-                                "--dist.zero=" + std::to_string(zero), "--dist.timeout_s=60"};
+std::vector<std::string> zero_args(const std::string& dir, int steps, int zero, int batch,
+                                   std::vector<std::string> extra = {}) {
+  std::vector<std::string> a = {"train",
+                                "--model.name=mlp",
+                                "--data.name=synthetic",
+                                "--train.steps=" + std::to_string(steps),
+                                "--train.batch_size=" + std::to_string(batch),
+                                "--train.grad_clip=0.5",
+                                "--run.threads=1",
+                                "--run.dir=" + dir + "/run",
+                                "--checkpoint.dir=" + dir + "/ckpt",
+                                "--checkpoint.interval=5",
+                                "--dist.zero=" + std::to_string(zero),
+                                "--dist.timeout_s=60"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -166,15 +174,18 @@ TEST(Zero, ResumeAcrossWorldSizesAndStagesRepartitionsExactly) {
     // The resumed run; rank 0's log says how many optimizer files it read.
     const auto args = zero_args(resumed, 20, c.to_zero, to_batch);
     std::vector<keel::testing::ProcResult> out;
-    if (c.to_ranks == 1) out.push_back(run_keel(args));
-    else out = run_keel_ranks(c.to_ranks, args);
+    if (c.to_ranks == 1)
+      out.push_back(run_keel(args));
+    else
+      out = run_keel_ranks(c.to_ranks, args);
     for (const auto& r : out) ASSERT_EQ(r.exit_code, 0) << r.output;
     EXPECT_EQ(summary(resumed)["resumed_from_step"], 10);
     // A partition read back at the same world size is one file per rank; zero = 0 or one rank
     // needs all of them; a zero = 0 checkpoint's shards (balanced for writing, not by owner)
     // may hold a rank's state in either file.
     std::string needed = "this rank read and verified ";
-    if (c.from_zero >= 1 && c.to_zero >= 1 && c.to_ranks == c.from_ranks) needed += "1 of the step's 2";
+    if (c.from_zero >= 1 && c.to_zero >= 1 && c.to_ranks == c.from_ranks)
+      needed += "1 of the step's 2";
     else if (c.to_zero == 0 || c.to_ranks == 1)
       needed += std::to_string(c.from_ranks) + " of the step's " + std::to_string(c.from_ranks);
     EXPECT_NE(out[0].output.find(needed), std::string::npos) << needed << "\n" << out[0].output.substr(0, 3000);
@@ -182,14 +193,18 @@ TEST(Zero, ResumeAcrossWorldSizesAndStagesRepartitionsExactly) {
     for (const char* kind : {"model", "optimizer"}) {
       const double diff = max_diff(control, resumed, 20, kind);
       EXPECT_GE(diff, 0.0) << kind;
-      if (c.to_zero == 2) EXPECT_LE(diff, kStage2Tolerance) << kind;
-      else EXPECT_EQ(diff, 0.0) << kind << ": differs from the zero=0 resume";
+      if (c.to_zero == 2)
+        EXPECT_LE(diff, kStage2Tolerance) << kind;
+      else
+        EXPECT_EQ(diff, 0.0) << kind << ": differs from the zero=0 resume";
     }
     const double vs_u = max_diff(d.file("u"), resumed, 20, "model");
     std::printf("%s: max |diff| to the uninterrupted 2-rank zero=1 run: %g\n", c.name, vs_u);
     EXPECT_GE(vs_u, 0.0);
-    if (c.from_ranks == 2 && c.to_ranks == 2 && c.to_zero <= 1) EXPECT_EQ(vs_u, 0.0);
-    else EXPECT_LE(vs_u, 1e-5);
+    if (c.from_ranks == 2 && c.to_ranks == 2 && c.to_zero <= 1)
+      EXPECT_EQ(vs_u, 0.0);
+    else
+      EXPECT_LE(vs_u, 1e-5);
   }
 }
 
@@ -210,7 +225,8 @@ TEST(Zero, InspectShowsWhoOwnsTheOptimizerState) {
   for (const auto& [name, file] : index["weight_map"].items()) {
     const std::string param = name.substr(0, name.find_last_of('.'));
     const int owner = meta["optimizer"]["owners"][param].get<int>();
-    EXPECT_EQ(file, owner == 0 ? "optimizer-00001-of-00002.safetensors" : "optimizer-00002-of-00002.safetensors") << name;
+    EXPECT_EQ(file, owner == 0 ? "optimizer-00001-of-00002.safetensors" : "optimizer-00002-of-00002.safetensors")
+        << name;
   }
 }
 

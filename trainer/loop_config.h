@@ -12,8 +12,8 @@
 namespace keel {
 
 enum class DeviceChoice { Auto, Cpu, Cuda };
-inline constexpr Choices<DeviceChoice, 3> kDeviceChoices{{
-    {"auto", DeviceChoice::Auto}, {"cpu", DeviceChoice::Cpu}, {"cuda", DeviceChoice::Cuda}}};
+inline constexpr Choices<DeviceChoice, 3> kDeviceChoices{
+    {{"auto", DeviceChoice::Auto}, {"cpu", DeviceChoice::Cpu}, {"cuda", DeviceChoice::Cuda}}};
 
 inline constexpr Choices<logging::Level, 5> kLogLevels{{{"trace", logging::Level::trace},
                                                         {"debug", logging::Level::debug},
@@ -23,14 +23,15 @@ inline constexpr Choices<logging::Level, 5> kLogLevels{{{"trace", logging::Level
 
 /// run.sync_debug: CUDA's sync debug mode over the steady steps (c10::cuda::SyncDebugMode).
 enum class SyncDebug { Off, Warn, Error };
-inline constexpr Choices<SyncDebug, 3> kSyncDebugModes{{
-    {"off", SyncDebug::Off}, {"warn", SyncDebug::Warn}, {"error", SyncDebug::Error}}};
+inline constexpr Choices<SyncDebug, 3> kSyncDebugModes{
+    {{"off", SyncDebug::Off}, {"warn", SyncDebug::Warn}, {"error", SyncDebug::Error}}};
 
 enum class OptimizerKind { AdamW, Sgd };
 inline constexpr Choices<OptimizerKind, 2> kOptimizers{{{"adamw", OptimizerKind::AdamW}, {"sgd", OptimizerKind::Sgd}}};
 
 enum class ScheduleKind { Cosine, Constant };
-inline constexpr Choices<ScheduleKind, 2> kSchedules{{{"cosine", ScheduleKind::Cosine}, {"constant", ScheduleKind::Constant}}};
+inline constexpr Choices<ScheduleKind, 2> kSchedules{
+    {{"cosine", ScheduleKind::Cosine}, {"constant", ScheduleKind::Constant}}};
 
 struct RunConfig {
   std::string name = "keel";
@@ -41,9 +42,9 @@ struct RunConfig {
   logging::Level log_level = logging::Level::info;
   bool all_ranks_log = false;
   bool progress = true;
-  bool tensorboard = true;  // rank 0 writes TensorBoard event files under <dir>/tb/
+  bool tensorboard = true;         // rank 0 writes TensorBoard event files under <dir>/tb/
   std::string profile_steps = "";  // "A-B": a profiler trace of those steps (trainer/profiler.h)
-  double peak_tflops = 0;  // one rank's peak for MFU; 0 = measured at start (models that report FLOPs)
+  double peak_tflops = 0;          // one rank's peak for MFU; 0 = measured at start (models that report FLOPs)
   SyncDebug sync_debug = SyncDebug::Off;
 };
 

@@ -61,9 +61,10 @@ bool JsonlWriter::write(const nlohmann::json& j) {
   // Part of the line may be on disk: cut it off, so that the file stays one object per line.
   if (off > 0 && before >= 0 && S_ISREG(st.st_mode)) (void)::ftruncate(fd_, before);
   if (lost_++ == 0)
-    logging::warn("{}: a line could not be written ({}); the file stays well-formed, but lines are being "
-                  "lost (summary.json counts them in metrics_lines_lost)",
-                  path_, std::strerror(err));
+    logging::warn(
+        "{}: a line could not be written ({}); the file stays well-formed, but lines are being "
+        "lost (summary.json counts them in metrics_lines_lost)",
+        path_, std::strerror(err));
   return false;
 }
 
@@ -97,8 +98,10 @@ std::string format_duration(double seconds) {
   if (!std::isfinite(seconds) || seconds < 0) return "?";
   const int64_t s = static_cast<int64_t>(seconds + 0.5);
   char buf[32];
-  if (s >= 3600) std::snprintf(buf, sizeof buf, "%ldh%02ldm", long(s / 3600), long(s % 3600 / 60));
-  else std::snprintf(buf, sizeof buf, "%ldm%02lds", long(s / 60), long(s % 60));
+  if (s >= 3600)
+    std::snprintf(buf, sizeof buf, "%ldh%02ldm", long(s / 3600), long(s % 3600 / 60));
+  else
+    std::snprintf(buf, sizeof buf, "%ldm%02lds", long(s / 60), long(s % 60));
   return buf;
 }
 
@@ -110,9 +113,10 @@ void StragglerWatch::observe(const std::vector<double>& c) {
     const double m = world == 2 ? c[1 - r] : m_all;
     streak_[r] = c[r] > 1.5 * m && c[r] > m + 5.0 ? streak_[r] + 1 : 0;
     if (streak_[r] == 20)
-      logging::warn("rank {} is consistently slower: its forward+backward took {:.1f} ms vs {:.1f} ms (median of the "
-                    "other ranks) for 20 steps in a row; every rank waits for it (rank_compute_ms in metrics.jsonl)",
-                    r, c[r], m);
+      logging::warn(
+          "rank {} is consistently slower: its forward+backward took {:.1f} ms vs {:.1f} ms (median of the "
+          "other ranks) for 20 steps in a row; every rank waits for it (rank_compute_ms in metrics.jsonl)",
+          r, c[r], m);
   }
 }
 

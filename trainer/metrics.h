@@ -3,7 +3,8 @@
 // Owns: <run.dir>/metrics.jsonl (one JSON object per line, each appended whole or not at all:
 // a failed write, e.g. a full disk, is rolled back so that no torn line stays; lost lines are
 // counted and the first loss is logged at once), and small helpers (median, the metrics file's
-// truncation on resume, durations, the straggler watch). Does not own: what goes into them (trainer/trainer.cpp decides).
+// truncation on resume, durations, the straggler watch). Does not own: what goes into them (trainer/trainer.cpp
+// decides).
 #pragma once
 
 #include <nlohmann/json.hpp>
@@ -58,6 +59,5 @@ class StragglerWatch {
  private:
   std::vector<int64_t> streak_;
 };
-
 
 }  // namespace keel

@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <cmath>
-#include <optional>
 #include <map>
+#include <optional>
 #include <sstream>
 #include <type_traits>
 
@@ -18,10 +18,7 @@ std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
     if (cfg.fused_optimizer) return std::make_unique<FusedSgd>(params, o);
     return std::make_unique<torch::optim::SGD>(params, o);
   }
-  auto o = torch::optim::AdamWOptions(cfg.lr)
-               .betas({cfg.beta1, cfg.beta2})
-               .eps(cfg.eps)
-               .weight_decay(cfg.weight_decay);
+  auto o = torch::optim::AdamWOptions(cfg.lr).betas({cfg.beta1, cfg.beta2}).eps(cfg.eps).weight_decay(cfg.weight_decay);
   if (cfg.fused_optimizer) return std::make_unique<FusedAdamW>(params, o);
   return std::make_unique<torch::optim::AdamW>(params, o);
 }
@@ -49,8 +46,10 @@ std::vector<std::vector<torch::Tensor>> by_device(const torch::optim::OptimizerP
     auto it = std::find_if(out.begin(), out.end(), [&](const auto& l) {
       return l.front().device() == p.device() && l.front().scalar_type() == p.scalar_type();
     });
-    if (it == out.end()) out.push_back({p});
-    else it->push_back(p);
+    if (it == out.end())
+      out.push_back({p});
+    else
+      it->push_back(p);
   }
   return out;
 }
@@ -143,7 +142,10 @@ void FusedSgd::step_unless(const torch::Tensor& found_inf) {
 }
 
 LrSchedule::LrSchedule(const TrainConfig& cfg, int64_t total_steps)
-    : lr_(cfg.lr), min_lr_(cfg.min_lr), warmup_(cfg.warmup_steps), total_(total_steps),
+    : lr_(cfg.lr),
+      min_lr_(cfg.min_lr),
+      warmup_(cfg.warmup_steps),
+      total_(total_steps),
       cosine_(cfg.schedule == ScheduleKind::Cosine) {}
 
 double LrSchedule::at(int64_t step) const {
@@ -280,7 +282,8 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
     problems += "\n  state for parameters the model does not have, or of another optimizer: " +
                 (extra.empty() ? std::string("(fields of another optimizer type)") : extra);
   }
-  if (!problems.empty()) throw std::runtime_error("checkpoint: the optimizer state does not fit this optimizer:" + problems);
+  if (!problems.empty())
+    throw std::runtime_error("checkpoint: the optimizer state does not fit this optimizer:" + problems);
 }
 
 void zero_grads(const std::vector<torch::Tensor>& params) {
@@ -361,8 +364,10 @@ void OptimizerState::load(const checkpoint::Loaded& loaded) {
   try {
     load_optimizer_state(*opt_, params_, loaded.state.optimizer);
   } catch (const std::runtime_error& e) {
-    throw InputError(loaded.path + ": the optimizer state does not fit this run (train.optimizer or the model "
-                     "differs from the run that saved it): " + e.what());
+    throw InputError(loaded.path +
+                     ": the optimizer state does not fit this run (train.optimizer or the model "
+                     "differs from the run that saved it): " +
+                     e.what());
   }
 }
 

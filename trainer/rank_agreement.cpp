@@ -1,8 +1,8 @@
 #include "keel/trainer/rank_agreement.h"
 
+#include <torch/version.h>
 #include <nlohmann/json.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
-#include <torch/version.h>
 
 #include <set>
 #include <string>
@@ -16,8 +16,8 @@ namespace {
 // Keys that may differ between ranks: how much a rank logs, its share of its node's cores,
 // where rank 0 writes the run's outputs (no other rank writes there), and the network interface
 // of its host (hosts name their NICs differently).
-const std::set<std::string> kMayDiffer = {"run.log_level", "run.all_ranks_log", "run.progress", "run.threads",
-                                          "run.name", "run.dir", "dist.interface"};
+const std::set<std::string> kMayDiffer = {"run.log_level", "run.all_ranks_log", "run.progress",  "run.threads",
+                                          "run.name",      "run.dir",           "dist.interface"};
 
 nlohmann::ordered_json job_of(const Config& cfg) {
   nlohmann::ordered_json j;

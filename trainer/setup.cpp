@@ -39,8 +39,9 @@ torch::Device resolve_device(const RunConfig& run, const dist::World& world) {
   if (run.device == DeviceChoice::Cpu) return torch::kCPU;
   if (run.device == DeviceChoice::Cuda || (run.device == DeviceChoice::Auto && torch::cuda::is_available())) {
     if (!torch::cuda::is_available())
-      throw InputError("run.device = \"cuda\" but no CUDA device is available on this machine (no GPU or no "
-                       "driver); use run.device = \"cpu\" or \"auto\"");
+      throw InputError(
+          "run.device = \"cuda\" but no CUDA device is available on this machine (no GPU or no "
+          "driver); use run.device = \"cpu\" or \"auto\"");
     return torch::Device(torch::kCUDA, static_cast<int16_t>(world.local_rank % torch::cuda::device_count()));
   }
   return torch::kCPU;
@@ -85,8 +86,8 @@ CompiledModel compile_on_every_rank(dist::Collectives& coll, const std::function
 }
 
 bool is_out_of_memory(const std::string& what) {
-  return what.find("can't allocate memory") != std::string::npos ||
-         what.find("out of memory") != std::string::npos || what.find("std::bad_alloc") != std::string::npos;
+  return what.find("can't allocate memory") != std::string::npos || what.find("out of memory") != std::string::npos ||
+         what.find("std::bad_alloc") != std::string::npos;
 }
 
 double measure_peak_tflops(const torch::Device& device, const AmpContext& amp) {

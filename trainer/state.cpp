@@ -4,9 +4,9 @@
 
 #include "keel/common/error.h"
 #include "keel/common/file.h"
+#include "keel/common/log.h"
 #include "keel/common/sha256.h"
 #include "keel/trainer/compile/inductor.h"
-#include "keel/common/log.h"
 
 namespace keel {
 

@@ -74,7 +74,7 @@ class PackageState : public checkpoint::Stateful {
  private:
   std::shared_ptr<InductorStep> step_;
   bool main_;
-  mutable std::string bytes_;   // the package, read and verified once (it never changes in a run)
+  mutable std::string bytes_;  // the package, read and verified once (it never changes in a run)
   mutable bool unusable_ = false;
 };
 

@@ -57,12 +57,10 @@ nlohmann::json Summary::to_json() const {
   j["zero"] = zero;
   j["optimizer_state_bytes"] = optimizer_state_bytes;
   j["peak_rss_mb"] = peak_rss_mb;
-  j["control_per_step"] = {{"collectives", control_per_step.collectives},
-                           {"validation_probes", control_per_step.probes},
-                           {"bytes_sent", control_per_step.bytes_sent},
-                           {"bytes_received", control_per_step.bytes_received},
-                           {"wait_ms", control_per_step.wait_ms},
-                           {"steps", control_per_step.steps}};
+  j["control_per_step"] = {
+      {"collectives", control_per_step.collectives}, {"validation_probes", control_per_step.probes},
+      {"bytes_sent", control_per_step.bytes_sent},   {"bytes_received", control_per_step.bytes_received},
+      {"wait_ms", control_per_step.wait_ms},         {"steps", control_per_step.steps}};
   if (tokens_per_s) j["tokens_per_s"] = *tokens_per_s;
   if (test_accuracy) j["test_accuracy"] = *test_accuracy;
   if (test_loss) j["test_loss"] = *test_loss;

@@ -21,9 +21,7 @@
 namespace keel {
 namespace {
 
-double now_s() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-}
+double now_s() { return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count(); }
 
 std::string hostname() {
   char buf[256] = {0};
@@ -114,9 +112,10 @@ void EventWriter::write_record(const std::string& bytes) {
   // Should the cut itself fail, the next record goes to end_ all the same, over those bytes.
   if (off > 0 && ::ftruncate(fd_, static_cast<off_t>(end_)) != 0) torn_ = true;
   if (lost_++ == 0)
-    logging::warn("run.tensorboard: a record could not be written to {} ({}); the event file stays whole, but "
-                  "events are being lost (counted; later events are written once there is space again)",
-                  path_, std::strerror(err));
+    logging::warn(
+        "run.tensorboard: a record could not be written to {} ({}); the event file stays whole, but "
+        "events are being lost (counted; later events are written once there is space again)",
+        path_, std::strerror(err));
 }
 
 void EventWriter::flush() {}

@@ -48,8 +48,8 @@ class EventWriter {
   void write_record(const std::string& bytes);
   std::string path_;
   int fd_ = -1;
-  int64_t end_ = 0;     // bytes of whole records in the file: where the next record goes
-  bool torn_ = false;   // bytes of a cut record may lie past end_ (the cut-off failed): retried
+  int64_t end_ = 0;    // bytes of whole records in the file: where the next record goes
+  bool torn_ = false;  // bytes of a cut record may lie past end_ (the cut-off failed): retried
   int64_t lost_ = 0;
 };
 

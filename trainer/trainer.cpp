@@ -33,7 +33,6 @@
 #include "keel/common/log.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
-#include "keel/version.h"
 #include "keel/trainer/app/log.h"
 #include "keel/trainer/compile/inductor.h"
 #include "keel/trainer/compile/pipeline.h"
@@ -43,11 +42,12 @@
 #include "keel/trainer/fault/injector.h"
 #include "keel/trainer/metrics.h"
 #include "keel/trainer/optim.h"
+#include "keel/trainer/profiler.h"
 #include "keel/trainer/rank_agreement.h"
 #include "keel/trainer/setup.h"
-#include "keel/trainer/profiler.h"
 #include "keel/trainer/state.h"
 #include "keel/trainer/tensorboard.h"
+#include "keel/version.h"
 
 namespace keel {
 namespace {
@@ -93,15 +93,16 @@ class StopSignals {
   }
 
  private:
-  struct sigaction old_int_ {}, old_term_ {};
+  struct sigaction old_int_ = {};
+  struct sigaction old_term_ = {};
 };
 
 // train.steps' documented maximum (trainer/config/schema.cpp).
 constexpr int64_t kMaxPlannedSteps = 1'000'000'000'000;
 
 // Bits of the per-step consensus (dist::Collectives::step_sync).
-constexpr uint32_t kFlagStop = 1u << 0;              // this rank received SIGINT/SIGTERM
-constexpr uint32_t kFlagCheckpointWritten = 1u << 1; // this rank's async checkpoint write is done
+constexpr uint32_t kFlagStop = 1u << 0;               // this rank received SIGINT/SIGTERM
+constexpr uint32_t kFlagCheckpointWritten = 1u << 1;  // this rank's async checkpoint write is done
 
 // run.sync_debug: CUDA's sync debug mode while a steady step runs (the previous mode after).
 class SyncDebugScope {
@@ -112,9 +113,9 @@ class SyncDebugScope {
     auto& w = c10::cuda::warning_state();
     if (pause ? w.get_sync_debug_mode() == c10::cuda::SyncDebugMode::L_DISABLED : mode == SyncDebug::Off) return;
     prev_ = static_cast<int>(w.get_sync_debug_mode());
-    w.set_sync_debug_mode(pause ? c10::cuda::SyncDebugMode::L_DISABLED
-                          : mode == SyncDebug::Warn ? c10::cuda::SyncDebugMode::L_WARN
-                                                    : c10::cuda::SyncDebugMode::L_ERROR);
+    auto next = mode == SyncDebug::Warn ? c10::cuda::SyncDebugMode::L_WARN : c10::cuda::SyncDebugMode::L_ERROR;
+    if (pause) next = c10::cuda::SyncDebugMode::L_DISABLED;
+    w.set_sync_debug_mode(next);
 #endif
   }
   ~SyncDebugScope() {
@@ -226,17 +227,17 @@ CompileReport package_training_step(const Config& cfg) {
 
 // What one optimizer step produced.
 struct StepResult {
-  int64_t step = 0;           // optimizer steps done after it
-  double loss = 0;            // mean over micro-batches and ranks
-  double local_loss = 0;      // this rank's
+  int64_t step = 0;       // optimizer steps done after it
+  double loss = 0;        // mean over micro-batches and ranks
+  double local_loss = 0;  // this rank's
   double lr = 0;
   double step_ms = 0;
-  double grad_norm = std::nan("");  // before clipping (train.grad_clip > 0)
+  double grad_norm = std::nan("");   // before clipping (train.grad_clip > 0)
   double loss_scale = std::nan("");  // after the step's update (with a GradScaler)
   double loss_scale_before = std::nan("");
-  int64_t epoch = 0;          // the sampler's epoch after the step's batches
-  bool skipped = false;       // inf/NaN on some rank: no rank applied the update
-  bool stop = false;          // some rank was asked to stop: every rank stops after this step
+  int64_t epoch = 0;     // the sampler's epoch after the step's batches
+  bool skipped = false;  // inf/NaN on some rank: no rank applied the update
+  bool stop = false;     // some rank was asked to stop: every rank stops after this step
   dist::StepConsensus consensus;
 };
 
@@ -307,7 +308,7 @@ class Trainer::Loop {
   std::optional<DistributedModel> dmodel_;
   std::unique_ptr<data::DistributedSampler> sampler_;
   std::vector<torch::Tensor> params_;
-  std::vector<torch::Tensor> owned_;   // the parameters this rank's optimizer updates (dist.zero)
+  std::vector<torch::Tensor> owned_;  // the parameters this rank's optimizer updates (dist.zero)
   models::NamedTensors owned_named_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<OptimizerState> optimizer_state_;  // its checkpoint part (partitioned with dist.zero)
@@ -335,20 +336,20 @@ class Trainer::Loop {
   std::vector<double> step_times_;
   int64_t steps_timed_ = 0;
   double ema_ms_ = 0;
-  std::unique_ptr<EventWriter> tb_;  // rank 0, run.tensorboard
+  std::unique_ptr<EventWriter> tb_;         // rank 0, run.tensorboard
   std::unique_ptr<StepProfiler> profiler_;  // run.profile_steps
-  double flops_per_sample_ = 0;      // the model's, 0 = unknown (no MFU)
-  double peak_tflops_ = 0;           // one rank's: run.peak_tflops or measured at start
-  std::optional<double> last_mfu_;   // at the last log line
+  double flops_per_sample_ = 0;             // the model's, 0 = unknown (no MFU)
+  double peak_tflops_ = 0;                  // one rank's: run.peak_tflops or measured at start
+  std::optional<double> last_mfu_;          // at the last log line
   double last_eta_s_ = 0;
   double recent_median_ms() const;
   void write_tensorboard(const StepResult& r, const std::optional<EvalResult>& eval);
   std::optional<EvalResult> last_eval_;
-  int stop_signal_ = 0;  // the signal that stopped the run (every rank the same, after finish())
-  bool stopped_ = false; // the step consensus said some rank was asked to stop
-  bool stop_requested_ = false;  // ... read in a step's finish: the loop ends after the step in hand
-  int64_t current_step_ = 0;  // the step begun last (with a late consensus, one ahead of steps_done)
-  bool late_ = false;    // dist.consensus resolved: the consensus is read one step late
+  int stop_signal_ = 0;              // the signal that stopped the run (every rank the same, after finish())
+  bool stopped_ = false;             // the step consensus said some rank was asked to stop
+  bool stop_requested_ = false;      // ... read in a step's finish: the loop ends after the step in hand
+  int64_t current_step_ = 0;         // the step begun last (with a late consensus, one ahead of steps_done)
+  bool late_ = false;                // dist.consensus resolved: the consensus is read one step late
   FusedOptimizer* fused_ = nullptr;  // optimizer_, when fused (the update can skip on the device)
   StragglerWatch stragglers_;
 };
@@ -399,8 +400,8 @@ void Trainer::Loop::lock_directories() {
     };
     take(run_dir_lock_, "run.dir", cfg_.run.dir);
     std::error_code ec1;
-    const bool same = !cfg_.checkpoint.dir.empty() &&
-                      std::filesystem::equivalent(cfg_.run.dir, cfg_.checkpoint.dir, ec1) && !ec1;
+    const bool same =
+        !cfg_.checkpoint.dir.empty() && std::filesystem::equivalent(cfg_.run.dir, cfg_.checkpoint.dir, ec1) && !ec1;
     if (!same) take(checkpoint_dir_lock_, "checkpoint.dir", cfg_.checkpoint.dir);
   }
   if (const dist::RankError e = dist::first_error(*coll_, error, "directory locks"))
@@ -437,8 +438,8 @@ void Trainer::Loop::build_model_and_data() {
   if (amp::loss_scaling_enabled(cfg_.amp)) scaler_ = std::make_unique<amp::GradScaler>(cfg_.amp);
   try {
     sampler_ = std::make_unique<data::DistributedSampler>(splits_.train->size(), world_.size, world_.rank,
-                                                          cfg_.train.batch_size, cfg_.data.shuffle,
-                                                          cfg_.data.drop_last, static_cast<uint64_t>(cfg_.run.seed));
+                                                          cfg_.train.batch_size, cfg_.data.shuffle, cfg_.data.drop_last,
+                                                          static_cast<uint64_t>(cfg_.run.seed));
   } catch (const std::invalid_argument& e) {
     throw InputError(std::string("data: ") + e.what());
   }
@@ -453,10 +454,12 @@ void Trainer::Loop::compile_and_distribute() {
   if (cfg_.compile.mode == CompileMode::Inductor) {
     if (cb_.loss) {  // a C++ loss cannot be traced into the package
       if (cfg_.compile.fullgraph)
-        throw InputError("compile.mode = \"inductor\" compiles keel's cross-entropy into the step; a custom loss "
-                         "(Callbacks::loss) cannot be, and compile.fullgraph = true makes that an error");
-      logging::warn("compile.mode = \"inductor\": a custom loss (Callbacks::loss) cannot be compiled into the step; "
-                    "training eager");
+        throw InputError(
+            "compile.mode = \"inductor\" compiles keel's cross-entropy into the step; a custom loss "
+            "(Callbacks::loss) cannot be, and compile.fullgraph = true makes that an error");
+      logging::warn(
+          "compile.mode = \"inductor\": a custom loss (Callbacks::loss) cannot be compiled into the step; "
+          "training eager");
     } else {
       inductor = inductor_request(cfg_, *model_, device_, amp_, threads_);
       inductor->seed_dir = package_seed_dir(cfg_.checkpoint);
@@ -467,7 +470,8 @@ void Trainer::Loop::compile_and_distribute() {
       faults_->signal("compile", 0);
       amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
       // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
-      const std::string identity = cfg_.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg_.model, cfg_.amp);
+      const std::string identity =
+          cfg_.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg_.model, cfg_.amp);
       return place(model_, device_).compile(cfg_.compile, example, identity, inductor ? &*inductor : nullptr);
     });
   };
@@ -502,8 +506,8 @@ void Trainer::Loop::build_optimizer() {
   optimizer_ = make_optimizer(cfg_.train, owned_);
   // With dist.zero >= 1 the checkpoint records who owns each parameter's state; else replicated.
   optimizer_state_ = std::make_unique<OptimizerState>(
-      *optimizer_, owned_named_, dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{},
-      dmodel_->zero());
+      *optimizer_, owned_named_,
+      dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{}, dmodel_->zero());
   schedule_.emplace(cfg_.train, progress_.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
@@ -511,8 +515,8 @@ void Trainer::Loop::build_optimizer() {
   const Consensus mode = cfg_.dist.consensus;
   if (mode == Consensus::Late && !fused_)
     throw InputError("dist.consensus = \"late\" needs a fused optimizer (train.fused_optimizer = true)");
-  late_ = fused_ && (mode == Consensus::Late ||
-                     (mode == Consensus::Auto && device_.is_cuda() && group_->backend() == "nccl"));
+  late_ = fused_ &&
+          (mode == Consensus::Late || (mode == Consensus::Auto && device_.is_cuda() && group_->backend() == "nccl"));
 }
 
 // Every component registers its own part of a checkpoint (checkpoint/stateful.h).
@@ -531,7 +535,8 @@ void Trainer::Loop::build_checkpointing() {
   if (cfg_.checkpoint.save_graph && cfg_.compile.mode == CompileMode::Inductor)
     own("graph", std::make_unique<PackageState>(dmodel_->inductor_step(), world_.is_main()));
   else if (cfg_.checkpoint.save_graph)
-    own("graph", std::make_unique<GraphState>([this] { return export_traced_module(dmodel_->model()); }, world_.is_main()));
+    own("graph",
+        std::make_unique<GraphState>([this] { return export_traced_module(dmodel_->model()); }, world_.is_main()));
   state_.add("sampler", *sampler_);
 
   checkpoint::Options o;
@@ -573,8 +578,10 @@ void Trainer::Loop::open_outputs() {
     if (const std::string err = make_dirs(cfg_.run.dir); !err.empty()) throw InputError("run.dir: " + err);
     write_atomic(cfg_.run.dir + "/config.toml", dump_toml(cfg_));
     const std::string path = cfg_.run.dir + "/metrics.jsonl";
-    if (resumed_from_) truncate_metrics(path, *resumed_from_);  // a resumed run rewrites what followed
-    else std::remove(path.c_str());                             // a fresh run starts a fresh file
+    if (resumed_from_)
+      truncate_metrics(path, *resumed_from_);  // a resumed run rewrites what followed
+    else
+      std::remove(path.c_str());  // a fresh run starts a fresh file
     metrics_ = JsonlWriter(path);
     if (cfg_.run.tensorboard) {
       try {
@@ -588,25 +595,26 @@ void Trainer::Loop::open_outputs() {
   if (const auto range = parse_profile_steps(cfg_.run.profile_steps)) {
     // Every rank writes its own trace into run.dir (which, across hosts, may be its host's own).
     if (const std::string err = make_dirs(cfg_.run.dir); !err.empty()) throw InputError("run.dir: " + err);
-    profiler_ = std::make_unique<StepProfiler>(range, cfg_.run.dir + "/trace.rank" + std::to_string(world_.rank) + ".json",
-                                               device_);
+    profiler_ = std::make_unique<StepProfiler>(
+        range, cfg_.run.dir + "/trace.rank" + std::to_string(world_.rank) + ".json", device_);
   }
   show_progress_ = cfg_.run.progress && world_.is_main() && ::isatty(STDOUT_FILENO);
   stragglers_ = StragglerWatch(world_.size);
   step_times_.reserve(static_cast<size_t>(
       std::clamp<int64_t>(progress_.total_steps - progress_.steps_done, 0, static_cast<int64_t>(kStepTimesKept))));
   logging::info("keel {} | LibTorch {} | {} threads | device {}", KEEL_VERSION, TORCH_VERSION, threads_, device_.str());
-  logging::info("model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
-                "({} per rank x {} accum x {} ranks), {} batches per epoch",
-                model_->name(), model_->num_parameters(), cfg_.data.name, splits_.train->size(),
-                splits_.test ? splits_.test->size() : 0, progress_.total_steps, progress_.global_batch,
-                cfg_.train.batch_size, cfg_.train.grad_accum, world_.size, sampler_->batches_per_epoch());
+  logging::info(
+      "model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
+      "({} per rank x {} accum x {} ranks), {} batches per epoch",
+      model_->name(), model_->num_parameters(), cfg_.data.name, splits_.train->size(),
+      splits_.test ? splits_.test->size() : 0, progress_.total_steps, progress_.global_batch, cfg_.train.batch_size,
+      cfg_.train.grad_accum, world_.size, sampler_->batches_per_epoch());
   flops_per_sample_ = model_->train_flops_per_sample();
   if (flops_per_sample_ > 0) {
     const bool given = cfg_.run.peak_tflops > 0;
     peak_tflops_ = given ? cfg_.run.peak_tflops : measure_peak_tflops(device_, amp_);
-    logging::info("MFU against a peak of {:.3g} TFLOP/s per rank ({}); the model: {:.3g} GFLOP per sample", peak_tflops_,
-                  given ? "run.peak_tflops" : "measured: a square matrix multiply on " + device_.str(),
+    logging::info("MFU against a peak of {:.3g} TFLOP/s per rank ({}); the model: {:.3g} GFLOP per sample",
+                  peak_tflops_, given ? "run.peak_tflops" : "measured: a square matrix multiply on " + device_.str(),
                   flops_per_sample_ / 1e9);
   }
 }
@@ -634,7 +642,8 @@ Summary Trainer::Loop::run() {
         // run.sync_debug: from step 6 (warm-up done: the allocators' pools, the scale moved to
         // the device), except the steps the host must see (evaluation, checkpoints, the last).
         std::optional<SyncDebugScope> sync_debug;
-        if (device_.is_cuda() && step - steps_at_loop_ > 5 && !needs_host(step)) sync_debug.emplace(cfg_.run.sync_debug);
+        if (device_.is_cuda() && step - steps_at_loop_ > 5 && !needs_host(step))
+          sync_debug.emplace(cfg_.run.sync_debug);
         InFlight cur = begin_step(step);
         if (late) {  // read one step late, before this step's update
           finish_step(*late, cur.t0);
@@ -647,7 +656,7 @@ Summary Trainer::Loop::run() {
         }
         finish_step(cur, std::nullopt);
         if (stop_requested_) {  // every rank stops after the same step
-          stopped_ = true;  // the signal's number, which may be another rank's, is agreed in finish()
+          stopped_ = true;      // the signal's number, which may be another rank's, is agreed in finish()
           break;
         }
       }
@@ -767,8 +776,10 @@ bool Trainer::Loop::needs_host(int64_t step) const {
 }
 
 void Trainer::Loop::record_step_time(double ms) {
-  if (step_times_.size() < kStepTimesKept) step_times_.push_back(ms);
-  else step_times_[static_cast<size_t>(steps_timed_) % kStepTimesKept] = ms;
+  if (step_times_.size() < kStepTimesKept)
+    step_times_.push_back(ms);
+  else
+    step_times_[static_cast<size_t>(steps_timed_) % kStepTimesKept] = ms;
   ema_ms_ = steps_timed_ == 0 ? ms : 0.9 * ema_ms_ + 0.1 * ms;
   ++steps_timed_;
 }
@@ -866,8 +877,8 @@ void Trainer::Loop::apply_update(InFlight& f) {
     const torch::Tensor found = f.record.found_inf().to(dev);
     torch::Tensor norm = nan;
     if (cfg_.train.grad_clip > 0)  // NaN on a skipped step, as when the host decides
-      norm = torch::where(found.ne(0), nan,
-                          dmodel_->clip_grad_norm(cfg_.train.grad_clip).to(torch::kDouble).reshape({1}));
+      norm =
+          torch::where(found.ne(0), nan, dmodel_->clip_grad_norm(cfg_.train.grad_clip).to(torch::kDouble).reshape({1}));
     const torch::Tensor scale_before = scaler_ ? scaler_->scale_tensor().to(dev, torch::kDouble).reshape({1}) : nan;
     fused_->step_unless(found);
     dmodel_->sync_parameters();  // dist.zero >= 1: each owner's update (or its old values) to every rank
@@ -883,7 +894,8 @@ std::optional<EvalResult> Trainer::Loop::maybe_evaluate(int64_t step) {
   if (every <= 0 || (step % every != 0 && step != progress_.total_steps)) return std::nullopt;
   last_eval_ = evaluate(step);
   logging::info("eval step {}: test_loss {:.4f} test_accuracy {:.4f} ({} {})", step, last_eval_->loss,
-                last_eval_->accuracy, last_eval_->count, spec_.kind == models::InputKind::Tokens ? "tokens" : "samples");
+                last_eval_->accuracy, last_eval_->count,
+                spec_.kind == models::InputKind::Tokens ? "tokens" : "samples");
   if (cb_.on_eval) cb_.on_eval(*last_eval_);
   return last_eval_;
 }
@@ -939,8 +951,12 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
 void Trainer::Loop::log_step(const StepResult& r, const std::optional<EvalResult>& eval) {
   const StepInfo info{r.step, r.loss, r.lr, r.step_ms, progress_.global_batch * 1000.0 / r.step_ms};
   const bool is_lm = spec_.kind == models::InputKind::Tokens;
-  nlohmann::json line = {{"step", info.step}, {"loss", r.loss}, {"lr", r.lr}, {"step_ms", r.step_ms},
-                         {"samples_per_s", info.samples_per_s}, {"epoch", r.epoch}};
+  nlohmann::json line = {{"step", info.step},
+                         {"loss", r.loss},
+                         {"lr", r.lr},
+                         {"step_ms", r.step_ms},
+                         {"samples_per_s", info.samples_per_s},
+                         {"epoch", r.epoch}};
   if (is_lm) line["tokens_per_s"] = info.samples_per_s * spec_.sample_shape.at(0);
   if (cfg_.train.grad_clip > 0) line["grad_norm"] = r.grad_norm;
   if (world_.size > 1) line["rank_compute_ms"] = r.consensus.rank_compute_ms;
@@ -982,7 +998,9 @@ void Trainer::Loop::log_step(const StepResult& r, const std::optional<EvalResult
 // The step's scalars, as in metrics.jsonl, for TensorBoard.
 void Trainer::Loop::write_tensorboard(const StepResult& r, const std::optional<EvalResult>& eval) {
   std::vector<std::pair<std::string, double>> v = {
-      {"train/loss", r.loss}, {"train/lr", r.lr}, {"train/step_ms", r.step_ms},
+      {"train/loss", r.loss},
+      {"train/lr", r.lr},
+      {"train/step_ms", r.step_ms},
       {"train/samples_per_s", progress_.global_batch * 1000.0 / r.step_ms},
       {"train/skipped_steps", static_cast<double>(progress_.skipped_steps)}};
   if (spec_.kind == models::InputKind::Tokens)
@@ -1025,7 +1043,8 @@ void Trainer::Loop::notify_checkpoint() {
 
 // Out of memory (injected or real): say where, how much, and what survives.
 std::runtime_error Trainer::Loop::out_of_memory(const std::string& what, bool committed_step) const {
-  const std::string where = "out of memory at step " + std::to_string(std::max(current_step_, progress_.steps_done + 1)) + " on rank " +
+  const std::string where = "out of memory at step " +
+                            std::to_string(std::max(current_step_, progress_.steps_done + 1)) + " on rank " +
                             std::to_string(world_.rank);
   if (!committed_step) return std::runtime_error(where + " (" + what + "); lower train.batch_size");
   return std::runtime_error(where + ": " + what + "; the last committed checkpoint is " +
@@ -1125,9 +1144,12 @@ Summary Trainer::Loop::summary() const {
   const dist::TrafficStats t = coll_->traffic() - traffic_at_loop_;
   const int64_t n = progress_.steps_done - steps_at_loop_;
   if (n > 0)
-    s.control_per_step = {static_cast<double>(t.collectives) / n, static_cast<double>(t.probes) / n,
-                          static_cast<double>(t.bytes_sent) / n, static_cast<double>(t.bytes_received) / n,
-                          t.wait_ms / n, n};
+    s.control_per_step = {static_cast<double>(t.collectives) / n,
+                          static_cast<double>(t.probes) / n,
+                          static_cast<double>(t.bytes_sent) / n,
+                          static_cast<double>(t.bytes_received) / n,
+                          t.wait_ms / n,
+                          n};
   if (last_eval_) {
     s.test_accuracy = last_eval_->accuracy;
     s.test_loss = last_eval_->loss;

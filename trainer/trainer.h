@@ -29,8 +29,8 @@
 namespace keel {
 
 struct StepInfo {
-  int64_t step = 0;          // optimizer steps done (1-based after the first step)
-  double loss = 0;           // mean training loss over the step's micro-batches and ranks
+  int64_t step = 0;  // optimizer steps done (1-based after the first step)
+  double loss = 0;   // mean training loss over the step's micro-batches and ranks
   double lr = 0;
   double step_ms = 0;
   double samples_per_s = 0;  // global samples per second for this step
@@ -38,9 +38,9 @@ struct StepInfo {
 
 struct EvalResult {
   int64_t step = 0;
-  double loss = 0;           // mean per-sample (per-token for language models) loss
-  double accuracy = 0;       // top-1 accuracy (per token for language models); NaN with a custom loss
-  int64_t count = 0;         // samples (tokens) evaluated
+  double loss = 0;      // mean per-sample (per-token for language models) loss
+  double accuracy = 0;  // top-1 accuracy (per token for language models); NaN with a custom loss
+  int64_t count = 0;    // samples (tokens) evaluated
 };
 
 /// What run() returns and rank 0 writes to <run.dir>/summary.json (to_json() is that file's
@@ -50,40 +50,40 @@ struct Summary {
   std::string run_name, model, data, device;
   int64_t num_parameters = 0;
   int64_t world_size = 1;
-  std::string launcher;              // torchrun | mpirun | srun | single
-  std::string backend;               // gloo | nccl | none (one rank)
-  int64_t restart_count = 0;         // torchrun restarts before this run
-  int64_t metrics_lines_lost = 0;    // metrics.jsonl lines that could not be written
+  std::string launcher;            // torchrun | mpirun | srun | single
+  std::string backend;             // gloo | nccl | none (one rank)
+  int64_t restart_count = 0;       // torchrun restarts before this run
+  int64_t metrics_lines_lost = 0;  // metrics.jsonl lines that could not be written
   int64_t threads_per_rank = 0;
   int64_t batch_size = 0, grad_accum = 0, global_batch = 0;
-  int64_t steps = 0;                 // optimizer steps done
+  int64_t steps = 0;  // optimizer steps done
   int64_t planned_steps = 0;
-  bool completed = false;            // every planned step done and no stop signal
-  std::optional<int> stop_signal;    // SIGINT/SIGTERM that stopped the run
-  double median_step_ms = 0;         // over the steps after the first 5 (warm-up)
-  double samples_per_s = 0;          // global samples per second at the median step time
-  std::optional<double> tokens_per_s;// language models
-  double final_loss = 0;             // NaN when no step ran
-  double wall_s = 0;                 // run() from start to end, seconds
-  std::string compile_mode;          // off | trace | eager-fallback
+  bool completed = false;              // every planned step done and no stop signal
+  std::optional<int> stop_signal;      // SIGINT/SIGTERM that stopped the run
+  double median_step_ms = 0;           // over the steps after the first 5 (warm-up)
+  double samples_per_s = 0;            // global samples per second at the median step time
+  std::optional<double> tokens_per_s;  // language models
+  double final_loss = 0;               // NaN when no step ran
+  double wall_s = 0;                   // run() from start to end, seconds
+  std::string compile_mode;            // off | trace | eager-fallback
   double compile_ms = 0;
-  std::string compile_cache;         // off | hit | miss | checkpoint (inductor: the package stored with the checkpoint)
+  std::string compile_cache;  // off | hit | miss | checkpoint (inductor: the package stored with the checkpoint)
   int64_t recompiles = 0;
   std::string amp_dtype;             // off | bf16 | fp16
   std::string consensus;             // step | late: when the host read the per-step consensus (dist.consensus)
   std::optional<double> loss_scale;  // GradScaler's scale at the end (dynamic loss scaling)
   int64_t skipped_steps = 0;         // steps skipped on every rank for inf/NaN
   std::optional<int64_t> resumed_from_step;
-  std::optional<int64_t> checkpoint_step;  // the newest committed checkpoint
-  double checkpoint_stall_ms = 0;    // time saves blocked the loop
+  std::optional<int64_t> checkpoint_step;          // the newest committed checkpoint
+  double checkpoint_stall_ms = 0;                  // time saves blocked the loop
   std::optional<double> test_accuracy, test_loss;  // the last evaluation
-  double rendezvous_ms = 0;          // process group creation and the cross-rank config check
-  double eta_s = 0;                  // at the last log line: steps left x the recent median step time
-  std::optional<double> mfu;         // at the last log line (models that report FLOPs), 0..1
-  std::optional<double> peak_tflops; // MFU's denominator per rank (run.peak_tflops or measured)
-  int64_t zero = 0;                  // dist.zero
-  int64_t optimizer_state_bytes = 0; // the optimizer state this rank holds (its partition with dist.zero >= 1)
-  double peak_rss_mb = 0;            // this process's peak resident set (getrusage), MiB
+  double rendezvous_ms = 0;                        // process group creation and the cross-rank config check
+  double eta_s = 0;                                // at the last log line: steps left x the recent median step time
+  std::optional<double> mfu;                       // at the last log line (models that report FLOPs), 0..1
+  std::optional<double> peak_tflops;               // MFU's denominator per rank (run.peak_tflops or measured)
+  int64_t zero = 0;                                // dist.zero
+  int64_t optimizer_state_bytes = 0;  // the optimizer state this rank holds (its partition with dist.zero >= 1)
+  double peak_rss_mb = 0;             // this process's peak resident set (getrusage), MiB
   /// keel's control traffic per step on this rank over this run's loop (the consensus,
   /// validation probes, checkpoint coordination, evaluation totals; not DDP's gradients).
   struct Control {

@@ -33,7 +33,9 @@ class Linear16 : public keel::data::Dataset {
 struct RegressorImpl : torch::nn::Module {
   RegressorImpl()
       : fc1(register_module("fc1", torch::nn::Linear(16, 32))), fc2(register_module("fc2", torch::nn::Linear(32, 1))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return fc2->forward(torch::relu(fc1->forward(x))); }  // (B, 16) -> (B, 1)
+  torch::Tensor forward(const torch::Tensor& x) {
+    return fc2->forward(torch::relu(fc1->forward(x)));
+  }  // (B, 16) -> (B, 1)
   torch::nn::Linear fc1, fc2;
 };
 TORCH_MODULE(Regressor);
@@ -75,7 +77,9 @@ int main() {
   cb.load_state = [&](const keel::checkpoint::State& st) {
     evals_seen = st.shared.value("user", nlohmann::json::object()).value("evals_seen", int64_t{0});
   };
-  cb.on_checkpoint = [](int64_t step, const std::string& dir) { std::cout << "checkpoint " << step << ": " << dir << "\n"; };
+  cb.on_checkpoint = [](int64_t step, const std::string& dir) {
+    std::cout << "checkpoint " << step << ": " << dir << "\n";
+  };
   auto world = keel::dist::detect_world(keel::dist::current_env());
   const keel::Summary summary = keel::Trainer(cfg, world, cb).run();
   std::cout << "world " << summary.world_size << ", final loss " << summary.final_loss << ", test loss "

@@ -21,8 +21,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   } catch (const FormatError&) {
   }
   try {
-    check_index(text, "model.safetensors.index.json", {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"},
-                {"w", "b", "fc.0.weight"});
+    check_index(text, "model.safetensors.index.json",
+                {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}, {"w", "b", "fc.0.weight"});
   } catch (const FormatError&) {
   }
   return 0;

@@ -1,23 +1,23 @@
 #include "keel/trainer/app/cli.h"
 
+#include <torch/torch.h>
 #include <CLI/CLI.hpp>
 #include "keel/common/log.h"
-#include <torch/torch.h>
 
 #include <cctype>
 #include <csignal>
 #include <iostream>
+#include <map>
 #include <optional>
 #include <set>
-#include <map>
 
 #include "keel/checkpoint/inspect.h"
 #include "keel/dist/world.h"
-#include "keel/version.h"
-#include "keel/trainer/config/config.h"
 #include "keel/trainer/app/plot.h"
 #include "keel/trainer/compile/inductor.h"
+#include "keel/trainer/config/config.h"
 #include "keel/trainer/trainer.h"
+#include "keel/version.h"
 
 namespace keel {
 namespace {
@@ -29,9 +29,7 @@ std::string first_line(const std::string& s) { return s.substr(0, s.find('\n'));
 
 }  // namespace
 
-std::string version_string() {
-  return std::string("keel ") + KEEL_VERSION + " (LibTorch " + TORCH_VERSION + ")";
-}
+std::string version_string() { return std::string("keel ") + KEEL_VERSION + " (LibTorch " + TORCH_VERSION + ")"; }
 
 namespace {
 
@@ -138,8 +136,11 @@ int run_compile(Config cfg) {
     cfg.compile.mode = CompileMode::Inductor;
     const CompileReport r = package_training_step(cfg);
     std::cout << r.package << "\n";
-    std::cerr << "keel: " << (r.cache == "hit" ? "already in the compile cache" : r.cache == "checkpoint" ? "taken from the checkpoint" : "compiled") << " in "
-              << static_cast<int64_t>(r.compile_ms) << " ms (sha256 " << r.package_sha256 << ")\n";
+    std::cerr << "keel: "
+              << (r.cache == "hit"          ? "already in the compile cache"
+                  : r.cache == "checkpoint" ? "taken from the checkpoint"
+                                            : "compiled")
+              << " in " << static_cast<int64_t>(r.compile_ms) << " ms (sha256 " << r.package_sha256 << ")\n";
     return 0;
   } catch (const InputError& e) {
     std::cerr << "keel: error: " << e.what() << "\n";
@@ -185,8 +186,9 @@ int run_cli(int argc, char** argv) {
   add_config_options(*train, given);
   // `keel compile`: the packaging step of compile.mode = "inductor" by hand, for the run the
   // same options describe (the package lands in the compile cache, where `keel train` finds it).
-  auto* compile = app.add_subcommand("compile", "package the training step with AOTInductor (compile.mode = \"inductor\") "
-                                                "into the compile cache, without training");
+  auto* compile = app.add_subcommand("compile",
+                                     "package the training step with AOTInductor (compile.mode = \"inductor\") "
+                                     "into the compile cache, without training");
   std::string compile_config_path;
   compile->add_option("--config,-c", compile_config_path, "TOML experiment file; keys below override it");
   add_config_options(*compile, given_compile);

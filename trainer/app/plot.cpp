@@ -1,6 +1,6 @@
+#include "keel/trainer/app/plot.h"
 #include "keel/common/atomic_file.h"
 #include "keel/common/file.h"
-#include "keel/trainer/app/plot.h"
 
 #include "keel/common/file.h"
 
@@ -179,9 +179,9 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
       {quote(out + "/loss_smoothed.dat") + " using 1:2 with lines lc rgb '#1f4e9a' lw 2.5 title " + quote(smoothing),
        valid_loss}};
   if (has_eval)
-    loss_series.push_back({quote(out + "/eval.dat") +
-                               " using 1:2 with linespoints lc rgb '#d62728' pt 7 ps 1.2 lw 1.5 title 'test loss'",
-                           valid_eval});
+    loss_series.push_back(
+        {quote(out + "/eval.dat") + " using 1:2 with linespoints lc rgb '#d62728' pt 7 ps 1.2 lw 1.5 title 'test loss'",
+         valid_eval});
   panel("loss.png", loss_series, "loss value");
   png("throughput.png", "throughput: " + run_dir, tokens ? "tokens/s" : "samples/s");
   panel("throughput.png",
@@ -197,8 +197,8 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     png("rank_compute.png", "forward+backward per rank: " + run_dir, "ms");
     std::vector<Series> rank_series;
     for (size_t r = 0; r < nranks; ++r)
-      rank_series.push_back({quote(out + "/ranks.dat") + " using 1:" + std::to_string(r + 2) + " with lines title 'rank " +
-                                 std::to_string(r) + "'",
+      rank_series.push_back({quote(out + "/ranks.dat") + " using 1:" + std::to_string(r + 2) +
+                                 " with lines title 'rank " + std::to_string(r) + "'",
                              valid_rank[r]});
     panel("rank_compute.png", rank_series, "forward+backward time");
   }

@@ -146,15 +146,17 @@ class TracedModel : public models::Model {
   // A new input shape: the existing graphs are specialised to their shapes; trace again.
   Graphs::iterator specialise(const torch::Tensor& input) {
     if (report_.recompiles >= cfg_.max_recompiles)
-      throw CompileError("recompilation storm: input shape " + c10::str(input.sizes()) + " would be re-specialisation #" +
-                         std::to_string(report_.recompiles + 1) + ", above compile.max_recompiles = " +
-                         std::to_string(cfg_.max_recompiles) + "; keep shapes static (data.drop_last = true)");
+      throw CompileError("recompilation storm: input shape " + c10::str(input.sizes()) +
+                         " would be re-specialisation #" + std::to_string(report_.recompiles + 1) +
+                         ", above compile.max_recompiles = " + std::to_string(cfg_.max_recompiles) +
+                         "; keep shapes static (data.drop_last = true)");
     ++report_.recompiles;
-    logging::info("compile: re-specialising the graph for input shape {} (#{} of at most {})",
-                 c10::str(input.sizes()), report_.recompiles, cfg_.max_recompiles);
+    logging::info("compile: re-specialising the graph for input shape {} (#{} of at most {})", c10::str(input.sizes()),
+                  report_.recompiles, cfg_.max_recompiles);
     torch::NoGradGuard ng;
     auto graph = trace(*inner_, input.detach()).graph;
-    return graphs_.emplace(input.sizes().vec(), std::make_unique<torch::jit::GraphFunction>("forward", graph, nullptr)).first;
+    return graphs_.emplace(input.sizes().vec(), std::make_unique<torch::jit::GraphFunction>("forward", graph, nullptr))
+        .first;
   }
 
   std::shared_ptr<models::Model> inner_;
@@ -173,11 +175,13 @@ std::string export_traced_module(models::Model& model) {
 }
 
 const std::vector<std::string>& nondeterministic_ops() {
-  static const std::vector<std::string> ops = {
-      "aten::dropout", "aten::dropout_", "aten::feature_dropout", "aten::alpha_dropout", "aten::native_dropout",
-      "aten::bernoulli", "aten::bernoulli_", "aten::rand", "aten::randn", "aten::randint", "aten::randperm",
-      "aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::multinomial", "aten::normal",
-      "aten::normal_", "aten::uniform_", "aten::exponential_", "aten::rrelu", "aten::rrelu_with_noise"};
+  static const std::vector<std::string> ops = {"aten::dropout",       "aten::dropout_",       "aten::feature_dropout",
+                                               "aten::alpha_dropout", "aten::native_dropout", "aten::bernoulli",
+                                               "aten::bernoulli_",    "aten::rand",           "aten::randn",
+                                               "aten::randint",       "aten::randperm",       "aten::rand_like",
+                                               "aten::randn_like",    "aten::randint_like",   "aten::multinomial",
+                                               "aten::normal",        "aten::normal_",        "aten::uniform_",
+                                               "aten::exponential_",  "aten::rrelu",          "aten::rrelu_with_noise"};
   return ops;
 }
 
@@ -187,9 +191,7 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
   report.mode = choice_name(kCompileModes, cfg.mode);
   if (cfg.mode != CompileMode::Trace) return model;
   const auto t0 = Clock::now();
-  auto finish = [&]() {
-    report.compile_ms = ms_since(t0);
-  };
+  auto finish = [&]() { report.compile_ms = ms_since(t0); };
   std::unique_ptr<CompileCache> cache;
   std::string key;
   if (!cfg.cache_dir.empty()) {
@@ -211,7 +213,8 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
   // Problems that prevent one whole static graph: an error with fullgraph, else a fallback.
   auto refuse = [&](const std::string& why) -> std::shared_ptr<models::Model> {
     if (cfg.fullgraph) throw CompileError("compile (fullgraph): " + why);
-    logging::warn("compile: {}; training the eager model instead (set compile.fullgraph = true to make this an error)", why);
+    logging::warn("compile: {}; training the eager model instead (set compile.fullgraph = true to make this an error)",
+                  why);
     report.warnings.push_back(why);
     report.mode = "eager-fallback";
     finish();
@@ -234,11 +237,13 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
   const std::string reference = graph_text(*first.graph);
   for (const auto& v : variants)
     if (graph_text(*trace(*model, v).graph) != reference)
-      return refuse("graph break: data-dependent control flow (tracing from an input with other values gave another graph)");
+      return refuse(
+          "graph break: data-dependent control flow (tracing from an input with other values gave another graph)");
   // e. device transfers
   auto moves = device_transfers(*first.graph);
   if (!moves.empty())
-    return refuse("device transfer inside forward (" + moves.front() + "); place the model and its inputs on one device before compile");
+    return refuse("device transfer inside forward (" + moves.front() +
+                  "); place the model and its inputs on one device before compile");
   // c. non-deterministic ops
   const std::set<std::string> nd(nondeterministic_ops().begin(), nondeterministic_ops().end());
   auto random = find_nodes(*first.graph, nd);
@@ -262,19 +267,21 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
     graph = graph.to(torch::kFloat);
     if (!torch::allclose(eager, graph, low ? 1e-2 : 1e-4, low ? 1e-2 : 1e-5)) {
       const double diff = (eager - graph).abs().max().item<double>();
-      return refuse("untraceable computation: the traced graph and the eager model disagree on a fresh input "
-                    "(max abs difference " + std::to_string(diff) +
-                    "); a kernel the dispatcher does not see, or raw data_ptr arithmetic, is not in the graph");
+      return refuse(
+          "untraceable computation: the traced graph and the eager model disagree on a fresh input "
+          "(max abs difference " +
+          std::to_string(diff) +
+          "); a kernel the dispatcher does not see, or raw data_ptr arithmetic, is not in the graph");
     }
   }
   if (cache) {
-    nlohmann::json meta = {{"key", key}, {"model", identity}, {"input_shape", x.sizes().vec()},
-                           {"warnings", report.warnings}};
+    nlohmann::json meta = {
+        {"key", key}, {"model", identity}, {"input_shape", x.sizes().vec()}, {"warnings", report.warnings}};
     cache->store(key, *first.graph, meta.dump());
   }
   finish();
   logging::info("compile: traced {} into a graph of {} nodes in {:.0f} ms", model->name(),
-               std::distance(first.graph->nodes().begin(), first.graph->nodes().end()), report.compile_ms);
+                std::distance(first.graph->nodes().begin(), first.graph->nodes().end()), report.compile_ms);
   return traced;
 }
 

@@ -36,12 +36,12 @@ class CompileError : public std::runtime_error {
 };
 
 struct CompileReport {
-  std::string mode = "off";       // off | trace | inductor | eager-fallback
-  double compile_ms = 0;          // time spent tracing and checking
-  int64_t recompiles = 0;         // re-specialisations after the first trace
-  std::string cache = "off";      // off | hit | miss | checkpoint (inductor: the package stored with the checkpoint)
-  std::string package;            // inductor: the package's path
-  std::string package_sha256;     // inductor: its SHA-256
+  std::string mode = "off";    // off | trace | inductor | eager-fallback
+  double compile_ms = 0;       // time spent tracing and checking
+  int64_t recompiles = 0;      // re-specialisations after the first trace
+  std::string cache = "off";   // off | hit | miss | checkpoint (inductor: the package stored with the checkpoint)
+  std::string package;         // inductor: the package's path
+  std::string package_sha256;  // inductor: its SHA-256
   std::vector<std::string> warnings;
 };
 

@@ -3,18 +3,18 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include "keel/common/log.h"
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/serialization/import.h>
+#include "keel/common/log.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
 
-#include "keel/version.h"
 #include "keel/common/error.h"
 #include "keel/common/file.h"
+#include "keel/version.h"
 
 namespace keel {
 namespace {
@@ -36,8 +36,8 @@ const std::string& executable_sha256() {
 
 }  // namespace
 
-std::string compile_cache_key(const std::string& model_identity, const CompileConfig& cfg,
-                              const torch::Tensor& example, const std::string& amp_dtype) {
+std::string compile_cache_key(const std::string& model_identity, const CompileConfig& cfg, const torch::Tensor& example,
+                              const std::string& amp_dtype) {
   nlohmann::json k = {
       {"keel", KEEL_VERSION},
       {"torch", TORCH_VERSION},
@@ -73,7 +73,7 @@ std::shared_ptr<torch::jit::Graph> CompileCache::load(const std::string& key) co
   } catch (const std::exception& e) {
     std::string what = e.what();
     logging::warn("compile cache: entry {} is unreadable ({}); removing it and tracing again", path,
-                 what.substr(0, what.find('\n')));
+                  what.substr(0, what.find('\n')));
     std::remove(path.c_str());
     return nullptr;
   }
@@ -87,8 +87,8 @@ void CompileCache::store(const std::string& key, torch::jit::Graph& graph, const
     torch::jit::Module holder(c10::QualifiedName("__torch__.keel.CompiledForward"));
     auto g = graph.copy();
     g->insertInput(0, "self")->setType(holder._ivalue()->type());
-    auto* fn = holder._ivalue()->compilation_unit()->create_function(
-        c10::QualifiedName(*holder.type()->name(), "forward"), g);
+    auto* fn =
+        holder._ivalue()->compilation_unit()->create_function(c10::QualifiedName(*holder.type()->name(), "forward"), g);
     holder.type()->addMethod(fn);
     holder.save(tmp, {{"keel_meta.json", meta_json}});
     int fd = ::open(tmp.c_str(), O_RDONLY);

@@ -27,8 +27,8 @@ namespace keel {
 /// keel's and LibTorch's versions, the compile options, and the SHA-256 of the running
 /// executable (the code of every model, built-in or registered). "" when the executable
 /// cannot be read: then nothing is cached.
-std::string compile_cache_key(const std::string& model_identity, const CompileConfig& cfg,
-                              const torch::Tensor& example, const std::string& amp_dtype);
+std::string compile_cache_key(const std::string& model_identity, const CompileConfig& cfg, const torch::Tensor& example,
+                              const std::string& amp_dtype);
 
 class CompileCache {
  public:

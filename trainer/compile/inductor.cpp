@@ -14,13 +14,13 @@
 #include <cstring>
 #include <fstream>
 
+#include "keel/checkpoint/io.h"
 #include "keel/common/atomic_file.h"
 #include "keel/common/clock.h"
 #include "keel/common/error.h"
 #include "keel/common/file.h"
 #include "keel/common/log.h"
 #include "keel/common/sha256.h"
-#include "keel/checkpoint/io.h"
 #include "keel/trainer/config/config.h"
 
 #ifdef KEEL_WITH_CUDA
@@ -61,12 +61,13 @@ std::string python_for(const CompileConfig& c) {
 // or the installed copy (share/keel/).
 std::string script_path() {
   std::vector<std::string> tried;
-  for (const std::string p : {env_or("KEEL_AOT_SCRIPT", ""),
+  for (const std::string p : {
+           env_or("KEEL_AOT_SCRIPT", ""),
 #ifdef KEEL_AOT_SCRIPT_SOURCE
-                              std::string(KEEL_AOT_SCRIPT_SOURCE),
+           std::string(KEEL_AOT_SCRIPT_SOURCE),
 #endif
 #ifdef KEEL_AOT_SCRIPT_INSTALLED
-                              std::string(KEEL_AOT_SCRIPT_INSTALLED),
+           std::string(KEEL_AOT_SCRIPT_INSTALLED),
 #endif
        }) {
     if (p.empty()) continue;
@@ -244,8 +245,10 @@ bool seed_cache_from_checkpoint(const std::string& seed_dir, const std::string& 
         throw std::runtime_error(std::string(f) + ": SHA-256 differs from the step's meta.json (damaged or replaced)");
     auto manifest = nlohmann::json::parse(read_regular_file(seed_dir + "/graph.json", uint64_t{64} << 20));
     if (manifest.value("cache_key", "") != key) {
-      logging::info("compile: the package stored with checkpoint {} was built for another run (its shapes, device, "
-                    "dtype, compile options or torch differ); packaging this one anew", seed_dir);
+      logging::info(
+          "compile: the package stored with checkpoint {} was built for another run (its shapes, device, "
+          "dtype, compile options or torch differ); packaging this one anew",
+          seed_dir);
       return false;
     }
     write_atomic(pt2, read_regular_file(seed_dir + "/graph.pt2", uint64_t{16} << 30));
@@ -253,7 +256,8 @@ bool seed_cache_from_checkpoint(const std::string& seed_dir, const std::string& 
     write_atomic(manifest_path, manifest.dump(2) + "\n");
     return true;
   } catch (const std::exception& e) {
-    logging::warn("compile: the package stored with checkpoint {} cannot be used ({}); packaging anew", seed_dir, e.what());
+    logging::warn("compile: the package stored with checkpoint {} cannot be used ({}); packaging anew", seed_dir,
+                  e.what());
     return false;
   }
 }
@@ -265,8 +269,9 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
     throw InputError("compile.mode = \"inductor\" packages the built-in models mlp, cnn and gpt; model.name = \"" +
                      req.model + "\" is not one (use compile.mode = \"off\")");
   if (req.amp != "off" && req.amp != "bf16")
-    throw InputError("compile.mode = \"inductor\" with amp.dtype = \"" + req.amp +
-                     "\" is not built yet (fp16 needs the loss scale inside the package); use bf16 or compile.mode = \"off\"");
+    throw InputError(
+        "compile.mode = \"inductor\" with amp.dtype = \"" + req.amp +
+        "\" is not built yet (fp16 needs the loss scale inside the package); use bf16 or compile.mode = \"off\"");
   const auto t0 = Clock::now();
   const std::string key = cache_key(req);
   const std::string dir = cache_root(req.cfg) + "/inductor";
@@ -280,7 +285,8 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
       if (!is_file(pt2) || !is_file(manifest_path)) return false;
       try {
         manifest = nlohmann::json::parse(read_regular_file(manifest_path, uint64_t{64} << 20));
-        if (manifest.value("format", "") != kFormat) throw std::runtime_error("not a " + std::string(kFormat) + " manifest");
+        if (manifest.value("format", "") != kFormat)
+          throw std::runtime_error("not a " + std::string(kFormat) + " manifest");
         if (sha256_of_file(pt2) != manifest.at("sha256").get<std::string>())
           throw std::runtime_error(pt2 + ": SHA-256 differs from its manifest (damaged or replaced)");
         return true;
@@ -337,7 +343,9 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
         throw std::runtime_error("compile.mode = \"inductor\": the packaging step failed (exit " + std::to_string(rc) +
                                  "): " + why + " (its log: " + log + ")");
       }
-      if (!usable()) throw std::runtime_error("compile.mode = \"inductor\": the packaging step wrote no usable package (log: " + log + ")");
+      if (!usable())
+        throw std::runtime_error(
+            "compile.mode = \"inductor\": the packaging step wrote no usable package (log: " + log + ")");
     }
   }
   auto step = std::shared_ptr<InductorStep>(new InductorStep());
@@ -349,10 +357,14 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
   std::vector<std::string> names;
   for (const auto& in : sig.at("inputs")) {
     const std::string kind = in.value("kind", "");
-    if (kind == "parameter") names.push_back(in.at("name").get<std::string>());
-    else if (kind == "input") step->input_shape_ = shape_of(in);
-    else if (kind == "target") step->target_shape_ = shape_of(in);
-    else throw std::runtime_error(pt2 + ": an input keel does not pass: " + in.dump());
+    if (kind == "parameter")
+      names.push_back(in.at("name").get<std::string>());
+    else if (kind == "input")
+      step->input_shape_ = shape_of(in);
+    else if (kind == "target")
+      step->target_shape_ = shape_of(in);
+    else
+      throw std::runtime_error(pt2 + ": an input keel does not pass: " + in.dump());
   }
   // The package takes keel's parameters by position: the same names in the same order.
   if (names != req.param_names) {
@@ -375,7 +387,9 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
   report.package = pt2;
   report.package_sha256 = step->sha256_;
   logging::info("compile: {} the inductor package {} ({:.0f} ms)",
-                report.cache == "hit" ? "cache hit:" : report.cache == "checkpoint" ? "from the checkpoint:" : "built",
+                report.cache == "hit"          ? "cache hit:"
+                : report.cache == "checkpoint" ? "from the checkpoint:"
+                                               : "built",
                 pt2, report.compile_ms);
   return step;
 }
@@ -386,9 +400,7 @@ bool InductorStep::fits(const torch::Tensor& input, const torch::Tensor& target)
   return input.sizes().vec() == input_shape_ && target.sizes().vec() == target_shape_;
 }
 
-std::vector<torch::Tensor> InductorStep::run(std::vector<torch::Tensor> inputs) {
-  return loader_->run(inputs);
-}
+std::vector<torch::Tensor> InductorStep::run(std::vector<torch::Tensor> inputs) { return loader_->run(inputs); }
 
 torch::Tensor InductorStep::loss(const std::vector<torch::Tensor>& params, const torch::Tensor& input,
                                  const torch::Tensor& target) {

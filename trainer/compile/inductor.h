@@ -35,13 +35,13 @@ namespace keel {
 
 /// What the packaging step compiles: one model at one static shape.
 struct InductorRequest {
-  std::string model;                  // a built-in model: mlp | cnn | gpt
-  nlohmann::json model_config;        // the [model] section
-  int64_t batch = 0;                  // per-rank micro-batch of the training step
-  std::string amp = "off";            // off | bf16
+  std::string model;            // a built-in model: mlp | cnn | gpt
+  nlohmann::json model_config;  // the [model] section
+  int64_t batch = 0;            // per-rank micro-batch of the training step
+  std::string amp = "off";      // off | bf16
   torch::Device device{torch::kCPU};
-  int64_t threads = 1;                // intra-op threads (Inductor's CPU kernels are compiled for a count)
-  CompileConfig cfg;                  // fullgraph, deterministic, max_autotune, cache_dir, python
+  int64_t threads = 1;                   // intra-op threads (Inductor's CPU kernels are compiled for a count)
+  CompileConfig cfg;                     // fullgraph, deterministic, max_autotune, cache_dir, python
   std::vector<std::string> param_names;  // the model's, in order (the package must take exactly these)
   /// A checkpoint step directory whose stored package (graph.pt2 + graph.json, checkpoint.save_graph)
   /// may serve this request when the cache has none: used when its cache key is this request's

@@ -18,8 +18,8 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
   return PlacedModel(std::move(model), device);
 }
 
-CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor& example,
-                                   const std::string& identity, const InductorRequest* inductor) && {
+CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor& example, const std::string& identity,
+                                   const InductorRequest* inductor) && {
   auto report = std::make_shared<CompileReport>();
   if (cfg.mode == CompileMode::Inductor) {
     if (!inductor) throw std::logic_error("PlacedModel::compile: compile.mode = \"inductor\" needs its request");
@@ -49,7 +49,11 @@ DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> co
 DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
                                    std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step,
                                    int64_t max_recompiles)
-    : model_(std::move(m)), device_(d), report_(std::move(r)), ddp_(std::move(ddp)), step_(std::move(step)),
+    : model_(std::move(m)),
+      device_(d),
+      report_(std::move(r)),
+      ddp_(std::move(ddp)),
+      step_(std::move(step)),
       max_recompiles_(max_recompiles) {
   if (step_) {
     params_ = model_->parameters();
@@ -66,12 +70,15 @@ std::optional<torch::Tensor> DistributedModel::compiled_loss(const torch::Tensor
       ++report_->recompiles;
       if (report_->recompiles > max_recompiles_)
         throw CompileError("compile: a batch of shape " + c10::str(input.sizes()) + " is the " +
-                           std::to_string(report_->recompiles) + "th shape the inductor package does not take, more than "
-                           "compile.max_recompiles = " + std::to_string(max_recompiles_) +
+                           std::to_string(report_->recompiles) +
+                           "th shape the inductor package does not take, more than "
+                           "compile.max_recompiles = " +
+                           std::to_string(max_recompiles_) +
                            " (a recompilation storm); keep batch shapes static (data.drop_last = true)");
-      logging::warn("compile: a batch of shape {} is not the package's {}: it runs eager (re-specialisation {} of at "
-                    "most compile.max_recompiles = {})",
-                    c10::str(input.sizes()), step_->path(), report_->recompiles, max_recompiles_);
+      logging::warn(
+          "compile: a batch of shape {} is not the package's {}: it runs eager (re-specialisation {} of at "
+          "most compile.max_recompiles = {})",
+          c10::str(input.sizes()), step_->path(), report_->recompiles, max_recompiles_);
     }
     return std::nullopt;
   }

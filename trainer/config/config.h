@@ -60,15 +60,15 @@ const char* field_type_name(FieldType t);
 /// Metadata for one config key; the schema is the single source for TOML parsing, the CLI's
 /// options and --help, the resolved config file and docs/config.md.
 struct FieldInfo {
-  std::string section;                // "train"
-  std::string key;                    // "lr"
+  std::string section;  // "train"
+  std::string key;      // "lr"
   FieldType type;
-  std::string doc;                    // one line: meaning, units, sentinels
-  std::vector<std::string> choices;   // allowed values of a String field; empty = any
+  std::string doc;                   // one line: meaning, units, sentinels
+  std::vector<std::string> choices;  // allowed values of a String field; empty = any
   bool has_min = false, has_max = false;
-  double min = 0, max = 0;            // inclusive range of a numeric field
-  bool max_exclusive = false;         // max itself is out of range: value < max (train.beta1 < 1)
-  std::vector<std::string> aliases;   // older names accepted for this key
+  double min = 0, max = 0;           // inclusive range of a numeric field
+  bool max_exclusive = false;        // max itself is out of range: value < max (train.beta1 < 1)
+  std::vector<std::string> aliases;  // older names accepted for this key
   std::function<void(Config&, const Value&)> set;
   std::function<Value(const Config&)> get;
 

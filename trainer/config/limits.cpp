@@ -38,15 +38,19 @@ std::string bytes_text(double b) {
     ++u;
   }
   char buf[64];
-  if (u == 0) std::snprintf(buf, sizeof buf, "%.0f bytes", b);
-  else std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
+  if (u == 0)
+    std::snprintf(buf, sizeof buf, "%.0f bytes", b);
+  else
+    std::snprintf(buf, sizeof buf, "%.1f %s", b, units[u]);
   return buf;
 }
 
 std::string count_text(double n) {
   char buf[64];
-  if (n < 1e9) std::snprintf(buf, sizeof buf, "%.0f", n);
-  else std::snprintf(buf, sizeof buf, "%.2g", n);
+  if (n < 1e9)
+    std::snprintf(buf, sizeof buf, "%.0f", n);
+  else
+    std::snprintf(buf, sizeof buf, "%.2g", n);
   return buf;
 }
 
@@ -124,12 +128,14 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
   world_size = std::max<int64_t>(1, world_size);
   const Config defaults;
   const int64_t default_depth = shape && shape->name == "gpt" ? 4 : 8;
-  const KeyUse k_width{"model.width", cfg.model.width, shape ? static_cast<int64_t>(shape->width) : cfg.model.width, 256};
+  const KeyUse k_width{"model.width", cfg.model.width, shape ? static_cast<int64_t>(shape->width) : cfg.model.width,
+                       256};
   const KeyUse k_depth{"model.depth", cfg.model.depth, shape ? static_cast<int64_t>(shape->depth) : cfg.model.depth,
                        static_cast<double>(default_depth)};
   const KeyUse k_classes{"model.num_classes", cfg.model.num_classes, cfg.model.num_classes,
                          static_cast<double>(defaults.model.num_classes)};
-  const KeyUse k_context{"model.context", cfg.model.context, cfg.model.context, static_cast<double>(defaults.model.context)};
+  const KeyUse k_context{"model.context", cfg.model.context, cfg.model.context,
+                         static_cast<double>(defaults.model.context)};
   const KeyUse k_vocab{"model.vocab", cfg.model.vocab, cfg.model.vocab, static_cast<double>(defaults.model.vocab)};
   const KeyUse k_heads{"model.heads", cfg.model.heads, cfg.model.heads, static_cast<double>(defaults.model.heads)};
   const KeyUse k_batch{"train.batch_size", cfg.train.batch_size, cfg.train.batch_size,
@@ -145,14 +151,19 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
     e.parameters = *params;
     P = 4 * *params;
     G = P;
-    if (cfg.train.optimizer == OptimizerKind::AdamW) S = 2 * P, state_name = "AdamW state";
-    else if (cfg.train.momentum > 0) S = P, state_name = "SGD momentum";
+    if (cfg.train.optimizer == OptimizerKind::AdamW)
+      S = 2 * P, state_name = "AdamW state";
+    else if (cfg.train.momentum > 0)
+      S = P, state_name = "SGD momentum";
     if (cfg.dist.zero >= 1) S /= static_cast<double>(world_size);  // partitioned by parameter
     e.model_bytes = P + G + S;
     std::vector<KeyUse> keys;
-    if (shape->name == "mlp") keys = {k_width, k_depth, k_classes};
-    else if (shape->name == "cnn") keys = {k_classes};
-    else keys = {k_width, k_depth, k_vocab, k_context};
+    if (shape->name == "mlp")
+      keys = {k_width, k_depth, k_classes};
+    else if (shape->name == "cnn")
+      keys = {k_classes};
+    else
+      keys = {k_width, k_depth, k_vocab, k_context};
     const std::string head = keys_text(keys) + (keys.size() > 1 ? " make" : " makes") + " the " + shape->name +
                              " model " + count_text(*params) + " parameters: ";
     model_item = {head + bytes_text(e.model_bytes) + " with gradients and " + state_name, culprit_of(keys),
@@ -170,8 +181,7 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
   // samples than one global batch); without it, at most the rank's share of a synthetic
   // split, and 1 for data whose size is not known here.
   double batch = static_cast<double>(cfg.train.batch_size);
-  if (!cfg.data.drop_last)
-    batch = synthetic ? std::min(batch, std::ceil(n / static_cast<double>(world_size))) : 1;
+  if (!cfg.data.drop_last) batch = synthetic ? std::min(batch, std::ceil(n / static_cast<double>(world_size))) : 1;
   const double ab = cfg.amp.dtype == AmpDtype::Off ? 4 : 2;
   double A = 0;
   std::vector<KeyUse> act_keys;
@@ -280,8 +290,10 @@ std::optional<double> available_memory_bytes() {
     std::string line;
     while (std::getline(in, line)) {
       double kb = 0;
-      if (std::sscanf(line.c_str(), "MemAvailable: %lf kB", &kb) == 1) avail = kb * 1024;
-      else if (std::sscanf(line.c_str(), "SwapFree: %lf kB", &kb) == 1) swap = kb * 1024;
+      if (std::sscanf(line.c_str(), "MemAvailable: %lf kB", &kb) == 1)
+        avail = kb * 1024;
+      else if (std::sscanf(line.c_str(), "SwapFree: %lf kB", &kb) == 1)
+        swap = kb * 1024;
     }
   }
   if (avail < 0) {  // no /proc: all of the physical memory, an upper bound
@@ -335,7 +347,8 @@ std::string memory_problem(const Config& cfg, int64_t world_size, int64_t ranks_
   if (!e.items.empty() && need > available_bytes) {
     std::string per_rank;
     if (ranks_on_host > 1)
-      per_rank = " (" + bytes_text(e.host_bytes) + " per rank x " + std::to_string(ranks_on_host) + " ranks on this host)";
+      per_rank =
+          " (" + bytes_text(e.host_bytes) + " per rank x " + std::to_string(ranks_on_host) + " ranks on this host)";
     return compose(e.items, need, "memory", per_rank,
                    bytes_text(available_bytes) + " is available (MemAvailable + SwapFree)");
   }

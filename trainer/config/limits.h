@@ -34,13 +34,13 @@ struct MemoryItem {
 /// allocated for certain (keel allocates more: DDP buckets, temporaries, the allocator's
 /// slack), so a config refused by it cannot run.
 struct MemoryEstimate {
-  double parameters = 0;        // of a built-in model; 0 = not known
-  double model_bytes = 0;       // parameters + gradients + optimizer state (float32)
-  double activation_bytes = 0;  // one training micro-batch: tensors saved for backward
-  double data_bytes = 0;        // the synthetic dataset: its peak while it is made, or kept + the sampler's order
-  double host_bytes = 0;        // one rank's peak in host memory (the phases of a run, each a sum)
-  double device_bytes = 0;      // on a GPU, one rank's peak there (model state, activations); 0 on the CPU
-  std::vector<MemoryItem> items;         // what is in host memory, largest first
+  double parameters = 0;          // of a built-in model; 0 = not known
+  double model_bytes = 0;         // parameters + gradients + optimizer state (float32)
+  double activation_bytes = 0;    // one training micro-batch: tensors saved for backward
+  double data_bytes = 0;          // the synthetic dataset: its peak while it is made, or kept + the sampler's order
+  double host_bytes = 0;          // one rank's peak in host memory (the phases of a run, each a sum)
+  double device_bytes = 0;        // on a GPU, one rank's peak there (model state, activations); 0 on the CPU
+  std::vector<MemoryItem> items;  // what is in host memory, largest first
   std::vector<MemoryItem> device_items;  // what is in GPU memory, largest first (on a GPU)
 };
 
@@ -67,7 +67,6 @@ std::string memory_problem(const Config& cfg, int64_t world_size, int64_t ranks_
 /// memory_problem() against available_memory_bytes() and, with `device_index` >= 0 on a GPU,
 /// device_free_bytes(device_index); throws InputError (exit 2) with it. Call once per rank
 /// before the model and the data are built. Nothing is checked where the memory is unknown.
-void check_memory(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda,
-                  int device_index = -1);
+void check_memory(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda, int device_index = -1);
 
 }  // namespace keel

@@ -10,12 +10,26 @@
 namespace keel {
 namespace {
 
-template <class T> struct TypeOf;
-template <> struct TypeOf<bool> { static constexpr FieldType value = FieldType::Bool; };
-template <> struct TypeOf<int64_t> { static constexpr FieldType value = FieldType::Int; };
-template <> struct TypeOf<double> { static constexpr FieldType value = FieldType::Float; };
-template <> struct TypeOf<std::string> { static constexpr FieldType value = FieldType::String; };
-template <> struct TypeOf<std::vector<std::string>> {
+template <class T>
+struct TypeOf;
+template <>
+struct TypeOf<bool> {
+  static constexpr FieldType value = FieldType::Bool;
+};
+template <>
+struct TypeOf<int64_t> {
+  static constexpr FieldType value = FieldType::Int;
+};
+template <>
+struct TypeOf<double> {
+  static constexpr FieldType value = FieldType::Float;
+};
+template <>
+struct TypeOf<std::string> {
+  static constexpr FieldType value = FieldType::String;
+};
+template <>
+struct TypeOf<std::vector<std::string>> {
   static constexpr FieldType value = FieldType::StringList;
 };
 
@@ -24,8 +38,7 @@ class SchemaBuilder {
   explicit SchemaBuilder(std::vector<FieldInfo>& out) : out_(out) {}
 
   template <class Sec, class T>
-  FieldInfo& add(const char* section, Sec Config::*sec, const char* key, T Sec::*member,
-                 const char* doc) {
+  FieldInfo& add(const char* section, Sec Config::*sec, const char* key, T Sec::*member, const char* doc) {
     FieldInfo f;
     f.section = section;
     f.key = key;
@@ -48,8 +61,8 @@ class SchemaBuilder {
 
   /// A choice: a String key in TOML and on the command line, an enum in the struct.
   template <class Sec, class E, std::size_t N>
-  FieldInfo& add(const char* section, Sec Config::*sec, const char* key, E Sec::*member,
-                 const Choices<E, N>& table, const char* doc) {
+  FieldInfo& add(const char* section, Sec Config::*sec, const char* key, E Sec::*member, const Choices<E, N>& table,
+                 const char* doc) {
     FieldInfo f;
     f.section = section;
     f.key = key;
@@ -60,7 +73,9 @@ class SchemaBuilder {
       if (!parse_choice(table, std::get<std::string>(v), (c.*sec).*member))
         throw std::logic_error(dotted + ": a value the schema's choices let through");
     };
-    f.get = [sec, member, table](const Config& c) -> Value { return std::string(choice_name(table, (c.*sec).*member)); };
+    f.get = [sec, member, table](const Config& c) -> Value {
+      return std::string(choice_name(table, (c.*sec).*member));
+    };
     out_.push_back(std::move(f));
     return out_.back();
   }
@@ -96,99 +111,216 @@ std::vector<FieldInfo> build_schema() {
   b.add("run", &C::run, "name", &RunConfig::name, "run name, used in logs and the default run.dir");
   b.add("run", &C::run, "dir", &RunConfig::dir, "output directory (metrics, summary, config); \"\" = runs/<run.name>");
   b.add("run", &C::run, "seed", &RunConfig::seed, "seed for model init, data order and synthetic data");
-  range(b.add("run", &C::run, "threads", &RunConfig::threads, "intra-op threads per rank; 0 = cores / local ranks"), 0, 1024);
-  b.add("run", &C::run, "device", &RunConfig::device, kDeviceChoices, "auto | cpu | cuda (auto: cuda:<local_rank> in CUDA builds with a GPU, else cpu)");
-  b.add("run", &C::run, "log_level", &RunConfig::log_level, kLogLevels, "log level of rank 0 (other ranks log warnings unless run.all_ranks_log)");
+  range(b.add("run", &C::run, "threads", &RunConfig::threads, "intra-op threads per rank; 0 = cores / local ranks"), 0,
+        1024);
+  b.add("run", &C::run, "device", &RunConfig::device, kDeviceChoices,
+        "auto | cpu | cuda (auto: cuda:<local_rank> in CUDA builds with a GPU, else cpu)");
+  b.add("run", &C::run, "log_level", &RunConfig::log_level, kLogLevels,
+        "log level of rank 0 (other ranks log warnings unless run.all_ranks_log)");
   b.add("run", &C::run, "all_ranks_log", &RunConfig::all_ranks_log, "log at run.log_level on every rank");
-  b.add("run", &C::run, "progress", &RunConfig::progress, "one-line progress display (step, loss, it/s, ETA) when stdout is a terminal");
-  b.add("run", &C::run, "tensorboard", &RunConfig::tensorboard, "rank 0 writes TensorBoard event files under <run.dir>/tb/: train loss, lr, step time, throughput, loss scale, skipped steps, grad norm, MFU, per-rank step-time spread, eval loss and accuracy");
-  b.add("run", &C::run, "sync_debug", &RunConfig::sync_debug, kSyncDebugModes, "CUDA's sync debug mode (torch.cuda.set_sync_debug_mode) over the steady steps, from step 6 on: warn = a warning for each operation that makes the host wait for the GPU, error = such an operation fails the run (naming it); evaluation, checkpoints and the last step are exempt. A check that the step keeps the GPU fed (dist.consensus = late); CUDA only, off on the CPU");
-  b.add("run", &C::run, "profile_steps", &RunConfig::profile_steps, "\"A-B\": record optimizer steps A to B with LibTorch's profiler on every rank into <run.dir>/trace.rank<R>.json (Chrome trace: Perfetto, chrome://tracing); \"\" = off");
-  range(b.add("run", &C::run, "peak_tflops", &RunConfig::peak_tflops, "peak TFLOP/s of one rank's device, the denominator of MFU in the log and summary.json; 0 = measured at start with a short matrix multiply (for models that report their FLOPs: gpt, mlp)"), 0.0, 1e9);
+  b.add("run", &C::run, "progress", &RunConfig::progress,
+        "one-line progress display (step, loss, it/s, ETA) when stdout is a terminal");
+  b.add("run", &C::run, "tensorboard", &RunConfig::tensorboard,
+        "rank 0 writes TensorBoard event files under <run.dir>/tb/: train loss, lr, step time, throughput, loss scale, "
+        "skipped steps, grad norm, MFU, per-rank step-time spread, eval loss and accuracy");
+  b.add("run", &C::run, "sync_debug", &RunConfig::sync_debug, kSyncDebugModes,
+        "CUDA's sync debug mode (torch.cuda.set_sync_debug_mode) over the steady steps, from step 6 on: warn = a "
+        "warning for each operation that makes the host wait for the GPU, error = such an operation fails the run "
+        "(naming it); evaluation, checkpoints and the last step are exempt. A check that the step keeps the GPU fed "
+        "(dist.consensus = late); CUDA only, off on the CPU");
+  b.add("run", &C::run, "profile_steps", &RunConfig::profile_steps,
+        "\"A-B\": record optimizer steps A to B with LibTorch's profiler on every rank into "
+        "<run.dir>/trace.rank<R>.json (Chrome trace: Perfetto, chrome://tracing); \"\" = off");
+  range(b.add("run", &C::run, "peak_tflops", &RunConfig::peak_tflops,
+              "peak TFLOP/s of one rank's device, the denominator of MFU in the log and summary.json; 0 = measured at "
+              "start with a short matrix multiply (for models that report their FLOPs: gpt, mlp)"),
+        0.0, 1e9);
 
   // [model]
   b.add("model", &C::model, "name", &ModelConfig::name, "model: mlp | cnn | gpt | torchscript | a registered name");
   b.add("model", &C::model, "path", &ModelConfig::path, "TorchScript file to train (model.name = torchscript)");
-  range(b.add("model", &C::model, "width", &ModelConfig::width, "hidden width; 0 = the model's default (mlp 256, gpt 256)"), 0, 1 << 20);
-  range(b.add("model", &C::model, "depth", &ModelConfig::depth, "hidden layers (mlp, default 8) or transformer blocks (gpt, default 4); 0 = default"), 0, 4096);
-  range(b.add("model", &C::model, "heads", &ModelConfig::heads, "attention heads (gpt); must divide the width"), 1, 4096);
-  range(b.add("model", &C::model, "context", &ModelConfig::context, "tokens per sequence (gpt and text data)"), 1, 1 << 20);
+  range(b.add("model", &C::model, "width", &ModelConfig::width,
+              "hidden width; 0 = the model's default (mlp 256, gpt 256)"),
+        0, 1 << 20);
+  range(b.add("model", &C::model, "depth", &ModelConfig::depth,
+              "hidden layers (mlp, default 8) or transformer blocks (gpt, default 4); 0 = default"),
+        0, 4096);
+  range(b.add("model", &C::model, "heads", &ModelConfig::heads, "attention heads (gpt); must divide the width"), 1,
+        4096);
+  range(b.add("model", &C::model, "context", &ModelConfig::context, "tokens per sequence (gpt and text data)"), 1,
+        1 << 20);
   range(b.add("model", &C::model, "vocab", &ModelConfig::vocab, "vocabulary size (gpt; byte-level = 256)"), 2, 1 << 24);
-  b.add("model", &C::model, "input", &ModelConfig::input, kModelInputs, "input kind of a torchscript model: auto (from the data) | image | tokens");
-  b.add("model", &C::model, "init_from", &ModelConfig::init_from, "safetensors weights to start from: a .safetensors file (e.g. PyTorch's safetensors.torch.save_file), a model.safetensors.index.json, or a directory holding either (a keel checkpoint step); every parameter and buffer by name and shape, nothing else; a resumed checkpoint overrides it");
-  range(b.add("model", &C::model, "num_classes", &ModelConfig::num_classes, "output classes of image models"), 2, 1 << 24);
+  b.add("model", &C::model, "input", &ModelConfig::input, kModelInputs,
+        "input kind of a torchscript model: auto (from the data) | image | tokens");
+  b.add("model", &C::model, "init_from", &ModelConfig::init_from,
+        "safetensors weights to start from: a .safetensors file (e.g. PyTorch's safetensors.torch.save_file), a "
+        "model.safetensors.index.json, or a directory holding either (a keel checkpoint step); every parameter and "
+        "buffer by name and shape, nothing else; a resumed checkpoint overrides it");
+  range(b.add("model", &C::model, "num_classes", &ModelConfig::num_classes, "output classes of image models"), 2,
+        1 << 24);
 
   // [data]
   b.add("data", &C::data, "name", &DataConfig::name, "dataset: fashion_mnist | text | synthetic | a registered name");
-  b.add("data", &C::data, "path", &DataConfig::path, "dataset location; \"\" = default (fashion_mnist: /usr/share/datasets/fashion-mnist)");
-  b.add("data", &C::data, "drop_last", &DataConfig::drop_last, "drop each epoch's incomplete last batch (keeps shapes static)");
-  b.add("data", &C::data, "shuffle", &DataConfig::shuffle, "reshuffle the train split every epoch from (run.seed, epoch)");
-  range(b.add("data", &C::data, "eval_batch_size", &DataConfig::eval_batch_size, "per-rank batch size for evaluation"), 1, 1 << 24);
-  range(b.add("data", &C::data, "synthetic_size", &DataConfig::synthetic_size, "samples in the synthetic train split (test split: a quarter of it)"), 1, 1 << 28);
-  range(b.add("data", &C::data, "test_fraction", &DataConfig::test_fraction, "text: fraction of the file (its tail) held out for evaluation"), 0.0, 0.9);
+  b.add("data", &C::data, "path", &DataConfig::path,
+        "dataset location; \"\" = default (fashion_mnist: /usr/share/datasets/fashion-mnist)");
+  b.add("data", &C::data, "drop_last", &DataConfig::drop_last,
+        "drop each epoch's incomplete last batch (keeps shapes static)");
+  b.add("data", &C::data, "shuffle", &DataConfig::shuffle,
+        "reshuffle the train split every epoch from (run.seed, epoch)");
+  range(b.add("data", &C::data, "eval_batch_size", &DataConfig::eval_batch_size, "per-rank batch size for evaluation"),
+        1, 1 << 24);
+  range(b.add("data", &C::data, "synthetic_size", &DataConfig::synthetic_size,
+              "samples in the synthetic train split (test split: a quarter of it)"),
+        1, 1 << 28);
+  range(b.add("data", &C::data, "test_fraction", &DataConfig::test_fraction,
+              "text: fraction of the file (its tail) held out for evaluation"),
+        0.0, 0.9);
 
   // [train]
-  range(b.add("train", &C::train, "steps", &TrainConfig::steps, "optimizer steps to run; train.epochs > 0 replaces it"), 1, 1e12);
-  range(b.add("train", &C::train, "epochs", &TrainConfig::epochs, "epochs over the train split; 0 = use train.steps"), 0, 1e9);
-  range(b.add("train", &C::train, "batch_size", &TrainConfig::batch_size, "samples per rank per micro-batch"), 1, 1 << 24);
-  range(b.add("train", &C::train, "grad_accum", &TrainConfig::grad_accum, "micro-batches per optimizer step (gradient accumulation)"), 1, 1 << 20);
+  range(b.add("train", &C::train, "steps", &TrainConfig::steps, "optimizer steps to run; train.epochs > 0 replaces it"),
+        1, 1e12);
+  range(b.add("train", &C::train, "epochs", &TrainConfig::epochs, "epochs over the train split; 0 = use train.steps"),
+        0, 1e9);
+  range(b.add("train", &C::train, "batch_size", &TrainConfig::batch_size, "samples per rank per micro-batch"), 1,
+        1 << 24);
+  range(b.add("train", &C::train, "grad_accum", &TrainConfig::grad_accum,
+              "micro-batches per optimizer step (gradient accumulation)"),
+        1, 1 << 20);
   b.add("train", &C::train, "optimizer", &TrainConfig::optimizer, kOptimizers, "adamw | sgd");
   range(b.add("train", &C::train, "lr", &TrainConfig::lr, "peak learning rate"), 0.0, 1e6);
-  range(b.add("train", &C::train, "min_lr", &TrainConfig::min_lr, "learning rate at the end of the cosine schedule"), 0.0, 1e6);
-  range(b.add("train", &C::train, "weight_decay", &TrainConfig::weight_decay, "weight decay (decoupled for adamw, L2 for sgd)"), 0.0, 1e6);
+  range(b.add("train", &C::train, "min_lr", &TrainConfig::min_lr, "learning rate at the end of the cosine schedule"),
+        0.0, 1e6);
+  range(b.add("train", &C::train, "weight_decay", &TrainConfig::weight_decay,
+              "weight decay (decoupled for adamw, L2 for sgd)"),
+        0.0, 1e6);
   range(b.add("train", &C::train, "momentum", &TrainConfig::momentum, "sgd momentum; 0 = plain sgd"), 0.0, 1.0);
-  range_below(b.add("train", &C::train, "beta1", &TrainConfig::beta1, "adamw beta1, the decay of the gradients' running average: 0 <= beta1 < 1 (torch's AdamW refuses 1)"), 0.0, 1.0);
-  range_below(b.add("train", &C::train, "beta2", &TrainConfig::beta2, "adamw beta2, the decay of the squared gradients' running average: 0 <= beta2 < 1 (torch's AdamW refuses 1)"), 0.0, 1.0);
+  range_below(
+      b.add("train", &C::train, "beta1", &TrainConfig::beta1,
+            "adamw beta1, the decay of the gradients' running average: 0 <= beta1 < 1 (torch's AdamW refuses 1)"),
+      0.0, 1.0);
+  range_below(
+      b.add(
+          "train", &C::train, "beta2", &TrainConfig::beta2,
+          "adamw beta2, the decay of the squared gradients' running average: 0 <= beta2 < 1 (torch's AdamW refuses 1)"),
+      0.0, 1.0);
   range(b.add("train", &C::train, "eps", &TrainConfig::eps, "adamw epsilon"), 0.0, 1.0);
-  range(b.add("train", &C::train, "warmup_steps", &TrainConfig::warmup_steps, "linear warmup from 0 to train.lr, in steps"), 0, 1e12);
-  b.add("train", &C::train, "schedule", &TrainConfig::schedule, kSchedules, "learning-rate schedule after warmup: cosine (to train.min_lr) | constant");
-  range(b.add("train", &C::train, "grad_clip", &TrainConfig::grad_clip, "max global gradient L2 norm; 0 = no clipping"), 0.0, 1e12);
-  range(b.add("train", &C::train, "eval_interval", &TrainConfig::eval_interval, "steps between evaluations on the test split; 0 = never, otherwise also after the last step"), 0, 1e12);
-  range(b.add("train", &C::train, "log_interval", &TrainConfig::log_interval, "steps between log lines (metrics.jsonl records every step)"), 1, 1e12);
-  b.add("train", &C::train, "skip_nonfinite", &TrainConfig::skip_nonfinite, "skip, on every rank, a step whose gradients hold inf/NaN (default: stop with an error)");
-  b.add("train", &C::train, "fused_optimizer", &TrainConfig::fused_optimizer, "update every parameter with one fused ATen kernel (at::_fused_adamw_ / at::_fused_sgd_, as PyTorch's fused=True; CPU and CUDA); false: torch::optim's per-parameter loop. The checkpointed state is the same either way");
+  range(b.add("train", &C::train, "warmup_steps", &TrainConfig::warmup_steps,
+              "linear warmup from 0 to train.lr, in steps"),
+        0, 1e12);
+  b.add("train", &C::train, "schedule", &TrainConfig::schedule, kSchedules,
+        "learning-rate schedule after warmup: cosine (to train.min_lr) | constant");
+  range(b.add("train", &C::train, "grad_clip", &TrainConfig::grad_clip, "max global gradient L2 norm; 0 = no clipping"),
+        0.0, 1e12);
+  range(b.add("train", &C::train, "eval_interval", &TrainConfig::eval_interval,
+              "steps between evaluations on the test split; 0 = never, otherwise also after the last step"),
+        0, 1e12);
+  range(b.add("train", &C::train, "log_interval", &TrainConfig::log_interval,
+              "steps between log lines (metrics.jsonl records every step)"),
+        1, 1e12);
+  b.add("train", &C::train, "skip_nonfinite", &TrainConfig::skip_nonfinite,
+        "skip, on every rank, a step whose gradients hold inf/NaN (default: stop with an error)");
+  b.add("train", &C::train, "fused_optimizer", &TrainConfig::fused_optimizer,
+        "update every parameter with one fused ATen kernel (at::_fused_adamw_ / at::_fused_sgd_, as PyTorch's "
+        "fused=True; CPU and CUDA); false: torch::optim's per-parameter loop. The checkpointed state is the same "
+        "either way");
 
   // [dist]
-  b.add("dist", &C::dist, "backend", &DistConfig::backend, kBackends, "process-group backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl");
-  range(b.add("dist", &C::dist, "timeout_s", &DistConfig::timeout_s, "bound on rendezvous and on every collective, seconds"), 1, 86400 * 7);
-  range(b.add("dist", &C::dist, "bucket_cap_mb", &DistConfig::bucket_cap_mb, "DDP gradient bucket size, MiB"), 0.0, 1e6);
-  range(b.add("dist", &C::dist, "first_bucket_mb", &DistConfig::first_bucket_mb, "size of DDP's first bucket (the gradients ready first), MiB"), 0.0, 1e6);
-  b.add("dist", &C::dist, "find_unused_parameters", &DistConfig::find_unused_parameters, "tolerate parameters that receive no gradient in a step");
-  b.add("dist", &C::dist, "broadcast_buffers", &DistConfig::broadcast_buffers, "rank 0's buffers (BatchNorm running statistics, ...) reach every rank before each forward, each evaluation, each checkpoint and the end (PyTorch DDP's broadcast_buffers); false: each rank keeps its own");
-  b.add("dist", &C::dist, "comm_hook", &DistConfig::comm_hook, kCommHooks, "gradient all-reduce: allreduce | bf16 | fp16 (compressed)");
-  b.add("dist", &C::dist, "interface", &DistConfig::interface, "network interface(s) the backend uses, comma-separated (e.g. \"eth0\"; NCCL_SOCKET_IFNAME too unless set); \"\" = GLOO_SOCKET_IFNAME if set, else the interface that routes to the rendezvous host");
-  b.add("dist", &C::dist, "validate", &DistConfig::validate, kValidateModes, "cross-rank check of every collective (op, dtype, shape): always | first_step | off");
-  b.add("dist", &C::dist, "consensus", &DistConfig::consensus, kConsensusModes, "when the host reads the per-step consensus (mean loss, the inf/NaN verdict, each rank's step and gradient plan): step = at the end of each step's backward, before the update (the host waits for the device every step); late = one step later, while the next step runs: the verdict stays on the device as the fused optimizer's and the GradScaler's found_inf (no rank applies an update some rank found inf/NaN in, or disagrees on), so a steady step never waits for the device; log lines and metrics follow one step behind, and a stop request takes effect one step later (needs train.fused_optimizer); auto = late on CUDA with NCCL and train.fused_optimizer, step otherwise");
-  range(b.add("dist", &C::dist, "zero", &DistConfig::zero, "ZeRO stage (docs/zero.md): 0 = every rank holds the whole optimizer state (DDP); 1 = the optimizer state is partitioned by parameter across ranks, each rank updates its own parameters and broadcasts them; 2 = in addition each parameter's gradient is reduce-scattered to its owner instead of all-reduced"), 0, 2);
+  b.add("dist", &C::dist, "backend", &DistConfig::backend, kBackends,
+        "process-group backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl");
+  range(b.add("dist", &C::dist, "timeout_s", &DistConfig::timeout_s,
+              "bound on rendezvous and on every collective, seconds"),
+        1, 86400 * 7);
+  range(b.add("dist", &C::dist, "bucket_cap_mb", &DistConfig::bucket_cap_mb, "DDP gradient bucket size, MiB"), 0.0,
+        1e6);
+  range(b.add("dist", &C::dist, "first_bucket_mb", &DistConfig::first_bucket_mb,
+              "size of DDP's first bucket (the gradients ready first), MiB"),
+        0.0, 1e6);
+  b.add("dist", &C::dist, "find_unused_parameters", &DistConfig::find_unused_parameters,
+        "tolerate parameters that receive no gradient in a step");
+  b.add("dist", &C::dist, "broadcast_buffers", &DistConfig::broadcast_buffers,
+        "rank 0's buffers (BatchNorm running statistics, ...) reach every rank before each forward, each evaluation, "
+        "each checkpoint and the end (PyTorch DDP's broadcast_buffers); false: each rank keeps its own");
+  b.add("dist", &C::dist, "comm_hook", &DistConfig::comm_hook, kCommHooks,
+        "gradient all-reduce: allreduce | bf16 | fp16 (compressed)");
+  b.add("dist", &C::dist, "interface", &DistConfig::interface,
+        "network interface(s) the backend uses, comma-separated (e.g. \"eth0\"; NCCL_SOCKET_IFNAME too unless set); "
+        "\"\" = GLOO_SOCKET_IFNAME if set, else the interface that routes to the rendezvous host");
+  b.add("dist", &C::dist, "validate", &DistConfig::validate, kValidateModes,
+        "cross-rank check of every collective (op, dtype, shape): always | first_step | off");
+  b.add("dist", &C::dist, "consensus", &DistConfig::consensus, kConsensusModes,
+        "when the host reads the per-step consensus (mean loss, the inf/NaN verdict, each rank's step and gradient "
+        "plan): step = at the end of each step's backward, before the update (the host waits for the device every "
+        "step); late = one step later, while the next step runs: the verdict stays on the device as the fused "
+        "optimizer's and the GradScaler's found_inf (no rank applies an update some rank found inf/NaN in, or "
+        "disagrees on), so a steady step never waits for the device; log lines and metrics follow one step behind, and "
+        "a stop request takes effect one step later (needs train.fused_optimizer); auto = late on CUDA with NCCL and "
+        "train.fused_optimizer, step otherwise");
+  range(
+      b.add("dist", &C::dist, "zero", &DistConfig::zero,
+            "ZeRO stage (docs/zero.md): 0 = every rank holds the whole optimizer state (DDP); 1 = the optimizer state "
+            "is partitioned by parameter across ranks, each rank updates its own parameters and broadcasts them; 2 = "
+            "in addition each parameter's gradient is reduce-scattered to its owner instead of all-reduced"),
+      0, 2);
 
   // [compile]
-  b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes, "off | trace (deprecated: forward as a TorchScript graph) | inductor (the whole training step compiled ahead of time by Inductor, run from C++)");
-  b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph, "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
-  b.add("compile", &C::compile, "deterministic", &CompileConfig::deterministic, "non-deterministic ops inside the graph are an error");
-  range(b.add("compile", &C::compile, "max_recompiles", &CompileConfig::max_recompiles, "shape re-specialisations allowed before it is an error"), 0, 1 << 20);
-  b.add("compile", &C::compile, "cache_dir", &CompileConfig::cache_dir, "persistent compile cache directory; \"\" = no cache (trace), ~/.cache/keel/compile (inductor)");
-  b.add("compile", &C::compile, "cuda_graphs", &CompileConfig::cuda_graphs, "capture the whole step as a CUDA graph (CUDA builds)");
-  b.add("compile", &C::compile, "max_autotune", &CompileConfig::max_autotune, "inductor: autotune kernels while compiling (slower compile, maybe faster steps)");
-  b.add("compile", &C::compile, "python", &CompileConfig::python, "inductor: the Python of the packaging step (torch 2.11); \"\" = $KEEL_PYTHON, else keel's venv (~/.cache/keel/venv)");
+  b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes,
+        "off | trace (deprecated: forward as a TorchScript graph) | inductor (the whole training step compiled ahead "
+        "of time by Inductor, run from C++)");
+  b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph,
+        "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
+  b.add("compile", &C::compile, "deterministic", &CompileConfig::deterministic,
+        "non-deterministic ops inside the graph are an error");
+  range(b.add("compile", &C::compile, "max_recompiles", &CompileConfig::max_recompiles,
+              "shape re-specialisations allowed before it is an error"),
+        0, 1 << 20);
+  b.add("compile", &C::compile, "cache_dir", &CompileConfig::cache_dir,
+        "persistent compile cache directory; \"\" = no cache (trace), ~/.cache/keel/compile (inductor)");
+  b.add("compile", &C::compile, "cuda_graphs", &CompileConfig::cuda_graphs,
+        "capture the whole step as a CUDA graph (CUDA builds)");
+  b.add("compile", &C::compile, "max_autotune", &CompileConfig::max_autotune,
+        "inductor: autotune kernels while compiling (slower compile, maybe faster steps)");
+  b.add("compile", &C::compile, "python", &CompileConfig::python,
+        "inductor: the Python of the packaging step (torch 2.11); \"\" = $KEEL_PYTHON, else keel's venv "
+        "(~/.cache/keel/venv)");
 
   // [amp]
   b.add("amp", &C::amp, "dtype", &AmpConfig::dtype, kAmpDtypes, "autocast dtype: off | bf16 | fp16 (fp16: CUDA only)");
-  b.add("amp", &C::amp, "loss_scaling", &AmpConfig::loss_scaling, kLossScalings, "auto (dynamic for fp16, else off) | dynamic | off");
+  b.add("amp", &C::amp, "loss_scaling", &AmpConfig::loss_scaling, kLossScalings,
+        "auto (dynamic for fp16, else off) | dynamic | off");
   range(b.add("amp", &C::amp, "init_scale", &AmpConfig::init_scale, "GradScaler initial scale"), 1e-30, 1e38);
-  range(b.add("amp", &C::amp, "growth_factor", &AmpConfig::growth_factor, "scale multiplier after amp.growth_interval clean steps"), 1.0, 1e6);
-  range(b.add("amp", &C::amp, "backoff_factor", &AmpConfig::backoff_factor, "scale multiplier after a step with inf/NaN gradients"), 1e-6, 1.0);
-  range(b.add("amp", &C::amp, "growth_interval", &AmpConfig::growth_interval, "clean steps between scale growths"), 1, 1e12);
+  range(b.add("amp", &C::amp, "growth_factor", &AmpConfig::growth_factor,
+              "scale multiplier after amp.growth_interval clean steps"),
+        1.0, 1e6);
+  range(b.add("amp", &C::amp, "backoff_factor", &AmpConfig::backoff_factor,
+              "scale multiplier after a step with inf/NaN gradients"),
+        1e-6, 1.0);
+  range(b.add("amp", &C::amp, "growth_interval", &AmpConfig::growth_interval, "clean steps between scale growths"), 1,
+        1e12);
 
   // [checkpoint]
-  b.add("checkpoint", &C::checkpoint, "dir", &CheckpointConfig::dir, "checkpoint root directory; \"\" = no checkpoints; a run whose directory holds committed steps resumes from the newest (docs/checkpoints.md)");
-  range(b.add("checkpoint", &C::checkpoint, "interval", &CheckpointConfig::interval, "steps between saves; 0 = only the final save"), 0, 1e12);
-  range(b.add("checkpoint", &C::checkpoint, "keep", &CheckpointConfig::keep, "committed steps to keep (at least 2 with async saves)"), 1, 1e6);
+  b.add("checkpoint", &C::checkpoint, "dir", &CheckpointConfig::dir,
+        "checkpoint root directory; \"\" = no checkpoints; a run whose directory holds committed steps resumes from "
+        "the newest (docs/checkpoints.md)");
+  range(b.add("checkpoint", &C::checkpoint, "interval", &CheckpointConfig::interval,
+              "steps between saves; 0 = only the final save"),
+        0, 1e12);
+  range(b.add("checkpoint", &C::checkpoint, "keep", &CheckpointConfig::keep,
+              "committed steps to keep (at least 2 with async saves)"),
+        1, 1e6);
   b.add("checkpoint", &C::checkpoint, "async", &CheckpointConfig::async, "write checkpoints in a background thread");
-  b.add("checkpoint", &C::checkpoint, "resume_from", &CheckpointConfig::resume_from, "step directory or step number to resume from (an error if it does not load); \"\" = the newest committed step that verifies");
-  b.add("checkpoint", &C::checkpoint, "save_graph", &CheckpointConfig::save_graph, "also store the compiled graph with each step: compile.mode = \"inductor\": the training step's AOTInductor package (graph.pt2, with its manifest graph.json; a resume that fits loads it instead of compiling); \"trace\": the traced TorchScript module (graph.pt)");
+  b.add("checkpoint", &C::checkpoint, "resume_from", &CheckpointConfig::resume_from,
+        "step directory or step number to resume from (an error if it does not load); \"\" = the newest committed step "
+        "that verifies");
+  b.add("checkpoint", &C::checkpoint, "save_graph", &CheckpointConfig::save_graph,
+        "also store the compiled graph with each step: compile.mode = \"inductor\": the training step's AOTInductor "
+        "package (graph.pt2, with its manifest graph.json; a resume that fits loads it instead of compiling); "
+        "\"trace\": the traced TorchScript module (graph.pt)");
 
   // [fault]
-  b.add("fault", &C::fault, "inject", &FaultConfig::inject, "faults to inject: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash] entries, TYPE one of collective_hang, crash, oom, nonfinite_grad, shape_mismatch, checkpoint_write_failure, checkpoint_corruption, graph_break, straggler (docs/faults.md; repeat the option for several)");
+  b.add("fault", &C::fault, "inject", &FaultConfig::inject,
+        "faults to inject: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash] entries, TYPE one of "
+        "collective_hang, crash, oom, nonfinite_grad, shape_mismatch, checkpoint_write_failure, checkpoint_corruption, "
+        "graph_break, straggler (docs/faults.md; repeat the option for several)");
   return v;
 }
 
@@ -200,8 +332,8 @@ const std::vector<FieldInfo>& config_schema() {
 }
 
 const std::vector<std::string>& config_sections() {
-  static const std::vector<std::string> sections = {
-      "run", "model", "data", "train", "dist", "compile", "amp", "checkpoint", "fault"};
+  static const std::vector<std::string> sections = {"run",     "model", "data",       "train", "dist",
+                                                    "compile", "amp",   "checkpoint", "fault"};
   return sections;
 }
 
@@ -216,11 +348,16 @@ const FieldInfo* find_field(const std::string& dotted) {
 
 const char* field_type_name(FieldType t) {
   switch (t) {
-    case FieldType::Bool: return "bool";
-    case FieldType::Int: return "int";
-    case FieldType::Float: return "float";
-    case FieldType::String: return "string";
-    case FieldType::StringList: return "list of strings";
+    case FieldType::Bool:
+      return "bool";
+    case FieldType::Int:
+      return "int";
+    case FieldType::Float:
+      return "float";
+    case FieldType::String:
+      return "string";
+    case FieldType::StringList:
+      return "list of strings";
   }
   return "?";
 }

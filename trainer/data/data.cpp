@@ -12,10 +12,9 @@ struct Entry {
 
 Registry<Entry>& registry() {
   static Registry<Entry> r("dataset", "data.name", [](Registry<Entry>& t) {
-    t.add_builtin("fashion_mnist", {[](const DataConfig& c, const models::InputSpec& s, int64_t) {
-                                      return make_fashion_mnist(c, s);
-                                    },
-                                    models::InputKind::Image});
+    t.add_builtin("fashion_mnist",
+                  {[](const DataConfig& c, const models::InputSpec& s, int64_t) { return make_fashion_mnist(c, s); },
+                   models::InputKind::Image});
     t.add_builtin("text", {[](const DataConfig& c, const models::InputSpec& s, int64_t) { return make_text(c, s); },
                            models::InputKind::Tokens});
     t.add_builtin("synthetic", {make_synthetic, std::nullopt});
@@ -25,16 +24,13 @@ Registry<Entry>& registry() {
 
 }  // namespace
 
-void register_dataset(const std::string& name, DatasetFactory factory,
-                      std::optional<models::InputKind> native_kind) {
+void register_dataset(const std::string& name, DatasetFactory factory, std::optional<models::InputKind> native_kind) {
   registry().add(name, Entry{std::move(factory), native_kind});
 }
 
 std::vector<std::string> registered_datasets() { return registry().names(); }
 
-std::optional<models::InputKind> native_input_kind(const std::string& name) {
-  return registry().get(name).native;
-}
+std::optional<models::InputKind> native_input_kind(const std::string& name) { return registry().get(name).native; }
 
 Splits create_dataset(const DataConfig& cfg, const models::InputSpec& spec, int64_t seed) {
   Entry e = registry().get(cfg.name);
@@ -43,8 +39,7 @@ Splits create_dataset(const DataConfig& cfg, const models::InputSpec& spec, int6
                      " but the model expects " + models::input_kind_name(spec.kind) +
                      " input; choose a matching model or dataset");
   Splits s = e.factory(cfg, spec, seed);
-  if (!s.train || s.train->size() == 0)
-    throw InputError("data.name = \"" + cfg.name + "\": the train split is empty");
+  if (!s.train || s.train->size() == 0) throw InputError("data.name = \"" + cfg.name + "\": the train split is empty");
   return s;
 }
 

@@ -44,8 +44,7 @@ struct Splits {
 /// Builds a dataset's splits for a model that eats `spec`; `seed` is run.seed. Throws
 /// keel::InputError for missing or malformed data (naming the file) and for a model whose
 /// input the dataset cannot produce.
-using DatasetFactory =
-    std::function<Splits(const DataConfig& cfg, const models::InputSpec& spec, int64_t seed)>;
+using DatasetFactory = std::function<Splits(const DataConfig& cfg, const models::InputSpec& spec, int64_t seed)>;
 
 /// Registers a dataset under `name`; throws std::invalid_argument when the name is empty or
 /// already taken. `native_kind` is the input kind it produces by nature
@@ -64,7 +63,6 @@ Splits make_synthetic(const DataConfig& cfg, const models::InputSpec& spec, int6
 
 /// Reads an IDX file (gzipped if the name ends in .gz) and checks its magic number and
 /// dimensions: `expect_dims` = {N?, 28, 28} with -1 for "any". Returns a uint8 tensor.
-torch::Tensor read_idx(const std::string& path, uint32_t expect_magic,
-                       const std::vector<int64_t>& expect_dims);
+torch::Tensor read_idx(const std::string& path, uint32_t expect_magic, const std::vector<int64_t>& expect_dims);
 
 }  // namespace keel::data

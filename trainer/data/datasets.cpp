@@ -19,8 +19,7 @@ bool is_dir(const std::string& p) {
 }
 
 torch::Tensor to_index_tensor(const std::vector<int64_t>& idx) {
-  return torch::from_blob(const_cast<int64_t*>(idx.data()), {static_cast<int64_t>(idx.size())},
-                          torch::kLong).clone();
+  return torch::from_blob(const_cast<int64_t*>(idx.data()), {static_cast<int64_t>(idx.size())}, torch::kLong).clone();
 }
 
 // Reads a whole file, gunzipping it when its name ends in .gz. zlib errors (corrupt or
@@ -61,8 +60,7 @@ std::vector<uint8_t> read_maybe_gz(const std::string& path) {
   int rc = gzclose(f);
   if (code != Z_OK && code != Z_STREAM_END)
     throw InputError(path + ": corrupt or truncated gzip data (zlib: " + msg + ")");
-  if (rc == Z_BUF_ERROR)
-    throw InputError(path + ": truncated gzip file (zlib: unexpected end of file)");
+  if (rc == Z_BUF_ERROR) throw InputError(path + ": truncated gzip file (zlib: unexpected end of file)");
   if (rc != Z_OK) throw InputError(path + ": gzip error on close (zlib code " + std::to_string(rc) + ")");
   return out;
 }
@@ -126,8 +124,8 @@ class SyntheticTokens : public Dataset {
   Batch get(const std::vector<int64_t>& indices) const override {
     auto idx = to_index_tensor(indices);
     auto t = torch::arange(T_ + 1, torch::kLong);
-    auto w = (start_.index_select(0, idx).unsqueeze(1) +
-              stride_.index_select(0, idx).unsqueeze(1) * t.unsqueeze(0)).remainder(vocab_);
+    auto w = (start_.index_select(0, idx).unsqueeze(1) + stride_.index_select(0, idx).unsqueeze(1) * t.unsqueeze(0))
+                 .remainder(vocab_);
     return {w.narrow(1, 0, T_).contiguous(), w.narrow(1, 1, T_).contiguous()};
   }
 
@@ -138,16 +136,14 @@ class SyntheticTokens : public Dataset {
 
 }  // namespace
 
-torch::Tensor read_idx(const std::string& path, uint32_t expect_magic,
-                       const std::vector<int64_t>& expect_dims) {
+torch::Tensor read_idx(const std::string& path, uint32_t expect_magic, const std::vector<int64_t>& expect_dims) {
   auto bytes = read_maybe_gz(path);
   if (bytes.size() < 4) throw InputError(path + ": truncated IDX file (" + std::to_string(bytes.size()) + " bytes)");
   uint32_t magic = be32(bytes.data());
   if (magic != expect_magic)
     throw InputError(path + ": bad IDX magic number " + hex32(magic) + ", expected " + hex32(expect_magic));
   const size_t ndim = magic & 0xff;
-  if (ndim != expect_dims.size() || bytes.size() < 4 + 4 * ndim)
-    throw InputError(path + ": truncated IDX header");
+  if (ndim != expect_dims.size() || bytes.size() < 4 + 4 * ndim) throw InputError(path + ": truncated IDX header");
   std::vector<int64_t> dims(ndim);
   int64_t count = 1;
   for (size_t i = 0; i < ndim; ++i) {
@@ -169,7 +165,8 @@ torch::Tensor read_idx(const std::string& path, uint32_t expect_magic,
 Splits make_fashion_mnist(const DataConfig& cfg, const models::InputSpec& spec) {
   const std::string dir = cfg.path.empty() ? "/usr/share/datasets/fashion-mnist" : cfg.path;
   if (!is_dir(dir))
-    throw InputError("data.path = \"" + dir + "\": directory not found (install Debian's dataset-fashion-mnist, "
+    throw InputError("data.path = \"" + dir +
+                     "\": directory not found (install Debian's dataset-fashion-mnist, "
                      "or point data.path at a directory with the four *-ubyte.gz files)");
   if (spec.num_classes < 10)
     throw InputError("fashion_mnist has 10 classes but the model outputs " + std::to_string(spec.num_classes));
@@ -181,8 +178,7 @@ Splits make_fashion_mnist(const DataConfig& cfg, const models::InputSpec& spec) 
     if (labels.size(0) != images.size(0))
       throw InputError(dir + "/" + prefix + ": " + std::to_string(images.size(0)) + " images but " +
                        std::to_string(labels.size(0)) + " labels");
-    if (labels.max().item<int64_t>() > 9)
-      throw InputError(dir + "/" + prefix + "-labels-idx1-ubyte.gz: label above 9");
+    if (labels.max().item<int64_t>() > 9) throw InputError(dir + "/" + prefix + "-labels-idx1-ubyte.gz: label above 9");
     // The Fashion-MNIST train-set mean and standard deviation of pixel values in [0, 1].
     return std::make_shared<ImageDataset>(images, labels.to(torch::kLong), 0.2860, 0.3530);
   };

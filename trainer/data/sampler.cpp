@@ -10,22 +10,27 @@
 
 namespace keel::data {
 
-DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t world, int64_t rank,
-                                       int64_t batch_size, bool shuffle, bool drop_last,
-                                       uint64_t seed)
-    : size_(dataset_size), world_(world), rank_(rank), batch_(batch_size), shuffle_(shuffle),
-      drop_last_(drop_last), seed_(seed) {
+DistributedSampler::DistributedSampler(int64_t dataset_size, int64_t world, int64_t rank, int64_t batch_size,
+                                       bool shuffle, bool drop_last, uint64_t seed)
+    : size_(dataset_size),
+      world_(world),
+      rank_(rank),
+      batch_(batch_size),
+      shuffle_(shuffle),
+      drop_last_(drop_last),
+      seed_(seed) {
   if (world < 1 || rank < 0 || rank >= world || batch_size < 1 || dataset_size < 1)
-    throw std::invalid_argument("DistributedSampler: bad arguments (size " + std::to_string(dataset_size) +
-                                ", world " + std::to_string(world) + ", rank " + std::to_string(rank) +
-                                ", batch " + std::to_string(batch_size) + ")");
+    throw std::invalid_argument("DistributedSampler: bad arguments (size " + std::to_string(dataset_size) + ", world " +
+                                std::to_string(world) + ", rank " + std::to_string(rank) + ", batch " +
+                                std::to_string(batch_size) + ")");
   if (drop_last) {
     batches_per_epoch_ = size_ / (world_ * batch_);
     per_rank_ = batches_per_epoch_ * batch_;
     if (batches_per_epoch_ == 0)
-      throw std::invalid_argument("DistributedSampler: " + std::to_string(size_) + " samples are fewer than one global batch of " +
-                                  std::to_string(world_ * batch_) + " (world " + std::to_string(world_) +
-                                  " x batch " + std::to_string(batch_) + ") with drop_last");
+      throw std::invalid_argument("DistributedSampler: " + std::to_string(size_) +
+                                  " samples are fewer than one global batch of " + std::to_string(world_ * batch_) +
+                                  " (world " + std::to_string(world_) + " x batch " + std::to_string(batch_) +
+                                  ") with drop_last");
   } else {
     per_rank_ = (size_ + world_ - 1) / world_;
     batches_per_epoch_ = (per_rank_ + batch_ - 1) / batch_;
@@ -98,10 +103,11 @@ void DistributedSampler::load(const checkpoint::Loaded& loaded) {
   const int64_t per_global = world_ * batch_;
   const int64_t nb = std::min(consumed / per_global, batches_per_epoch_);
   restore({e, nb});
-  logging::warn("resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
-                "remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed){}",
-                saved_world, saved_batch, world_, batch_, e, b, nb, consumed,
-                consumed % per_global ? "; the partial global batch is skipped" : "");
+  logging::warn(
+      "resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
+      "remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed){}",
+      saved_world, saved_batch, world_, batch_, e, b, nb, consumed,
+      consumed % per_global ? "; the partial global batch is skipped" : "");
 }
 
 namespace {
@@ -134,7 +140,8 @@ std::string DistributedSampler::check(const checkpoint::Loaded& loaded) const {
   if (auto p = int_in(rs, "world_size", loaded.saved_world_size, loaded.saved_world_size, where); !p.empty()) return p;
   if (auto p = int_in(rs, "rank", rank_, rank_, where); !p.empty()) return p;
   if (auto p = int_in(rs, "batch_size", 1, kBig, where); !p.empty()) return p;
-  if (loaded.saved_world_size == world_ && rs["batch_size"] == batch_ && rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
+  if (loaded.saved_world_size == world_ && rs["batch_size"] == batch_ &&
+      rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
     return where + ".sampler.batch = " + rs["sampler"]["batch"].dump() + " is past the epoch's " +
            std::to_string(batches_per_epoch_) + " batches";
   return "";

@@ -29,8 +29,8 @@ class DistributedSampler : public checkpoint::Stateful {
   /// drop_last = true: each epoch has floor(size / (world * batch)) full batches per rank and
   /// the remainder is skipped. drop_last = false: the epoch is padded by wrapping around (as
   /// PyTorch does) to a multiple of world, and the last batch of a rank may be smaller.
-  DistributedSampler(int64_t dataset_size, int64_t world, int64_t rank, int64_t batch_size,
-                     bool shuffle, bool drop_last, uint64_t seed);
+  DistributedSampler(int64_t dataset_size, int64_t world, int64_t rank, int64_t batch_size, bool shuffle,
+                     bool drop_last, uint64_t seed);
 
   int64_t batches_per_epoch() const { return batches_per_epoch_; }
   /// Indices of the next batch; advances the position (into the next epoch when needed).

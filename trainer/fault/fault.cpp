@@ -8,11 +8,16 @@
 namespace keel {
 
 const std::vector<std::string>& FaultPlan::types() {
-  static const std::vector<std::string> t = {"collective_hang",          "crash",
-                                             "oom",                      "nonfinite_grad",
-                                             "shape_mismatch",           "checkpoint_write_failure",
-                                             "checkpoint_corruption",    "graph_break",
-                                             "straggler",                "signal"};
+  static const std::vector<std::string> t = {"collective_hang",
+                                             "crash",
+                                             "oom",
+                                             "nonfinite_grad",
+                                             "shape_mismatch",
+                                             "checkpoint_write_failure",
+                                             "checkpoint_corruption",
+                                             "graph_break",
+                                             "straggler",
+                                             "signal"};
   return t;
 }
 
@@ -69,12 +74,18 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
       char* end = nullptr;
       const long long n = std::strtoll(val.c_str(), &end, 10);
       if (val.empty() || *end != '\0' || n < 0) throw bad(key + " must be a non-negative integer");
-      if (key == "step") e.step = n;
-      else if (key == "rank") e.rank = n;
-      else if (key == "restart") e.restart = n;
-      else if (key == "ms") e.ms = n;
-      else if (key == "sig") e.sig = n;
-      else throw bad("unknown key '" + key + "'");
+      if (key == "step")
+        e.step = n;
+      else if (key == "rank")
+        e.rank = n;
+      else if (key == "restart")
+        e.restart = n;
+      else if (key == "ms")
+        e.ms = n;
+      else if (key == "sig")
+        e.sig = n;
+      else
+        throw bad("unknown key '" + key + "'");
     }
     if (e.step < 1) throw bad("step=S (>= 1) is required");
     if (e.rank < 0) throw bad("rank=R is required");
@@ -100,8 +111,7 @@ const FaultEntry* FaultPlan::find(const std::string& type, int64_t step, int64_t
   return nullptr;
 }
 
-const FaultEntry* FaultPlan::signal(const std::string& phase, int64_t step, int64_t rank,
-                                    int64_t restart_count) const {
+const FaultEntry* FaultPlan::signal(const std::string& phase, int64_t step, int64_t rank, int64_t restart_count) const {
   const bool once = phase == "start" || phase == "compile";
   for (const auto& e : entries_)
     if (e.type == "signal" && e.phase == phase && (once || e.step == step) && e.rank == rank &&

@@ -1,11 +1,10 @@
 // trainer/fault/fault.h: the fault injector (fault.inject).
 //
-// Owns: parsing `TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash][,phase=P][,sig=N][,twice]` entries into a plan and
-// answering "does a fault of this type fire on this rank at this step?". A fault fires once per
-// job: not again after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) unless the entry
-// says `always`; `restart=K` makes it fire only in the K-th restart (the chaos test kills a
-// rank once per restart that way). With no entries every query is a false on an empty vector:
-// nothing to pay when off. What each type does and the outcome it must have: docs/faults.md.
+// Owns: parsing `TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash][,phase=P][,sig=N][,twice]` entries into a plan
+// and answering "does a fault of this type fire on this rank at this step?". A fault fires once per job: not again
+// after a torchrun restart (TORCHELASTIC_RESTART_COUNT > 0) unless the entry says `always`; `restart=K` makes it fire
+// only in the K-th restart (the chaos test kills a rank once per restart that way). With no entries every query is a
+// false on an empty vector: nothing to pay when off. What each type does and the outcome it must have: docs/faults.md.
 #pragma once
 
 #include <cstdint>
@@ -16,12 +15,12 @@ namespace keel {
 
 struct FaultEntry {
   std::string type;
-  int64_t step = -1;    // optimizer step (1-based) at which it fires
-  int64_t rank = -1;    // the rank it fires on
-  bool always = false;  // fire again after a restart
-  int64_t restart = -1; // fire only when TORCHELASTIC_RESTART_COUNT == restart (-1: see `always`)
-  int64_t ms = 100;     // straggler: milliseconds of sleep per step
-  bool crash = false;   // checkpoint_write_failure: SIGKILL halfway through the write, not ENOSPC
+  int64_t step = -1;     // optimizer step (1-based) at which it fires
+  int64_t rank = -1;     // the rank it fires on
+  bool always = false;   // fire again after a restart
+  int64_t restart = -1;  // fire only when TORCHELASTIC_RESTART_COUNT == restart (-1: see `always`)
+  int64_t ms = 100;      // straggler: milliseconds of sleep per step
+  bool crash = false;    // checkpoint_write_failure: SIGKILL halfway through the write, not ENOSPC
   // signal: where it is sent (start, compile, step, eval, save), which signal (SIGTERM or
   // SIGINT), and whether a second one follows the first at once.
   std::string phase = "step";

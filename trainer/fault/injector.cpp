@@ -99,7 +99,8 @@ void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
   if (plan_.empty()) return;
   const int64_t r = rank_, rc = restart_count_;
   if (const FaultEntry* e = plan_.active("straggler", s, r, rc)) {
-    if (s == e->step) logging::warn("fault injection: straggler: rank {} sleeps {} ms per step from step {}", r, e->ms, s);
+    if (s == e->step)
+      logging::warn("fault injection: straggler: rank {} sleeps {} ms per step from step {}", r, e->ms, s);
     std::this_thread::sleep_for(std::chrono::milliseconds(e->ms));
   }
   signal("step", s);
@@ -127,9 +128,9 @@ void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
       }
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
-    throw std::runtime_error("fault injection: collective_hang: rank " + std::to_string(r) + " stopped at step " +
-                             std::to_string(s) + (why.empty() ? std::string("; no peer reported")
-                                                              : "; its peers gave up: " + why.substr(0, 300)));
+    throw std::runtime_error(
+        "fault injection: collective_hang: rank " + std::to_string(r) + " stopped at step " + std::to_string(s) +
+        (why.empty() ? std::string("; no peer reported") : "; its peers gave up: " + why.substr(0, 300)));
   }
   if (const FaultEntry* e = plan_.any_rank("shape_mismatch", s, rc)) {
     // Every rank issues the same collective; the faulty rank's tensor has another shape.
@@ -151,7 +152,7 @@ checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
     // Once per save, at this rank's first write of it (on the writer thread with checkpoint.async).
     auto sent = std::make_shared<std::atomic<int64_t>>(-1);
     h.before_write = [plan = plan_, rank = rank_, rc = restart_count_, sent](int64_t step, const std::string&,
-                                                                            uint64_t) -> int {
+                                                                             uint64_t) -> int {
       if (const FaultEntry* e = plan.signal("save", step, rank, rc); e && sent->exchange(step) != step)
         send_signal(*e, "save", step, rank);
       return 0;
@@ -168,8 +169,8 @@ checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
       const FaultEntry* e = plan.find("checkpoint_write_failure", step, rank, rc);
       if (!e) return 0;
       if (warned->exchange(step) != step)
-        logging::warn("fault injection: checkpoint_write_failure ({}) at step {} on rank {}", e->crash ? "SIGKILL" : "ENOSPC",
-                      step, rank);
+        logging::warn("fault injection: checkpoint_write_failure ({}) at step {} on rank {}",
+                      e->crash ? "SIGKILL" : "ENOSPC", step, rank);
       if (e->crash) {
         logging::flush();
         std::raise(SIGKILL);  // a crash in the middle of a save
@@ -179,7 +180,7 @@ checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
   }
   if (corruption) {
     h.after_commit = [plan = plan_, rank = rank_, world = world_size_, rc = restart_count_](int64_t step,
-                                                                                           const std::string& dir) {
+                                                                                            const std::string& dir) {
       if (!plan.fires("checkpoint_corruption", step, rank, rc)) return;
       const std::string path = dir + "/" + checkpoint::model_file(rank, world);
       if (flip_byte_in_place(path)) logging::warn("fault injection: checkpoint_corruption: flipped a byte of {}", path);
