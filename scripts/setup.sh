@@ -85,6 +85,13 @@ else
     log "installing tensorboard and safetensors (PyPI) into $venv"
     "$py" -m pip install -q --disable-pip-version-check tensorboard safetensors >&2
   fi
+  # The formatter the tree is checked with (scripts/format.sh): one pinned version, whatever the
+  # distribution ships.
+  if ! "$venv/bin/clang-format" --version 2>/dev/null | grep -q "version 14\."; then
+    log "installing clang-format 14.0.6 (PyPI) into $venv"
+    "$py" -m pip install -q --disable-pip-version-check clang-format==14.0.6 >&2 ||
+      log "clang-format 14.0.6 could not be installed: the format check needs clang-format 14 on PATH"
+  fi
   flock -u 9
   prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
   cmake_torch=(-DTorch_DIR="$prefix/Torch" -DKEEL_PYTHON="$py")
