@@ -296,6 +296,92 @@ void Checkpointer::write_shards(Pending& p) {
   p.done.store(true);
 }
 
+namespace {
+
+// Step 1 of a save: the plan (which tensors, in which shard), identical on every rank by
+// construction and checked across ranks with one all-gather of its fingerprint. A partitioned
+// optimizer state (dist.zero >= 1) is not in it: each rank writes its own partition, which must
+// hold only the state of parameters it owns. Returns each planned tensor's writing rank.
+std::vector<int64_t> agree_on_plan(dist::Collectives& coll, int64_t world, int64_t rank, int64_t step,
+                                   const State& state, bool partitioned) {
+  std::map<std::string, int64_t> owner_of_param(state.optimizer_owners.begin(), state.optimizer_owners.end());
+  if (partitioned)
+    for (const auto& [name, t] : state.optimizer) {
+      const auto it = owner_of_param.find(name.substr(0, name.find_last_of('.')));
+      if (it == owner_of_param.end() || it->second != rank)
+        throw SaveError("checkpoint step " + std::to_string(step) + ": optimizer state \"" + name +
+                        "\" is not of a parameter this rank owns");
+    }
+  std::vector<uint64_t> sizes;
+  std::string layout = "world=" + std::to_string(world) + ";zero=" + std::to_string(state.zero) + ";";
+  for (const auto* list : {&state.model, &state.optimizer, &state.extra}) {
+    if (partitioned && list == &state.optimizer) continue;
+    for (const auto& [name, t] : *list) {
+      sizes.push_back(nbytes(t));
+      layout += name + ":" + c10::toString(t.scalar_type()) + ":" + std::to_string(t.numel()) + ";";
+    }
+  }
+  for (const auto& [name, r] : state.optimizer_owners) layout += "owner:" + name + "=" + std::to_string(r) + ";";
+  for (const auto& n : state.optimizer_params) layout += "param:" + n + ";";
+  for (const auto& [f, kind] : state.optimizer_fields) layout += "field:" + f + "=" + kind + ";";
+  Sha256 h;
+  h.update(layout.data(), layout.size());
+  const int64_t fp = static_cast<int64_t>(std::stoull(h.hex().substr(0, 15), nullptr, 16));
+  auto all = coll.all_gather(torch::tensor({fp}, torch::kLong), "checkpoint plan");
+  std::string differ;
+  for (int64_t r = 0; r < world; ++r)
+    if (all[r].item<int64_t>() != fp) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  if (!differ.empty())
+    throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ +
+                    " hold a different set of "
+                    "tensors (names, dtypes or sizes) than rank " +
+                    std::to_string(rank) +
+                    "; model and optimizer state must be replicated, or the optimizer partitioned the same way");
+  return assign_shards(sizes, world);
+}
+
+// A partitioned optimizer state's index: every rank's tensor names, through one all-gather of
+// their lengths and one of the names (padded to the longest). Rank 0 gets name -> file; the
+// others an empty object.
+nlohmann::json gather_optimizer_index(dist::Collectives& coll, int64_t world, int64_t rank, const State& state) {
+  std::string mine;
+  for (const auto& [name, t] : state.optimizer) mine += name + "\n";
+  auto lens = coll.all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong),
+                              "checkpoint optimizer index (lengths)");
+  int64_t longest = 0;
+  for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
+  auto buf = torch::zeros({longest + 1}, torch::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  auto all = coll.all_gather(buf, "checkpoint optimizer index");
+  nlohmann::json map = nlohmann::json::object();
+  for (int64_t r = 0; r < world && rank == 0; ++r) {
+    const char* c = reinterpret_cast<const char*>(all[r].data_ptr());
+    const std::string text(c, strnlen(c, static_cast<size_t>(longest + 1)));
+    for (size_t a = 0, b; (b = text.find('\n', a)) != std::string::npos; a = b + 1)
+      map[text.substr(a, b - a)] = optimizer_file(r, world);
+  }
+  return map;
+}
+
+// The tensor a save writes: `t` itself, or with checkpoint.async a copy into a staging buffer
+// kept from one save to the next under `key` (pinned host memory for device tensors), so that
+// a snapshot is a memcpy, not an allocation (fresh pages are slow to fault in). Reusing them is
+// safe: a save waits for the previous write first.
+torch::Tensor snapshot(std::map<std::string, torch::Tensor>& staging, bool async, const std::string& key,
+                       const torch::Tensor& t) {
+  torch::Tensor d = t.detach();
+  if (!async) return d;
+  auto it = staging.find(key);
+  if (it == staging.end() || it->second.sizes() != d.sizes() || it->second.scalar_type() != d.scalar_type()) {
+    auto o = torch::TensorOptions().dtype(d.scalar_type()).device(torch::kCPU).pinned_memory(d.is_cuda());
+    it = staging.insert_or_assign(key, torch::empty(d.sizes(), o)).first;
+  }
+  it->second.copy_(d);
+  return it->second;
+}
+
+}  // namespace
+
 void Checkpointer::save(int64_t step, const State& state) {
   const auto t0 = Clock::now();
   commit();  // the previous async save, if any
@@ -309,47 +395,9 @@ void Checkpointer::save(int64_t step, const State& state) {
   p->dir = step_dir(step);
   p->shared = state.shared;
 
-  // 1. The plan, identical on every rank by construction; checked across ranks. A partitioned
-  // optimizer state (dist.zero >= 1) is not in it: each rank writes its own partition.
+  // 1. The plan, agreed across ranks.
   const bool partitioned = !state.optimizer_owners.empty();
-  std::map<std::string, int64_t> owner_of_param(state.optimizer_owners.begin(), state.optimizer_owners.end());
-  if (partitioned)
-    for (const auto& [name, t] : state.optimizer) {
-      const auto it = owner_of_param.find(name.substr(0, name.find_last_of('.')));
-      if (it == owner_of_param.end() || it->second != rank_)
-        throw SaveError("checkpoint step " + std::to_string(step) + ": optimizer state \"" + name +
-                        "\" is not of a parameter this rank owns");
-    }
-  std::vector<uint64_t> sizes;
-  std::string layout = "world=" + std::to_string(world_) + ";zero=" + std::to_string(state.zero) + ";";
-  for (const auto* list : {&state.model, &state.optimizer, &state.extra}) {
-    if (partitioned && list == &state.optimizer) continue;
-    for (const auto& [name, t] : *list) {
-      sizes.push_back(nbytes(t));
-      layout += name + ":" + c10::toString(t.scalar_type()) + ":" + std::to_string(t.numel()) + ";";
-    }
-  }
-  for (const auto& [name, r] : state.optimizer_owners) layout += "owner:" + name + "=" + std::to_string(r) + ";";
-  for (const auto& n : state.optimizer_params) layout += "param:" + n + ";";
-  for (const auto& [f, kind] : state.optimizer_fields) layout += "field:" + f + "=" + kind + ";";
-  const std::vector<int64_t> owner = assign_shards(sizes, world_);
-  {
-    Sha256 h;
-    h.update(layout.data(), layout.size());
-    const std::string hex = h.hex();
-    const int64_t fp = static_cast<int64_t>(std::stoull(hex.substr(0, 15), nullptr, 16));
-    auto mine = torch::tensor({fp}, torch::kLong);
-    auto all = coll_->all_gather(mine, "checkpoint plan");
-    std::string differ;
-    for (int64_t r = 0; r < world_; ++r)
-      if (all[r].item<int64_t>() != fp) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
-    if (!differ.empty())
-      throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ +
-                      " hold a different set of "
-                      "tensors (names, dtypes or sizes) than rank " +
-                      std::to_string(rank_) +
-                      "; model and optimizer state must be replicated, or the optimizer partitioned the same way");
-  }
+  const std::vector<int64_t> owner = agree_on_plan(*coll_, world_, rank_, step, state, partitioned);
   p->optimizer_meta = {{"zero", state.zero}, {"partitioned", partitioned}};
   p->optimizer_params = state.optimizer_params;
   if (!state.optimizer_fields.empty()) p->optimizer_meta["fields"] = state.optimizer_fields;
@@ -357,38 +405,11 @@ void Checkpointer::save(int64_t step, const State& state) {
     nlohmann::json owners = nlohmann::json::object();
     for (const auto& [name, r] : state.optimizer_owners) owners[name] = r;
     p->optimizer_meta["owners"] = owners;
-    // The optimizer index needs every rank's tensor names: one all-gather of their lengths,
-    // one of the names (padded to the longest).
-    std::string mine;
-    for (const auto& [name, t] : state.optimizer) mine += name + "\n";
-    auto lens = coll_->all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong),
-                                  "checkpoint optimizer index (lengths)");
-    int64_t longest = 0;
-    for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
-    auto buf = torch::zeros({longest + 1}, torch::kByte);
-    std::memcpy(buf.data_ptr(), mine.data(), mine.size());
-    auto all = coll_->all_gather(buf, "checkpoint optimizer index");
-    for (int64_t r = 0; r < world_ && rank_ == 0; ++r) {
-      const char* c = reinterpret_cast<const char*>(all[r].data_ptr());
-      const std::string text(c, strnlen(c, static_cast<size_t>(longest + 1)));
-      for (size_t a = 0, b; (b = text.find('\n', a)) != std::string::npos; a = b + 1)
-        p->optimizer_map[text.substr(a, b - a)] = optimizer_file(r, world_);
-    }
+    p->optimizer_map = gather_optimizer_index(*coll_, world_, rank_, state);
   }
   // 2. This rank's share: owned replicated tensors, and its own state (copied for async).
-  // Async: copied into staging buffers kept from one save to the next (pinned host memory for
-  // device tensors), so a snapshot is a memcpy, not an allocation (fresh pages are slow to
-  // fault in). Reusing them is safe: this save waited above for the previous write.
   const auto take = [&](const std::string& key, const torch::Tensor& t) {
-    torch::Tensor d = t.detach();
-    if (!opts_.async) return d;
-    auto it = staging_.find(key);
-    if (it == staging_.end() || it->second.sizes() != d.sizes() || it->second.scalar_type() != d.scalar_type()) {
-      auto o = torch::TensorOptions().dtype(d.scalar_type()).device(torch::kCPU).pinned_memory(d.is_cuda());
-      it = staging_.insert_or_assign(key, torch::empty(d.sizes(), o)).first;
-    }
-    it->second.copy_(d);
-    return it->second;
+    return snapshot(staging_, opts_.async, key, t);
   };
   size_t i = 0;
   for (const auto& [name, t] : state.model) {
@@ -418,6 +439,7 @@ void Checkpointer::save(int64_t step, const State& state) {
     p->package_manifest = state.package_manifest;
   }
 
+  // 3. The write: on this thread, or on the writer thread with checkpoint.async.
   try {
     if (const std::string err = make_dirs(p->dir); !err.empty()) throw SaveError(err);
   } catch (const std::exception& e) {
@@ -622,6 +644,52 @@ void check_optimizer_tensors(const nlohmann::json& o, const Loaded& L, const std
   }
 }
 
+// The files `names` of step `dir`, mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s
+// on one core); the first failure, if any, as FormatError.
+std::vector<SafetensorsFile> read_shards(const nlohmann::json& meta, const std::string& dir,
+                                         const std::vector<std::string>& names) {
+  std::vector<SafetensorsFile> files(names.size());
+  std::vector<std::string> errors(names.size());
+  const size_t workers = std::max<size_t>(1, std::min<size_t>(names.size(), std::thread::hardware_concurrency()));
+  std::atomic<size_t> next{0};
+  std::vector<std::thread> pool;
+  for (size_t w = 0; w < workers; ++w)
+    pool.emplace_back([&] {
+      for (size_t k; (k = next.fetch_add(1)) < names.size();) {
+        try {
+          files[k] = read_safetensors(dir + "/" + names[k], expected_sha(meta, dir, names[k]));
+        } catch (const std::exception& e) {
+          errors[k] = e.what();
+        }
+      }
+    });
+  for (auto& t : pool) t.join();
+  for (const auto& e : errors)
+    if (!e.empty()) throw FormatError(e);
+  return files;
+}
+
+// Rank `rank`'s own file of the step: its tensors (the "rank.<r>." prefix taken off) and state.
+void read_rank_file(Loaded& L, const std::string& dir, int64_t rank) {
+  const std::string name = rank_file(rank);
+  auto f = read_safetensors(dir + "/" + name, expected_sha(L.meta, dir, name));
+  const std::string prefix = "rank." + std::to_string(rank) + ".";
+  for (auto& [n, t] : f.tensors) {
+    if (n.rfind(prefix, 0) != 0)
+      throw FormatError(dir + "/" + name + ": tensor \"" + n + "\" does not belong to rank " + std::to_string(rank));
+    L.state.rank_tensors.emplace_back(n.substr(prefix.size()), std::move(t));
+  }
+  auto it = f.header.metadata.find(kRankStateKey);
+  if (it != f.header.metadata.end()) {
+    try {
+      L.state.rank_state = nlohmann::json::parse(it->second);
+    } catch (const nlohmann::json::exception& e) {
+      throw FormatError(dir + "/" + name + ": rank state is not valid JSON: " + e.what());
+    }
+  }
+  L.has_rank_state = true;
+}
+
 Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
   Loaded L;
   L.path = dir;
@@ -650,7 +718,7 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
     manifest = &L.meta["optimizer"];
     check_optimizer_manifest(*manifest, optimizer_map, dir, has_optimizer_index);
   }
-  // The shards are mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s on one core).
+  // The shards: the model's, the optimizer's that hold a wanted tensor, the extra state's.
   const bool has_extra = L.meta["files"].contains(extra_file(0, W));
   std::set<std::string> needed_optimizer;
   for (const auto& [n, f] : optimizer_map)
@@ -664,24 +732,7 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
   }
   for (const auto& n : names) L.optimizer_files_read += n[0] == 'o';
   if (L.meta.contains("optimizer")) L.saved_zero = L.meta["optimizer"]["zero"].get<int64_t>();
-  std::vector<SafetensorsFile> files(names.size());
-  std::vector<std::string> errors(names.size());
-  const size_t workers = std::max<size_t>(1, std::min<size_t>(names.size(), std::thread::hardware_concurrency()));
-  std::atomic<size_t> next{0};
-  std::vector<std::thread> pool;
-  for (size_t w = 0; w < workers; ++w)
-    pool.emplace_back([&] {
-      for (size_t k; (k = next.fetch_add(1)) < names.size();) {
-        try {
-          files[k] = read_safetensors(dir + "/" + names[k], expected_sha(L.meta, dir, names[k]));
-        } catch (const std::exception& e) {
-          errors[k] = e.what();
-        }
-      }
-    });
-  for (auto& t : pool) t.join();
-  for (const auto& e : errors)
-    if (!e.empty()) throw FormatError(e);
+  std::vector<SafetensorsFile> files = read_shards(L.meta, dir, names);
   for (size_t k = 0; k < names.size(); ++k) {
     const char kind = names[k][0];  // m(odel), o(ptimizer), e(xtra)
     NamedTensors& into = kind == 'm' ? L.state.model : kind == 'o' ? L.state.optimizer : L.state.extra;
@@ -712,25 +763,7 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
     for (const auto& [n, t] : L.state.model) model_tensors.insert(n);
     check_index(text, path, shard_names, model_tensors);
   }
-  if (rank < W) {
-    const std::string name = rank_file(rank);
-    auto f = read_safetensors(dir + "/" + name, expected_sha(L.meta, dir, name));
-    const std::string prefix = "rank." + std::to_string(rank) + ".";
-    for (auto& [n, t] : f.tensors) {
-      if (n.rfind(prefix, 0) != 0)
-        throw FormatError(dir + "/" + name + ": tensor \"" + n + "\" does not belong to rank " + std::to_string(rank));
-      L.state.rank_tensors.emplace_back(n.substr(prefix.size()), std::move(t));
-    }
-    auto it = f.header.metadata.find(kRankStateKey);
-    if (it != f.header.metadata.end()) {
-      try {
-        L.state.rank_state = nlohmann::json::parse(it->second);
-      } catch (const nlohmann::json::exception& e) {
-        throw FormatError(dir + "/" + name + ": rank state is not valid JSON: " + e.what());
-      }
-    }
-    L.has_rank_state = true;
-  }
+  if (rank < W) read_rank_file(L, dir, rank);
   if (L.meta["files"].contains(kGraph)) {
     const std::string path = dir + "/" + kGraph;
     if (sha256_file(path) != expected_sha(L.meta, dir, kGraph)) throw FormatError(path + ": checksum mismatch");

@@ -61,28 +61,24 @@ std::string smoothed(const std::vector<std::pair<int64_t, double>>& points, doub
   return os.str();
 }
 
-std::vector<std::string> plot_run(const std::string& run_dir, const std::string& out_dir_in) {
-  const std::string metrics = run_dir + "/metrics.jsonl";
-  if (const std::string what = not_a_regular_file(metrics); !what.empty())
-    throw InputError(metrics + ": " + (what == "missing" ? "not found" : "is " + what) + " (is " + run_dir +
-                     " a run directory?)");
-  std::ifstream in(metrics);
-  if (!in) throw InputError(metrics + ": cannot read (is " + run_dir + " a run directory?)");
-  if (!have_gnuplot()) throw InputError("keel plot needs gnuplot (apt-get install gnuplot-nox; scripts/setup.sh does)");
-  const std::string out = out_dir_in.empty() ? run_dir + "/plots" : out_dir_in;
-  if (const std::string err = make_dirs(out); !err.empty()) throw InputError(err);
+namespace {
 
-  // Columns: step loss samples_per_s tokens_per_s loss_scale test_loss rank_compute_ms...
-  // Values that are not numbers (NaN is written as null) are gaps; each series counts its
-  // valid points, so that a panel is drawn from the series that have some (gnuplot stops the
-  // whole script at a plot none of whose points are valid).
+// metrics.jsonl as gnuplot's columns. Columns: step loss samples_per_s tokens_per_s loss_scale
+// test_loss rank_compute_ms... Values that are not numbers (NaN is written as null) are gaps;
+// each series counts its valid points, so that a panel is drawn from the series that have some
+// (gnuplot stops the whole script at a plot none of whose points are valid).
+struct RunSeries {
   std::ostringstream train, eval, ranks;
   std::vector<std::pair<int64_t, double>> losses;
   bool tokens = false, scale = false, has_eval = false;
-  size_t nranks = 0, lines = 0, line_no = 0;
+  size_t nranks = 0, lines = 0;
   size_t valid_loss = 0, valid_samples = 0, valid_tokens = 0, valid_scale = 0, valid_eval = 0;
   std::vector<size_t> valid_rank;
   int64_t first_step = 0, last_step = 0;
+};
+
+void read_metrics(std::istream& in, const std::string& metrics, RunSeries& S) {
+  size_t line_no = 0;
   std::string line;
   while (std::getline(in, line)) {
     nlohmann::json j;
@@ -98,49 +94,45 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
       throw InputError(metrics + ":" + std::to_string(line_no) + ": \"step\" is " + j["step"].dump() +
                        ", not an integer");
     const int64_t step = j["step"].get<int64_t>();
-    first_step = lines == 0 ? step : std::min(first_step, step);
-    last_step = lines == 0 ? step : std::max(last_step, step);
-    ++lines;
+    S.first_step = S.lines == 0 ? step : std::min(S.first_step, step);
+    S.last_step = S.lines == 0 ? step : std::max(S.last_step, step);
+    ++S.lines;
     auto num = [&](const char* k) { return j.contains(k) && j[k].is_number() ? j[k].get<double>() : NAN; };
     auto count = [](size_t& n, double v) { n += std::isfinite(v) ? 1 : 0; };
-    tokens |= j.contains("tokens_per_s");
-    scale |= j.contains("loss_scale");
+    S.tokens |= j.contains("tokens_per_s");
+    S.scale |= j.contains("loss_scale");
     const double loss = num("loss"), samples = num("samples_per_s"), toks = num("tokens_per_s"),
                  loss_scale = num("loss_scale");
-    count(valid_loss, loss);
-    count(valid_samples, samples);
-    count(valid_tokens, toks);
-    valid_scale += std::isfinite(loss_scale) && loss_scale > 0 ? 1 : 0;  // on a log scale
-    train << step << '\t' << loss << '\t' << samples << '\t' << toks << '\t' << loss_scale << '\n';
-    losses.emplace_back(step, loss);
+    count(S.valid_loss, loss);
+    count(S.valid_samples, samples);
+    count(S.valid_tokens, toks);
+    S.valid_scale += std::isfinite(loss_scale) && loss_scale > 0 ? 1 : 0;  // on a log scale
+    S.train << step << '\t' << loss << '\t' << samples << '\t' << toks << '\t' << loss_scale << '\n';
+    S.losses.emplace_back(step, loss);
     if (j.contains("test_loss")) {
-      has_eval = true;
+      S.has_eval = true;
       const double test_loss = num("test_loss");
-      count(valid_eval, test_loss);
-      eval << step << '\t' << test_loss << '\t' << num("test_accuracy") << '\n';
+      count(S.valid_eval, test_loss);
+      S.eval << step << '\t' << test_loss << '\t' << num("test_accuracy") << '\n';
     }
     if (j.contains("rank_compute_ms") && j["rank_compute_ms"].is_array()) {
-      nranks = std::max(nranks, j["rank_compute_ms"].size());
-      valid_rank.resize(nranks, 0);
-      ranks << step;
+      S.nranks = std::max(S.nranks, j["rank_compute_ms"].size());
+      S.valid_rank.resize(S.nranks, 0);
+      S.ranks << step;
       size_t r = 0;
       for (const auto& v : j["rank_compute_ms"]) {
         const double ms = v.is_number() ? v.get<double>() : NAN;
-        count(valid_rank[r++], ms);
-        ranks << '\t' << ms;
+        count(S.valid_rank[r++], ms);
+        S.ranks << '\t' << ms;
       }
-      ranks << '\n';
+      S.ranks << '\n';
     }
   }
-  if (lines == 0) throw InputError(metrics + ": no step lines to plot");
-  write_atomic(out + "/train.dat", train.str());
-  // The per-step loss of a long run is a dense band: a smoothed curve goes over it.
-  const double weight = smoothing_weight(losses.size());
-  write_atomic(out + "/loss_smoothed.dat", smoothed(losses, weight));
-  if (has_eval) write_atomic(out + "/eval.dat", eval.str());
-  if (nranks > 1) write_atomic(out + "/ranks.dat", ranks.str());
+}
 
-  std::vector<std::string> files;
+// The gnuplot script drawing the panels into `out`; their files are appended to `files`.
+std::string gnuplot_script(const RunSeries& S, const std::string& run_dir, const std::string& out, double weight,
+                           std::vector<std::string>& files) {
   std::ostringstream gp;
   gp << "set terminal pngcairo size 900,540 noenhanced\nset grid\nset key top right\nset xlabel 'step'\n";
   auto png = [&](const std::string& name, const std::string& title, const std::string& ylabel) {
@@ -166,7 +158,7 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
     }
     const std::string note = "no " + what + " to plot: every value is missing or not a number (NaN)";
     logging::warn("keel plot: {}: {}", out + "/" + name, note);
-    gp << "set xrange [" << first_step << ":" << (last_step > first_step ? last_step : first_step + 1)
+    gp << "set xrange [" << S.first_step << ":" << (S.last_step > S.first_step ? S.last_step : S.first_step + 1)
        << "]\nset yrange [0:1]\nset label 1 " << quote(note) << " at graph 0.5, 0.5 center\nplot NaN notitle\n"
        << "unset label 1\nset autoscale x\nset autoscale y\n";
   };
@@ -175,36 +167,64 @@ std::vector<std::string> plot_run(const std::string& run_dir, const std::string&
   char smoothing[64];
   std::snprintf(smoothing, sizeof smoothing, "train loss, smoothed (EMA %.2f)", weight);
   std::vector<Series> loss_series = {
-      {d + " using 1:2 with lines lc rgb '#b8cce4' lw 1 title 'train loss (each step)'", valid_loss},
+      {d + " using 1:2 with lines lc rgb '#b8cce4' lw 1 title 'train loss (each step)'", S.valid_loss},
       {quote(out + "/loss_smoothed.dat") + " using 1:2 with lines lc rgb '#1f4e9a' lw 2.5 title " + quote(smoothing),
-       valid_loss}};
-  if (has_eval)
+       S.valid_loss}};
+  if (S.has_eval)
     loss_series.push_back(
         {quote(out + "/eval.dat") + " using 1:2 with linespoints lc rgb '#d62728' pt 7 ps 1.2 lw 1.5 title 'test loss'",
-         valid_eval});
+         S.valid_eval});
   panel("loss.png", loss_series, "loss value");
-  png("throughput.png", "throughput: " + run_dir, tokens ? "tokens/s" : "samples/s");
-  panel("throughput.png",
-        {{d + " using 1:" + (tokens ? "4" : "3") + " with lines title '" + (tokens ? "tokens/s" : "samples/s") + "'",
-          tokens ? valid_tokens : valid_samples}},
-        tokens ? "tokens/s value" : "samples/s value");
-  if (scale) {
+  png("throughput.png", "throughput: " + run_dir, S.tokens ? "tokens/s" : "samples/s");
+  panel(
+      "throughput.png",
+      {{d + " using 1:" + (S.tokens ? "4" : "3") + " with lines title '" + (S.tokens ? "tokens/s" : "samples/s") + "'",
+        S.tokens ? S.valid_tokens : S.valid_samples}},
+      S.tokens ? "tokens/s value" : "samples/s value");
+  if (S.scale) {
     png("loss_scale.png", "loss scale: " + run_dir, "loss scale");
-    panel("loss_scale.png", {{d + " using 1:5 with steps title 'loss scale'", valid_scale}}, "positive loss scale",
+    panel("loss_scale.png", {{d + " using 1:5 with steps title 'loss scale'", S.valid_scale}}, "positive loss scale",
           "set logscale y 2\n", "unset logscale y\n");
   }
-  if (nranks > 1) {
+  if (S.nranks > 1) {
     png("rank_compute.png", "forward+backward per rank: " + run_dir, "ms");
     std::vector<Series> rank_series;
-    for (size_t r = 0; r < nranks; ++r)
+    for (size_t r = 0; r < S.nranks; ++r)
       rank_series.push_back({quote(out + "/ranks.dat") + " using 1:" + std::to_string(r + 2) +
                                  " with lines title 'rank " + std::to_string(r) + "'",
-                             valid_rank[r]});
+                             S.valid_rank[r]});
     panel("rank_compute.png", rank_series, "forward+backward time");
   }
   gp << "unset output\n";
+  return gp.str();
+}
+
+}  // namespace
+
+std::vector<std::string> plot_run(const std::string& run_dir, const std::string& out_dir_in) {
+  const std::string metrics = run_dir + "/metrics.jsonl";
+  if (const std::string what = not_a_regular_file(metrics); !what.empty())
+    throw InputError(metrics + ": " + (what == "missing" ? "not found" : "is " + what) + " (is " + run_dir +
+                     " a run directory?)");
+  std::ifstream in(metrics);
+  if (!in) throw InputError(metrics + ": cannot read (is " + run_dir + " a run directory?)");
+  if (!have_gnuplot()) throw InputError("keel plot needs gnuplot (apt-get install gnuplot-nox; scripts/setup.sh does)");
+  const std::string out = out_dir_in.empty() ? run_dir + "/plots" : out_dir_in;
+  if (const std::string err = make_dirs(out); !err.empty()) throw InputError(err);
+
+  RunSeries S;
+  read_metrics(in, metrics, S);
+  if (S.lines == 0) throw InputError(metrics + ": no step lines to plot");
+  write_atomic(out + "/train.dat", S.train.str());
+  // The per-step loss of a long run is a dense band: a smoothed curve goes over it.
+  const double weight = smoothing_weight(S.losses.size());
+  write_atomic(out + "/loss_smoothed.dat", smoothed(S.losses, weight));
+  if (S.has_eval) write_atomic(out + "/eval.dat", S.eval.str());
+  if (S.nranks > 1) write_atomic(out + "/ranks.dat", S.ranks.str());
+
+  std::vector<std::string> files;
   const std::string script = out + "/plots.gp";
-  write_atomic(script, gp.str());
+  write_atomic(script, gnuplot_script(S, run_dir, out, weight, files));
   const std::string cmd = "gnuplot " + shell_quote(script) + " 2>&1";
   std::FILE* p = ::popen(cmd.c_str(), "r");
   if (!p) throw std::runtime_error("cannot run gnuplot");

@@ -264,6 +264,47 @@ bool seed_cache_from_checkpoint(const std::string& seed_dir, const std::string& 
 
 }  // namespace
 
+// A cache miss: the packaging script (trainer/compile/aot_package.py) run by compile.python into
+// `pt2`, its output in `log`. A failure of the graph itself (it cannot be captured) is recorded
+// in `error_path` for every later try and thrown as CompileError; others as runtime_error.
+static void run_packaging(const InductorRequest& req, const std::string& dir, const std::string& pt2,
+                          const std::string& error_path, const std::string& log) {
+  std::vector<std::string> argv = {python_for(req.cfg),
+                                   script_path(),
+                                   "--model",
+                                   req.model,
+                                   "--model-config",
+                                   req.model_config.dump(),
+                                   "--batch",
+                                   std::to_string(req.batch),
+                                   "--amp",
+                                   req.amp,
+                                   "--device",
+                                   req.device.is_cuda() ? "cuda" : "cpu",
+                                   "--threads",
+                                   std::to_string(req.threads),
+                                   "--no-forward",
+                                   "--out",
+                                   pt2};
+  if (req.cfg.fullgraph) argv.push_back("--fullgraph");
+  if (req.cfg.deterministic) argv.push_back("--deterministic");
+  if (req.cfg.max_autotune) argv.push_back("--max-autotune");
+  logging::info("compile: packaging the {} training step (batch {}, amp {}) with AOTInductor: {} (log: {})", req.model,
+                req.batch, req.amp, pt2, log);
+  // Inductor's own cache beside keel's: a second key for the same graph reuses its kernels.
+  const int rc = run_logged(argv, log, {"TORCHINDUCTOR_CACHE_DIR=" + dir + "/torchinductor"});
+  if (rc != 0) {
+    const std::string why = last_line(log);
+    if (rc == 3 || rc == 4 || rc == 6) {  // the graph itself: every later try would say the same
+      const std::string what = "compile.mode = \"inductor\": " + why;
+      write_atomic(error_path, what);
+      throw CompileError(what);
+    }
+    throw std::runtime_error("compile.mode = \"inductor\": the packaging step failed (exit " + std::to_string(rc) +
+                             "): " + why + " (its log: " + log + ")");
+  }
+}
+
 std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorRequest& req, CompileReport& report) {
   if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt")
     throw InputError("compile.mode = \"inductor\" packages the built-in models mlp, cnn and gpt; model.name = \"" +
@@ -309,40 +350,7 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
     } else {
       report.cache = "miss";
       const std::string log = base + ".log";
-      std::vector<std::string> argv = {python_for(req.cfg),
-                                       script_path(),
-                                       "--model",
-                                       req.model,
-                                       "--model-config",
-                                       req.model_config.dump(),
-                                       "--batch",
-                                       std::to_string(req.batch),
-                                       "--amp",
-                                       req.amp,
-                                       "--device",
-                                       req.device.is_cuda() ? "cuda" : "cpu",
-                                       "--threads",
-                                       std::to_string(req.threads),
-                                       "--no-forward",
-                                       "--out",
-                                       pt2};
-      if (req.cfg.fullgraph) argv.push_back("--fullgraph");
-      if (req.cfg.deterministic) argv.push_back("--deterministic");
-      if (req.cfg.max_autotune) argv.push_back("--max-autotune");
-      logging::info("compile: packaging the {} training step (batch {}, amp {}) with AOTInductor: {} (log: {})",
-                    req.model, req.batch, req.amp, pt2, log);
-      // Inductor's own cache beside keel's: a second key for the same graph reuses its kernels.
-      const int rc = run_logged(argv, log, {"TORCHINDUCTOR_CACHE_DIR=" + dir + "/torchinductor"});
-      if (rc != 0) {
-        const std::string why = last_line(log);
-        if (rc == 3 || rc == 4 || rc == 6) {  // the graph itself: every later try would say the same
-          const std::string what = "compile.mode = \"inductor\": " + why;
-          write_atomic(error_path, what);
-          throw CompileError(what);
-        }
-        throw std::runtime_error("compile.mode = \"inductor\": the packaging step failed (exit " + std::to_string(rc) +
-                                 "): " + why + " (its log: " + log + ")");
-      }
+      run_packaging(req, dir, pt2, error_path, log);
       if (!usable())
         throw std::runtime_error(
             "compile.mode = \"inductor\": the packaging step wrote no usable package (log: " + log + ")");

@@ -121,79 +121,78 @@ std::optional<double> estimate_parameters(const ModelConfig& m) {
   return static_cast<double>(m.vocab) * d + static_cast<double>(m.context) * d + layers * (12 * d * d + 13 * d) + 2 * d;
 }
 
-MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cuda) {
-  MemoryEstimate e;
-  const auto shape = builtin_shape(cfg.model);
-  const auto params = estimate_parameters(cfg.model);
-  world_size = std::max<int64_t>(1, world_size);
+// The keys an estimate names, with the values it used.
+struct EstimateKeys {
+  KeyUse width, depth, classes, context, vocab, heads, batch, size;
+};
+
+EstimateKeys estimate_keys(const Config& cfg, const std::optional<Shape>& shape) {
   const Config defaults;
   const int64_t default_depth = shape && shape->name == "gpt" ? 4 : 8;
-  const KeyUse k_width{"model.width", cfg.model.width, shape ? static_cast<int64_t>(shape->width) : cfg.model.width,
-                       256};
-  const KeyUse k_depth{"model.depth", cfg.model.depth, shape ? static_cast<int64_t>(shape->depth) : cfg.model.depth,
-                       static_cast<double>(default_depth)};
-  const KeyUse k_classes{"model.num_classes", cfg.model.num_classes, cfg.model.num_classes,
-                         static_cast<double>(defaults.model.num_classes)};
-  const KeyUse k_context{"model.context", cfg.model.context, cfg.model.context,
-                         static_cast<double>(defaults.model.context)};
-  const KeyUse k_vocab{"model.vocab", cfg.model.vocab, cfg.model.vocab, static_cast<double>(defaults.model.vocab)};
-  const KeyUse k_heads{"model.heads", cfg.model.heads, cfg.model.heads, static_cast<double>(defaults.model.heads)};
-  const KeyUse k_batch{"train.batch_size", cfg.train.batch_size, cfg.train.batch_size,
-                       static_cast<double>(defaults.train.batch_size)};
-  const KeyUse k_size{"data.synthetic_size", cfg.data.synthetic_size, cfg.data.synthetic_size,
-                      static_cast<double>(defaults.data.synthetic_size)};
+  const auto dflt = [](int64_t v) { return static_cast<double>(v); };
+  EstimateKeys k;
+  k.width = {"model.width", cfg.model.width, shape ? static_cast<int64_t>(shape->width) : cfg.model.width, 256};
+  k.depth = {"model.depth", cfg.model.depth, shape ? static_cast<int64_t>(shape->depth) : cfg.model.depth,
+             dflt(default_depth)};
+  k.classes = {"model.num_classes", cfg.model.num_classes, cfg.model.num_classes, dflt(defaults.model.num_classes)};
+  k.context = {"model.context", cfg.model.context, cfg.model.context, dflt(defaults.model.context)};
+  k.vocab = {"model.vocab", cfg.model.vocab, cfg.model.vocab, dflt(defaults.model.vocab)};
+  k.heads = {"model.heads", cfg.model.heads, cfg.model.heads, dflt(defaults.model.heads)};
+  k.batch = {"train.batch_size", cfg.train.batch_size, cfg.train.batch_size, dflt(defaults.train.batch_size)};
+  k.size = {"data.synthetic_size", cfg.data.synthetic_size, cfg.data.synthetic_size,
+            dflt(defaults.data.synthetic_size)};
+  return k;
+}
 
-  // Parameters (float32: autocast keeps them so), their gradients, the optimizer's state.
+// Parameters (float32: autocast keeps them so), their gradients, the optimizer's state.
+struct ModelMemory {
   double P = 0, G = 0, S = 0;
-  std::string state_name = "no optimizer state";
-  MemoryItem model_item, model_host_item;  // all of it; on a GPU, the parameters built on the CPU
-  if (params) {
-    e.parameters = *params;
-    P = 4 * *params;
-    G = P;
-    if (cfg.train.optimizer == OptimizerKind::AdamW)
-      S = 2 * P, state_name = "AdamW state";
-    else if (cfg.train.momentum > 0)
-      S = P, state_name = "SGD momentum";
-    if (cfg.dist.zero >= 1) S /= static_cast<double>(world_size);  // partitioned by parameter
-    e.model_bytes = P + G + S;
-    std::vector<KeyUse> keys;
-    if (shape->name == "mlp")
-      keys = {k_width, k_depth, k_classes};
-    else if (shape->name == "cnn")
-      keys = {k_classes};
-    else
-      keys = {k_width, k_depth, k_vocab, k_context};
-    const std::string head = keys_text(keys) + (keys.size() > 1 ? " make" : " makes") + " the " + shape->name +
-                             " model " + count_text(*params) + " parameters: ";
-    model_item = {head + bytes_text(e.model_bytes) + " with gradients and " + state_name, culprit_of(keys),
-                  e.model_bytes};
-    model_host_item = {head + bytes_text(P) + " in host memory, where it is built before it moves to the GPU",
-                       culprit_of(keys), P};
-  }
+  MemoryItem item, host_item;  // all of it; on a GPU, the parameters built on the CPU
+};
 
-  // One training micro-batch's activations: what is saved for backward, at least. Under
-  // autocast, 2 bytes per value.
-  const bool synthetic = cfg.data.name == "synthetic";
-  const double n = static_cast<double>(cfg.data.synthetic_size);
-  const double n_test = std::max(1.0, std::floor(n / 4));
-  // Samples in a micro-batch: the whole batch with drop_last (the sampler refuses fewer
-  // samples than one global batch); without it, at most the rank's share of a synthetic
-  // split, and 1 for data whose size is not known here.
-  double batch = static_cast<double>(cfg.train.batch_size);
-  if (!cfg.data.drop_last) batch = synthetic ? std::min(batch, std::ceil(n / static_cast<double>(world_size))) : 1;
+ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& shape, double params,
+                         const EstimateKeys& k) {
+  ModelMemory m;
+  std::string state_name = "no optimizer state";
+  m.P = 4 * params;
+  m.G = m.P;
+  if (cfg.train.optimizer == OptimizerKind::AdamW)
+    m.S = 2 * m.P, state_name = "AdamW state";
+  else if (cfg.train.momentum > 0)
+    m.S = m.P, state_name = "SGD momentum";
+  if (cfg.dist.zero >= 1) m.S /= static_cast<double>(world_size);  // partitioned by parameter
+  const double bytes = m.P + m.G + m.S;
+  std::vector<KeyUse> keys;
+  if (shape.name == "mlp")
+    keys = {k.width, k.depth, k.classes};
+  else if (shape.name == "cnn")
+    keys = {k.classes};
+  else
+    keys = {k.width, k.depth, k.vocab, k.context};
+  const std::string head = keys_text(keys) + (keys.size() > 1 ? " make" : " makes") + " the " + shape.name + " model " +
+                           count_text(params) + " parameters: ";
+  m.item = {head + bytes_text(bytes) + " with gradients and " + state_name, culprit_of(keys), bytes};
+  m.host_item = {head + bytes_text(m.P) + " in host memory, where it is built before it moves to the GPU",
+                 culprit_of(keys), m.P};
+  return m;
+}
+
+// One training micro-batch's activations of `batch` samples: what is saved for backward, at
+// least. Under autocast, 2 bytes per value.
+MemoryItem activation_memory(const Config& cfg, const std::optional<Shape>& shape, double batch,
+                             const EstimateKeys& k) {
   const double ab = cfg.amp.dtype == AmpDtype::Off ? 4 : 2;
   double A = 0;
-  std::vector<KeyUse> act_keys;
+  std::vector<KeyUse> keys;
   if (shape && shape->name == "mlp") {
     // The input, each hidden ReLU's output, the logits and their log-softmax.
     A = batch * (kImageFeatures + shape->depth * shape->width + 2 * static_cast<double>(cfg.model.num_classes)) * ab;
-    act_keys = {k_batch, k_width, k_depth, k_classes};
+    keys = {k.batch, k.width, k.depth, k.classes};
   } else if (shape && shape->name == "cnn") {
     // The input, conv1's ReLU (32 x 28 x 28), pool 1 (32 x 14 x 14), conv2's ReLU (64 x 14 x 14),
     // pool 2 (64 x 7 x 7), fc1's ReLU (128), the logits and their log-softmax.
     A = batch * (784 + 25088 + 6272 + 12544 + 3136 + 128 + 2 * static_cast<double>(cfg.model.num_classes)) * ab;
-    act_keys = {k_batch, k_classes};
+    keys = {k.batch, k.classes};
   } else if (shape && shape->name == "gpt") {
     // Per block: the attention probabilities (batch x heads x T x T, saved by softmax) and the
     // causal mask (T x T bool, saved by masked_fill), 16 x width values per token (the inputs
@@ -204,47 +203,80 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
     const double H = static_cast<double>(cfg.model.heads), V = static_cast<double>(cfg.model.vocab);
     A = L * (batch * H * T * T * ab + T * T) + batch * H * T * T * ab + batch * T * (16 * L * d + 2 * d) * ab +
         2 * batch * T * V * ab;
-    act_keys = {k_batch, k_context, k_heads, k_depth, k_width, k_vocab};
+    keys = {k.batch, k.context, k.heads, k.depth, k.width, k.vocab};
   }
-  e.activation_bytes = A;
-  MemoryItem act_item;
-  if (A > 0)
-    act_item = {keys_text(act_keys) + " need " + bytes_text(A) +
-                    " of activations for one micro-batch (saved for the backward pass)",
-                culprit_of(act_keys), A};
+  if (A <= 0) return {};
+  return {
+      keys_text(keys) + " need " + bytes_text(A) + " of activations for one micro-batch (saved for the backward pass)",
+      culprit_of(keys), A};
+}
 
-  // The synthetic dataset (data/datasets.cpp, make_synthetic): a train split of
-  // data.synthetic_size samples and a test split of a quarter of it, made one after the other;
-  // then the sampler's order of an epoch (a permutation and its copy, int64).
-  double d_build = 0, d_kept = 0;
-  std::vector<KeyUse> data_keys = {k_size};
-  std::string data_text;
-  if (synthetic && shape) {
-    if (shape->name == "gpt") {
-      // A start and a stride per sequence (int64).
-      d_kept = (n + n_test) * 16;
-      d_build = d_kept;
-      data_text = "sequences of 16 bytes";
-    } else {
-      // Images (1, 28, 28) float32 and int64 labels; the labels are the argmax of x @ rule,
-      // rule (784 x classes) float32, over a (count x classes) float32 product.
-      const double C = static_cast<double>(cfg.model.num_classes), f = kImageFeatures;
-      const double rule = f * C * 4;
-      d_kept = (n + n_test) * (f * 4 + 8);
-      d_build = std::max(rule + n * f * 4 + n * C * 4, rule + n * (f * 4 + 8) + n_test * f * 4 + n_test * C * 4);
-      data_text = "images of " + count_text(f * 4) + " bytes, labelled through a 784 x " +
-                  std::to_string(cfg.model.num_classes) + " float matrix";
-      data_keys.push_back(k_classes);
-    }
+// The synthetic dataset (data/datasets.cpp, make_synthetic): a train split of
+// data.synthetic_size samples and a test split of a quarter of it, made one after the other;
+// then the sampler's order of an epoch (a permutation and its copy, int64).
+struct DataMemory {
+  double build = 0, kept = 0, sampler = 0;
+  MemoryItem item;
+};
+
+DataMemory synthetic_data_memory(const Config& cfg, const std::optional<Shape>& shape, const EstimateKeys& k) {
+  DataMemory m;
+  if (cfg.data.name != "synthetic" || !shape) return m;
+  const double n = static_cast<double>(cfg.data.synthetic_size);
+  const double n_test = std::max(1.0, std::floor(n / 4));
+  std::vector<KeyUse> keys = {k.size};
+  std::string text;
+  if (shape->name == "gpt") {
+    // A start and a stride per sequence (int64).
+    m.kept = (n + n_test) * 16;
+    m.build = m.kept;
+    text = "sequences of 16 bytes";
+  } else {
+    // Images (1, 28, 28) float32 and int64 labels; the labels are the argmax of x @ rule,
+    // rule (784 x classes) float32, over a (count x classes) float32 product.
+    const double C = static_cast<double>(cfg.model.num_classes), f = kImageFeatures;
+    const double rule = f * C * 4;
+    m.kept = (n + n_test) * (f * 4 + 8);
+    m.build = std::max(rule + n * f * 4 + n * C * 4, rule + n * (f * 4 + 8) + n_test * f * 4 + n_test * C * 4);
+    text = "images of " + count_text(f * 4) + " bytes, labelled through a 784 x " +
+           std::to_string(cfg.model.num_classes) + " float matrix";
+    keys.push_back(k.classes);
   }
-  const double d_sampler = synthetic && shape ? 16 * n : 0;
-  e.data_bytes = std::max(d_build, d_kept + d_sampler);
-  MemoryItem data_item;
-  if (e.data_bytes > 0)
-    data_item = {keys_text(data_keys) + (data_keys.size() > 1 ? " make" : " makes") + " synthetic data of " +
-                     bytes_text(e.data_bytes) + " (" + count_text(n) + " train + " + count_text(n_test) + " test " +
-                     data_text + ", and the sampler's order of an epoch)",
-                 culprit_of(data_keys), e.data_bytes};
+  m.sampler = 16 * n;
+  const double bytes = std::max(m.build, m.kept + m.sampler);
+  m.item = {keys_text(keys) + (keys.size() > 1 ? " make" : " makes") + " synthetic data of " + bytes_text(bytes) +
+                " (" + count_text(n) + " train + " + count_text(n_test) + " test " + text +
+                ", and the sampler's order of an epoch)",
+            culprit_of(keys), bytes};
+  return m;
+}
+
+MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cuda) {
+  MemoryEstimate e;
+  const auto shape = builtin_shape(cfg.model);
+  const auto params = estimate_parameters(cfg.model);
+  world_size = std::max<int64_t>(1, world_size);
+  const EstimateKeys k = estimate_keys(cfg, shape);
+  ModelMemory model;
+  if (params) {
+    e.parameters = *params;
+    model = model_memory(cfg, world_size, *shape, *params, k);
+    e.model_bytes = model.P + model.G + model.S;
+  }
+  // Samples in a micro-batch: the whole batch with drop_last (the sampler refuses fewer
+  // samples than one global batch); without it, at most the rank's share of a synthetic
+  // split, and 1 for data whose size is not known here.
+  double batch = static_cast<double>(cfg.train.batch_size);
+  if (!cfg.data.drop_last)
+    batch =
+        cfg.data.name == "synthetic"
+            ? std::min(batch, std::ceil(static_cast<double>(cfg.data.synthetic_size) / static_cast<double>(world_size)))
+            : 1;
+  const MemoryItem act = activation_memory(cfg, shape, batch, k);
+  const double A = act.bytes;
+  e.activation_bytes = A;
+  const DataMemory data = synthetic_data_memory(cfg, shape, k);
+  e.data_bytes = std::max(data.build, data.kept + data.sampler);
 
   // The phases of a run, in order; each is a sum of what is alive at once.
   //  build: the model (built on the CPU) while the data are made;
@@ -252,15 +284,16 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
   //  step: from the second step on, parameters, gradients (zeroed, kept), optimizer state and
   //  a micro-batch's activations (and on the CPU the data); a one-step run has its activations
   //  or its gradients and optimizer state at their peak, not both.
+  const double P = model.P, G = model.G, S = model.S;
   const bool several_steps = cfg.train.epochs == 0 && cfg.train.steps >= 2;
   const double state_and_activations = several_steps ? P + G + S + A : P + std::max(A, G + S);
-  double host = P + d_build;
+  double host = P + data.build;
   if (on_cuda) {
-    host = std::max(host, d_kept + d_sampler);
+    host = std::max(host, data.kept + data.sampler);
     e.device_bytes = state_and_activations;
   } else {
-    host = std::max(host, P + d_kept + d_sampler);
-    host = std::max(host, state_and_activations + d_kept);
+    host = std::max(host, P + data.kept + data.sampler);
+    host = std::max(host, state_and_activations + data.kept);
   }
   e.host_bytes = host;
 
@@ -268,14 +301,14 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
     if (it.bytes > 0) to.push_back(it);
   };
   if (on_cuda) {
-    add(e.items, model_host_item);
-    add(e.items, data_item);
-    add(e.device_items, model_item);
-    add(e.device_items, act_item);
+    add(e.items, model.host_item);
+    add(e.items, data.item);
+    add(e.device_items, model.item);
+    add(e.device_items, act);
   } else {
-    add(e.items, model_item);
-    add(e.items, act_item);
-    add(e.items, data_item);
+    add(e.items, model.item);
+    add(e.items, act);
+    add(e.items, data.item);
   }
   auto largest_first = [](const MemoryItem& a, const MemoryItem& b) { return a.bytes > b.bytes; };
   std::stable_sort(e.items.begin(), e.items.end(), largest_first);

@@ -101,13 +101,9 @@ FieldInfo& range_below(FieldInfo& f, double lo, double hi) {
   return f;
 }
 
-std::vector<FieldInfo> build_schema() {
-  std::vector<FieldInfo> v;
-  v.reserve(80);
-  SchemaBuilder b(v);
+// [run]
+void run_keys(SchemaBuilder& b) {
   using C = Config;
-
-  // [run]
   b.add("run", &C::run, "name", &RunConfig::name, "run name, used in logs and the default run.dir");
   b.add("run", &C::run, "dir", &RunConfig::dir, "output directory (metrics, summary, config); \"\" = runs/<run.name>");
   b.add("run", &C::run, "seed", &RunConfig::seed, "seed for model init, data order and synthetic data");
@@ -135,8 +131,11 @@ std::vector<FieldInfo> build_schema() {
               "peak TFLOP/s of one rank's device, the denominator of MFU in the log and summary.json; 0 = measured at "
               "start with a short matrix multiply (for models that report their FLOPs: gpt, mlp)"),
         0.0, 1e9);
+}
 
-  // [model]
+// [model]
+void model_keys(SchemaBuilder& b) {
+  using C = Config;
   b.add("model", &C::model, "name", &ModelConfig::name, "model: mlp | cnn | gpt | torchscript | a registered name");
   b.add("model", &C::model, "path", &ModelConfig::path, "TorchScript file to train (model.name = torchscript)");
   range(b.add("model", &C::model, "width", &ModelConfig::width,
@@ -158,8 +157,11 @@ std::vector<FieldInfo> build_schema() {
         "buffer by name and shape, nothing else; a resumed checkpoint overrides it");
   range(b.add("model", &C::model, "num_classes", &ModelConfig::num_classes, "output classes of image models"), 2,
         1 << 24);
+}
 
-  // [data]
+// [data]
+void data_keys(SchemaBuilder& b) {
+  using C = Config;
   b.add("data", &C::data, "name", &DataConfig::name, "dataset: fashion_mnist | text | synthetic | a registered name");
   b.add("data", &C::data, "path", &DataConfig::path,
         "dataset location; \"\" = default (fashion_mnist: /usr/share/datasets/fashion-mnist)");
@@ -175,8 +177,11 @@ std::vector<FieldInfo> build_schema() {
   range(b.add("data", &C::data, "test_fraction", &DataConfig::test_fraction,
               "text: fraction of the file (its tail) held out for evaluation"),
         0.0, 0.9);
+}
 
-  // [train]
+// [train]
+void train_keys(SchemaBuilder& b) {
+  using C = Config;
   range(b.add("train", &C::train, "steps", &TrainConfig::steps, "optimizer steps to run; train.epochs > 0 replaces it"),
         1, 1e12);
   range(b.add("train", &C::train, "epochs", &TrainConfig::epochs, "epochs over the train split; 0 = use train.steps"),
@@ -223,8 +228,11 @@ std::vector<FieldInfo> build_schema() {
         "update every parameter with one fused ATen kernel (at::_fused_adamw_ / at::_fused_sgd_, as PyTorch's "
         "fused=True; CPU and CUDA); false: torch::optim's per-parameter loop. The checkpointed state is the same "
         "either way");
+}
 
-  // [dist]
+// [dist]
+void dist_keys(SchemaBuilder& b) {
+  using C = Config;
   b.add("dist", &C::dist, "backend", &DistConfig::backend, kBackends,
         "process-group backend: auto (nccl on CUDA, gloo on CPU) | gloo | nccl");
   range(b.add("dist", &C::dist, "timeout_s", &DistConfig::timeout_s,
@@ -261,8 +269,11 @@ std::vector<FieldInfo> build_schema() {
             "is partitioned by parameter across ranks, each rank updates its own parameters and broadcasts them; 2 = "
             "in addition each parameter's gradient is reduce-scattered to its owner instead of all-reduced"),
       0, 2);
+}
 
-  // [compile]
+// [compile]
+void compile_keys(SchemaBuilder& b) {
+  using C = Config;
   b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes,
         "off | trace (deprecated: forward as a TorchScript graph) | inductor (the whole training step compiled ahead "
         "of time by Inductor, run from C++)");
@@ -282,8 +293,11 @@ std::vector<FieldInfo> build_schema() {
   b.add("compile", &C::compile, "python", &CompileConfig::python,
         "inductor: the Python of the packaging step (torch 2.11); \"\" = $KEEL_PYTHON, else keel's venv "
         "(~/.cache/keel/venv)");
+}
 
-  // [amp]
+// [amp]
+void amp_keys(SchemaBuilder& b) {
+  using C = Config;
   b.add("amp", &C::amp, "dtype", &AmpConfig::dtype, kAmpDtypes, "autocast dtype: off | bf16 | fp16 (fp16: CUDA only)");
   b.add("amp", &C::amp, "loss_scaling", &AmpConfig::loss_scaling, kLossScalings,
         "auto (dynamic for fp16, else off) | dynamic | off");
@@ -296,8 +310,11 @@ std::vector<FieldInfo> build_schema() {
         1e-6, 1.0);
   range(b.add("amp", &C::amp, "growth_interval", &AmpConfig::growth_interval, "clean steps between scale growths"), 1,
         1e12);
+}
 
-  // [checkpoint]
+// [checkpoint]
+void checkpoint_keys(SchemaBuilder& b) {
+  using C = Config;
   b.add("checkpoint", &C::checkpoint, "dir", &CheckpointConfig::dir,
         "checkpoint root directory; \"\" = no checkpoints; a run whose directory holds committed steps resumes from "
         "the newest (docs/checkpoints.md)");
@@ -315,12 +332,30 @@ std::vector<FieldInfo> build_schema() {
         "also store the compiled graph with each step: compile.mode = \"inductor\": the training step's AOTInductor "
         "package (graph.pt2, with its manifest graph.json; a resume that fits loads it instead of compiling); "
         "\"trace\": the traced TorchScript module (graph.pt)");
+}
 
-  // [fault]
+// [fault]
+void fault_keys(SchemaBuilder& b) {
+  using C = Config;
   b.add("fault", &C::fault, "inject", &FaultConfig::inject,
         "faults to inject: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash] entries, TYPE one of "
         "collective_hang, crash, oom, nonfinite_grad, shape_mismatch, checkpoint_write_failure, checkpoint_corruption, "
         "graph_break, straggler (docs/faults.md; repeat the option for several)");
+}
+
+std::vector<FieldInfo> build_schema() {
+  std::vector<FieldInfo> v;
+  v.reserve(80);
+  SchemaBuilder b(v);
+  run_keys(b);
+  model_keys(b);
+  data_keys(b);
+  train_keys(b);
+  dist_keys(b);
+  compile_keys(b);
+  amp_keys(b);
+  checkpoint_keys(b);
+  fault_keys(b);
   return v;
 }
 
