@@ -81,6 +81,17 @@ uint64_t fingerprint(const std::vector<int64_t>& words) {
   return h & ((1ull << 62) - 1);
 }
 
+// Starts an all-gather of `t` over `pg` into `out`, one fresh tensor per rank (like `t`).
+static c10::intrusive_ptr<c10d::Work> start_all_gather(c10d::ProcessGroup& pg, int64_t world, const torch::Tensor& t,
+                                                       std::vector<torch::Tensor>& out) {
+  std::vector<std::vector<at::Tensor>> outs(1);
+  for (int64_t r = 0; r < world; ++r) outs[0].push_back(torch::empty_like(t));
+  std::vector<at::Tensor> in{t};
+  auto work = pg.allgather(outs, in);
+  out = outs[0];
+  return work;
+}
+
 Collectives::Collectives(std::shared_ptr<Group> group, Validate validate) : group_(std::move(group)), mode_(validate) {}
 
 // NCCL moves only CUDA tensors: host tensors (validation probes, the per-step record,
@@ -226,16 +237,13 @@ void Collectives::check(const Desc& d_in) {
   const int64_t mn = pair[0].item<int64_t>(), mx = -pair[1].item<int64_t>();
   if (mn == mx) return;
   // Mismatch: exchange the descriptors to say who wanted what.
-  auto mine = on_comm_device(torch::tensor(d.words(), torch::kLong));
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
-  std::vector<at::Tensor> in{mine};
-  wait(group_->pg()->allgather(out, in), probe);
-  for (auto& o : out[0]) o = o.cpu();
+  std::vector<torch::Tensor> out;
+  wait(start_all_gather(*group_->pg(), size(), on_comm_device(torch::tensor(d.words(), torch::kLong)), out), probe);
+  for (auto& o : out) o = o.cpu();
   std::ostringstream os;
   os << "collective mismatch at step " << step_ << " (" << d.what << "):";
   for (int64_t r = 0; r < size(); ++r)
-    os << "\n  rank " << r << ": " << describe(Desc::from_words(out[0][r].data_ptr<int64_t>()));
+    os << "\n  rank " << r << ": " << describe(Desc::from_words(out[r].data_ptr<int64_t>()));
   os << "\nevery rank must issue the same collectives in the same order with the same dtypes and shapes";
   throw CollectiveMismatch(os.str());
 }
@@ -276,14 +284,11 @@ std::vector<torch::Tensor> Collectives::all_gather(const torch::Tensor& t, const
   Desc d = Desc::of(OpCode::AllGather, t);
   d.what = what;
   check(d);
-  torch::Tensor c = on_comm_device(t);
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(c));
-  std::vector<at::Tensor> in{c};
-  wait(group_->pg()->allgather(out, in), d);
-  for (auto& o : out[0])
+  std::vector<torch::Tensor> out;
+  wait(start_all_gather(*group_->pg(), size(), on_comm_device(t), out), d);
+  for (auto& o : out)
     if (o.device() != t.device()) o = o.to(t.device());
-  return out[0];
+  return out;
 }
 
 void Collectives::barrier(const char* what) {
@@ -339,18 +344,16 @@ struct PendingStep::Impl {
   c10::intrusive_ptr<c10d::Work> work;  // waited for by the host only at resolve() (a GPU group)
 };
 
-int64_t PendingStep::step() const { return impl_ ? impl_->step : 0; }
-
 const torch::Tensor& PendingStep::found_inf() const {
   static const torch::Tensor none;
   return impl_ ? impl_->found_inf : none;
 }
 
-Collectives::Desc Collectives::step_desc(int64_t step, int64_t plan, int64_t seq) {
+Collectives::Desc Collectives::step_desc(int64_t step, uint64_t plan, int64_t seq) {
   Desc d;
   d.op = static_cast<int64_t>(OpCode::StepSync);
   d.step = step;
-  d.extra = plan;
+  d.extra = static_cast<int64_t>(plan & ((1ull << 62) - 1));  // 62 bits, as a fingerprint
   d.seq = seq;
   d.what = "per-step consensus";
   d.dtype = static_cast<int64_t>(torch::kLong);
@@ -369,20 +372,16 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
     c.any_flags = c.all_flags = flags;
     return c;
   }
-  const int64_t p = static_cast<int64_t>(plan & ((1ull << 62) - 1));
-  const Desc d = step_desc(step, p, static_cast<int64_t>(seq_++));
-  const int64_t f = static_cast<int64_t>(fingerprint(d.words()));
+  const Desc d = step_desc(step, plan, static_cast<int64_t>(seq_++));
+  const int64_t f = static_cast<int64_t>(fingerprint(d.words())), p = d.extra;
   int64_t loss_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
   auto mine = torch::tensor(
       {f, step, p, loss_bits, int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
       torch::kLong);
-  mine = on_comm_device(mine);
-  std::vector<std::vector<at::Tensor>> out(1);
-  for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
-  std::vector<at::Tensor> in{mine};
-  wait(group_->pg()->allgather(out, in), d);
-  return read_step(torch::stack(out[0]).cpu(), f, step, nullptr);
+  std::vector<torch::Tensor> out;
+  wait(start_all_gather(*group_->pg(), size(), on_comm_device(mine), out), d);
+  return read_step(torch::stack(out).cpu(), f, step, nullptr);
 }
 
 // No separate validation round: the record itself carries the step and plan, and is checked when
@@ -393,9 +392,9 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
   p.impl_ = std::make_shared<PendingStep::Impl>();
   auto& im = *p.impl_;
   im.step = step;
-  im.plan = static_cast<int64_t>(plan & ((1ull << 62) - 1));
   im.seq = group_->pg() ? static_cast<int64_t>(seq_++) : 0;
-  const Desc d = step_desc(step, im.plan, im.seq);
+  const Desc d = step_desc(step, plan, im.seq);
+  im.plan = d.extra;
   im.fingerprint = static_cast<int64_t>(fingerprint(d.words()));
   const torch::Device dev = group_->pg() ? group_->comm_device() : loss.device();
   // The host's fields travel through pinned memory without a wait; the device's stay there.
@@ -410,10 +409,8 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
   if (!group_->pg()) {
     all = mine.unsqueeze(0);
   } else {
-    std::vector<std::vector<at::Tensor>> out(1);
-    for (int64_t r = 0; r < size(); ++r) out[0].push_back(torch::empty_like(mine));
-    std::vector<at::Tensor> in{mine};
-    im.work = group_->pg()->allgather(out, in);
+    std::vector<torch::Tensor> out;
+    im.work = start_all_gather(*group_->pg(), size(), mine, out);
     // On the CPU the host waits here, as for every collective; on a GPU only the stream does
     // (the host waits, bounded by dist.timeout_s, in resolve()).
     if (dev.is_cpu()) {
@@ -423,7 +420,7 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
       im.work->wait();
       count(d, 0.0);
     }
-    all = torch::stack(out[0]);
+    all = torch::stack(out);
   }
   torch::Tensor found = all.select(1, 4).ne(0).any();
   if (mode_ != Validate::Off) found = found.logical_or(all.select(1, 0).ne(mine[0]).any());

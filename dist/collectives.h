@@ -63,7 +63,6 @@ struct StepConsensus {
 class PendingStep {
  public:
   PendingStep() = default;
-  int64_t step() const;
   /// float32, one element, on the devices' side (the group's device; the CPU with Gloo): 1 when
   /// some rank saw inf/NaN, or when some rank's step or gradient plan differs from this rank's
   /// (so that no update is applied before the disagreement is reported); else 0. What the fused
@@ -152,7 +151,7 @@ class Collectives {
   void check(const Desc& d);
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
   void count(const Desc& d, double wait_ms);  // the traffic counters, for a call that finished
-  static Desc step_desc(int64_t step, int64_t plan, int64_t seq);
+  static Desc step_desc(int64_t step, uint64_t plan, int64_t seq);
   StepConsensus read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const;
   std::string describe(const Desc& d) const;
   torch::Tensor on_comm_device(const torch::Tensor& t) const;

@@ -274,6 +274,7 @@ class Trainer::Loop {
   torch::Tensor to_device(const torch::Tensor& t) const;
   torch::Tensor local_nonfinite(const torch::Tensor& local_loss);
   bool local_nonfinite_now(double local_loss);
+  torch::Tensor grad_verdict();
   void resolve_step(InFlight& f);
   void apply_update(InFlight& f);
   void finish_step(InFlight& f, std::optional<Clock::time_point> next_t0);
@@ -833,24 +834,27 @@ torch::Tensor Trainer::Loop::to_device(const torch::Tensor& t) const {
   return (t.is_pinned() ? t : t.pin_memory()).to(torch::TensorOptions().device(device_), /*non_blocking=*/true);
 }
 
-// This rank's verdict on its loss and gradients, after unscaling (before clipping): a float32
-// tensor of one element on the device, 1 = inf/NaN.
+// This rank's verdict on its gradients, after unscaling (before clipping): a float32 tensor of one
+// element on their device, 1 = inf/NaN; undefined when nothing asks to look (no loss scaling,
+// train.skip_nonfinite off, no fault watching them). With dist.zero >= 1 a rank reads only the
+// gradients it owns; the consensus ORs the verdicts.
+torch::Tensor Trainer::Loop::grad_verdict() {
+  if (scaler_) return scaler_->unscale_on_device(owned_);
+  if (cfg_.train.skip_nonfinite || faults_->watches_gradients()) return amp::nonfinite(owned_);
+  return {};
+}
+
+// The verdict on the loss and the gradients, on the device (dist.consensus = late).
 torch::Tensor Trainer::Loop::local_nonfinite(const torch::Tensor& local_loss) {
   const torch::Tensor bad = local_loss.isfinite().logical_not().to(torch::kFloat).reshape({1});
-  // With dist.zero >= 1 a rank reads only the gradients it owns; the consensus ORs the verdicts.
-  if (scaler_) return torch::maximum(scaler_->unscale_on_device(owned_).to(bad.device()), bad);
-  if (cfg_.train.skip_nonfinite || faults_->watches_gradients())  // else: look only when asked
-    return torch::maximum(amp::nonfinite(owned_).to(bad.device()), bad);
-  return bad;
+  const torch::Tensor grads = grad_verdict();
+  return grads.defined() ? torch::maximum(grads.to(bad.device()), bad) : bad;
 }
 
 // The same verdict, read by the host (dist.consensus = step).
 bool Trainer::Loop::local_nonfinite_now(double local_loss) {
-  bool bad = !std::isfinite(local_loss);
-  if (scaler_) return scaler_->unscale_(owned_) || bad;
-  if (cfg_.train.skip_nonfinite || faults_->watches_gradients())  // else: look only when asked
-    return amp::nonfinite(owned_).item<float>() != 0 || bad;
-  return bad;
+  const torch::Tensor grads = grad_verdict();
+  return (grads.defined() && grads.item<float>() != 0) || !std::isfinite(local_loss);
 }
 
 // Clip and step, or skip on every rank. With dist.consensus = late the skip is decided on the
@@ -867,7 +871,7 @@ void Trainer::Loop::apply_update(InFlight& f) {
       dmodel_->sync_parameters();  // dist.zero >= 1: each owner's update to every rank
     }
     if (scaler_) {
-      r.loss_scale_before = scaler_->scale_value();
+      if (r.skipped) r.loss_scale_before = scaler_->scale_value();  // for the skip's warning only
       scaler_->update(r.skipped);
       r.loss_scale = scaler_->scale_value();
     }
