@@ -17,6 +17,7 @@ inline constexpr Choices<ModelInput, 3> kModelInputs{
 struct ModelConfig {
   std::string name = "cnn";
   std::string path = "";
+  std::string factory = "build_model";  // model.name = "python": the function in model.path
   int64_t width = 0;
   int64_t depth = 0;
   int64_t heads = 4;

@@ -36,6 +36,7 @@
 #include "keel/trainer/app/log.h"
 #include "keel/trainer/compile/inductor.h"
 #include "keel/trainer/compile/pipeline.h"
+#include "keel/trainer/compile/python_model.h"
 #include "keel/trainer/config/limits.h"
 #include "keel/trainer/data/data.h"
 #include "keel/trainer/data/sampler.h"
@@ -183,7 +184,21 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   r.threads = threads;
   r.cfg = cfg.compile;
   for (const auto& [n, p] : model.named_parameters()) r.param_names.push_back(n);
+  for (const auto& [n, b] : model.named_buffers()) r.buffer_names.push_back(n);
+  if (const auto* python = dynamic_cast<const PythonModel*>(&model)) {
+    r.model = "python";
+    r.module = python->module_spec();
+    r.example = python->example(r.batch);
+    r.eval_batch = cfg.data.eval_batch_size;  // the module has no C++ code: evaluation runs in the package
+  }
   return r;
+}
+
+// The model cfg.model names: model.name = "python" is a user's PyTorch module (trainer/compile/
+// python_model.h), anything else comes from the model registry.
+std::shared_ptr<models::Model> make_model(const Config& cfg, std::optional<models::InputKind> data_kind) {
+  if (cfg.model.name == "python") return PythonModel::create(cfg, data_kind);
+  return models::create_model(cfg.model, data_kind);
 }
 
 // The checkpoint step whose stored package (checkpoint.save_graph) may serve compile.mode =
@@ -218,7 +233,7 @@ CompileReport package_training_step(const Config& cfg) {
   const dist::World world = dist::detect_world(dist::current_env());
   const int64_t threads = set_threads(cfg.run, world);
   const torch::Device device = resolve_device(cfg.run, world);
-  auto model = models::create_model(cfg.model, data::native_input_kind(cfg.data.name));
+  auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
   CompileReport report;
   InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads),
                                 report);
@@ -304,6 +319,7 @@ class Trainer::Loop {
   std::unique_ptr<FaultInjector> faults_;
   AmpContext amp_;
   std::shared_ptr<models::Model> model_;  // the eager model (evaluation, checkpoints)
+  std::shared_ptr<PythonModel> python_;   // model.name = "python": model_'s core, evaluated through the package
   models::InputSpec spec_;
   data::Splits splits_;
   std::optional<DistributedModel> dmodel_;
@@ -424,7 +440,8 @@ void Trainer::Loop::build_model_and_data() {
   // The data's native input kind is asked first so that an unknown dataset is reported before
   // a model is built.
   const auto data_kind = data::native_input_kind(cfg_.data.name);
-  model_ = models::create_model(cfg_.model, data_kind);
+  model_ = make_model(cfg_, data_kind);
+  python_ = std::dynamic_pointer_cast<PythonModel>(model_);
   if (!cfg_.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
     const int64_t n = checkpoint::load_weights(*model_, cfg_.model.init_from);
     logging::info("model: {} tensors from {} (model.init_from)", n, cfg_.model.init_from);
@@ -444,6 +461,13 @@ void Trainer::Loop::build_model_and_data() {
   } catch (const std::invalid_argument& e) {
     throw InputError(std::string("data: ") + e.what());
   }
+  // A Python module runs only its compiled step, at one batch shape (every rank alike).
+  if (const int64_t tail = static_cast<int64_t>(sampler_->rank_indices(0).size()) % cfg_.train.batch_size;
+      python_ && tail != 0)
+    throw InputError("model.name = \"python\" runs only its compiled step, at train.batch_size = " +
+                     std::to_string(cfg_.train.batch_size) + ": data.drop_last = false leaves a last batch of " +
+                     std::to_string(tail) +
+                     " samples per rank and epoch, which it cannot run; set data.drop_last = true");
 }
 
 // The fixed init pipeline, place -> compile -> distribute (trainer/compile/pipeline.h), with
@@ -454,10 +478,12 @@ void Trainer::Loop::compile_and_distribute() {
   std::optional<InductorRequest> inductor;
   if (cfg_.compile.mode == CompileMode::Inductor) {
     if (cb_.loss) {  // a C++ loss cannot be traced into the package
-      if (cfg_.compile.fullgraph)
+      if (cfg_.compile.fullgraph || python_)
         throw InputError(
             "compile.mode = \"inductor\" compiles keel's cross-entropy into the step; a custom loss "
-            "(Callbacks::loss) cannot be, and compile.fullgraph = true makes that an error");
+            "(Callbacks::loss) cannot be, and " +
+            std::string(python_ ? "model.name = \"python\" runs only compiled"
+                                : "compile.fullgraph = true makes that an error"));
       logging::warn(
           "compile.mode = \"inductor\": a custom loss (Callbacks::loss) cannot be compiled into the step; "
           "training eager");
@@ -482,9 +508,12 @@ void Trainer::Loop::compile_and_distribute() {
   }
   try {
     dmodel_.emplace(compile().distribute(coll_, cfg_.dist));
+    if (python_) python_->attach(dmodel_->inductor_step());
   } catch (const CompileError& e) {
-    // With compile.fullgraph a step that cannot be captured whole is the user's model: exit 2.
-    throw InputError(std::string(e.what()) + " (compile.fullgraph = true)");
+    // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
+    // that cannot be captured whole is the user's model: exit 2.
+    throw InputError(std::string(e.what()) +
+                     (python_ ? " (model.name = \"python\" runs only compiled)" : " (compile.fullgraph = true)"));
   }
 }
 

@@ -61,8 +61,8 @@ FORMAT = "keel-aoti-step/1"
 EXIT_ERROR, EXIT_USAGE, EXIT_GRAPH_BREAK, EXIT_NONDETERMINISTIC, EXIT_CHECK, EXIT_NO_FAKE_KERNEL = 1, 2, 3, 4, 5, 6
 
 # keel's [model] keys (trainer/config/schema.cpp). Those that do not change the graph
-# (name, path, input, init_from) are accepted and ignored.
-MODEL_KEYS = {"name", "path", "width", "depth", "heads", "context", "vocab", "input", "num_classes", "init_from"}
+# (name, path, factory, input, init_from) are accepted and ignored.
+MODEL_KEYS = {"name", "path", "factory", "width", "depth", "heads", "context", "vocab", "input", "num_classes", "init_from"}
 MODEL_DEFAULTS = {"width": 0, "depth": 0, "heads": 4, "context": 128, "vocab": 256, "num_classes": 10}
 
 # Random ops: keel's TorchScript list (trainer/compile/compile.cpp nondeterministic_ops()) plus
@@ -123,6 +123,13 @@ def parse_args(argv):
     which.add_argument("--module", metavar="PKG.MOD:FACTORY",
                        help="a user's nn.Module: FACTORY([batch=B], [device=D]) returns (module, example_input, "
                             "example_target[, loss_fn(output, target)])")
+    p.add_argument("--example", metavar="JSON",
+                   help="with --module: the shapes and dtypes of the batches ({\"input\": {\"shape\": [B, ...], "
+                        "\"dtype\": \"float32\"}, \"target\": {...}, \"classes\": N}); the factory may then "
+                        "return the module alone (how keel's model.name = \"python\" calls it)")
+    p.add_argument("--init-out", metavar="PATH.safetensors",
+                   help="with --module: write the module's initial parameters and buffers (after torch.manual_seed("
+                        "--seed)) and stop; nothing is traced")
     p.add_argument("--model-config", default="{}", metavar="JSON",
                    help="keel's [model] keys as a JSON object (or @file.json): width, depth, heads, context, vocab, "
                         "num_classes; 0 or absent = keel's default")
@@ -131,7 +138,7 @@ def parse_args(argv):
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
                    help="autocast traced into the step (fp16: CUDA only, adds the grad_scale input)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
-    p.add_argument("--out", required=True, metavar="PATH.pt2")
+    p.add_argument("--out", metavar="PATH.pt2", help="the package (required unless --init-out)")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU: intra-op threads the package is compiled for (Inductor bakes the count into its "
                         "kernels); 0 = torch.get_num_threads(). Must equal the trainer's per-rank threads")
@@ -159,10 +166,14 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="seed of the --check inputs and initial weights")
     p.add_argument("--verbose", action="store_true", help="Python tracebacks on failure")
     a = p.parse_args(argv)
-    if not a.out.endswith(".pt2"):
+    if a.out is None and not a.init_out:
+        p.error("--out is required")
+    if a.out is not None and not a.out.endswith(".pt2"):
         p.error("--out must end with .pt2")
     if a.model and a.batch is None:
         p.error("--batch is required with --model")
+    if (a.example or a.init_out) and not a.module:
+        p.error("--example and --init-out go with --module")
     for name in ("batch", "eval_batch"):
         v = getattr(a, name)
         if v is not None and v < 1:
@@ -277,25 +288,97 @@ def builtin_model(name: str, cfg: dict, batch: int):
                                 "num_classes": classes, "reference": ref_path}
 
 
-def user_model(spec: str, batch, device: str):
+def import_factory(spec: str):
+    """FACTORY of --module: PKG.MOD:FACTORY (imported from sys.path and the working directory) or
+    FILE.py:FACTORY (keel's model.path; the file's directory goes first on sys.path, so that it
+    can import its neighbours)."""
+    if ":" not in spec:
+        raise Refusal(EXIT_USAGE, f"--module {spec}: must be PKG.MOD:FACTORY or FILE.py:FACTORY")
+    where, fn_name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            if not os.path.isfile(where):
+                raise Refusal(EXIT_USAGE, f"--module {spec}: {where} is not a file")
+            path = os.path.realpath(where)
+            sys.path.insert(0, os.path.dirname(path))
+            spec_ = importlib.util.spec_from_file_location("keel_user_model", path)
+            mod = importlib.util.module_from_spec(spec_)
+            sys.modules["keel_user_model"] = mod
+            spec_.loader.exec_module(mod)
+        else:
+            if os.getcwd() not in sys.path:
+                sys.path.insert(0, os.getcwd())
+            mod = importlib.import_module(where)
+    except Refusal:
+        raise
+    except Exception as e:  # the user's module failed to import: name the file and line
+        found, _ = user_frame(e.__traceback__)
+        at = f" at {found[1].f_code.co_filename}:{found[2]}" if found else ""
+        raise Refusal(EXIT_USAGE, f"--module {spec}: importing it failed{at}: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}")
+    factory = getattr(mod, fn_name, None)
+    if not callable(factory):
+        raise Refusal(EXIT_USAGE, f"--module {spec}: {where} has no function {fn_name}")
+    return factory
+
+
+def read_example(text: str):
+    """--example: the shapes and dtypes of keel's batches, {"input": {"shape": [...], "dtype": "float32"},
+    "target": {...}, "classes": N}; random tensors of them (integer tensors drawn in [0, classes))."""
     import torch
 
-    if ":" not in spec:
-        raise Refusal(EXIT_USAGE, "--module must be PKG.MOD:FACTORY")
-    mod_name, fn_name = spec.split(":", 1)
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
     try:
-        factory = getattr(importlib.import_module(mod_name), fn_name)
-    except (ImportError, AttributeError) as e:
-        raise Refusal(EXIT_USAGE, f"--module {spec}: {type(e).__name__}: {e}")
+        ex = json.loads(text)
+        classes = int(ex.get("classes", 0))
+        out = []
+        for k in ("input", "target"):
+            shape, dtype = [int(d) for d in ex[k]["shape"]], getattr(torch, ex[k]["dtype"])
+            out.append(torch.randn(shape, dtype=dtype) if dtype.is_floating_point else
+                       torch.randint(0, max(classes, 1), shape, dtype=dtype))
+    except (ValueError, KeyError, TypeError, AttributeError) as e:
+        raise Refusal(EXIT_USAGE, f"--example: {type(e).__name__}: {e} (want {{\"input\": {{\"shape\": [...], "
+                                  f"\"dtype\": \"float32\"}}, \"target\": {{...}}, \"classes\": N}})")
+    return out[0], out[1], classes
+
+
+def user_model(spec: str, batch, device: str, example: str = None, model_config: dict = None):
+    """A user's module. FACTORY([batch=B], [device=D], [config=C]) returns (module, example_input,
+    example_target[, loss_fn]); with --example (how keel calls it: its data decides the shapes) it
+    may return the module alone. C is keel's [model] section as a dict."""
+    import torch
+
+    factory = import_factory(spec)
     params = inspect.signature(factory).parameters
     kw = {}
     if "batch" in params and batch is not None:
         kw["batch"] = batch
     if "device" in params:
         kw["device"] = device
-    got = factory(**kw)
+    if "config" in params:
+        kw["config"] = dict(model_config or {})
+    try:
+        got = factory(**kw)
+    except Exception as e:
+        found, _ = user_frame(e.__traceback__)
+        at = f" at {found[1].f_code.co_filename}:{found[2]}" if found else ""
+        raise Refusal(EXIT_USAGE, f"--module {spec}: the factory failed{at}: {type(e).__name__}: "
+                                  f"{str(e).splitlines()[0] if str(e) else ''}")
+    file = spec.rsplit(":", 1)[0]
+    ident = {"module": spec, "input_kind": "features"}
+    if file.endswith(".py"):
+        ident["module_sha256"] = sha256_file(file)
+    if example is not None:
+        module = got[0] if isinstance(got, (tuple, list)) and got else got
+        if isinstance(got, (tuple, list)) and len(got) == 4:
+            raise Refusal(EXIT_USAGE, f"--module {spec}: the factory returns a loss_fn; keel trains a Python module "
+                                      "with its cross-entropy over the last dimension (return the module alone)")
+        if not isinstance(module, torch.nn.Module):
+            raise Refusal(EXIT_USAGE, f"--module {spec}: the factory must return an nn.Module, got "
+                                      f"{type(module).__name__}")
+        x, y, classes = read_example(example)
+        if batch is not None and x.shape[0] != batch:
+            raise Refusal(EXIT_USAGE, f"--example: the input's batch is {x.shape[0]}, not --batch {batch}")
+        return module, x, y, None, {**ident, "num_classes": classes, "loss": "cross_entropy"}
     if not isinstance(got, (tuple, list)) or len(got) not in (3, 4):
         raise Refusal(EXIT_USAGE, f"--module {spec}: the factory must return (module, example_input, example_target"
                                   f"[, loss_fn]), got {type(got).__name__}")
@@ -307,8 +390,35 @@ def user_model(spec: str, batch, device: str):
     if batch is not None and x.shape[0] != batch:
         raise Refusal(EXIT_USAGE, f"--module {spec}: the example input's batch is {x.shape[0]}, not --batch {batch} "
                                   "(give the factory a `batch` parameter)")
-    return module, x, y, loss_fn, {"module": spec, "input_kind": "features",
-                                   "loss": "custom" if loss_fn else "cross_entropy"}
+    return module, x, y, loss_fn, {**ident, "loss": "custom" if loss_fn else "cross_entropy"}
+
+
+def write_init(module, path: str, spec: str) -> None:
+    """--init-out: the module's parameters and buffers (named_parameters()/named_buffers() order,
+    tied weights once) as safetensors, with the module tree's order in the metadata, so that keel
+    builds a C++ module holding exactly these tensors (trainer/compile/python_model.h)."""
+    from safetensors.torch import save_file
+
+    pnames = [n for n, _ in module.named_parameters()]
+    bnames = [n for n, _ in module.named_buffers()]
+    if not pnames:
+        raise Refusal(EXIT_USAGE, f"--module {spec}: the module has no parameters")
+    tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in
+               list(module.named_parameters()) + list(module.named_buffers())}
+    metadata = {"format": "keel-python-init/1", "module": spec,
+                "parameters": json.dumps(pnames), "buffers": json.dumps(bnames),
+                "modules": json.dumps([n for n, _ in module.named_modules() if n])}
+    out = os.path.abspath(path)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".init-")
+    os.close(fd)
+    try:
+        save_file(tensors, tmp, metadata=metadata)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    print(f"wrote {out}: {len(pnames)} parameters, {len(bnames)} buffers", flush=True)
 
 
 def keel_cross_entropy(logits, target):
@@ -822,7 +932,11 @@ def main(argv=None) -> int:
         cfg = read_model_config(args.model_config)
         module, x, y, loss_fn, ident = builtin_model(args.model, cfg, args.batch)
     else:
-        module, x, y, loss_fn, ident = user_model(args.module, args.batch, args.device)
+        cfg = read_model_config(args.model_config)
+        module, x, y, loss_fn, ident = user_model(args.module, args.batch, args.device, args.example, cfg)
+        if args.init_out:
+            write_init(module, args.init_out, args.module)
+            return 0
     batch = x.shape[0]
     eval_batch = args.eval_batch or batch
     module = module.to(device)

@@ -1,17 +1,11 @@
 #include "keel/trainer/compile/inductor.h"
 
-#include <fcntl.h>
-#include <sys/file.h>
 #include <sys/stat.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
-#include <cerrno>
 #include <cstdio>
 #include <cstdlib>
-#include <cstring>
 #include <fstream>
 
 #include "keel/checkpoint/io.h"
@@ -21,6 +15,7 @@
 #include "keel/common/file.h"
 #include "keel/common/log.h"
 #include "keel/common/sha256.h"
+#include "keel/trainer/compile/packaging.h"
 #include "keel/trainer/config/config.h"
 
 #ifdef KEEL_WITH_CUDA
@@ -33,138 +28,7 @@ namespace {
 
 constexpr const char* kFormat = "keel-aoti-step/1";
 
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v && *v ? std::string(v) : fallback;
-}
-
-bool is_file(const std::string& p) { return not_a_regular_file(p).empty(); }
-
-std::string home() { return env_or("HOME", "/tmp"); }
-
-std::string cache_root(const CompileConfig& c) {
-  if (!c.cache_dir.empty()) return c.cache_dir;
-  return env_or("XDG_CACHE_HOME", home() + "/.cache") + "/keel/compile";
-}
-
-// The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
-std::string python_for(const CompileConfig& c) {
-  if (!c.python.empty()) return c.python;
-  if (const std::string p = env_or("KEEL_PYTHON", ""); !p.empty()) return p;
-#ifdef KEEL_DEFAULT_PYTHON
-  if (is_file(KEEL_DEFAULT_PYTHON)) return KEEL_DEFAULT_PYTHON;
-#endif
-  return env_or("KEEL_VENV", home() + "/.cache/keel/venv") + "/bin/python";
-}
-
-// trainer/compile/aot_package.py: $KEEL_AOT_SCRIPT, the source tree this keel was built from,
-// or the installed copy (share/keel/).
-std::string script_path() {
-  std::vector<std::string> tried;
-  for (const std::string p : {
-           env_or("KEEL_AOT_SCRIPT", ""),
-#ifdef KEEL_AOT_SCRIPT_SOURCE
-           std::string(KEEL_AOT_SCRIPT_SOURCE),
-#endif
-#ifdef KEEL_AOT_SCRIPT_INSTALLED
-           std::string(KEEL_AOT_SCRIPT_INSTALLED),
-#endif
-       }) {
-    if (p.empty()) continue;
-    if (is_file(p)) return p;
-    tried.push_back(p);
-  }
-  std::string list;
-  for (const auto& t : tried) list += (list.empty() ? "" : ", ") + t;
-  throw std::runtime_error("compile.mode = \"inductor\": the packaging script aot_package.py is not found (tried " +
-                           list + "; set KEEL_AOT_SCRIPT)");
-}
-
-std::string sha256_of_file(const std::string& path) {
-  const std::string text = read_regular_file(path, uint64_t{1} << 34);
-  return sha256_hex(text);
-}
-
-// The first line a command prints (the C++ compiler's version for the cache key), "" if none.
-std::string first_line_of(const std::string& cmd) {
-  std::FILE* p = ::popen((cmd + " 2>/dev/null").c_str(), "r");
-  if (!p) return "";
-  char buf[512] = {0};
-  const bool got = std::fgets(buf, sizeof buf, p) != nullptr;
-  ::pclose(p);
-  std::string s = got ? buf : "";
-  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
-  return s;
-}
-
-std::string cpu_model() {
-  std::ifstream in("/proc/cpuinfo");
-  std::string line;
-  while (std::getline(in, line))
-    if (line.rfind("model name", 0) == 0 || line.rfind("flags", 0) == 0) return line;
-  return "";
-}
-
-std::string device_identity(const torch::Device& d) {
-  if (!d.is_cuda()) return "cpu|" + cpu_model();
-#ifdef KEEL_WITH_CUDA
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, d.has_index() ? d.index() : 0) == cudaSuccess)
-    return std::string("cuda|") + prop.name + "|sm_" + std::to_string(prop.major) + std::to_string(prop.minor);
-#endif
-  return "cuda";
-}
-
-// An exclusive flock held until the object dies (blocking: the other ranks wait while one
-// compiles).
-class EntryLock {
- public:
-  explicit EntryLock(const std::string& path) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw std::runtime_error("compile cache: cannot open " + path + ": " + std::strerror(errno));
-    while (::flock(fd_, LOCK_EX) != 0)
-      if (errno != EINTR) throw std::runtime_error("compile cache: cannot lock " + path + ": " + std::strerror(errno));
-  }
-  ~EntryLock() { ::close(fd_); }
-  EntryLock(const EntryLock&) = delete;
-  EntryLock& operator=(const EntryLock&) = delete;
-
- private:
-  int fd_ = -1;
-};
-
-// Runs argv with stdout and stderr into `log`; the exit status (or 128 + signal).
-int run_logged(const std::vector<std::string>& argv, const std::string& log, const std::vector<std::string>& env) {
-  const pid_t pid = ::fork();
-  if (pid < 0) throw std::runtime_error(std::string("cannot start the packaging step: fork: ") + std::strerror(errno));
-  if (pid == 0) {
-    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      ::dup2(fd, 1);
-      ::dup2(fd, 2);
-    }
-    for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
-    std::vector<char*> args;
-    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
-    args.push_back(nullptr);
-    ::execvp(args[0], args.data());
-    std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
-    ::_exit(127);
-  }
-  int status = 0;
-  while (::waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) throw std::runtime_error(std::string("waitpid: ") + std::strerror(errno));
-  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
-}
-
-// The last line of the log that is not empty (the packaging step's reason on failure).
-std::string last_line(const std::string& path) {
-  std::ifstream in(path);
-  std::string line, last;
-  while (std::getline(in, line))
-    if (line.find_first_not_of(" \t\r") != std::string::npos) last = line;
-  return last;
-}
+using namespace aot;
 
 std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shape").get<std::vector<int64_t>>(); }
 
@@ -172,11 +36,13 @@ std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shap
 // the gradients; backward returns them times the gradient of the loss.
 struct StepFunction : public torch::autograd::Function<StepFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList params, InductorStep* step,
-                               const torch::Tensor& input, const torch::Tensor& target) {
+                               const std::vector<torch::Tensor>* buffers, const torch::Tensor& input,
+                               const torch::Tensor& target) {
     std::vector<torch::Tensor> in(params.begin(), params.end());
+    in.insert(in.end(), buffers->begin(), buffers->end());
     in.push_back(input);
     in.push_back(target);
-    auto out = step->run(std::move(in));
+    auto out = step->run(std::move(in), *buffers);
     std::vector<torch::Tensor> grads(out.begin() + 1, out.begin() + 1 + static_cast<std::ptrdiff_t>(params.size()));
     ctx->saved_data["grads"] = grads;
     return out[0];
@@ -186,7 +52,7 @@ struct StepFunction : public torch::autograd::Function<StepFunction> {
     std::vector<torch::Tensor> grads = ctx->saved_data["grads"].toTensorVector();
     ctx->saved_data.erase("grads");
     at::_foreach_mul_(grads, grad_out[0]);  // 1/grad_accum, a loss scale: no host sync
-    grads.resize(grads.size() + 3);         // the step, input and target get none
+    grads.resize(grads.size() + 4);         // the step, buffers, input and target get none
     return grads;
   }
 };
@@ -223,6 +89,13 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
       {"deterministic", req.cfg.deterministic},
       {"max_autotune", req.cfg.max_autotune},
   };
+  if (!req.module.empty()) {  // a Python module: its file's bytes, the batches, the evaluation forward
+    k["module"] = req.module;
+    k["module_sha256"] = sha256_of_file(req.module.substr(0, req.module.rfind(':')));
+    k["example"] = req.example;
+    k["buffers"] = req.buffer_names;
+  }
+  if (req.eval_batch > 0) k["eval_batch"] = req.eval_batch;
   return sha256_hex(k.dump());
 }
 
@@ -269,23 +142,18 @@ bool seed_cache_from_checkpoint(const std::string& seed_dir, const std::string& 
 // in `error_path` for every later try and thrown as CompileError; others as runtime_error.
 static void run_packaging(const InductorRequest& req, const std::string& dir, const std::string& pt2,
                           const std::string& error_path, const std::string& log) {
-  std::vector<std::string> argv = {python_for(req.cfg),
-                                   script_path(),
-                                   "--model",
-                                   req.model,
-                                   "--model-config",
-                                   req.model_config.dump(),
-                                   "--batch",
-                                   std::to_string(req.batch),
-                                   "--amp",
-                                   req.amp,
-                                   "--device",
-                                   req.device.is_cuda() ? "cuda" : "cpu",
-                                   "--threads",
-                                   std::to_string(req.threads),
-                                   "--no-forward",
-                                   "--out",
-                                   pt2};
+  std::vector<std::string> argv = {python_for(req.cfg), script_path()};
+  if (req.module.empty())
+    argv.insert(argv.end(), {"--model", req.model});
+  else
+    argv.insert(argv.end(), {"--module", req.module, "--example", req.example.dump()});
+  if (req.eval_batch > 0)
+    argv.insert(argv.end(), {"--eval-batch", std::to_string(req.eval_batch)});
+  else
+    argv.push_back("--no-forward");
+  argv.insert(argv.end(), {"--model-config", req.model_config.dump(), "--batch", std::to_string(req.batch), "--amp",
+                           req.amp, "--device", req.device.is_cuda() ? "cuda" : "cpu", "--threads",
+                           std::to_string(req.threads), "--out", pt2});
   if (req.cfg.fullgraph) argv.push_back("--fullgraph");
   if (req.cfg.deterministic) argv.push_back("--deterministic");
   if (req.cfg.max_autotune) argv.push_back("--max-autotune");
@@ -306,9 +174,11 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
 }
 
 std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorRequest& req, CompileReport& report) {
-  if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt")
-    throw InputError("compile.mode = \"inductor\" packages the built-in models mlp, cnn and gpt; model.name = \"" +
-                     req.model + "\" is not one (use compile.mode = \"off\")");
+  if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt" && req.module.empty())
+    throw InputError(
+        "compile.mode = \"inductor\" packages the built-in models mlp, cnn and gpt and Python modules "
+        "(model.name = \"python\"); model.name = \"" +
+        req.model + "\" is not one (use compile.mode = \"off\")");
   if (req.amp != "off" && req.amp != "bf16")
     throw InputError(
         "compile.mode = \"inductor\" with amp.dtype = \"" + req.amp +
@@ -361,35 +231,7 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
   step->sha256_ = manifest.at("sha256").get<std::string>();
   step->manifest_ = manifest;
   step->manifest_["cache_key"] = key;
-  const auto& sig = manifest.at("models").at("train_step");
-  std::vector<std::string> names;
-  for (const auto& in : sig.at("inputs")) {
-    const std::string kind = in.value("kind", "");
-    if (kind == "parameter")
-      names.push_back(in.at("name").get<std::string>());
-    else if (kind == "input")
-      step->input_shape_ = shape_of(in);
-    else if (kind == "target")
-      step->target_shape_ = shape_of(in);
-    else
-      throw std::runtime_error(pt2 + ": an input keel does not pass: " + in.dump());
-  }
-  // The package takes keel's parameters by position: the same names in the same order.
-  if (names != req.param_names) {
-    std::string mismatch = std::to_string(names.size()) + " parameters in the package, " +
-                           std::to_string(req.param_names.size()) + " in the model";
-    for (size_t i = 0; i < std::min(names.size(), req.param_names.size()); ++i)
-      if (names[i] != req.param_names[i]) {
-        mismatch = "parameter " + std::to_string(i) + " is " + names[i] + " in the package, " + req.param_names[i] +
-                   " in the model";
-        break;
-      }
-    throw std::runtime_error(pt2 + " does not fit the model: " + mismatch);
-  }
-  step->num_params_ = names.size();
-  step->loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(
-      pt2, "train_step", /*run_single_threaded=*/true, /*num_runners=*/1,
-      req.device.is_cuda() ? static_cast<c10::DeviceIndex>(req.device.index()) : c10::DeviceIndex(-1));
+  step->read_signature(req);
   report.mode = "inductor";
   report.compile_ms = ms_since(t0);
   report.package = pt2;
@@ -402,20 +244,100 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
   return step;
 }
 
+namespace {
+
+// The first difference between the names a package takes and the model's ("" when equal).
+std::string first_difference(const char* what, const std::vector<std::string>& package,
+                             const std::vector<std::string>& model) {
+  for (size_t i = 0; i < std::min(package.size(), model.size()); ++i)
+    if (package[i] != model[i])
+      return std::string(what) + " " + std::to_string(i) + " is " + package[i] + " in the package, " + model[i] +
+             " in the model";
+  if (package.size() != model.size())
+    return std::to_string(package.size()) + " " + what + "s in the package, " + std::to_string(model.size()) +
+           " in the model";
+  return "";
+}
+
+}  // namespace
+
+// The package takes keel's parameters and buffers by position: the same names in the same order.
+void InductorStep::read_signature(const InductorRequest& req) {
+  const auto& sig = manifest_.at("models").at("train_step");
+  std::vector<std::string> params, buffers;
+  for (const auto& in : sig.at("inputs")) {
+    const std::string kind = in.value("kind", "");
+    if (kind == "parameter")
+      params.push_back(in.at("name").get<std::string>());
+    else if (kind == "buffer")
+      buffers.push_back(in.at("name").get<std::string>());
+    else if (kind == "input")
+      input_shape_ = shape_of(in);
+    else if (kind == "target")
+      target_shape_ = shape_of(in);
+    else
+      throw std::runtime_error(path_ + ": an input keel does not pass: " + in.dump());
+  }
+  std::string mismatch = first_difference("parameter", params, req.param_names);
+  if (mismatch.empty()) mismatch = first_difference("buffer", buffers, req.buffer_names);
+  if (!mismatch.empty()) throw std::runtime_error(path_ + " does not fit the model: " + mismatch);
+  for (const auto& out : sig.at("outputs")) {
+    if (out.value("kind", "") != "buffer_update") continue;
+    const std::string name = out.at("name").get<std::string>().substr(std::string("buffer:").size());
+    const auto it = std::find(buffers.begin(), buffers.end(), name);
+    if (it == buffers.end()) throw std::runtime_error(path_ + ": updates a buffer it does not take: " + name);
+    updated_buffers_.push_back(static_cast<size_t>(it - buffers.begin()));
+  }
+  num_params_ = params.size();
+  num_buffers_ = buffers.size();
+  const auto device = req.device.is_cuda() ? static_cast<c10::DeviceIndex>(req.device.index()) : c10::DeviceIndex(-1);
+  loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, "train_step", /*run_single_threaded=*/true,
+                                                                      /*num_runners=*/1, device);
+  if (req.eval_batch > 0 && manifest_.at("models").contains("forward")) {
+    eval_batch_ = manifest_["models"]["forward"].at("batch").get<int64_t>();
+    forward_loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, "forward", true, 1, device);
+  }
+}
+
 InductorStep::~InductorStep() = default;
+
+std::string InductorStep::no_forward_reason() const {
+  if (forward_loader_) return "";
+  const auto& why = manifest_.contains("forward_skipped") ? manifest_["forward_skipped"] : nlohmann::json();
+  return why.is_string() ? why.get<std::string>() : "it was packaged without one";
+}
 
 bool InductorStep::fits(const torch::Tensor& input, const torch::Tensor& target) const {
   return input.sizes().vec() == input_shape_ && target.sizes().vec() == target_shape_;
 }
 
-std::vector<torch::Tensor> InductorStep::run(std::vector<torch::Tensor> inputs) { return loader_->run(inputs); }
+std::vector<torch::Tensor> InductorStep::run(std::vector<torch::Tensor> inputs,
+                                             const std::vector<torch::Tensor>& buffers) {
+  auto out = loader_->run(inputs);
+  const size_t first = 1 + num_params_;
+  torch::NoGradGuard no_grad;
+  for (size_t i = 0; i < updated_buffers_.size(); ++i) buffers[updated_buffers_[i]].copy_(out[first + i]);
+  out.resize(first);
+  return out;
+}
 
-torch::Tensor InductorStep::loss(const std::vector<torch::Tensor>& params, const torch::Tensor& input,
-                                 const torch::Tensor& target) {
-  if (params.size() != num_params_)
-    throw std::runtime_error("inductor step: " + std::to_string(params.size()) + " parameters, the package takes " +
-                             std::to_string(num_params_));
-  return StepFunction::apply(at::TensorList(params), this, input.contiguous(), target.contiguous());
+torch::Tensor InductorStep::loss(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,
+                                 const torch::Tensor& input, const torch::Tensor& target) {
+  if (params.size() != num_params_ || buffers.size() != num_buffers_)
+    throw std::runtime_error("inductor step: " + std::to_string(params.size()) + " parameters and " +
+                             std::to_string(buffers.size()) + " buffers; the package takes " +
+                             std::to_string(num_params_) + " and " + std::to_string(num_buffers_));
+  return StepFunction::apply(at::TensorList(params), this, &buffers, input.contiguous(), target.contiguous());
+}
+
+torch::Tensor InductorStep::forward(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,
+                                    const torch::Tensor& input) {
+  if (!forward_loader_) throw std::logic_error("InductorStep::forward: the package has no evaluation forward");
+  std::vector<torch::Tensor> in(params.begin(), params.end());
+  in.insert(in.end(), buffers.begin(), buffers.end());
+  in.push_back(input.contiguous());
+  torch::NoGradGuard no_grad;
+  return forward_loader_->run(in).at(0);
 }
 
 }  // namespace keel

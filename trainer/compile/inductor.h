@@ -35,14 +35,21 @@ namespace keel {
 
 /// What the packaging step compiles: one model at one static shape.
 struct InductorRequest {
-  std::string model;            // a built-in model: mlp | cnn | gpt
+  std::string model;            // a built-in model: mlp | cnn | gpt; or "python" (with `module`)
   nlohmann::json model_config;  // the [model] section
   int64_t batch = 0;            // per-rank micro-batch of the training step
   std::string amp = "off";      // off | bf16
   torch::Device device{torch::kCPU};
-  int64_t threads = 1;                   // intra-op threads (Inductor's CPU kernels are compiled for a count)
-  CompileConfig cfg;                     // fullgraph, deterministic, max_autotune, cache_dir, python
-  std::vector<std::string> param_names;  // the model's, in order (the package must take exactly these)
+  int64_t threads = 1;                    // intra-op threads (Inductor's CPU kernels are compiled for a count)
+  CompileConfig cfg;                      // fullgraph, deterministic, max_autotune, cache_dir, python
+  std::vector<std::string> param_names;   // the model's, in order (the package must take exactly these)
+  std::vector<std::string> buffer_names;  // the same for its buffers (passed in; those updated, copied back)
+  /// model.name = "python": the user's module, FILE.py:FACTORY (model.path, model.factory), and
+  /// the shapes and dtypes of the run's batches ({"input": {"shape", "dtype"}, "target": ..., "classes"}).
+  std::string module;
+  nlohmann::json example;
+  /// > 0: the package also holds the evaluation forward at this batch (InductorStep::forward).
+  int64_t eval_batch = 0;
   /// A checkpoint step directory whose stored package (graph.pt2 + graph.json, checkpoint.save_graph)
   /// may serve this request when the cache has none: used when its cache key is this request's
   /// and both files have the SHA-256 meta.json lists; otherwise the step is packaged anew.
@@ -62,10 +69,21 @@ class InductorStep {
 
   /// Whether a batch of this shape runs in the package (else the step runs eager).
   bool fits(const torch::Tensor& input, const torch::Tensor& target) const;
-  /// Runs the step on `params` (the model's, in its order), `input` and `target`: returns the
-  /// mean cross-entropy (float32, 0-dim) whose backward gives each parameter its gradient
-  /// (times the gradient of the loss: a 1/grad_accum, a loss scale).
-  torch::Tensor loss(const std::vector<torch::Tensor>& params, const torch::Tensor& input, const torch::Tensor& target);
+  /// Runs the step on `params` and `buffers` (the model's, in its order), `input` and `target`:
+  /// returns the mean cross-entropy (float32, 0-dim) whose backward gives each parameter its
+  /// gradient (times the gradient of the loss: a 1/grad_accum, a loss scale). Buffers the step
+  /// updates (BatchNorm's running statistics) are updated in place.
+  torch::Tensor loss(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,
+                     const torch::Tensor& input, const torch::Tensor& target);
+  /// Whether the package holds the evaluation forward, and at which batch.
+  bool has_forward() const { return forward_loader_ != nullptr; }
+  int64_t eval_batch() const { return eval_batch_; }
+  /// Why the package has no evaluation forward (the packaging step's line), when it has none.
+  std::string no_forward_reason() const;
+  /// The evaluation forward (eval mode, no autocast): logits of `input`, whose batch must be
+  /// eval_batch() (python_model.cpp pads a shorter one).
+  torch::Tensor forward(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,
+                        const torch::Tensor& input);
   /// The package's SHA-256 (ranks agree on it in the per-step consensus).
   const std::string& sha256() const { return sha256_; }
   const std::string& path() const { return path_; }
@@ -75,16 +93,20 @@ class InductorStep {
   /// The cache key of `req` (hex SHA-256; tests).
   static std::string cache_key(const InductorRequest& req);
 
-  /// Runs the package's outputs for the autograd function (internal).
-  std::vector<torch::Tensor> run(std::vector<torch::Tensor> inputs);
+  /// Runs the package for the autograd function (internal): params, buffers, input, target in;
+  /// the loss and the gradients out (buffer updates already copied into `buffers`).
+  std::vector<torch::Tensor> run(std::vector<torch::Tensor> inputs, const std::vector<torch::Tensor>& buffers);
 
  private:
   InductorStep() = default;
-  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_;
+  void read_signature(const InductorRequest& req);
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, forward_loader_;
   std::string path_, sha256_;
   nlohmann::json manifest_;
   std::vector<int64_t> input_shape_, target_shape_;
-  size_t num_params_ = 0;
+  size_t num_params_ = 0, num_buffers_ = 0;
+  std::vector<size_t> updated_buffers_;  // the buffer index of each output after the gradients
+  int64_t eval_batch_ = 0;
 };
 
 /// The [model] section of `cfg` as the packaging step reads it (--model-config).

@@ -27,7 +27,8 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
     try {
       step = InductorStep::load_or_compile(*inductor, *report);
     } catch (const CompileError& e) {
-      if (cfg.fullgraph) throw;
+      // A Python module has no eager C++ code to fall back to.
+      if (cfg.fullgraph || !inductor->module.empty()) throw;
       report->mode = "eager-fallback";
       report->warnings.push_back(e.what());
       logging::warn("{}; training the eager model instead (compile.fullgraph = true makes this an error)", e.what());
@@ -57,6 +58,7 @@ DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, torch::Devi
       max_recompiles_(max_recompiles) {
   if (step_) {
     params_ = model_->parameters();
+    for (const auto& [name, b] : model_->named_buffers()) buffers_.push_back(b);
     const std::string& sha = step_->sha256();
     package_fingerprint_ = std::stoull(sha.substr(0, 15), nullptr, 16);
   }
@@ -83,7 +85,7 @@ std::optional<torch::Tensor> DistributedModel::compiled_loss(const torch::Tensor
     return std::nullopt;
   }
   ddp_->before_forward(sync);
-  return step_->loss(params_, input, target);
+  return step_->loss(params_, buffers_, input, target);
 }
 
 }  // namespace keel

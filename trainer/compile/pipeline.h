@@ -123,7 +123,7 @@ class DistributedModel {
   std::shared_ptr<CompileReport> report_;
   std::unique_ptr<dist::DataParallel> ddp_;
   std::shared_ptr<InductorStep> step_;
-  std::vector<torch::Tensor> params_;            // the model's, in the package's order
+  std::vector<torch::Tensor> params_, buffers_;  // the model's, in the package's order
   std::set<std::vector<int64_t>> eager_shapes_;  // batch shapes seen that the package does not take
   int64_t max_recompiles_ = 0;
   uint64_t package_fingerprint_ = 0;

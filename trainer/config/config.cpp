@@ -11,6 +11,7 @@
 #include "keel/trainer/fault/fault.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
@@ -402,6 +403,20 @@ void validate(Config& cfg) {
   if (cfg.model.name.empty()) fail("model.name must not be empty");
   if (cfg.model.name == "torchscript" && cfg.model.path.empty())
     fail("model.name = \"torchscript\" needs model.path (a TorchScript file)");
+  if (cfg.model.name == "python") {
+    const std::string& p = cfg.model.path;
+    if (p.size() < 4 || p.compare(p.size() - 3, 3, ".py") != 0)
+      fail("model.name = \"python\" needs model.path = a Python file (*.py) defining model.factory (got \"" + p +
+           "\")");
+    const std::string& f = cfg.model.factory;
+    if (f.empty() || std::isdigit(static_cast<unsigned char>(f[0])) ||
+        f.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") != std::string::npos)
+      fail("model.factory = \"" + f + "\" is not a Python function name");
+    if (cfg.compile.mode != CompileMode::Inductor)
+      fail(std::string("model.name = \"python\" runs the module as an AOTInductor package and needs "
+                       "compile.mode = \"inductor\" (got \"") +
+           choice_name(kCompileModes, cfg.compile.mode) + "\")");
+  }
   if (cfg.data.name.empty()) fail("data.name must not be empty");
   if (cfg.checkpoint.async && cfg.checkpoint.keep < 2)
     fail("checkpoint.keep must be at least 2 with checkpoint.async = true (got " + std::to_string(cfg.checkpoint.keep) +

@@ -136,8 +136,15 @@ void run_keys(SchemaBuilder& b) {
 // [model]
 void model_keys(SchemaBuilder& b) {
   using C = Config;
-  b.add("model", &C::model, "name", &ModelConfig::name, "model: mlp | cnn | gpt | torchscript | a registered name");
-  b.add("model", &C::model, "path", &ModelConfig::path, "TorchScript file to train (model.name = torchscript)");
+  b.add("model", &C::model, "name", &ModelConfig::name,
+        "model: mlp | cnn | gpt | torchscript | python (a PyTorch module, compiled: compile.mode = inductor) | a "
+        "registered name");
+  b.add("model", &C::model, "path", &ModelConfig::path,
+        "the file of a user's model: a TorchScript file (model.name = torchscript) or a Python file defining "
+        "model.factory (model.name = python)");
+  b.add("model", &C::model, "factory", &ModelConfig::factory,
+        "model.name = python: the function in model.path that returns the nn.Module; it may take config (the "
+        "[model] section as a dict)");
   range(b.add("model", &C::model, "width", &ModelConfig::width,
               "hidden width; 0 = the model's default (mlp 256, gpt 256)"),
         0, 1 << 20);
@@ -150,7 +157,7 @@ void model_keys(SchemaBuilder& b) {
         1 << 20);
   range(b.add("model", &C::model, "vocab", &ModelConfig::vocab, "vocabulary size (gpt; byte-level = 256)"), 2, 1 << 24);
   b.add("model", &C::model, "input", &ModelConfig::input, kModelInputs,
-        "input kind of a torchscript model: auto (from the data) | image | tokens");
+        "input kind of a torchscript or python model: auto (from the data) | image | tokens");
   b.add("model", &C::model, "init_from", &ModelConfig::init_from,
         "safetensors weights to start from: a .safetensors file (e.g. PyTorch's safetensors.torch.save_file), a "
         "model.safetensors.index.json, or a directory holding either (a keel checkpoint step); every parameter and "

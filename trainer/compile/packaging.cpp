@@ -1,0 +1,149 @@
+#include "keel/trainer/compile/packaging.h"
+
+#include <fcntl.h>
+#include <sys/file.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+
+#include "keel/common/file.h"
+#include "keel/common/sha256.h"
+
+#ifdef KEEL_WITH_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+namespace keel::aot {
+
+std::string env_or(const char* name, const std::string& fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::string(v) : fallback;
+}
+
+bool is_file(const std::string& p) { return not_a_regular_file(p).empty(); }
+
+std::string home() { return env_or("HOME", "/tmp"); }
+
+std::string cache_root(const CompileConfig& c) {
+  if (!c.cache_dir.empty()) return c.cache_dir;
+  return env_or("XDG_CACHE_HOME", home() + "/.cache") + "/keel/compile";
+}
+
+// The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
+std::string python_for(const CompileConfig& c) {
+  if (!c.python.empty()) return c.python;
+  if (const std::string p = env_or("KEEL_PYTHON", ""); !p.empty()) return p;
+#ifdef KEEL_DEFAULT_PYTHON
+  if (is_file(KEEL_DEFAULT_PYTHON)) return KEEL_DEFAULT_PYTHON;
+#endif
+  return env_or("KEEL_VENV", home() + "/.cache/keel/venv") + "/bin/python";
+}
+
+// trainer/compile/aot_package.py: $KEEL_AOT_SCRIPT, the source tree this keel was built from,
+// or the installed copy (share/keel/).
+std::string script_path() {
+  std::vector<std::string> tried;
+  for (const std::string p : {
+           env_or("KEEL_AOT_SCRIPT", ""),
+#ifdef KEEL_AOT_SCRIPT_SOURCE
+           std::string(KEEL_AOT_SCRIPT_SOURCE),
+#endif
+#ifdef KEEL_AOT_SCRIPT_INSTALLED
+           std::string(KEEL_AOT_SCRIPT_INSTALLED),
+#endif
+       }) {
+    if (p.empty()) continue;
+    if (is_file(p)) return p;
+    tried.push_back(p);
+  }
+  std::string list;
+  for (const auto& t : tried) list += (list.empty() ? "" : ", ") + t;
+  throw std::runtime_error("compile.mode = \"inductor\": the packaging script aot_package.py is not found (tried " +
+                           list + "; set KEEL_AOT_SCRIPT)");
+}
+
+std::string sha256_of_file(const std::string& path) {
+  const std::string text = read_regular_file(path, uint64_t{1} << 34);
+  return sha256_hex(text);
+}
+
+// The first line a command prints (the C++ compiler's version for the cache key), "" if none.
+std::string first_line_of(const std::string& cmd) {
+  std::FILE* p = ::popen((cmd + " 2>/dev/null").c_str(), "r");
+  if (!p) return "";
+  char buf[512] = {0};
+  const bool got = std::fgets(buf, sizeof buf, p) != nullptr;
+  ::pclose(p);
+  std::string s = got ? buf : "";
+  while (!s.empty() && (s.back() == '\n' || s.back() == '\r')) s.pop_back();
+  return s;
+}
+
+std::string cpu_model() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("model name", 0) == 0 || line.rfind("flags", 0) == 0) return line;
+  return "";
+}
+
+std::string device_identity(const torch::Device& d) {
+  if (!d.is_cuda()) return "cpu|" + cpu_model();
+#ifdef KEEL_WITH_CUDA
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, d.has_index() ? d.index() : 0) == cudaSuccess)
+    return std::string("cuda|") + prop.name + "|sm_" + std::to_string(prop.major) + std::to_string(prop.minor);
+#endif
+  return "cuda";
+}
+
+// An exclusive flock held until the object dies (blocking: the other ranks wait while one
+// compiles).
+EntryLock::EntryLock(const std::string& path) {
+    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    if (fd_ < 0) throw std::runtime_error("compile cache: cannot open " + path + ": " + std::strerror(errno));
+    while (::flock(fd_, LOCK_EX) != 0)
+      if (errno != EINTR) throw std::runtime_error("compile cache: cannot lock " + path + ": " + std::strerror(errno));
+}
+
+EntryLock::~EntryLock() { ::close(fd_); }
+
+// Runs argv with stdout and stderr into `log`; the exit status (or 128 + signal).
+int run_logged(const std::vector<std::string>& argv, const std::string& log, const std::vector<std::string>& env) {
+  const pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error(std::string("cannot start the packaging step: fork: ") + std::strerror(errno));
+  if (pid == 0) {
+    const int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd >= 0) {
+      ::dup2(fd, 1);
+      ::dup2(fd, 2);
+    }
+    for (const auto& e : env) ::putenv(const_cast<char*>(e.c_str()));
+    std::vector<char*> args;
+    for (const auto& a : argv) args.push_back(const_cast<char*>(a.c_str()));
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
+    ::_exit(127);
+  }
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0)
+    if (errno != EINTR) throw std::runtime_error(std::string("waitpid: ") + std::strerror(errno));
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+// The last line of the log that is not empty (the packaging step's reason on failure).
+std::string last_line(const std::string& path) {
+  std::ifstream in(path);
+  std::string line, last;
+  while (std::getline(in, line))
+    if (line.find_first_not_of(" \t\r") != std::string::npos) last = line;
+  return last;
+}
+
+}  // namespace keel::aot

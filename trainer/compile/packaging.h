@@ -1,0 +1,52 @@
+// trainer/compile/packaging.h: running keel's Python packaging step (trainer/compile/aot_package.py)
+// and keeping what it makes in the compile cache. Internal to trainer/compile/ (inductor.cpp,
+// python_model.cpp); not installed.
+//
+// Owns: which Python and which script run (compile.python, $KEEL_PYTHON, the build's venv;
+// $KEEL_AOT_SCRIPT, the source tree, the installed copy), the cache directory, the per-entry lock
+// under which one process makes an entry while the others wait, running the step with its output
+// in a log, and the identity of the machine (CPU model and flags, GPU and its architecture, the
+// C++ compiler) that cache keys include.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <string>
+#include <vector>
+
+#include "keel/trainer/compile/config.h"
+
+namespace keel::aot {
+
+std::string env_or(const char* name, const std::string& fallback);
+bool is_file(const std::string& path);
+/// compile.cache_dir, else $XDG_CACHE_HOME/keel/compile (~/.cache/keel/compile).
+std::string cache_root(const CompileConfig& c);
+/// The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
+std::string python_for(const CompileConfig& c);
+/// aot_package.py's path; throws std::runtime_error naming where it looked.
+std::string script_path();
+std::string sha256_of_file(const std::string& path);
+/// The first line a shell command prints ("" if none): the C++ compiler's version for keys.
+std::string first_line_of(const std::string& cmd);
+/// "cpu|<model name or flags>" or "cuda|<name>|sm_XY".
+std::string device_identity(const torch::Device& d);
+/// Runs argv (with `env` added) with stdout and stderr into `log`; its exit status, or 128 + signal.
+int run_logged(const std::vector<std::string>& argv, const std::string& log, const std::vector<std::string>& env);
+/// The last line of `path` that is not blank (the packaging step's one-line reason on failure).
+std::string last_line(const std::string& path);
+
+/// An exclusive flock on `path`, held until the object dies: blocks while another process (a
+/// rank on this host, or on another host sharing the directory) holds it.
+class EntryLock {
+ public:
+  explicit EntryLock(const std::string& path);
+  ~EntryLock();
+  EntryLock(const EntryLock&) = delete;
+  EntryLock& operator=(const EntryLock&) = delete;
+
+ private:
+  int fd_ = -1;
+};
+
+}  // namespace keel::aot
