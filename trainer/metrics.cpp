@@ -14,6 +14,7 @@
 #include "keel/common/atomic_file.h"
 #include "keel/common/log.h"
 #include "keel/trainer/config/config.h"
+#include "keel/trainer/tensorboard.h"
 
 namespace keel {
 
@@ -118,6 +119,125 @@ void StragglerWatch::observe(const std::vector<double>& c) {
           "other ranks) for 20 steps in a row; every rank waits for it (rank_compute_ms in metrics.jsonl)",
           r, c[r], m);
   }
+}
+
+StepRecord& StepRecord::add(std::string key, std::string tag, nlohmann::json value) {
+  fields.push_back({std::move(key), std::move(tag), std::move(value)});
+  return *this;
+}
+
+double StepRecord::number(const std::string& key) const {
+  for (const auto& f : fields)
+    if (f.key == key && f.value.is_number()) return f.value.get<double>();
+  return std::nan("");
+}
+
+RunMetrics::RunMetrics() = default;
+RunMetrics::~RunMetrics() = default;
+RunMetrics::RunMetrics(RunMetrics&&) noexcept = default;
+RunMetrics& RunMetrics::operator=(RunMetrics&&) noexcept = default;
+
+void RunMetrics::open(const Options& o) {
+  o_ = o;
+  if (o.main) {
+    const std::string path = o.dir + "/metrics.jsonl";
+    if (o.resumed_from)
+      truncate_metrics(path, *o.resumed_from);  // a resumed run rewrites what followed
+    else
+      std::remove(path.c_str());  // a fresh run starts a fresh file
+    jsonl_ = JsonlWriter(path);
+    if (o.tensorboard) {
+      try {
+        tb_ = std::make_unique<EventWriter>(o.dir + "/tb");
+        if (o.resumed_from) tb_->resumed_at(*o.resumed_from + 1);  // TensorBoard drops what follows, too
+      } catch (const std::runtime_error& e) {
+        logging::warn("{}: training goes on without TensorBoard events", e.what());
+      }
+    }
+  }
+  show_progress_ = o.progress && o.main;
+  stragglers_ = StragglerWatch(o.world);
+  step_times_.reserve(static_cast<size_t>(std::clamp<int64_t>(o.steps_left, 0, static_cast<int64_t>(kStepTimesKept))));
+}
+
+void RunMetrics::set_mfu(double flops_per_sample, double peak_tflops, int64_t global_batch, int64_t world) {
+  flops_per_sample_ = flops_per_sample;
+  peak_tflops_ = peak_tflops;
+  global_batch_ = global_batch;
+  world_ = world;
+}
+
+void RunMetrics::step_time(double ms) {
+  if (step_times_.size() < kStepTimesKept)
+    step_times_.push_back(ms);
+  else
+    step_times_[static_cast<size_t>(steps_timed_) % kStepTimesKept] = ms;
+  ema_ms_ = steps_timed_ == 0 ? ms : 0.9 * ema_ms_ + 0.1 * ms;
+  ++steps_timed_;
+}
+
+void RunMetrics::observe_ranks(const std::vector<double>& rank_compute_ms) { stragglers_.observe(rank_compute_ms); }
+
+// The median of the last 100 step times: what ETA and MFU use (robust to one slow step).
+double RunMetrics::recent_median_ms() const {
+  const size_t n = std::min<size_t>(step_times_.size(), 100);
+  std::vector<double> recent;
+  recent.reserve(n);
+  const size_t end = static_cast<size_t>(steps_timed_);  // the next slot of the ring
+  for (size_t k = 1; k <= n; ++k) recent.push_back(step_times_[(end - k) % step_times_.size()]);
+  return median(recent);
+}
+
+double RunMetrics::median_step_ms() const {
+  // The first 5 steps are warm-up (allocator, caches, lazy init); after the ring wrapped they
+  // are overwritten already.
+  const size_t warm = step_times_.size() > 5 && steps_timed_ <= static_cast<int64_t>(kStepTimesKept) ? 5 : 0;
+  return median(std::vector<double>(step_times_.begin() + static_cast<std::ptrdiff_t>(warm), step_times_.end()));
+}
+
+void RunMetrics::record(StepRecord& rec, int64_t total) {
+  const double typical_ms = recent_median_ms();
+  eta_s_ = static_cast<double>(total - rec.step) * typical_ms / 1000.0;
+  rec.add("eta_s", "", eta_s_);
+  if (peak_tflops_ > 0 && typical_ms > 0) {
+    // Achieved FLOP/s of the job over what its ranks' devices can do.
+    mfu_ = flops_per_sample_ * static_cast<double>(global_batch_) / (typical_ms / 1000.0) /
+           (peak_tflops_ * 1e12 * static_cast<double>(world_));
+    rec.add("mfu", "train/mfu", *mfu_);
+  }
+  if (o_.main) {
+    nlohmann::json line = nlohmann::json::object();
+    line["step"] = rec.step;
+    std::vector<std::pair<std::string, double>> tb;
+    for (const auto& f : rec.fields) {
+      if (!f.key.empty()) line[f.key] = f.value;
+      if (!f.tag.empty() && f.value.is_number()) tb.emplace_back(f.tag, f.value.get<double>());
+    }
+    jsonl_.write(line);
+    if (tb_) tb_->scalars(rec.step, tb);
+  }
+  if (show_progress_) {
+    std::printf("\r\033[Kstep %ld/%ld | loss %.4f | %.1f it/s | ETA %s", long(rec.step), long(total),
+                rec.number("loss"), 1000.0 / ema_ms_, format_duration((total - rec.step) * ema_ms_ / 1000.0).c_str());
+    std::fflush(stdout);
+  }
+  if (rec.step % o_.log_interval == 0 || rec.step == total) {
+    if (tb_) tb_->flush();
+    log_line(rec, total);
+  }
+}
+
+// Every rank (the logger shows rank 0's unless run.all_ranks_log).
+void RunMetrics::log_line(const StepRecord& rec, int64_t total) const {
+  logging::log(show_progress_ ? logging::Level::debug : logging::Level::info,
+               "step {}/{} | loss {:.4f} | lr {:.3g} | {:.1f} ms/step | {:.0f} samples/s{} | ETA {}", rec.step, total,
+               rec.number("loss"), rec.number("lr"), rec.number("step_ms"), rec.number("samples_per_s"),
+               mfu_ ? fmt::format(" | MFU {:.1f}%", *mfu_ * 100.0) : std::string(), format_duration(eta_s_));
+}
+
+void RunMetrics::finish() {
+  if (show_progress_) std::printf("\n");
+  if (tb_) tb_->flush();
 }
 
 }  // namespace keel

@@ -47,7 +47,6 @@
 #include "keel/trainer/rank_agreement.h"
 #include "keel/trainer/setup.h"
 #include "keel/trainer/state.h"
-#include "keel/trainer/tensorboard.h"
 #include "keel/version.h"
 
 namespace keel {
@@ -298,13 +297,13 @@ class Trainer::Loop {
   std::optional<EvalResult> maybe_evaluate(int64_t step);
   EvalResult evaluate(int64_t step);
   void log_step(const StepResult& r, const std::optional<EvalResult>& eval);
+  StepRecord step_record(const StepResult& r, const std::optional<EvalResult>& eval) const;
   void maybe_checkpoint(int64_t step);
   // The end.
   void finish();
   Summary summary() const;
   void save_checkpoint(int64_t step);
   void notify_checkpoint();
-  void record_step_time(double ms);
   std::runtime_error out_of_memory(const std::string& what, bool committed_step) const;
 
   const Config& cfg_;
@@ -345,22 +344,8 @@ class Trainer::Loop {
   int64_t notified_step_ = -1;
   double checkpoint_stall_ms_ = 0;
 
-  JsonlWriter metrics_;
-  bool show_progress_ = false;
-  // Step times for the summary's median: every step up to kStepTimesKept, then the most recent
-  // ones (a ring), so that memory stays bounded however many steps are planned.
-  static constexpr size_t kStepTimesKept = size_t{1} << 20;
-  std::vector<double> step_times_;
-  int64_t steps_timed_ = 0;
-  double ema_ms_ = 0;
-  std::unique_ptr<EventWriter> tb_;         // rank 0, run.tensorboard
+  RunMetrics metrics_;                      // metrics.jsonl, TensorBoard, the log line, step times
   std::unique_ptr<StepProfiler> profiler_;  // run.profile_steps
-  double flops_per_sample_ = 0;             // the model's, 0 = unknown (no MFU)
-  double peak_tflops_ = 0;                  // one rank's: run.peak_tflops or measured at start
-  std::optional<double> last_mfu_;          // at the last log line
-  double last_eta_s_ = 0;
-  double recent_median_ms() const;
-  void write_tensorboard(const StepResult& r, const std::optional<EvalResult>& eval);
   std::optional<EvalResult> last_eval_;
   int stop_signal_ = 0;              // the signal that stopped the run (every rank the same, after finish())
   bool stopped_ = false;             // the step consensus said some rank was asked to stop
@@ -368,7 +353,6 @@ class Trainer::Loop {
   int64_t current_step_ = 0;         // the step begun last (with a late consensus, one ahead of steps_done)
   bool late_ = false;                // dist.consensus resolved: the consensus is read one step late
   FusedOptimizer* fused_ = nullptr;  // optimizer_, when fused (the update can skip on the device)
-  StragglerWatch stragglers_;
 };
 
 Trainer::Loop::Loop(const Config& cfg, const dist::World& world, const Callbacks& cb)
@@ -607,31 +591,23 @@ void Trainer::Loop::open_outputs() {
   if (world_.is_main()) {
     if (const std::string err = make_dirs(cfg_.run.dir); !err.empty()) throw InputError("run.dir: " + err);
     write_atomic(cfg_.run.dir + "/config.toml", dump_toml(cfg_));
-    const std::string path = cfg_.run.dir + "/metrics.jsonl";
-    if (resumed_from_)
-      truncate_metrics(path, *resumed_from_);  // a resumed run rewrites what followed
-    else
-      std::remove(path.c_str());  // a fresh run starts a fresh file
-    metrics_ = JsonlWriter(path);
-    if (cfg_.run.tensorboard) {
-      try {
-        tb_ = std::make_unique<EventWriter>(cfg_.run.dir + "/tb");
-        if (resumed_from_) tb_->resumed_at(*resumed_from_ + 1);  // TensorBoard drops what follows, too
-      } catch (const std::runtime_error& e) {
-        logging::warn("{}: training goes on without TensorBoard events", e.what());
-      }
-    }
   }
+  RunMetrics::Options mo;
+  mo.dir = cfg_.run.dir;
+  mo.main = world_.is_main();
+  mo.tensorboard = cfg_.run.tensorboard;
+  mo.progress = cfg_.run.progress && ::isatty(STDOUT_FILENO);
+  mo.log_interval = cfg_.train.log_interval;
+  mo.world = world_.size;
+  mo.resumed_from = resumed_from_;
+  mo.steps_left = progress_.total_steps - progress_.steps_done;
+  metrics_.open(mo);
   if (const auto range = parse_profile_steps(cfg_.run.profile_steps)) {
     // Every rank writes its own trace into run.dir (which, across hosts, may be its host's own).
     if (const std::string err = make_dirs(cfg_.run.dir); !err.empty()) throw InputError("run.dir: " + err);
     profiler_ = std::make_unique<StepProfiler>(
         range, cfg_.run.dir + "/trace.rank" + std::to_string(world_.rank) + ".json", device_);
   }
-  show_progress_ = cfg_.run.progress && world_.is_main() && ::isatty(STDOUT_FILENO);
-  stragglers_ = StragglerWatch(world_.size);
-  step_times_.reserve(static_cast<size_t>(
-      std::clamp<int64_t>(progress_.total_steps - progress_.steps_done, 0, static_cast<int64_t>(kStepTimesKept))));
   logging::info("keel {} | LibTorch {} | {} threads | device {}", KEEL_VERSION, TORCH_VERSION, threads_, device_.str());
   logging::info(
       "model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
@@ -639,24 +615,13 @@ void Trainer::Loop::open_outputs() {
       model_->name(), model_->num_parameters(), cfg_.data.name, splits_.train->size(),
       splits_.test ? splits_.test->size() : 0, progress_.total_steps, progress_.global_batch, cfg_.train.batch_size,
       cfg_.train.grad_accum, world_.size, sampler_->batches_per_epoch());
-  flops_per_sample_ = model_->train_flops_per_sample();
-  if (flops_per_sample_ > 0) {
+  if (const double flops = model_->train_flops_per_sample(); flops > 0) {
     const bool given = cfg_.run.peak_tflops > 0;
-    peak_tflops_ = given ? cfg_.run.peak_tflops : measure_peak_tflops(device_, amp_);
-    logging::info("MFU against a peak of {:.3g} TFLOP/s per rank ({}); the model: {:.3g} GFLOP per sample",
-                  peak_tflops_, given ? "run.peak_tflops" : "measured: a square matrix multiply on " + device_.str(),
-                  flops_per_sample_ / 1e9);
+    const double peak = given ? cfg_.run.peak_tflops : measure_peak_tflops(device_, amp_);
+    metrics_.set_mfu(flops, peak, progress_.global_batch, world_.size);
+    logging::info("MFU against a peak of {:.3g} TFLOP/s per rank ({}); the model: {:.3g} GFLOP per sample", peak,
+                  given ? "run.peak_tflops" : "measured: a square matrix multiply on " + device_.str(), flops / 1e9);
   }
-}
-
-// The median of the last 100 step times: what ETA and MFU use (robust to one slow step).
-double Trainer::Loop::recent_median_ms() const {
-  const size_t n = std::min<size_t>(step_times_.size(), 100);
-  std::vector<double> recent;
-  recent.reserve(n);
-  const size_t end = static_cast<size_t>(steps_timed_);  // the next slot of the ring
-  for (size_t k = 1; k <= n; ++k) recent.push_back(step_times_[(end - k) % step_times_.size()]);
-  return median(recent);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -760,7 +725,7 @@ void Trainer::Loop::resolve_step(InFlight& f) {
   r.loss = r.consensus.mean_loss;
   r.skipped = r.consensus.any_nonfinite;
   r.stop = (r.consensus.any_flags & kFlagStop) != 0;
-  if (world_.is_main()) stragglers_.observe(r.consensus.rank_compute_ms);
+  if (world_.is_main()) metrics_.observe_ranks(r.consensus.rank_compute_ms);
   if (r.skipped && !scaler_ && !cfg_.train.skip_nonfinite)
     throw std::runtime_error("non-finite training loss or gradients at step " + std::to_string(r.step) +
                              " (local loss " + std::to_string(r.local_loss) +
@@ -789,7 +754,7 @@ void Trainer::Loop::finish_step(InFlight& f, std::optional<Clock::time_point> ne
   r.step_ms = next_t0 ? std::chrono::duration<double, std::milli>(*next_t0 - f.t0).count() : ms_since(f.t0);
   progress_.steps_done = r.step;
   progress_.last_loss = r.loss;
-  record_step_time(r.step_ms);
+  metrics_.step_time(r.step_ms);
   const std::optional<EvalResult> eval = maybe_evaluate(r.step);
   log_step(r, eval);
   maybe_checkpoint(r.step);
@@ -803,15 +768,6 @@ bool Trainer::Loop::needs_host(int64_t step) const {
   const int64_t e = cfg_.train.eval_interval, c = cfg_.checkpoint.interval;
   return step == progress_.total_steps || step == steps_at_loop_ + 1 || (e > 0 && step % e == 0) ||
          (ckpt_ && c > 0 && step % c == 0);
-}
-
-void Trainer::Loop::record_step_time(double ms) {
-  if (step_times_.size() < kStepTimesKept)
-    step_times_.push_back(ms);
-  else
-    step_times_[static_cast<size_t>(steps_timed_) % kStepTimesKept] = ms;
-  ema_ms_ = steps_timed_ == 0 ? ms : 0.9 * ema_ms_ + 0.1 * ms;
-  ++steps_timed_;
 }
 
 // Forward and backward over the step's micro-batches; returns this rank's mean loss, a float64
@@ -980,77 +936,38 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   return r;
 }
 
-// metrics.jsonl (every step), Callbacks::on_step, the progress line, and the log line.
-void Trainer::Loop::log_step(const StepResult& r, const std::optional<EvalResult>& eval) {
-  const StepInfo info{r.step, r.loss, r.lr, r.step_ms, progress_.global_batch * 1000.0 / r.step_ms};
-  const bool is_lm = spec_.kind == models::InputKind::Tokens;
-  nlohmann::json line = {{"step", info.step},
-                         {"loss", r.loss},
-                         {"lr", r.lr},
-                         {"step_ms", r.step_ms},
-                         {"samples_per_s", info.samples_per_s},
-                         {"epoch", r.epoch}};
-  if (is_lm) line["tokens_per_s"] = info.samples_per_s * spec_.sample_shape.at(0);
-  if (cfg_.train.grad_clip > 0) line["grad_norm"] = r.grad_norm;
-  if (world_.size > 1) line["rank_compute_ms"] = r.consensus.rank_compute_ms;
-  if (scaler_) line["loss_scale"] = r.loss_scale;
-  if (r.skipped) line["skipped"] = true;
-  if (eval) {
-    line["test_loss"] = eval->loss;
-    line["test_accuracy"] = eval->accuracy;
-  }
-  const int64_t total = progress_.total_steps;
-  const double typical_ms = recent_median_ms();
-  last_eta_s_ = static_cast<double>(total - r.step) * typical_ms / 1000.0;
-  line["eta_s"] = last_eta_s_;
-  if (peak_tflops_ > 0 && typical_ms > 0) {
-    // Achieved FLOP/s of the job over what its ranks' devices can do.
-    last_mfu_ = flops_per_sample_ * static_cast<double>(progress_.global_batch) / (typical_ms / 1000.0) /
-                (peak_tflops_ * 1e12 * static_cast<double>(world_.size));
-    line["mfu"] = *last_mfu_;
-  }
-  metrics_.write(line);
-  if (tb_) write_tensorboard(r, eval);
-  if (cb_.on_step) cb_.on_step(info);
-
-  if (show_progress_) {
-    std::printf("\r\033[Kstep %ld/%ld | loss %.4f | %.1f it/s | ETA %s", long(r.step), long(total), r.loss,
-                1000.0 / ema_ms_, format_duration((total - r.step) * ema_ms_ / 1000.0).c_str());
-    std::fflush(stdout);
-  }
-  if (r.step % cfg_.train.log_interval == 0 || r.step == total) {
-    if (tb_) tb_->flush();
-    logging::log(show_progress_ ? logging::Level::debug : logging::Level::info,
-                 "step {}/{} | loss {:.4f} | lr {:.3g} | {:.1f} ms/step | {:.0f} samples/s{} | ETA {}", r.step, total,
-                 r.loss, r.lr, r.step_ms, info.samples_per_s,
-                 last_mfu_ ? fmt::format(" | MFU {:.1f}%", *last_mfu_ * 100.0) : std::string(),
-                 format_duration(last_eta_s_));
-  }
-}
-
-// The step's scalars, as in metrics.jsonl, for TensorBoard.
-void Trainer::Loop::write_tensorboard(const StepResult& r, const std::optional<EvalResult>& eval) {
-  std::vector<std::pair<std::string, double>> v = {
-      {"train/loss", r.loss},
-      {"train/lr", r.lr},
-      {"train/step_ms", r.step_ms},
-      {"train/samples_per_s", progress_.global_batch * 1000.0 / r.step_ms},
-      {"train/skipped_steps", static_cast<double>(progress_.skipped_steps)}};
+// The step's scalars, each once: its metrics.jsonl key and its TensorBoard tag.
+StepRecord Trainer::Loop::step_record(const StepResult& r, const std::optional<EvalResult>& eval) const {
+  StepRecord rec;
+  rec.step = r.step;
+  const double samples_per_s = progress_.global_batch * 1000.0 / r.step_ms;
+  rec.add("loss", "train/loss", r.loss)
+      .add("lr", "train/lr", r.lr)
+      .add("step_ms", "train/step_ms", r.step_ms)
+      .add("samples_per_s", "train/samples_per_s", samples_per_s)
+      .add("epoch", "", r.epoch)
+      .add("", "train/skipped_steps", progress_.skipped_steps);
   if (spec_.kind == models::InputKind::Tokens)
-    v.emplace_back("train/tokens_per_s", v[3].second * static_cast<double>(spec_.sample_shape.at(0)));
-  if (scaler_) v.emplace_back("train/loss_scale", r.loss_scale);
-  if (cfg_.train.grad_clip > 0) v.emplace_back("train/grad_norm", r.grad_norm);
-  if (last_mfu_) v.emplace_back("train/mfu", *last_mfu_);
+    rec.add("tokens_per_s", "train/tokens_per_s", samples_per_s * static_cast<double>(spec_.sample_shape.at(0)));
+  if (scaler_) rec.add("loss_scale", "train/loss_scale", r.loss_scale);
+  if (cfg_.train.grad_clip > 0) rec.add("grad_norm", "train/grad_norm", r.grad_norm);
+  if (r.skipped) rec.add("skipped", "", true);
   const auto& c = r.consensus.rank_compute_ms;
+  if (world_.size > 1) rec.add("rank_compute_ms", "", c);
   if (c.size() > 1) {  // how far apart the ranks' forward+backward times are: stragglers
     const auto [lo, hi] = std::minmax_element(c.begin(), c.end());
-    v.emplace_back("dist/rank_compute_spread_ms", *hi - *lo);
+    rec.add("", "dist/rank_compute_spread_ms", *hi - *lo);
   }
-  if (eval) {
-    v.emplace_back("eval/loss", eval->loss);
-    v.emplace_back("eval/accuracy", eval->accuracy);
-  }
-  tb_->scalars(r.step, v);
+  if (eval) rec.add("test_loss", "eval/loss", eval->loss).add("test_accuracy", "eval/accuracy", eval->accuracy);
+  return rec;
+}
+
+// One record of the step feeds metrics.jsonl, TensorBoard, the progress and log lines
+// (RunMetrics), and Callbacks::on_step.
+void Trainer::Loop::log_step(const StepResult& r, const std::optional<EvalResult>& eval) {
+  StepRecord rec = step_record(r, eval);
+  metrics_.record(rec, progress_.total_steps);
+  if (cb_.on_step) cb_.on_step(StepInfo{r.step, r.loss, r.lr, r.step_ms, rec.number("samples_per_s")});
 }
 
 // checkpoint.interval: a save every `interval` steps (the final one is finish()'s).
@@ -1090,9 +1007,9 @@ std::runtime_error Trainer::Loop::out_of_memory(const std::string& what, bool co
 // After the loop: the evaluation of a run resumed at its end, the final checkpoint (also after
 // a stop signal) and its commit, and leaving together.
 void Trainer::Loop::finish() {
-  if (show_progress_) std::printf("\n");
+  metrics_.finish();
   const int64_t done = progress_.steps_done;
-  if (steps_timed_ == 0 && done >= progress_.total_steps) {
+  if (metrics_.steps_timed() == 0 && done >= progress_.total_steps) {
     logging::info("checkpoint step {} is the end of this run ({} steps): nothing to train", done,
                   progress_.total_steps);
     if (cfg_.train.eval_interval > 0) {
@@ -1105,7 +1022,6 @@ void Trainer::Loop::finish() {
     ckpt_->finish();
     notify_checkpoint();
   }
-  if (tb_) tb_->flush();
   if (profiler_) profiler_->finish();
   dmodel_->sync_buffers();  // every rank ends with rank 0's model
   if (cb_.on_end) cb_.on_end(*model_);
@@ -1144,10 +1060,7 @@ Summary Trainer::Loop::summary() const {
   s.planned_steps = progress_.total_steps;
   s.completed = s.steps == s.planned_steps && !stop_signal_;
   if (stop_signal_) s.stop_signal = stop_signal_;
-  // The median excludes the first 5 steps (warm-up: allocator, caches, lazy init); after the
-  // ring wrapped they are overwritten already.
-  const size_t warm = step_times_.size() > 5 && steps_timed_ <= static_cast<int64_t>(kStepTimesKept) ? 5 : 0;
-  s.median_step_ms = median(std::vector<double>(step_times_.begin() + warm, step_times_.end()));
+  s.median_step_ms = metrics_.median_step_ms();  // the first 5 steps (warm-up) excluded
   s.samples_per_s = s.global_batch * 1000.0 / s.median_step_ms;
   if (spec_.kind == models::InputKind::Tokens) s.tokens_per_s = s.samples_per_s * spec_.sample_shape.at(0);
   s.final_loss = progress_.last_loss;
@@ -1171,9 +1084,9 @@ Summary Trainer::Loop::summary() const {
     if (::getrusage(RUSAGE_SELF, &ru) == 0) s.peak_rss_mb = static_cast<double>(ru.ru_maxrss) / 1024.0;  // KiB on Linux
   }
   s.rendezvous_ms = rendezvous_ms_;
-  s.eta_s = last_eta_s_;
-  s.mfu = last_mfu_;
-  if (peak_tflops_ > 0) s.peak_tflops = peak_tflops_;
+  s.eta_s = metrics_.eta_s();
+  s.mfu = metrics_.mfu();
+  if (metrics_.peak_tflops() > 0) s.peak_tflops = metrics_.peak_tflops();
   const dist::TrafficStats t = coll_->traffic() - traffic_at_loop_;
   const int64_t n = progress_.steps_done - steps_at_loop_;
   if (n > 0)

@@ -48,7 +48,7 @@ std::string python_for(const CompileConfig& c) {
 // or the installed copy (share/keel/).
 std::string script_path() {
   std::vector<std::string> tried;
-  for (const std::string p : {
+  for (const std::string& p : {
            env_or("KEEL_AOT_SCRIPT", ""),
 #ifdef KEEL_AOT_SCRIPT_SOURCE
            std::string(KEEL_AOT_SCRIPT_SOURCE),
@@ -105,10 +105,10 @@ std::string device_identity(const torch::Device& d) {
 // An exclusive flock held until the object dies (blocking: the other ranks wait while one
 // compiles).
 EntryLock::EntryLock(const std::string& path) {
-    fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    if (fd_ < 0) throw std::runtime_error("compile cache: cannot open " + path + ": " + std::strerror(errno));
-    while (::flock(fd_, LOCK_EX) != 0)
-      if (errno != EINTR) throw std::runtime_error("compile cache: cannot lock " + path + ": " + std::strerror(errno));
+  fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd_ < 0) throw std::runtime_error("compile cache: cannot open " + path + ": " + std::strerror(errno));
+  while (::flock(fd_, LOCK_EX) != 0)
+    if (errno != EINTR) throw std::runtime_error("compile cache: cannot lock " + path + ": " + std::strerror(errno));
 }
 
 EntryLock::~EntryLock() { ::close(fd_); }

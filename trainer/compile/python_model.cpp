@@ -77,14 +77,10 @@ std::shared_ptr<torch::nn::Module> build_tree(const checkpoint::SafetensorsFile&
 // for the one that makes it.
 std::string initial_weights(const Config& cfg, const std::string& module_spec, const nlohmann::json& example) {
   const std::string script = aot::script_path();
-  const nlohmann::json k = {{"format", kInitFormat},
-                            {"script", aot::sha256_of_file(script)},
-                            {"module", module_spec},
-                            {"module_sha256", aot::sha256_of_file(cfg.model.path)},
-                            {"seed", cfg.run.seed},
-                            {"model_config", model_config_json(cfg)},
-                            {"example", example},
-                            {"torch", TORCH_VERSION}};
+  const nlohmann::json k = {{"format", kInitFormat}, {"script", aot::sha256_of_file(script)},
+                            {"module", module_spec}, {"module_sha256", aot::sha256_of_file(cfg.model.path)},
+                            {"seed", cfg.run.seed},  {"model_config", model_config_json(cfg)},
+                            {"example", example},    {"torch", TORCH_VERSION}};
   const std::string dir = aot::cache_root(cfg.compile) + "/inductor";
   if (const std::string err = make_dirs(dir); !err.empty()) throw InputError("compile.cache_dir: " + err);
   const std::string base = dir + "/init-" + sha256_hex(k.dump()).substr(0, 32);
@@ -168,9 +164,10 @@ models::NamedTensors PythonModel::named_buffers() const {
 
 void PythonModel::attach(std::shared_ptr<InductorStep> step) {
   if (step && !step->has_forward())
-    throw CompileError("model.name = \"python\": the package has no evaluation forward, and the module has no C++ "
-                       "code to evaluate with: " +
-                       step->no_forward_reason());
+    throw CompileError(
+        "model.name = \"python\": the package has no evaluation forward, and the module has no C++ "
+        "code to evaluate with: " +
+        step->no_forward_reason());
   step_ = std::move(step);
 }
 
