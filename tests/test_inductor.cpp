@@ -431,3 +431,51 @@ TEST(Inductor, APythonModuleIsRefusedNamingTheKeyTheFileOrTheLine) {
   EXPECT_EQ(branch.exit_code, 2) << branch.output;
   EXPECT_TRUE(contains(branch.output, "graph break at " + d.file("branchy.py") + ":8")) << branch.output;
 }
+
+// Custom ops from a shared library (compile.libraries, tests/custom_ops/keel_test_ops.cpp): one
+// registered with TORCH_LIBRARY with a schema and a fake (Meta) kernel compiles into the package,
+// which calls it from C++ (keel loads the library too): a module using it trains exactly like the
+// same module written with plain torch ops. One without a fake kernel is refused with exit 2,
+// naming the op and the fix.
+TEST(Inductor, ACustomOpWithAFakeKernelCompilesIntoTheStepAndOneWithoutIsRefused) {
+  TempDir d;
+  const std::string lib = "--compile.libraries=" + std::string(KEEL_TEST_OPS_LIBRARY);
+  auto module = [&](const std::string& name, const std::string& prepare) {
+    write_text(d.file(name + ".py"),
+               "import torch\n"
+               "class Net(torch.nn.Module):\n"
+               "    def __init__(self):\n"
+               "        super().__init__()\n"
+               "        self.fc = torch.nn.Linear(784, 10)\n"
+               "    def forward(self, x):\n"
+               "        x = " +
+                   prepare +
+                   "\n"
+                   "        return self.fc(x.flatten(1))\n"
+                   "def build_model():\n"
+                   "    return Net()\n");
+    return d.file(name + ".py");
+  };
+  const std::string custom = module("custom", "torch.ops.keel_test.affine(x, 2.0, -0.5)");
+  const std::string plain = module("plain", "x * 2.0 + -0.5");
+  auto a = run_keel(python_args(d.file("custom"), 12, custom, {lib}), {}, 600);
+  ASSERT_EQ(a.exit_code, 0) << a.output;
+  auto b = run_keel(python_args(d.file("plain"), 12, plain), {}, 600);
+  ASSERT_EQ(b.exit_code, 0) << b.output;
+  EXPECT_EQ(summary(d.file("custom"))["compile_mode"], "inductor");
+  const auto la = metrics_losses(d.file("custom")), lb = metrics_losses(d.file("plain"));
+  ASSERT_EQ(la.size(), 12u);
+  ASSERT_EQ(la.size(), lb.size());
+  for (size_t i = 0; i < la.size(); ++i)
+    EXPECT_LE(std::abs(la[i].second - lb[i].second), 1e-5 * std::abs(lb[i].second)) << "step " << la[i].first;
+
+  auto refused =
+      run_keel(python_args(d.file("nofake"), 2, module("nofake", "torch.ops.keel_test.no_fake(x)"), {lib}), {}, 600);
+  EXPECT_EQ(refused.exit_code, 2) << refused.output;
+  EXPECT_TRUE(contains(refused.output, "custom op keel_test::no_fake has no fake kernel")) << refused.output;
+  EXPECT_TRUE(contains(refused.output, "TORCH_LIBRARY_IMPL(keel_test, Meta, m)")) << refused.output;
+
+  auto missing = run_keel(python_args(d.file("missing"), 2, custom, {"--compile.libraries=" + d.file("none.so")}));
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_TRUE(contains(missing.output, "compile.libraries: \"" + d.file("none.so") + "\" not found")) << missing.output;
+}

@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "keel/common/choices.h"
 
@@ -22,6 +23,8 @@ struct CompileConfig {
   bool cuda_graphs = false;
   bool max_autotune = false;  // inductor: autotune kernels (a slower compile)
   std::string python = "";    // inductor: the packaging step's Python; "" = $KEEL_PYTHON, else keel's venv
+  std::vector<std::string>
+      libraries;  // inductor: shared libraries of custom ops (TORCH_LIBRARY), loaded here and there
 };
 
 }  // namespace keel

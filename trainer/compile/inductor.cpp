@@ -96,6 +96,7 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
     k["buffers"] = req.buffer_names;
   }
   if (req.eval_batch > 0) k["eval_batch"] = req.eval_batch;
+  for (const auto& lib : req.cfg.libraries) k["libraries"].push_back(sha256_of_file(lib));  // the ops' code
   return sha256_hex(k.dump());
 }
 
@@ -157,6 +158,7 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   if (req.cfg.fullgraph) argv.push_back("--fullgraph");
   if (req.cfg.deterministic) argv.push_back("--deterministic");
   if (req.cfg.max_autotune) argv.push_back("--max-autotune");
+  for (auto& a : library_args(req.cfg.libraries)) argv.push_back(std::move(a));
   logging::info("compile: packaging the {} training step (batch {}, amp {}) with AOTInductor: {} (log: {})", req.model,
                 req.batch, req.amp, pt2, log);
   // Inductor's own cache beside keel's: a second key for the same graph reuses its kernels.
@@ -184,6 +186,7 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
         "compile.mode = \"inductor\" with amp.dtype = \"" + req.amp +
         "\" is not built yet (fp16 needs the loss scale inside the package); use bf16 or compile.mode = \"off\"");
   const auto t0 = Clock::now();
+  load_libraries(req.cfg.libraries);  // before the key (which hashes them) and the package (which calls their ops)
   const std::string key = cache_key(req);
   const std::string dir = cache_root(req.cfg) + "/inductor";
   if (const std::string err = make_dirs(dir); !err.empty()) throw InputError("compile.cache_dir: " + err);

@@ -1,5 +1,6 @@
 #include "keel/trainer/compile/packaging.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/wait.h>
@@ -11,6 +12,11 @@
 #include <cstring>
 #include <fstream>
 
+#include <filesystem>
+#include <mutex>
+#include <set>
+
+#include "keel/common/error.h"
 #include "keel/common/file.h"
 #include "keel/common/sha256.h"
 
@@ -144,6 +150,32 @@ std::string last_line(const std::string& path) {
   while (std::getline(in, line))
     if (line.find_first_not_of(" \t\r") != std::string::npos) last = line;
   return last;
+}
+
+void load_libraries(const std::vector<std::string>& paths) {
+  static std::mutex mu;
+  static std::set<std::string> loaded;
+  std::lock_guard<std::mutex> lock(mu);
+  for (const auto& p : paths) {
+    if (const std::string what = not_a_regular_file(p); !what.empty())
+      throw InputError("compile.libraries: \"" + p + "\" " + (what == "missing" ? "not found" : "is " + what));
+    const std::string abs = std::filesystem::absolute(p).lexically_normal().string();
+    if (loaded.count(abs)) continue;
+    if (::dlopen(abs.c_str(), RTLD_NOW | RTLD_GLOBAL) == nullptr) {
+      const char* err = ::dlerror();
+      throw InputError("compile.libraries: cannot load \"" + p + "\": " + (err ? err : "dlopen failed"));
+    }
+    loaded.insert(abs);
+  }
+}
+
+std::vector<std::string> library_args(const std::vector<std::string>& paths) {
+  std::vector<std::string> out;
+  for (const auto& p : paths) {
+    out.push_back("--load-library");
+    out.push_back(std::filesystem::absolute(p).lexically_normal().string());
+  }
+  return out;
 }
 
 }  // namespace keel::aot

@@ -35,6 +35,12 @@ std::string device_identity(const torch::Device& d);
 int run_logged(const std::vector<std::string>& argv, const std::string& log, const std::vector<std::string>& env);
 /// The last line of `path` that is not blank (the packaging step's one-line reason on failure).
 std::string last_line(const std::string& path);
+/// compile.libraries: each shared library loaded into this process once (dlopen, RTLD_NOW |
+/// RTLD_GLOBAL), so that the custom ops it registers with TORCH_LIBRARY are there when a package
+/// calls them. Throws InputError naming the key, the file and dlerror().
+void load_libraries(const std::vector<std::string>& paths);
+/// The packaging step's arguments for them: --load-library <absolute path> each.
+std::vector<std::string> library_args(const std::vector<std::string>& paths);
 
 /// An exclusive flock on `path`, held until the object dies: blocks while another process (a
 /// rank on this host, or on another host sharing the directory) holds it.

@@ -95,18 +95,19 @@ std::string initial_weights(const Config& cfg, const std::string& module_spec, c
       std::remove(file.c_str());
     }
   }
-  const std::vector<std::string> argv = {aot::python_for(cfg.compile),
-                                         script,
-                                         "--module",
-                                         module_spec,
-                                         "--example",
-                                         example.dump(),
-                                         "--model-config",
-                                         model_config_json(cfg).dump(),
-                                         "--seed",
-                                         std::to_string(cfg.run.seed),
-                                         "--init-out",
-                                         file};
+  std::vector<std::string> argv = {aot::python_for(cfg.compile),
+                                   script,
+                                   "--module",
+                                   module_spec,
+                                   "--example",
+                                   example.dump(),
+                                   "--model-config",
+                                   model_config_json(cfg).dump(),
+                                   "--seed",
+                                   std::to_string(cfg.run.seed),
+                                   "--init-out",
+                                   file};
+  for (auto& a : aot::library_args(cfg.compile.libraries)) argv.push_back(std::move(a));
   logging::info("model: taking the initial weights of {} (log: {})", module_spec, log);
   const int rc = aot::run_logged(argv, log, {});
   if (rc == 2)  // the module itself: not importable, a factory that fails or returns no module

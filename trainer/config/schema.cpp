@@ -300,6 +300,9 @@ void compile_keys(SchemaBuilder& b) {
   b.add("compile", &C::compile, "python", &CompileConfig::python,
         "inductor: the Python of the packaging step (torch 2.11); \"\" = $KEEL_PYTHON, else keel's venv "
         "(~/.cache/keel/venv)");
+  b.add("compile", &C::compile, "libraries", &CompileConfig::libraries,
+        "inductor: shared libraries (.so) of custom ops registered with TORCH_LIBRARY (each with a fake/Meta "
+        "kernel), loaded by keel and by the packaging step, so that the package calls the ops");
 }
 
 // [amp]
