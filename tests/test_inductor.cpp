@@ -380,16 +380,25 @@ TEST(Inductor, APythonModuleTrainsLikeTheBuiltInModelItTwins) {
                                    "--run.seed=7"}),
                        {}, 300);
   ASSERT_EQ(init.exit_code, 0) << init.output;
+  // Evaluation at step 20 in batches of 48 (64 test samples per rank: the second batch padded in
+  // the package), against the C++ mlp's eager evaluation.
   const std::string from = "--model.init_from=" + d.file("init-ckpt/step_1");
-  expect_all_ok(run_keel_ranks(2, model_args("mlp", d.file("cpp"), "off", 20, {from}), 900));
-  expect_all_ok(run_keel_ranks(
-      2, python_args(d.file("python"), 20, d.file("twin.py"), {from, "--model.depth=2", "--model.width=64"}), 900));
+  const std::vector<std::string> eval = {from, "--train.eval_interval=20", "--data.eval_batch_size=48"};
+  expect_all_ok(run_keel_ranks(2, model_args("mlp", d.file("cpp"), "off", 20, eval), 900));
+  auto python = eval;
+  python.insert(python.end(), {"--model.depth=2", "--model.width=64"});
+  expect_all_ok(run_keel_ranks(2, python_args(d.file("python"), 20, d.file("twin.py"), python), 900));
   EXPECT_EQ(summary(d.file("python"))["compile_mode"], "inductor");
   const auto la = metrics_losses(d.file("cpp")), lb = metrics_losses(d.file("python"));
   ASSERT_EQ(la.size(), 20u);
   ASSERT_EQ(la.size(), lb.size());
   for (size_t i = 0; i < la.size(); ++i)
     EXPECT_LE(std::abs(la[i].second - lb[i].second), 1e-4 * std::abs(la[i].second)) << "step " << la[i].first;
+  const auto sa = summary(d.file("cpp")), sb = summary(d.file("python"));
+  ASSERT_TRUE(sa["test_loss"].is_number() && sb["test_loss"].is_number()) << sb.dump(2);
+  const double ta = sa["test_loss"].get<double>(), tb = sb["test_loss"].get<double>();
+  EXPECT_LE(std::abs(ta - tb), 1e-4 * std::abs(ta)) << "test loss: C++ " << ta << ", package " << tb;
+  EXPECT_EQ(sa["test_accuracy"], sb["test_accuracy"]);
 }
 
 // What model.name = "python" refuses, with exit 2 naming the key, the file or the line: another
@@ -440,6 +449,7 @@ TEST(Inductor, APythonModuleIsRefusedNamingTheKeyTheFileOrTheLine) {
 TEST(Inductor, ACustomOpWithAFakeKernelCompilesIntoTheStepAndOneWithoutIsRefused) {
   TempDir d;
   const std::string lib = "--compile.libraries=" + std::string(KEEL_TEST_OPS_LIBRARY);
+  const std::string cpu = "--run.device=cpu";  // the test ops have CPU kernels only
   auto module = [&](const std::string& name, const std::string& prepare) {
     write_text(d.file(name + ".py"),
                "import torch\n"
@@ -458,9 +468,9 @@ TEST(Inductor, ACustomOpWithAFakeKernelCompilesIntoTheStepAndOneWithoutIsRefused
   };
   const std::string custom = module("custom", "torch.ops.keel_test.affine(x, 2.0, -0.5)");
   const std::string plain = module("plain", "x * 2.0 + -0.5");
-  auto a = run_keel(python_args(d.file("custom"), 12, custom, {lib}), {}, 600);
+  auto a = run_keel(python_args(d.file("custom"), 12, custom, {lib, cpu}), {}, 600);
   ASSERT_EQ(a.exit_code, 0) << a.output;
-  auto b = run_keel(python_args(d.file("plain"), 12, plain), {}, 600);
+  auto b = run_keel(python_args(d.file("plain"), 12, plain, {cpu}), {}, 600);
   ASSERT_EQ(b.exit_code, 0) << b.output;
   EXPECT_EQ(summary(d.file("custom"))["compile_mode"], "inductor");
   const auto la = metrics_losses(d.file("custom")), lb = metrics_losses(d.file("plain"));
@@ -469,13 +479,13 @@ TEST(Inductor, ACustomOpWithAFakeKernelCompilesIntoTheStepAndOneWithoutIsRefused
   for (size_t i = 0; i < la.size(); ++i)
     EXPECT_LE(std::abs(la[i].second - lb[i].second), 1e-5 * std::abs(lb[i].second)) << "step " << la[i].first;
 
-  auto refused =
-      run_keel(python_args(d.file("nofake"), 2, module("nofake", "torch.ops.keel_test.no_fake(x)"), {lib}), {}, 600);
+  auto refused = run_keel(
+      python_args(d.file("nofake"), 2, module("nofake", "torch.ops.keel_test.no_fake(x)"), {lib, cpu}), {}, 600);
   EXPECT_EQ(refused.exit_code, 2) << refused.output;
   EXPECT_TRUE(contains(refused.output, "custom op keel_test::no_fake has no fake kernel")) << refused.output;
   EXPECT_TRUE(contains(refused.output, "TORCH_LIBRARY_IMPL(keel_test, Meta, m)")) << refused.output;
 
-  auto missing = run_keel(python_args(d.file("missing"), 2, custom, {"--compile.libraries=" + d.file("none.so")}));
+  auto missing = run_keel(python_args(d.file("missing"), 2, custom, {"--compile.libraries=" + d.file("none.so"), cpu}));
   EXPECT_EQ(missing.exit_code, 2) << missing.output;
   EXPECT_TRUE(contains(missing.output, "compile.libraries: \"" + d.file("none.so") + "\" not found")) << missing.output;
 }

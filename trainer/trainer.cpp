@@ -35,6 +35,7 @@
 #include "keel/dist/process_group.h"
 #include "keel/trainer/app/log.h"
 #include "keel/trainer/compile/inductor.h"
+#include "keel/trainer/compile/packaging.h"
 #include "keel/trainer/compile/pipeline.h"
 #include "keel/trainer/compile/python_model.h"
 #include "keel/trainer/config/limits.h"
@@ -173,7 +174,7 @@ struct Progress : checkpoint::Stateful {
 // What compile.mode = "inductor" packages for this run: the model at the training batch, with
 // the run's precision, device and threads.
 InductorRequest inductor_request(const Config& cfg, const models::Model& model, const torch::Device& device,
-                                 const AmpContext& amp, int64_t threads) {
+                                 const AmpContext& amp, int64_t threads, const PythonModel* python = nullptr) {
   InductorRequest r;
   r.model = cfg.model.name;
   r.model_config = model_config_json(cfg);
@@ -184,11 +185,14 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   r.cfg = cfg.compile;
   for (const auto& [n, p] : model.named_parameters()) r.param_names.push_back(n);
   for (const auto& [n, b] : model.named_buffers()) r.buffer_names.push_back(n);
-  if (const auto* python = dynamic_cast<const PythonModel*>(&model)) {
+  if (python) {
     r.model = "python";
     r.module = python->module_spec();
     r.example = python->example(r.batch);
-    r.eval_batch = cfg.data.eval_batch_size;  // the module has no C++ code: evaluation runs in the package
+    // The module has no C++ code: evaluation (train.eval_interval > 0) runs in the package, and
+    // whatever cannot be captured whole is an error, as compile.fullgraph = true makes it.
+    r.eval_batch = cfg.train.eval_interval > 0 ? cfg.data.eval_batch_size : 0;
+    r.cfg.fullgraph = true;
   }
   return r;
 }
@@ -232,9 +236,11 @@ CompileReport package_training_step(const Config& cfg) {
   const dist::World world = dist::detect_world(dist::current_env());
   const int64_t threads = set_threads(cfg.run, world);
   const torch::Device device = resolve_device(cfg.run, world);
+  aot::load_libraries(cfg.compile.libraries);
   auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
   CompileReport report;
-  InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads),
+  InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
+                                                 dynamic_cast<const PythonModel*>(model.get())),
                                 report);
   return report;
 }
@@ -275,6 +281,7 @@ class Trainer::Loop {
   void lock_directories();
   void check_memory_needs();
   void build_model_and_data();
+  std::shared_ptr<models::Model> build_model_on_every_rank(std::optional<models::InputKind> data_kind);
   void compile_and_distribute();
   void build_optimizer();
   void build_checkpointing();
@@ -293,7 +300,6 @@ class Trainer::Loop {
   void apply_update(InFlight& f);
   void finish_step(InFlight& f, std::optional<Clock::time_point> next_t0);
   bool needs_host(int64_t step) const;
-  void watch_stragglers(const dist::StepConsensus& c);
   std::optional<EvalResult> maybe_evaluate(int64_t step);
   EvalResult evaluate(int64_t step);
   void log_step(const StepResult& r, const std::optional<EvalResult>& eval);
@@ -420,11 +426,36 @@ void Trainer::Loop::check_memory_needs() {
     throw InputError(e.rank == world_.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
 }
 
+// The model (and compile.libraries, which a Python module's packaging needs), agreed: a rank that
+// cannot build it (a file or library missing on its host, another Python there) fails every rank
+// together, each naming that rank and its reason, instead of leaving the others to a lost peer.
+std::shared_ptr<models::Model> Trainer::Loop::build_model_on_every_rank(std::optional<models::InputKind> data_kind) {
+  std::shared_ptr<models::Model> model;
+  std::string error;
+  bool input = true;  // the user's input (exit 2) or not (exit 1)
+  try {
+    aot::load_libraries(cfg_.compile.libraries);
+    model = make_model(cfg_, data_kind);
+  } catch (const InputError& e) {
+    error = e.what();
+  } catch (const std::exception& e) {
+    error = e.what();
+    input = false;
+  }
+  if (const dist::RankError e = dist::first_error(*coll_, error.empty() ? "" : (input ? "2" : "1") + error, "model")) {
+    const std::string why =
+        (e.rank == world_.rank ? "" : "rank " + std::to_string(e.rank) + ": ") + e.message.substr(1);
+    if (e.message[0] == '2') throw InputError(why);
+    throw std::runtime_error(why);
+  }
+  return model;
+}
+
 void Trainer::Loop::build_model_and_data() {
   // The data's native input kind is asked first so that an unknown dataset is reported before
   // a model is built.
   const auto data_kind = data::native_input_kind(cfg_.data.name);
-  model_ = make_model(cfg_, data_kind);
+  model_ = build_model_on_every_rank(data_kind);
   python_ = std::dynamic_pointer_cast<PythonModel>(model_);
   if (!cfg_.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
     const int64_t n = checkpoint::load_weights(*model_, cfg_.model.init_from);
@@ -472,7 +503,7 @@ void Trainer::Loop::compile_and_distribute() {
           "compile.mode = \"inductor\": a custom loss (Callbacks::loss) cannot be compiled into the step; "
           "training eager");
     } else {
-      inductor = inductor_request(cfg_, *model_, device_, amp_, threads_);
+      inductor = inductor_request(cfg_, *model_, device_, amp_, threads_, python_.get());
       inductor->seed_dir = package_seed_dir(cfg_.checkpoint);
     }
   }
@@ -492,7 +523,7 @@ void Trainer::Loop::compile_and_distribute() {
   }
   try {
     dmodel_.emplace(compile().distribute(coll_, cfg_.dist));
-    if (python_) python_->attach(dmodel_->inductor_step());
+    if (python_) python_->attach(dmodel_->inductor_step(), cfg_.train.eval_interval > 0);
   } catch (const CompileError& e) {
     // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
     // that cannot be captured whole is the user's model: exit 2.

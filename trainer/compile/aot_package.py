@@ -8,6 +8,9 @@ hand:
     python trainer/compile/aot_package.py --model gpt --model-config '{"width":64,"depth":2,
         "context":32}' --batch 4 --amp off --device cpu --out /cache/gpt.pt2 [--check]
     python trainer/compile/aot_package.py --module mypkg.net:make --batch 32 --out net.pt2
+    python trainer/compile/aot_package.py --module net.py:build_model --example '{"input": {"shape": [32, 1,
+        28, 28], "dtype": "float32"}, "target": {"shape": [32], "dtype": "int64"}, "classes": 10}' --batch 32
+        --out net.pt2        # how keel runs it for model.name = "python" (--init-out: the initial weights only)
 
 What is compiled: step(*params, *buffers, input, target[, grad_scale]) -> (loss, *grads[,
 *updated buffers]): the model's forward (under bf16/fp16 autocast with --amp), keel's default
@@ -350,9 +353,11 @@ def user_model(spec: str, batch, device: str, example: str = None, model_config:
     factory = import_factory(spec)
     params = inspect.signature(factory).parameters
     kw = {}
-    if "batch" in params and batch is not None:
+    # keel (--example) builds the module once for its weights and again to compile it: the factory
+    # gets neither the batch nor the device then, so that both builds are the same module.
+    if "batch" in params and batch is not None and example is None:
         kw["batch"] = batch
-    if "device" in params:
+    if "device" in params and example is None:
         kw["device"] = device
     if "config" in params:
         kw["config"] = dict(model_config or {})
@@ -403,6 +408,11 @@ def write_init(module, path: str, spec: str) -> None:
     bnames = [n for n, _ in module.named_buffers()]
     if not pnames:
         raise Refusal(EXIT_USAGE, f"--module {spec}: the module has no parameters")
+    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
+    if frozen:
+        raise Refusal(EXIT_USAGE, f"--module {spec}: parameters with requires_grad = False ({', '.join(frozen[:3])}"
+                                  f"{', ...' if len(frozen) > 3 else ''}): keel trains every parameter; register "
+                                  "frozen tensors as buffers (register_buffer) instead")
     tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in
                list(module.named_parameters()) + list(module.named_buffers())}
     metadata = {"format": "keel-python-init/1", "module": spec,
@@ -1127,7 +1137,7 @@ def main(argv=None) -> int:
                 "deterministic_algorithms": args.deterministic,
                 "buffers_updated": mutated,
             },
-                "forward_skipped": forward_skipped,
+            "forward_skipped": forward_skipped,
             "check": check,
         }
         manifest_path = os.path.splitext(out)[0] + ".json"

@@ -165,6 +165,9 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   const int rc = run_logged(argv, log, {"TORCHINDUCTOR_CACHE_DIR=" + dir + "/torchinductor"});
   if (rc != 0) {
     const std::string why = last_line(log);
+    // A Python module the packaging step refuses (exit 2: its factory fails with the batch or
+    // device): the user's input, not recorded (an import may fail for what the user installs next).
+    if (rc == 2 && !req.module.empty()) throw CompileError("compile.mode = \"inductor\": " + why);
     if (rc == 3 || rc == 4 || rc == 6) {  // the graph itself: every later try would say the same
       const std::string what = "compile.mode = \"inductor\": " + why;
       write_atomic(error_path, what);
@@ -298,6 +301,8 @@ void InductorStep::read_signature(const InductorRequest& req) {
                                                                       /*num_runners=*/1, device);
   if (req.eval_batch > 0 && manifest_.at("models").contains("forward")) {
     eval_batch_ = manifest_["models"]["forward"].at("batch").get<int64_t>();
+    for (const auto& in : manifest_["models"]["forward"].at("inputs"))
+      if (in.value("kind", "") == "input") eval_input_shape_ = shape_of(in);
     forward_loader_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, "forward", true, 1, device);
   }
 }
@@ -336,6 +341,9 @@ torch::Tensor InductorStep::loss(const std::vector<torch::Tensor>& params, const
 torch::Tensor InductorStep::forward(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,
                                     const torch::Tensor& input) {
   if (!forward_loader_) throw std::logic_error("InductorStep::forward: the package has no evaluation forward");
+  if (input.sizes().vec() != eval_input_shape_)  // a package runs only the shapes it was compiled for
+    throw std::runtime_error("inductor step: an evaluation batch of shape " + c10::str(input.sizes()) +
+                             " is not the package's " + c10::str(c10::IntArrayRef(eval_input_shape_)));
   std::vector<torch::Tensor> in(params.begin(), params.end());
   in.insert(in.end(), buffers.begin(), buffers.end());
   in.push_back(input.contiguous());

@@ -103,7 +103,7 @@ class InductorStep {
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> loader_, forward_loader_;
   std::string path_, sha256_;
   nlohmann::json manifest_;
-  std::vector<int64_t> input_shape_, target_shape_;
+  std::vector<int64_t> input_shape_, target_shape_, eval_input_shape_;
   size_t num_params_ = 0, num_buffers_ = 0;
   std::vector<size_t> updated_buffers_;  // the buffer index of each output after the gradients
   int64_t eval_batch_ = 0;

@@ -55,11 +55,11 @@ std::shared_ptr<torch::nn::Module> build_tree(const checkpoint::SafetensorsFile&
   const auto buffers = json_names(f.header.metadata, "buffers", file);
   for (const auto& n : params) {
     const auto [parent, leaf] = split_last_dot(n);
-    node(parent).register_parameter(leaf, take(n), /*requires_grad=*/true);
+    node(parent).register_parameter(leaf, take(n).clone(), /*requires_grad=*/true);  // not a view of the mapped file
   }
   for (const auto& n : buffers) {
     const auto [parent, leaf] = split_last_dot(n);
-    node(parent).register_buffer(leaf, take(n));
+    node(parent).register_buffer(leaf, take(n).clone());
   }
   std::vector<std::string> got;
   for (const auto& p : root->named_parameters(true)) got.push_back(p.key());
@@ -81,10 +81,13 @@ std::string initial_weights(const Config& cfg, const std::string& module_spec, c
                             {"module", module_spec}, {"module_sha256", aot::sha256_of_file(cfg.model.path)},
                             {"seed", cfg.run.seed},  {"model_config", model_config_json(cfg)},
                             {"example", example},    {"torch", TORCH_VERSION}};
+  nlohmann::json libraries = nlohmann::json::array();  // custom ops the module may call while it is built
+  for (const auto& lib : cfg.compile.libraries) libraries.push_back(aot::sha256_of_file(lib));
   const std::string dir = aot::cache_root(cfg.compile) + "/inductor";
   if (const std::string err = make_dirs(dir); !err.empty()) throw InputError("compile.cache_dir: " + err);
-  const std::string base = dir + "/init-" + sha256_hex(k.dump()).substr(0, 32);
+  const std::string base = dir + "/init-" + sha256_hex(k.dump() + libraries.dump()).substr(0, 32);
   const std::string file = base + ".safetensors", log = base + ".log";
+  const std::string what = "model.path = \"" + cfg.model.path + "\", model.factory = \"" + cfg.model.factory + "\": ";
   aot::EntryLock lock(base + ".lock");
   if (aot::is_file(file)) {
     try {
@@ -110,9 +113,9 @@ std::string initial_weights(const Config& cfg, const std::string& module_spec, c
   for (auto& a : aot::library_args(cfg.compile.libraries)) argv.push_back(std::move(a));
   logging::info("model: taking the initial weights of {} (log: {})", module_spec, log);
   const int rc = aot::run_logged(argv, log, {});
-  if (rc == 2)  // the module itself: not importable, a factory that fails or returns no module
-    throw InputError("model.path = \"" + cfg.model.path + "\", model.factory = \"" + cfg.model.factory +
-                     "\": " + aot::last_line(log));
+  // The module itself (not importable, a factory that fails or returns no module): not recorded,
+  // since an import may fail for what the user installs next.
+  if (rc == 2) throw InputError(what + aot::last_line(log));
   if (rc != 0)
     throw std::runtime_error("model.name = \"python\": the packaging step failed (exit " + std::to_string(rc) +
                              "): " + aot::last_line(log) + " (its log: " + log + ")");
@@ -163,8 +166,8 @@ models::NamedTensors PythonModel::named_buffers() const {
   return out;
 }
 
-void PythonModel::attach(std::shared_ptr<InductorStep> step) {
-  if (step && !step->has_forward())
+void PythonModel::attach(std::shared_ptr<InductorStep> step, bool evaluates) {
+  if (step && evaluates && !step->has_forward())
     throw CompileError(
         "model.name = \"python\": the package has no evaluation forward, and the module has no C++ "
         "code to evaluate with: " +
@@ -177,7 +180,7 @@ torch::Tensor PythonModel::forward(const torch::Tensor& input) {
     throw InputError("model.name = \"python\": a training batch of shape " + c10::str(input.sizes()) +
                      " does not fit the compiled step, and the module has no C++ code to run it eagerly; keep "
                      "batch shapes static (data.drop_last = true)");
-  if (!step_) throw std::logic_error("PythonModel::forward before attach()");
+  if (!step_ || !step_->has_forward()) throw std::logic_error("PythonModel::forward without an evaluation forward");
   std::vector<torch::Tensor> params, buffers;
   for (auto& [n, p] : named_parameters()) params.push_back(p);
   for (auto& [n, b] : named_buffers()) buffers.push_back(b);

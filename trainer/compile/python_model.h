@@ -47,8 +47,8 @@ class PythonModel : public models::Model {
   /// The shapes and dtypes of a batch of `batch` samples, and the classes (--example).
   nlohmann::json example(int64_t batch) const;
   /// The compiled step, whose evaluation forward serves forward() in eval mode. Throws
-  /// CompileError when the package has none (the evaluation forward could not be captured).
-  void attach(std::shared_ptr<InductorStep> step);
+  /// CompileError when the run evaluates and the package has none (it could not be captured).
+  void attach(std::shared_ptr<InductorStep> step, bool evaluates);
 
  private:
   PythonModel() = default;
