@@ -304,7 +304,7 @@ keel::Config equivalence_config(const std::string& dir, int64_t batch, int64_t a
   cfg.train.grad_accum = accum;
   cfg.train.optimizer = keel::OptimizerKind::Sgd;
   cfg.train.lr = 0.05;
-  cfg.train.schedule = keel::ScheduleKind::Constant;
+  cfg.train.schedule = "constant";
   keel::validate(cfg);
   return cfg;
 }

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -17,6 +18,7 @@
 #include "keel/dist/world.h"
 #include "keel/trainer/metrics.h"
 #include "keel/trainer/optim.h"
+#include "keel/trainer/trainer.h"
 #include "multirank.h"
 
 using keel::testing::run_keel;
@@ -224,17 +226,82 @@ TEST(Schedule, WarmupThenCosineExactValues) {
   t.lr = 1.0;
   t.min_lr = 0.0;
   t.warmup_steps = 4;
-  t.schedule = keel::ScheduleKind::Cosine;
+  t.schedule = "cosine";
   keel::LrSchedule s(t, 14);
   EXPECT_DOUBLE_EQ(s.at(0), 0.25);   // (0 + 1) / 4
   EXPECT_DOUBLE_EQ(s.at(3), 1.0);    // end of warmup
   EXPECT_DOUBLE_EQ(s.at(4), 1.0);    // cosine progress 0
   EXPECT_NEAR(s.at(9), 0.5, 1e-12);  // progress 5/10: 0.5 * (1 + cos(pi/2))
   EXPECT_NEAR(s.at(14), 0.0, 1e-12);
-  t.schedule = keel::ScheduleKind::Constant;
+  t.schedule = "constant";
   keel::LrSchedule c(t, 14);
   EXPECT_DOUBLE_EQ(c.at(1), 0.5);
   EXPECT_DOUBLE_EQ(c.at(13), 1.0);
+}
+
+// Extension points (issue 26, item 3): a library user registers a learning-rate schedule and a
+// loss by name, as models and datasets are registered, and a config chooses them; a name taken
+// (built-ins included) is refused, and an unknown one is refused at start naming the choices.
+TEST(Registries, AScheduleAndALossRegisteredByNameTrainAndUnknownNamesAreRefused) {
+  keel::register_schedule("halving_every_2", [](int64_t step, int64_t, const keel::TrainConfig& t) {
+    return t.lr / static_cast<double>(int64_t{1} << (step / 2));
+  });
+  int64_t loss_calls = 0;
+  keel::register_loss("counted_cross_entropy", [&](const torch::Tensor& out, const torch::Tensor& target) {
+    ++loss_calls;
+    return torch::nn::functional::cross_entropy(out.reshape({-1, out.size(-1)}), target.reshape({-1}));
+  });
+  EXPECT_THROW(keel::register_schedule("cosine", nullptr), std::invalid_argument);
+  EXPECT_THROW(keel::register_loss("cross_entropy", nullptr), std::invalid_argument);
+  const auto schedules = keel::registered_schedules(), losses = keel::registered_losses();
+  EXPECT_NE(std::find(schedules.begin(), schedules.end(), "halving_every_2"), schedules.end());
+  EXPECT_NE(std::find(losses.begin(), losses.end(), "cross_entropy"), losses.end());
+
+  TempDir d;
+  keel::Config cfg;
+  cfg.run.dir = d.file("run");
+  cfg.run.threads = 1;
+  cfg.run.tensorboard = false;
+  cfg.model.name = "mlp";
+  cfg.model.width = 16;
+  cfg.model.depth = 1;
+  cfg.data.name = "synthetic";
+  cfg.data.synthetic_size = 256;
+  cfg.train.steps = 6;
+  cfg.train.batch_size = 8;
+  cfg.train.lr = 0.08;
+  cfg.train.eval_interval = 6;
+  cfg.train.schedule = "halving_every_2";
+  cfg.train.loss = "counted_cross_entropy";
+  keel::validate(cfg);
+  const keel::Summary s = keel::Trainer(cfg, keel::dist::World{}).run();
+  EXPECT_EQ(s.steps, 6);
+  EXPECT_GE(loss_calls, 6) << "the registered loss trains (and evaluates)";
+  ASSERT_TRUE(s.test_loss.has_value());
+  EXPECT_TRUE(std::isfinite(*s.test_loss));
+  EXPECT_TRUE(!s.test_accuracy || std::isnan(*s.test_accuracy)) << "a loss other than cross_entropy: no accuracy";
+  const auto lines = read_jsonl(d.file("run/metrics.jsonl"));
+  ASSERT_EQ(lines.size(), 6u);
+  for (size_t i = 0; i < lines.size(); ++i)
+    EXPECT_DOUBLE_EQ(lines[i]["lr"].get<double>(), 0.08 / static_cast<double>(int64_t{1} << (i / 2))) << "step " << i;
+
+  cfg.train.schedule = "halving";
+  cfg.run.dir = d.file("run2");
+  try {
+    keel::Trainer(cfg, keel::dist::World{}).run();
+    ADD_FAILURE() << "an unknown schedule trained";
+  } catch (const keel::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.schedule = \"halving\" is not a registered schedule; known: "
+                                         "constant, cosine, halving_every_2"),
+              std::string::npos)
+        << e.what();
+  }
+  auto unknown_loss = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=1",
+                                "--train.loss=mse", "--run.dir=" + d.file("run3")});
+  EXPECT_EQ(unknown_loss.exit_code, 2) << unknown_loss.output;
+  EXPECT_NE(unknown_loss.output.find("train.loss = \"mse\" is not a registered loss; known: cross_entropy"),
+            std::string::npos)
+      << unknown_loss.output;
 }
 
 // Hardening class 7: when the disk fills up, metrics.jsonl keeps only whole lines (a write

@@ -29,10 +29,6 @@ inline constexpr Choices<SyncDebug, 3> kSyncDebugModes{
 enum class OptimizerKind { AdamW, Sgd };
 inline constexpr Choices<OptimizerKind, 2> kOptimizers{{{"adamw", OptimizerKind::AdamW}, {"sgd", OptimizerKind::Sgd}}};
 
-enum class ScheduleKind { Cosine, Constant };
-inline constexpr Choices<ScheduleKind, 2> kSchedules{
-    {{"cosine", ScheduleKind::Cosine}, {"constant", ScheduleKind::Constant}}};
-
 struct RunConfig {
   std::string name = "keel";
   std::string dir = "";
@@ -62,7 +58,8 @@ struct TrainConfig {
   double beta2 = 0.999;
   double eps = 1e-8;
   int64_t warmup_steps = 0;
-  ScheduleKind schedule = ScheduleKind::Cosine;
+  std::string schedule = "cosine";     // a registered schedule (trainer/trainer.h register_schedule)
+  std::string loss = "cross_entropy";  // a registered loss (trainer/trainer.h register_loss)
   double grad_clip = 0.0;
   int64_t eval_interval = 0;
   int64_t log_interval = 50;

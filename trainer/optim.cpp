@@ -8,6 +8,8 @@
 #include <type_traits>
 
 #include "keel/common/error.h"
+#include "keel/common/registry.h"
+#include "keel/trainer/trainer.h"
 
 namespace keel {
 
@@ -141,20 +143,35 @@ void FusedSgd::step_unless(const torch::Tensor& found_inf) {
   }
 }
 
-LrSchedule::LrSchedule(const TrainConfig& cfg, int64_t total_steps)
-    : lr_(cfg.lr),
-      min_lr_(cfg.min_lr),
-      warmup_(cfg.warmup_steps),
-      total_(total_steps),
-      cosine_(cfg.schedule == ScheduleKind::Cosine) {}
+namespace {
 
-double LrSchedule::at(int64_t step) const {
-  if (step < warmup_) return lr_ * double(step + 1) / double(warmup_);
-  if (!cosine_) return lr_;
-  const int64_t span = std::max<int64_t>(1, total_ - warmup_);
-  const double progress = std::min(1.0, double(step - warmup_) / double(span));
-  return min_lr_ + 0.5 * (lr_ - min_lr_) * (1.0 + std::cos(M_PI * progress));
+using Schedule = std::function<double(int64_t, int64_t, const TrainConfig&)>;
+
+// Linear warmup from 0 to lr over warmup_steps, then `after`.
+double warmup_then(int64_t step, const TrainConfig& c, double after) {
+  return step < c.warmup_steps ? c.lr * double(step + 1) / double(c.warmup_steps) : after;
 }
+
+Registry<Schedule>& schedules() {
+  static Registry<Schedule> r("schedule", "train.schedule", [](Registry<Schedule>& t) {
+    t.add_builtin("constant", [](int64_t step, int64_t, const TrainConfig& c) { return warmup_then(step, c, c.lr); });
+    t.add_builtin("cosine", [](int64_t step, int64_t total, const TrainConfig& c) {
+      const int64_t span = std::max<int64_t>(1, total - c.warmup_steps);
+      const double progress = std::min(1.0, double(step - c.warmup_steps) / double(span));
+      return warmup_then(step, c, c.min_lr + 0.5 * (c.lr - c.min_lr) * (1.0 + std::cos(M_PI * progress)));
+    });
+  });
+  return r;
+}
+
+}  // namespace
+
+void register_schedule(const std::string& name, ScheduleFn schedule) { schedules().add(name, std::move(schedule)); }
+
+std::vector<std::string> registered_schedules() { return schedules().names(); }
+
+LrSchedule::LrSchedule(const TrainConfig& cfg, int64_t total_steps)
+    : cfg_(cfg), total_(total_steps), fn_(schedules().get(cfg.schedule)) {}
 
 void set_lr(torch::optim::Optimizer& opt, double lr) {
   for (auto& g : opt.param_groups()) g.options().set_lr(lr);

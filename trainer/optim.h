@@ -62,15 +62,17 @@ class FusedSgd : public FusedOptimizer {
 /// Learning rate for optimizer step `step` (0-based: the rate used by the step that brings the
 /// count from `step` to `step + 1`). Linear warmup: lr * (step + 1) / warmup_steps for
 /// step < warmup_steps; then constant, or cosine from lr to min_lr over the remaining steps.
+/// train.schedule, from the schedule registry (trainer/trainer.h register_schedule); throws
+/// InputError naming train.schedule and the registered names for an unknown one.
 class LrSchedule {
  public:
   LrSchedule(const TrainConfig& cfg, int64_t total_steps);
-  double at(int64_t step) const;
+  double at(int64_t step) const { return fn_(step, total_, cfg_); }
 
  private:
-  double lr_, min_lr_;
-  int64_t warmup_, total_;
-  bool cosine_;
+  TrainConfig cfg_;
+  int64_t total_;
+  std::function<double(int64_t, int64_t, const TrainConfig&)> fn_;
 };
 
 /// Zeroes gradients in place (torch::optim::Optimizer::zero_grad() would detach or drop them,

@@ -31,6 +31,7 @@
 #include "keel/common/file.h"
 #include "keel/common/host_copy.h"
 #include "keel/common/log.h"
+#include "keel/common/registry.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 #include "keel/trainer/app/log.h"
@@ -136,6 +137,12 @@ torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& ta
   return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
 }
 
+Registry<LossFn>& losses() {
+  static Registry<LossFn> r("loss", "train.loss",
+                            [](Registry<LossFn>& t) { t.add_builtin("cross_entropy", LossFn(cross_entropy)); });
+  return r;
+}
+
 // The loop's counters in a checkpoint (meta.json: step, skipped_steps, loss, total_steps,
 // global_batch; "scaler" stays null unless the GradScaler writes its own).
 struct Progress : checkpoint::Stateful {
@@ -231,6 +238,10 @@ std::string package_seed_dir(const CheckpointConfig& c) {
 }  // namespace
 
 void request_stop(int signo) { g_stop_signal.store(signo); }
+
+void register_loss(const std::string& name, LossFn loss) { losses().add(name, std::move(loss)); }
+
+std::vector<std::string> registered_losses() { return losses().names(); }
 
 CompileReport package_training_step(const Config& cfg) {
   const dist::World world = dist::detect_world(dist::current_env());
@@ -362,7 +373,7 @@ class Trainer::Loop {
 };
 
 Trainer::Loop::Loop(const Config& cfg, const dist::World& world, const Callbacks& cb)
-    : cfg_(cfg), world_(world), cb_(cb), loss_(cb.loss ? cb.loss : LossFn(cross_entropy)) {
+    : cfg_(cfg), world_(world), cb_(cb), loss_(cb.loss ? cb.loss : losses().get(cfg.train.loss)) {
   init_logging(cfg.run, world.rank, world.size);
   tune_allocator();
   threads_ = set_threads(cfg.run, world);
@@ -492,15 +503,15 @@ void Trainer::Loop::compile_and_distribute() {
   const torch::Tensor& example = first.input;
   std::optional<InductorRequest> inductor;
   if (cfg_.compile.mode == CompileMode::Inductor) {
-    if (cb_.loss) {  // a C++ loss cannot be traced into the package
+    if (cb_.loss || cfg_.train.loss != "cross_entropy") {  // a C++ loss cannot be traced into the package
       if (cfg_.compile.fullgraph || python_)
         throw InputError(
             "compile.mode = \"inductor\" compiles keel's cross-entropy into the step; a custom loss "
-            "(Callbacks::loss) cannot be, and " +
+            "(Callbacks::loss, train.loss) cannot be, and " +
             std::string(python_ ? "model.name = \"python\" runs only compiled"
                                 : "compile.fullgraph = true makes that an error"));
       logging::warn(
-          "compile.mode = \"inductor\": a custom loss (Callbacks::loss) cannot be compiled into the step; "
+          "compile.mode = \"inductor\": a custom loss (Callbacks::loss, train.loss) cannot be compiled into the step; "
           "training eager");
     } else {
       inductor = inductor_request(cfg_, *model_, device_, amp_, threads_, python_.get());
@@ -930,7 +941,7 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   dmodel_->sync_buffers();  // every rank evaluates rank 0's model
   torch::NoGradGuard no_grad;
   model_->train(false);
-  const bool classifier = !cb_.loss;
+  const bool classifier = !cb_.loss && cfg_.train.loss == "cross_entropy";
   double loss_sum = 0, correct = 0, count = 0;
   const int64_t n = splits_.test->size();
   std::vector<int64_t> idx;

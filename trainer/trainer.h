@@ -20,6 +20,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <vector>
 
 #include "keel/checkpoint/checkpoint.h"
 #include "keel/dist/world.h"
@@ -98,6 +99,23 @@ struct Summary {
 /// the batch. Called under autocast when amp.dtype is set.
 using LossFn = std::function<torch::Tensor(const torch::Tensor& output, const torch::Tensor& target)>;
 
+/// Registers a loss under `name` (train.loss in the config), as models are registered
+/// (models/model.h): thread-safe, each name once (std::invalid_argument otherwise, built-ins
+/// included). Built in: cross_entropy (over the last dimension; evaluation also reports top-1
+/// accuracy). With any other loss, evaluation reports its mean over the test split and no accuracy.
+void register_loss(const std::string& name, LossFn loss);
+std::vector<std::string> registered_losses();
+
+/// A learning-rate schedule: the rate of optimizer step `step` (0-based: the rate used by the step
+/// that brings the count from `step` to `step + 1`) of `total`, from the [train] section (lr,
+/// min_lr, warmup_steps are yours to use). A pure function of the step, so a resume needs no
+/// schedule state.
+using ScheduleFn = std::function<double(int64_t step, int64_t total, const TrainConfig& train)>;
+/// Registers a schedule under `name` (train.schedule), as register_loss. Built in: cosine
+/// (linear warmup, then cosine from lr to min_lr) and constant (linear warmup, then lr).
+void register_schedule(const std::string& name, ScheduleFn schedule);
+std::vector<std::string> registered_schedules();
+
 /// Hooks called on every rank, on the training thread, between steps. They must not throw.
 struct Callbacks {
   std::function<void(const StepInfo&)> on_step;
@@ -113,9 +131,10 @@ struct Callbacks {
   /// `shared`, and this rank's `rank_tensors` when the saved job had this rank).
   std::function<void(checkpoint::State& state)> save_state;
   std::function<void(const checkpoint::State& state)> load_state;
-  /// The training and evaluation loss. Empty: cross-entropy over the last dimension (logits
-  /// (..., C), target (...) int64), with top-1 accuracy reported. With your own loss,
-  /// evaluation reports the mean of it over the test split and no accuracy (NaN / null).
+  /// The training and evaluation loss, overriding train.loss. Empty: train.loss's (default
+  /// cross-entropy over the last dimension: logits (..., C), target (...) int64, with top-1
+  /// accuracy reported). With your own loss, evaluation reports the mean of it over the test
+  /// split and no accuracy (NaN / null). register_loss lets a config file choose it by name.
   LossFn loss;
 };
 

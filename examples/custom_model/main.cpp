@@ -1,11 +1,13 @@
-// A user's own model, dataset and loss trained by keel's Trainer, as a user's own binary:
-// a small regression network (no classes, mean squared error), with its own state carried in
-// keel's checkpoints. Run alone, or on 2 ranks:
+// A user's own model, dataset, loss and learning-rate schedule trained by keel's Trainer, as a
+// user's own binary: a small regression network (no classes, mean squared error), each part
+// registered by name as keel's built-ins are (so a config file could choose them), with its own
+// state carried in keel's checkpoints. Run alone, or on 2 ranks:
 //   torchrun --standalone --nproc_per_node 2 --no_python ./custom_model
 #include <keel/trainer/config/config.h>
 #include <keel/trainer/data/data.h>
 #include <keel/trainer/trainer.h>
 
+#include <cmath>
 #include <csignal>
 #include <iostream>
 
@@ -51,6 +53,13 @@ int main() {
   keel::data::register_dataset("linear16", [](const keel::DataConfig&, const keel::models::InputSpec&, int64_t seed) {
     return keel::data::Splits{std::make_shared<Linear16>(2048, seed), std::make_shared<Linear16>(512, seed + 1)};
   });
+  keel::register_loss(
+      "mse", [](const torch::Tensor& out, const torch::Tensor& target) { return torch::mse_loss(out, target); });
+  // Step decay: the rate halves every 40 steps (after train.warmup_steps of linear warmup).
+  keel::register_schedule("step_decay", [](int64_t step, int64_t, const keel::TrainConfig& t) {
+    if (step < t.warmup_steps) return t.lr * static_cast<double>(step + 1) / static_cast<double>(t.warmup_steps);
+    return t.lr * std::pow(0.5, static_cast<double>((step - t.warmup_steps) / 40));
+  });
 
   keel::Config cfg;
   cfg.run.name = "custom_model";
@@ -60,6 +69,9 @@ int main() {
   cfg.train.steps = 100;
   cfg.train.batch_size = 32;
   cfg.train.lr = 1e-2;
+  cfg.train.warmup_steps = 10;
+  cfg.train.schedule = "step_decay";
+  cfg.train.loss = "mse";
   cfg.train.eval_interval = 100;
   cfg.checkpoint.dir = "runs/custom_model/ckpt";  // run it again: it resumes from step 100
   cfg.checkpoint.interval = 50;
@@ -68,7 +80,6 @@ int main() {
 
   int64_t evals_seen = 0;  // your own state: it travels in keel's checkpoints
   keel::Callbacks cb;
-  cb.loss = [](const torch::Tensor& out, const torch::Tensor& target) { return torch::mse_loss(out, target); };
   cb.on_eval = [&](const keel::EvalResult& r) {
     ++evals_seen;
     std::cout << "eval: mean squared error " << r.loss << "\n";

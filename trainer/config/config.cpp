@@ -412,6 +412,9 @@ void validate(Config& cfg) {
     if (f.empty() || std::isdigit(static_cast<unsigned char>(f[0])) ||
         f.find_first_not_of("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_") != std::string::npos)
       fail("model.factory = \"" + f + "\" is not a Python function name");
+    if (cfg.train.loss != "cross_entropy")
+      fail("model.name = \"python\" compiles keel's cross-entropy into its package; train.loss = \"" + cfg.train.loss +
+           "\" cannot be (use train.loss = \"cross_entropy\")");
     if (cfg.compile.mode != CompileMode::Inductor)
       fail(std::string("model.name = \"python\" runs the module as an AOTInductor package and needs "
                        "compile.mode = \"inductor\" (got \"") +

@@ -219,8 +219,12 @@ void train_keys(SchemaBuilder& b) {
   range(b.add("train", &C::train, "warmup_steps", &TrainConfig::warmup_steps,
               "linear warmup from 0 to train.lr, in steps"),
         0, 1e12);
-  b.add("train", &C::train, "schedule", &TrainConfig::schedule, kSchedules,
-        "learning-rate schedule after warmup: cosine (to train.min_lr) | constant");
+  b.add("train", &C::train, "schedule", &TrainConfig::schedule,
+        "learning-rate schedule: cosine (warmup, then to train.min_lr) | constant (warmup, then train.lr) | a name "
+        "registered with keel::register_schedule");
+  b.add("train", &C::train, "loss", &TrainConfig::loss,
+        "training (and evaluation) loss: cross_entropy (over the last dimension; evaluation also reports top-1 "
+        "accuracy) | a name registered with keel::register_loss");
   range(b.add("train", &C::train, "grad_clip", &TrainConfig::grad_clip, "max global gradient L2 norm; 0 = no clipping"),
         0.0, 1e12);
   range(b.add("train", &C::train, "eval_interval", &TrainConfig::eval_interval,
