@@ -534,7 +534,7 @@ void Trainer::Loop::compile_and_distribute() {
   }
   try {
     dmodel_.emplace(compile().distribute(coll_, cfg_.dist));
-    if (python_) python_->attach(dmodel_->inductor_step(), cfg_.train.eval_interval > 0);
+    if (python_) python_->attach(dmodel_->inductor_step(), /*evaluates=*/inductor->eval_batch > 0);
   } catch (const CompileError& e) {
     // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
     // that cannot be captured whole is the user's model: exit 2.

@@ -1,7 +1,5 @@
 #include "keel/trainer/compile/inductor.h"
 
-#include <sys/stat.h>
-
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
 #include <cstdio>
@@ -17,11 +15,6 @@
 #include "keel/common/sha256.h"
 #include "keel/trainer/compile/packaging.h"
 #include "keel/trainer/config/config.h"
-
-#ifdef KEEL_WITH_CUDA
-#include <c10/cuda/CUDAFunctions.h>
-#include <cuda_runtime_api.h>
-#endif
 
 namespace keel {
 namespace {

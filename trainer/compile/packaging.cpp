@@ -33,7 +33,9 @@ std::string env_or(const char* name, const std::string& fallback) {
 
 bool is_file(const std::string& p) { return not_a_regular_file(p).empty(); }
 
+namespace {
 std::string home() { return env_or("HOME", "/tmp"); }
+}  // namespace
 
 std::string cache_root(const CompileConfig& c) {
   if (!c.cache_dir.empty()) return c.cache_dir;
@@ -90,6 +92,7 @@ std::string first_line_of(const std::string& cmd) {
   return s;
 }
 
+namespace {
 std::string cpu_model() {
   std::ifstream in("/proc/cpuinfo");
   std::string line;
@@ -97,6 +100,7 @@ std::string cpu_model() {
     if (line.rfind("model name", 0) == 0 || line.rfind("flags", 0) == 0) return line;
   return "";
 }
+}  // namespace
 
 std::string device_identity(const torch::Device& d) {
   if (!d.is_cuda()) return "cpu|" + cpu_model();

@@ -27,8 +27,8 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
     try {
       step = InductorStep::load_or_compile(*inductor, *report);
     } catch (const CompileError& e) {
-      // A Python module has no eager C++ code to fall back to.
-      if (cfg.fullgraph || !inductor->module.empty()) throw;
+      // The request's fullgraph: compile.fullgraph, or a Python module (no eager C++ code to fall back to).
+      if (inductor->cfg.fullgraph) throw;
       report->mode = "eager-fallback";
       report->warnings.push_back(e.what());
       logging::warn("{}; training the eager model instead (compile.fullgraph = true makes this an error)", e.what());
