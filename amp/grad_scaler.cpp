@@ -1,4 +1,4 @@
-#include "keel/amp/grad_scaler.h"
+#include "amp/grad_scaler.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <stdexcept>
 
-#include "keel/common/log.h"
+#include "common/log.h"
 
 namespace keel::amp {
 namespace {

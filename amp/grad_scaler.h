@@ -22,8 +22,8 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/stateful.h"
 #include "keel/amp/config.h"
-#include "keel/checkpoint/stateful.h"
 
 namespace keel::amp {
 

@@ -14,7 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
-#include "keel/checkpoint/checkpoint.h"
+#include "checkpoint/checkpointer.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 

@@ -1,6 +1,6 @@
-#include "keel/checkpoint/checkpoint.h"
+#include "checkpoint/checkpointer.h"
 
-#include "keel/checkpoint/meta.h"
+#include "checkpoint/meta.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -17,10 +17,10 @@
 #include <set>
 #include <thread>
 
-#include "keel/common/log.h"
+#include "common/log.h"
 
-#include "keel/common/clock.h"
-#include "keel/common/file.h"
+#include "common/clock.h"
+#include "common/file.h"
 #include "keel/dist/collectives.h"
 #include "keel/version.h"
 

@@ -1,11 +1,11 @@
-#include "keel/checkpoint/inspect.h"
+#include "checkpoint/inspect.h"
 
 #include <algorithm>
 #include <cstdio>
 #include <sstream>
 #include <stdexcept>
 
-#include "keel/checkpoint/checkpoint.h"
+#include "checkpoint/checkpointer.h"
 
 namespace keel::checkpoint {
 namespace {

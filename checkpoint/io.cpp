@@ -1,6 +1,6 @@
-#include "keel/checkpoint/io.h"
+#include "checkpoint/io.h"
 
-#include "keel/common/file.h"
+#include "common/file.h"
 
 #include <dirent.h>
 #include <fcntl.h>

@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-#include "keel/common/atomic_file.h"
+#include "common/atomic_file.h"
 
 namespace keel::checkpoint {
 

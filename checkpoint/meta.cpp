@@ -1,4 +1,4 @@
-#include "keel/checkpoint/meta.h"
+#include "checkpoint/meta.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -15,7 +15,7 @@
 #include <set>
 #include <string>
 
-#include "keel/checkpoint/safetensors_header.h"
+#include "checkpoint/safetensors_header.h"
 
 namespace keel::checkpoint {
 

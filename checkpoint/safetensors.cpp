@@ -1,4 +1,4 @@
-#include "keel/checkpoint/safetensors.h"
+#include "checkpoint/safetensors.h"
 
 #include <cstring>
 #include <set>

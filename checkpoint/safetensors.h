@@ -13,12 +13,11 @@
 #include <utility>
 #include <vector>
 
-#include "keel/checkpoint/io.h"
-#include "keel/checkpoint/safetensors_header.h"
+#include "checkpoint/io.h"
+#include "checkpoint/safetensors_header.h"
+#include "keel/checkpoint/checkpoint.h"  // NamedTensors
 
 namespace keel::checkpoint {
-
-using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 /// "F32" for torch::kFloat, ...; throws FormatError for a dtype safetensors cannot hold.
 std::string safetensors_dtype(c10::ScalarType t);

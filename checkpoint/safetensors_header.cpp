@@ -1,4 +1,4 @@
-#include "keel/checkpoint/safetensors_header.h"
+#include "checkpoint/safetensors_header.h"
 
 #include <nlohmann/json.hpp>
 

@@ -1,4 +1,4 @@
-#include "keel/checkpoint/stateful.h"
+#include "checkpoint/stateful.h"
 
 #include <stdexcept>
 

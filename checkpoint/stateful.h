@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "keel/checkpoint/checkpoint.h"
+#include "checkpoint/checkpointer.h"
 
 namespace keel::checkpoint {
 

@@ -1,14 +1,15 @@
-#include "keel/checkpoint/weights.h"
+#include "keel/checkpoint/checkpoint.h"  // load_weights
 
 #include <nlohmann/json.hpp>
 
 #include <map>
 #include <set>
 
-#include "keel/checkpoint/io.h"
-#include "keel/checkpoint/safetensors.h"
+#include "checkpoint/io.h"
+#include "checkpoint/safetensors.h"
+#include "common/file.h"
 #include "keel/common/error.h"
-#include "keel/common/file.h"
+#include "keel/models/model.h"
 
 namespace keel::checkpoint {
 namespace {

@@ -1,4 +1,4 @@
-# Finds keel's dependencies and gathers them in one INTERFACE target, keel_deps.
+# Finds keel's dependencies and gathers them in two INTERFACE targets, keel_public_deps and keel_deps.
 #
 # LibTorch: PyTorch 2.11's, from PyPI's torch wheel (scripts/setup.sh installs it into
 # ${KEEL_VENV:-$HOME/.cache/keel/venv} and passes torch.utils.cmake_prefix_path), or any
@@ -40,16 +40,23 @@ if(NOT CLI11_FOUND)
   find_path(CLI11_INCLUDE_DIR CLI/CLI.hpp REQUIRED)
 endif()
 
+# Two interface targets. keel_public_deps: what a user of the installed library needs too
+# (LibTorch, Threads, nlohmann_json: the public headers name them), exported with keel's
+# package. keel_deps: that plus everything keel's own sources use privately (spdlog, protobuf,
+# OpenSSL, zlib, MPI, toml++, CLI11, Gloo's and NCCL's headers); build-only, never exported, so
+# that linking keel::keel needs none of them (docs/building.md).
+add_library(keel_public_deps INTERFACE)
 add_library(keel_deps INTERFACE)
+target_link_libraries(keel_deps INTERFACE keel_public_deps)
 # The torch wheel's libtorch.so and libtorch_cpu.so export pieces of a newer libstdc++ that
 # they link statically (std::filesystem, std::chrono::tzdb, stringbuf::str; pytorch#133437).
 # A binary whose DT_NEEDED list names libtorch before libstdc++ binds those std:: calls to
 # libtorch's copies: std::filesystem::remove_all then jumps to address 0. Naming the system
 # libstdc++ first (before any object or library on the link line) makes the dynamic linker
 # bind every std:: symbol to it. tests/link_check.sh checks the order.
-target_link_options(keel_deps INTERFACE "LINKER:--push-state,--no-as-needed" "-lstdc++" "LINKER:--pop-state")
-target_link_libraries(keel_deps INTERFACE
-  ${TORCH_LIBRARIES} Threads::Threads OpenSSL::Crypto ZLIB::ZLIB nlohmann_json::nlohmann_json
+target_link_options(keel_public_deps INTERFACE "LINKER:--push-state,--no-as-needed" "-lstdc++" "LINKER:--pop-state")
+target_link_libraries(keel_public_deps INTERFACE ${TORCH_LIBRARIES} Threads::Threads nlohmann_json::nlohmann_json)
+target_link_libraries(keel_deps INTERFACE OpenSSL::Crypto ZLIB::ZLIB
   # Only the link: spdlog's headers and Debian's fmt stay out of keel's own translation units
   # (common/log.h says why); keel formats with LibTorch's fmt, header-only.
   $<LINK_ONLY:spdlog::spdlog> $<LINK_ONLY:protobuf::libprotobuf-lite>)

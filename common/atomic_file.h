@@ -11,7 +11,7 @@
 #include <functional>
 #include <string>
 
-#include "keel/common/sha256.h"
+#include "common/sha256.h"
 
 namespace keel {
 

@@ -1,4 +1,4 @@
-#include "keel/common/file.h"
+#include "common/file.h"
 
 #include <fcntl.h>
 #include <sys/file.h>

@@ -1,4 +1,4 @@
-#include "keel/common/host_copy.h"
+#include "common/host_copy.h"
 
 #include <c10/core/impl/VirtualGuardImpl.h>
 

@@ -1,13 +1,13 @@
 #include "keel/dist/collectives.h"
 
-#include "keel/common/host_copy.h"
+#include "common/host_copy.h"
 
 #include <algorithm>
 #include <cstring>
 #include <sstream>
 #include <thread>
 
-#include "keel/dist/compat.h"
+#include "dist/compat.h"
 
 namespace keel::dist {
 

@@ -1,14 +1,14 @@
-#include "keel/dist/ddp.h"
+#include "dist/ddp.h"
 
-#include "keel/common/log.h"
+#include "common/log.h"
 
 #include <algorithm>
 #include <cctype>
 #include <sstream>
 #include <unordered_map>
 
-#include "keel/dist/compat.h"
-#include "keel/dist/zero.h"
+#include "dist/compat.h"
+#include "dist/zero.h"
 
 namespace keel::dist {
 namespace {

@@ -1,4 +1,4 @@
-#include "keel/dist/mpi_bootstrap.h"
+#include "dist/mpi_bootstrap.h"
 
 #include <stdexcept>
 #include <vector>

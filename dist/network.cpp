@@ -1,4 +1,4 @@
-#include "keel/dist/network.h"
+#include "dist/network.h"
 
 #include <arpa/inet.h>
 #include <fcntl.h>

@@ -2,12 +2,12 @@
 
 #include <unistd.h>
 
+#include "common/log.h"
 #include "keel/common/error.h"
-#include "keel/common/log.h"
 
-#include "keel/dist/compat.h"
-#include "keel/dist/mpi_bootstrap.h"
-#include "keel/dist/network.h"
+#include "dist/compat.h"
+#include "dist/mpi_bootstrap.h"
+#include "dist/network.h"
 
 namespace keel::dist {
 namespace {
@@ -91,7 +91,7 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   std::string host = world.master_addr;
   uint16_t port = static_cast<uint16_t>(world.master_port);
   try {
-    if (world.launcher == "mpirun") {
+    if (world.launcher == Launcher::Mpirun) {
       g->mpi_initialized_here_ = mpi_init();
       std::string addr;
       if (world.rank == 0) {
@@ -105,7 +105,7 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
       host = addr.substr(0, addr.rfind(':'));
       port = static_cast<uint16_t>(std::stoi(addr.substr(addr.rfind(':') + 1)));
       if (world.rank != 0) g->store_ = compat::make_tcp_store(host, port, false, world.size, g->timeout_);
-    } else if (world.launcher == "none") {
+    } else if (world.launcher == Launcher::None) {
       // One process without a launcher and an explicit backend: a private store on loopback.
       host = "127.0.0.1";
       g->store_ = compat::make_tcp_store(host, 0, /*is_server=*/true, 1, g->timeout_);
@@ -125,8 +125,8 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   } catch (const c10::Error& e) {
     std::string what = e.what_without_backtrace();
     throw std::runtime_error(
-        "rendezvous: cannot reach the TCPStore at " + host + ":" + std::to_string(port) + " (" + world.launcher +
-        "): " + what.substr(0, what.find('\n')) +
+        "rendezvous: cannot reach the TCPStore at " + host + ":" + std::to_string(port) + " (" +
+        launcher_name(world.launcher) + "): " + what.substr(0, what.find('\n')) +
         "; check MASTER_ADDR and MASTER_PORT: rank 0 must be able to listen on that port and every "
         "rank to reach it (a port another program holds, or a firewall, gives this error)");
   }
@@ -154,7 +154,8 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
   std::string via;
   for (const auto& n : iface.names) via += (via.empty() ? "" : ",") + n;
   logging::info("process group: {} ranks over {} ({}), store {}, interface {}, timeout {} s", world.size, g->backend_,
-                world.launcher, where, via.empty() ? "by route" : via + " (" + iface.source + ")", cfg.timeout_s);
+                launcher_name(world.launcher), where, via.empty() ? "by route" : via + " (" + iface.source + ")",
+                cfg.timeout_s);
   return g;
 }
 

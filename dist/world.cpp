@@ -20,27 +20,31 @@ std::string found_list(const Env& env, const std::vector<std::string>& keys) {
   return s.empty() ? "nothing" : s;
 }
 
-int64_t parse_int(const Env& env, const std::string& key, const std::string& launcher) {
+int64_t parse_int(const Env& env, const std::string& key, Launcher launcher) {
   const std::string& v = env.at(key);
   errno = 0;
   char* end = nullptr;
   long long x = std::strtoll(v.c_str(), &end, 10);
   if (v.empty() || *end != '\0' || errno == ERANGE || x < 0)
-    throw InputError(launcher + " environment: " + key + "=\"" + v + "\" is not a non-negative integer");
+    throw InputError(std::string(launcher_name(launcher)) + " environment: " + key + "=\"" + v +
+                     "\" is not a non-negative integer");
   return x;
 }
 
 void require(const Env& env, const std::vector<std::string>& required, const std::vector<std::string>& all,
-             const std::string& launcher) {
+             Launcher launcher) {
   std::string missing;
   for (const auto& k : required)
     if (!env.count(k)) missing += (missing.empty() ? "" : ", ") + k;
   if (!missing.empty())
-    throw InputError("incomplete " + launcher + " environment: found " + found_list(env, all) + "; missing " + missing);
+    throw InputError("incomplete " + std::string(launcher_name(launcher)) + " environment: found " +
+                     found_list(env, all) + "; missing " + missing);
 }
 
 void check_ranges(const World& w) {
-  auto bad = [&](const std::string& m) { throw InputError("inconsistent " + w.launcher + " environment: " + m); };
+  auto bad = [&](const std::string& m) {
+    throw InputError("inconsistent " + std::string(launcher_name(w.launcher)) + " environment: " + m);
+  };
   if (w.size < 1) bad("world size " + std::to_string(w.size) + " < 1");
   if (w.size > kMaxWorldSize)
     bad("world size " + std::to_string(w.size) + " is more than keel supports (" + std::to_string(kMaxWorldSize) + ")");
@@ -78,7 +82,7 @@ World detect_world(const Env& env) {
   const std::vector<std::string> slurm_keys = {"SLURM_PROCID",          "SLURM_NTASKS", "SLURM_LOCALID",
                                                "SLURM_NTASKS_PER_NODE", "MASTER_ADDR",  "MASTER_PORT"};
   if (env.count("RANK") || env.count("WORLD_SIZE") || env.count("LOCAL_RANK")) {
-    w.launcher = "torchrun";
+    w.launcher = Launcher::Torchrun;
     require(env, {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"}, torchrun_keys, w.launcher);
     w.rank = parse_int(env, "RANK", w.launcher);
     w.size = parse_int(env, "WORLD_SIZE", w.launcher);
@@ -91,7 +95,7 @@ World detect_world(const Env& env) {
     auto agent = env.find("TORCHELASTIC_USE_AGENT_STORE");
     w.agent_store = agent != env.end() && (agent->second == "True" || agent->second == "1");
   } else if (env.count("OMPI_COMM_WORLD_RANK") || env.count("OMPI_COMM_WORLD_SIZE")) {
-    w.launcher = "mpirun";
+    w.launcher = Launcher::Mpirun;
     require(env, {"OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE"}, ompi_keys, w.launcher);
     w.rank = parse_int(env, "OMPI_COMM_WORLD_RANK", w.launcher);
     w.size = parse_int(env, "OMPI_COMM_WORLD_SIZE", w.launcher);
@@ -101,7 +105,7 @@ World detect_world(const Env& env) {
         env.count("OMPI_COMM_WORLD_LOCAL_SIZE") ? parse_int(env, "OMPI_COMM_WORLD_LOCAL_SIZE", w.launcher) : 1;
     // Rank 0 opens the store on a free port and shares its address through MPI itself.
   } else if (env.count("SLURM_PROCID") && env.count("SLURM_NTASKS") && env.at("SLURM_NTASKS") != "1") {
-    w.launcher = "srun";
+    w.launcher = Launcher::Srun;
     require(env, {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR", "MASTER_PORT"}, slurm_keys,
             w.launcher);
     w.rank = parse_int(env, "SLURM_PROCID", w.launcher);

@@ -1,4 +1,4 @@
-#include "keel/dist/zero.h"
+#include "dist/zero.h"
 
 #include <algorithm>
 #include <thread>

@@ -13,8 +13,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dist/compat.h"
 #include "keel/dist/collectives.h"
-#include "keel/dist/compat.h"
 #include "keel/models/model.h"
 
 namespace keel::dist {

@@ -1,7 +1,7 @@
 
 #include "keel/models/model.h"
 
-#include "keel/common/registry.h"
+#include "common/registry.h"
 
 namespace keel::models {
 

@@ -3,7 +3,7 @@
 // InputSpec; its input kind comes from model.input, or from the data when that is "auto".
 #include <torch/script.h>
 
-#include "keel/common/file.h"
+#include "common/file.h"
 
 #include "keel/models/model.h"
 

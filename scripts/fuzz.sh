@@ -12,8 +12,7 @@ merge=1
 [ "${2:-}" = "--no-merge" ] && merge=0
 command -v clang++ >/dev/null || { echo "fuzz: clang++ not found (apt-get install clang libclang-rt-dev)" >&2; exit 77; }
 out=build/fuzz
-mkdir -p "$out/include"
-ln -sfn "$PWD" "$out/include/keel"  # keel's includes are "keel/<layer>/<file>.h"
+mkdir -p "$out"
 # target  sources  corpus
 targets=(
   "fuzz_safetensors_header|tests/fuzz/fuzz_safetensors_header.cpp checkpoint/safetensors_header.cpp|tests/fuzz/corpus"
@@ -22,7 +21,7 @@ targets=(
 for t in "${targets[@]}"; do
   IFS='|' read -r name sources corpus <<< "$t"
   # shellcheck disable=SC2086
-  clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -I"$out/include" \
+  clang++ -std=c++20 -O1 -g -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=undefined -Iinclude -iquote . \
     $sources -o "$out/$name"
   work="$out/corpus-$name"
   rm -rf "$work" && mkdir -p "$work"

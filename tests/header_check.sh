@@ -27,7 +27,9 @@ PY
 export FLAGS="$FLAGS -fsyntax-only"
 cd "$src"
 check() {
-  if out=$(printf '#include "keel/%s"\n' "$1" | eval g++ $FLAGS -x c++ - 2>&1); then echo "ok   $1"; else echo "FAIL $1"; echo "$out" | head -10; return 1; fi
+  if out=$(printf '#include "%s"\n' "$1" | eval g++ $FLAGS -x c++ - 2>&1); then echo "ok   $1"; else echo "FAIL $1"; echo "$out" | head -10; return 1; fi
 }
 export -f check
-find common trainer models dist amp checkpoint -name '*.h' | sort | xargs -P "$(nproc)" -I{} bash -c 'check {}'
+# The public headers as "keel/...", the private ones from the root.
+{ (cd include && find keel -name '*.h'); find common trainer models dist amp checkpoint -name '*.h'; } | sort |
+  xargs -P "$(nproc)" -I{} bash -c 'check {}'

@@ -42,7 +42,21 @@ for h in $headers; do
   echo "#include <$h>" | eval g++ $flags -fsyntax-only -x c++ - > "$work/header.log" 2>&1 ||
     { echo "FAIL: installed header $h does not compile alone:"; head -20 "$work/header.log"; exit 1; }
 done
-echo "ok: $(echo "$headers" | wc -l) installed headers compile alone"
+n=$(echo "$headers" | wc -l)
+echo "ok: $n installed headers compile alone"
+[ "$n" -le 16 ] || { echo "FAIL: $n installed headers (the public API is at most 16)"; exit 1; }
+# keel's private dependencies stay inside libkeel.so: the package finds none of them and the
+# example's compile and link lines name none.
+if grep -E 'find_dependency\((spdlog|CLI11|Protobuf|MPI|OpenSSL|ZLIB)|(spdlog|CLI11|protobuf|MPI|OpenSSL|ZLIB)::' \
+     "$work"/prefix/lib*/cmake/keel/*.cmake; then
+  echo "FAIL: the installed package names a private dependency of keel (files above)"; exit 1
+fi
+if cat "$work/ex/compile_commands.json" "$work"/ex/CMakeFiles/custom_model.dir/link.txt "$work/ex/build.ninja" 2>/dev/null |
+   grep -Eo 'spdlog|CLI11|protobuf|libmpi|openmpi|tomlplusplus|libssl|libcrypto' | sort -u | grep .; then
+  echo "FAIL: the example's build names a private dependency of keel"; exit 1
+fi
+readelf -d "$work/ex/custom_model" | grep -q 'NEEDED.*libkeel\.so' || { echo "FAIL: the example does not link libkeel.so"; exit 1; }
+echo "ok: the package and the example's build name no private dependency; the example links libkeel.so"
 [ ! -e "$work/prefix/include/keel/trainer/trainer.cpp" ] || { echo "FAIL: sources installed"; exit 1; }
 if echo "#include <trainer/trainer.h>" | eval g++ $flags -fsyntax-only -x c++ - > /dev/null 2>&1; then
   echo "FAIL: <trainer/trainer.h> (no keel/ prefix) resolves against the installed prefix"; exit 1

@@ -4,12 +4,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include "amp/autocast.h"
+#include "amp/grad_scaler.h"
 #include "helpers.h"
-#include "keel/amp/autocast.h"
-#include "keel/amp/grad_scaler.h"
-#include "keel/trainer/compile/compile.h"
 #include "keel/trainer/trainer.h"
 #include "multirank.h"
+#include "trainer/compile/compile.h"
 
 using keel::amp::GradScaler;
 using namespace keel::testing;

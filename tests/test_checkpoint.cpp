@@ -15,17 +15,16 @@
 #include <functional>
 #include <thread>
 
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/inspect.h"
+#include "checkpoint/meta.h"
 #include "helpers.h"
-#include "keel/checkpoint/checkpoint.h"
-#include "keel/checkpoint/inspect.h"
-#include "keel/checkpoint/meta.h"
-#include "keel/checkpoint/weights.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 #include "keel/models/model.h"
-#include "keel/trainer/optim.h"
 #include "keel/trainer/trainer.h"
 #include "multirank.h"
+#include "trainer/optim.h"
 
 #include <torch/script.h>
 

@@ -17,8 +17,8 @@
 
 #include "helpers.h"
 #include "idx_fixture.h"
-#include "keel/trainer/app/plot.h"
 #include "keel/trainer/config/config.h"
+#include "trainer/app/plot.h"
 
 using keel::testing::run_keel;
 using keel::testing::TempDir;

@@ -9,8 +9,8 @@
 
 #include "helpers.h"
 #include "keel/models/model.h"
-#include "keel/trainer/compile/compile.h"
-#include "keel/trainer/compile/compile_cache.h"
+#include "trainer/compile/compile.h"
+#include "trainer/compile/compile_cache.h"
 
 using keel::CompileConfig;
 using keel::CompileError;

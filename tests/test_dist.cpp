@@ -10,11 +10,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/safetensors.h"
+#include "dist/ddp.h"
+#include "dist/network.h"
 #include "helpers.h"
-#include "keel/checkpoint/safetensors.h"
 #include "keel/dist/collectives.h"
-#include "keel/dist/ddp.h"
-#include "keel/dist/network.h"
 #include "keel/dist/process_group.h"
 #include "keel/trainer/trainer.h"
 #include "multirank.h"

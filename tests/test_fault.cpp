@@ -4,11 +4,11 @@
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/checkpointer.h"
 #include "helpers.h"
-#include "keel/checkpoint/checkpoint.h"
 #include "keel/trainer/config/config.h"
-#include "keel/trainer/fault/fault.h"
 #include "multirank.h"
+#include "trainer/fault/fault.h"
 
 #include <signal.h>
 #include <algorithm>
@@ -19,7 +19,9 @@
 #include <map>
 #include <random>
 
+using keel::FaultPhase;
 using keel::FaultPlan;
+using keel::FaultType;
 using namespace keel::testing;
 
 namespace {
@@ -36,26 +38,50 @@ std::string plan_error(const std::vector<std::string>& entries, int64_t world = 
 TEST(FaultPlan, ParsesEntriesAndFiresOncePerJob) {
   FaultPlan p({"nonfinite_grad@step=5,rank=1", "nonfinite_grad@rank=0,step=7,always"}, 2);
   ASSERT_EQ(p.entries().size(), 2u);
-  EXPECT_TRUE(p.fires("nonfinite_grad", 5, 1, 0));
-  EXPECT_FALSE(p.fires("nonfinite_grad", 5, 0, 0));
-  EXPECT_FALSE(p.fires("nonfinite_grad", 6, 1, 0));
-  EXPECT_FALSE(p.fires("nonfinite_grad", 5, 1, /*restart_count=*/1));  // not again after a restart
-  EXPECT_TRUE(p.fires("nonfinite_grad", 7, 0, 2));                     // unless `always`
+  EXPECT_TRUE(p.fires(FaultType::NonfiniteGrad, 5, 1, 0));
+  EXPECT_FALSE(p.fires(FaultType::NonfiniteGrad, 5, 0, 0));
+  EXPECT_FALSE(p.fires(FaultType::NonfiniteGrad, 6, 1, 0));
+  EXPECT_FALSE(p.fires(FaultType::NonfiniteGrad, 5, 1, /*restart_count=*/1));  // not again after a restart
+  EXPECT_TRUE(p.fires(FaultType::NonfiniteGrad, 7, 0, 2));                     // unless `always`
   EXPECT_TRUE(FaultPlan({}, 1).entries().empty());
   // restart=K: only in the K-th restart; straggler lasts from its step on.
   FaultPlan q({"crash@step=9,rank=1,restart=2", "straggler@step=4,rank=0,ms=30"}, 2);
-  EXPECT_FALSE(q.fires("crash", 9, 1, 0));
-  EXPECT_TRUE(q.fires("crash", 9, 1, 2));
-  EXPECT_FALSE(q.fires("crash", 9, 1, 3));
-  EXPECT_EQ(q.active("straggler", 3, 0, 0), nullptr);
-  ASSERT_NE(q.active("straggler", 10, 0, 0), nullptr);
-  EXPECT_EQ(q.active("straggler", 10, 0, 0)->ms, 30);
-  EXPECT_NE(q.any_rank("crash", 9, 2), nullptr);
+  EXPECT_FALSE(q.fires(FaultType::Crash, 9, 1, 0));
+  EXPECT_TRUE(q.fires(FaultType::Crash, 9, 1, 2));
+  EXPECT_FALSE(q.fires(FaultType::Crash, 9, 1, 3));
+  EXPECT_EQ(q.active(FaultType::Straggler, 3, 0, 0), nullptr);
+  ASSERT_NE(q.active(FaultType::Straggler, 10, 0, 0), nullptr);
+  EXPECT_EQ(q.active(FaultType::Straggler, 10, 0, 0)->ms, 30);
+  EXPECT_NE(q.any_rank(FaultType::Crash, 9, 2), nullptr);
+}
+
+// The types are values (a misspelt one does not compile): each name parses to its own type, and
+// each is documented with its outcome in docs/faults.md.
+TEST(FaultPlan, EveryTypeParsesToItsValueAndIsDocumented) {
+  const std::string doc = read_text(std::string(KEEL_SOURCE_DIR) + "/docs/faults.md");
+  for (const auto& c : keel::kFaultTypes) {
+    FaultPlan p({std::string(c.name) + "@step=3,rank=1"}, 2);
+    ASSERT_EQ(p.entries().size(), 1u) << c.name;
+    EXPECT_EQ(p.entries()[0].type, c.value) << c.name;
+    EXPECT_TRUE(p.fires(c.value, 3, 1, 0)) << c.name;
+    EXPECT_NE(doc.find("| `" + std::string(c.name) + "` |"), std::string::npos)
+        << c.name << " is not in docs/faults.md";
+  }
+  FaultPlan s({"signal@step=2,rank=0,phase=eval,sig=2"}, 1);
+  EXPECT_NE(s.signal(FaultPhase::Eval, 2, 0, 0), nullptr);
+  EXPECT_EQ(s.signal(FaultPhase::Step, 2, 0, 0), nullptr);
 }
 
 TEST(FaultPlan, BadEntriesNameTheEntry) {
   EXPECT_NE(plan_error({"nonfinite_grad"}).find("missing '@'"), std::string::npos);
-  EXPECT_NE(plan_error({"meteor@step=1,rank=0"}).find("unknown fault type 'meteor'"), std::string::npos);
+  EXPECT_NE(
+      plan_error({"meteor@step=1,rank=0"})
+          .find("unknown fault type 'meteor' (known: collective_hang, crash, oom, nonfinite_grad, shape_mismatch, "
+                "checkpoint_write_failure, checkpoint_corruption, graph_break, straggler, signal)"),
+      std::string::npos);
+  EXPECT_NE(plan_error({"signal@step=1,rank=0,phase=lunch"})
+                .find("phase must be one of start, compile, step, eval, save (got 'lunch')"),
+            std::string::npos);
   EXPECT_NE(plan_error({"crash@step=1,rank=0,always,restart=1"}).find("exclude each other"), std::string::npos);
   EXPECT_NE(plan_error({"oom@step=1,rank=0,crash"}).find("checkpoint_write_failure only"), std::string::npos);
   EXPECT_NE(plan_error({"nonfinite_grad@rank=0"}).find("step=S"), std::string::npos);

@@ -19,11 +19,11 @@
 #include <thread>
 #include <vector>
 
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/io.h"
+#include "checkpoint/safetensors.h"
 #include "helpers.h"
 #include "idx_fixture.h"
-#include "keel/checkpoint/checkpoint.h"
-#include "keel/checkpoint/io.h"
-#include "keel/checkpoint/safetensors.h"
 #include "multirank.h"
 
 using namespace keel::testing;

@@ -21,8 +21,8 @@
 #include <vector>
 
 #include "helpers.h"
-#include "keel/trainer/tensorboard.h"
 #include "multirank.h"
+#include "trainer/tensorboard.h"
 
 using keel::testing::read_text;
 using keel::testing::run_keel;

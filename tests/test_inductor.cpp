@@ -12,9 +12,9 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/io.h"
+#include "checkpoint/safetensors.h"
 #include "helpers.h"
-#include "keel/checkpoint/io.h"
-#include "keel/checkpoint/safetensors.h"
 #include "multirank.h"
 
 using namespace keel::testing;

@@ -12,7 +12,7 @@
 #include "helpers.h"
 #include "keel/models/model.h"
 #include "keel/trainer/config/config.h"
-#include "keel/trainer/config/limits.h"
+#include "trainer/config/limits.h"
 
 using keel::testing::run_keel;
 using keel::testing::source_path;

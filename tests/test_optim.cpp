@@ -6,12 +6,12 @@
 #include <torch/script.h>
 #include <torch/serialize.h>
 
+#include "amp/grad_scaler.h"
+#include "dist/zero.h"
 #include "helpers.h"
-#include "keel/amp/grad_scaler.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
-#include "keel/dist/zero.h"
-#include "keel/trainer/optim.h"
+#include "trainer/optim.h"
 
 namespace {
 

@@ -3,7 +3,7 @@
 
 #include <type_traits>
 
-#include "keel/trainer/compile/pipeline.h"
+#include "trainer/compile/pipeline.h"
 
 using keel::CompiledModel;
 using keel::DistributedModel;

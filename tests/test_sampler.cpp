@@ -4,7 +4,7 @@
 
 #include <set>
 
-#include "keel/trainer/data/sampler.h"
+#include "trainer/data/sampler.h"
 
 using keel::data::DistributedSampler;
 

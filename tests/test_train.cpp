@@ -16,10 +16,10 @@
 
 #include "helpers.h"
 #include "keel/dist/world.h"
-#include "keel/trainer/metrics.h"
-#include "keel/trainer/optim.h"
 #include "keel/trainer/trainer.h"
 #include "multirank.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
 
 using keel::testing::run_keel;
 using keel::testing::TempDir;
@@ -360,7 +360,7 @@ TEST(Metrics, Median) {
 TEST(World, SingleProcessByDefault) {
   auto w = keel::dist::detect_world({{"HOME", "/root"}});
   EXPECT_EQ(w.size, 1);
-  EXPECT_EQ(w.launcher, "none");
+  EXPECT_EQ(w.launcher, keel::dist::Launcher::None);
 }
 
 TEST(World, Torchrun) {
@@ -371,7 +371,7 @@ TEST(World, Torchrun) {
                                      {"MASTER_ADDR", "127.0.0.1"},
                                      {"MASTER_PORT", "29500"},
                                      {"TORCHELASTIC_RESTART_COUNT", "3"}});
-  EXPECT_EQ(w.launcher, "torchrun");
+  EXPECT_EQ(w.launcher, keel::dist::Launcher::Torchrun);
   EXPECT_EQ(w.rank, 1);
   EXPECT_EQ(w.size, 2);
   EXPECT_EQ(w.restart_count, 3);
@@ -383,7 +383,7 @@ TEST(World, Mpirun) {
                                      {"OMPI_COMM_WORLD_SIZE", "4"},
                                      {"OMPI_COMM_WORLD_LOCAL_RANK", "1"},
                                      {"OMPI_COMM_WORLD_LOCAL_SIZE", "2"}});
-  EXPECT_EQ(w.launcher, "mpirun");
+  EXPECT_EQ(w.launcher, keel::dist::Launcher::Mpirun);
   EXPECT_EQ(w.rank, 3);
   EXPECT_EQ(w.local_size, 2);
 }
@@ -395,7 +395,7 @@ TEST(World, Srun) {
                                      {"SLURM_NTASKS_PER_NODE", "4(x2)"},
                                      {"MASTER_ADDR", "node1"},
                                      {"MASTER_PORT", "1234"}});
-  EXPECT_EQ(w.launcher, "srun");
+  EXPECT_EQ(w.launcher, keel::dist::Launcher::Srun);
   EXPECT_EQ(w.rank, 5);
   EXPECT_EQ(w.local_size, 4);
 }

@@ -13,10 +13,10 @@
 #include <cstdio>
 #include <map>
 
+#include "checkpoint/io.h"
+#include "checkpoint/safetensors.h"
+#include "dist/zero.h"
 #include "helpers.h"
-#include "keel/checkpoint/io.h"
-#include "keel/checkpoint/safetensors.h"
-#include "keel/dist/zero.h"
 #include "multirank.h"
 
 using namespace keel::testing;

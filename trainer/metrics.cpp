@@ -1,4 +1,4 @@
-#include "keel/trainer/metrics.h"
+#include "trainer/metrics.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,10 +11,10 @@
 #include <cstring>
 #include <fstream>
 
-#include "keel/common/atomic_file.h"
-#include "keel/common/log.h"
+#include "common/atomic_file.h"
+#include "common/log.h"
 #include "keel/trainer/config/config.h"
-#include "keel/trainer/tensorboard.h"
+#include "trainer/tensorboard.h"
 
 namespace keel {
 

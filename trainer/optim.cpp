@@ -1,4 +1,4 @@
-#include "keel/trainer/optim.h"
+#include "trainer/optim.h"
 
 #include <algorithm>
 #include <cmath>
@@ -7,8 +7,8 @@
 #include <sstream>
 #include <type_traits>
 
+#include "common/registry.h"
 #include "keel/common/error.h"
-#include "keel/common/registry.h"
 #include "keel/trainer/trainer.h"
 
 namespace keel {

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
-#include "keel/checkpoint/stateful.h"
-#include "keel/trainer/loop_config.h"
+#include "checkpoint/stateful.h"
+#include "keel/trainer/config/config.h"
 
 namespace keel {
 

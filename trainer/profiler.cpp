@@ -1,4 +1,4 @@
-#include "keel/trainer/profiler.h"
+#include "trainer/profiler.h"
 
 #include <torch/csrc/autograd/profiler_kineto.h>
 
@@ -11,8 +11,8 @@
 #include <cstring>
 #include <set>
 
+#include "common/log.h"
 #include "keel/common/error.h"
-#include "keel/common/log.h"
 
 namespace keel {
 

@@ -1,4 +1,4 @@
-#include "keel/trainer/rank_agreement.h"
+#include "trainer/rank_agreement.h"
 
 #include <torch/version.h>
 #include <nlohmann/json.hpp>

@@ -1,4 +1,4 @@
-#include "keel/trainer/setup.h"
+#include "trainer/setup.h"
 
 #include <chrono>
 
@@ -9,10 +9,10 @@
 #include <optional>
 #include <thread>
 
+#include "common/log.h"
 #include "keel/common/error.h"
-#include "keel/common/log.h"
-#include "keel/trainer/compile/compile_cache.h"
 #include "keel/trainer/config/config.h"
+#include "trainer/compile/compile_cache.h"
 
 namespace keel {
 

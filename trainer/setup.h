@@ -15,8 +15,8 @@
 #include "keel/dist/collectives.h"
 #include "keel/dist/world.h"
 #include "keel/models/config.h"
-#include "keel/trainer/compile/pipeline.h"
-#include "keel/trainer/loop_config.h"
+#include "keel/trainer/config/config.h"
+#include "trainer/compile/pipeline.h"
 
 namespace keel {
 

@@ -1,12 +1,12 @@
-#include "keel/trainer/state.h"
+#include "trainer/state.h"
 
 #include <mutex>
 
+#include "common/file.h"
+#include "common/log.h"
+#include "common/sha256.h"
 #include "keel/common/error.h"
-#include "keel/common/file.h"
-#include "keel/common/log.h"
-#include "keel/common/sha256.h"
-#include "keel/trainer/compile/inductor.h"
+#include "trainer/compile/inductor.h"
 
 namespace keel {
 

@@ -13,7 +13,7 @@
 #include <memory>
 #include <string>
 
-#include "keel/checkpoint/stateful.h"
+#include "checkpoint/stateful.h"
 #include "keel/models/model.h"
 
 namespace keel {

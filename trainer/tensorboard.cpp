@@ -1,4 +1,4 @@
-#include "keel/trainer/tensorboard.h"
+#include "trainer/tensorboard.h"
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -14,9 +14,9 @@
 #include <ctime>
 #include <stdexcept>
 
-#include "keel/common/file.h"
-#include "keel/common/log.h"
-#include "keel/trainer/tensorboard_encode.h"
+#include "common/file.h"
+#include "common/log.h"
+#include "trainer/tensorboard_encode.h"
 
 namespace keel {
 namespace {

@@ -1,4 +1,4 @@
-#include "keel/trainer/tensorboard_encode.h"
+#include "trainer/tensorboard_encode.h"
 
 #include "tensorboard_event.pb.h"
 

@@ -21,35 +21,34 @@
 #include <optional>
 #include <vector>
 
-#include "keel/amp/autocast.h"
-#include "keel/amp/grad_scaler.h"
-#include "keel/checkpoint/checkpoint.h"
-#include "keel/checkpoint/stateful.h"
-#include "keel/checkpoint/weights.h"
-#include "keel/common/atomic_file.h"
-#include "keel/common/clock.h"
-#include "keel/common/file.h"
-#include "keel/common/host_copy.h"
-#include "keel/common/log.h"
-#include "keel/common/registry.h"
+#include "amp/autocast.h"
+#include "amp/grad_scaler.h"
+#include "checkpoint/checkpointer.h"
+#include "checkpoint/stateful.h"
+#include "common/atomic_file.h"
+#include "common/clock.h"
+#include "common/file.h"
+#include "common/host_copy.h"
+#include "common/log.h"
+#include "common/registry.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
-#include "keel/trainer/app/log.h"
-#include "keel/trainer/compile/inductor.h"
-#include "keel/trainer/compile/packaging.h"
-#include "keel/trainer/compile/pipeline.h"
-#include "keel/trainer/compile/python_model.h"
-#include "keel/trainer/config/limits.h"
 #include "keel/trainer/data/data.h"
-#include "keel/trainer/data/sampler.h"
-#include "keel/trainer/fault/injector.h"
-#include "keel/trainer/metrics.h"
-#include "keel/trainer/optim.h"
-#include "keel/trainer/profiler.h"
-#include "keel/trainer/rank_agreement.h"
-#include "keel/trainer/setup.h"
-#include "keel/trainer/state.h"
 #include "keel/version.h"
+#include "trainer/app/log.h"
+#include "trainer/compile/inductor.h"
+#include "trainer/compile/packaging.h"
+#include "trainer/compile/pipeline.h"
+#include "trainer/compile/python_model.h"
+#include "trainer/config/limits.h"
+#include "trainer/data/sampler.h"
+#include "trainer/fault/injector.h"
+#include "trainer/metrics.h"
+#include "trainer/optim.h"
+#include "trainer/profiler.h"
+#include "trainer/rank_agreement.h"
+#include "trainer/setup.h"
+#include "trainer/state.h"
 
 namespace keel {
 namespace {
@@ -477,7 +476,7 @@ void Trainer::Loop::build_model_and_data() {
   model_->train(true);
   amp_ = AmpContext::resolve(cfg_.amp, device_);
   faults_ = std::make_unique<FaultInjector>(cfg_.fault, world_, device_, std::chrono::seconds(cfg_.dist.timeout_s));
-  faults_->signal("start", 0);
+  faults_->signal(FaultPhase::Start, 0);
   model_ = faults_->wrap_model(model_);
   if (amp::loss_scaling_enabled(cfg_.amp)) scaler_ = std::make_unique<amp::GradScaler>(cfg_.amp);
   try {
@@ -520,7 +519,7 @@ void Trainer::Loop::compile_and_distribute() {
   }
   auto compile = [&] {
     return compile_on_every_rank(*coll_, [&] {
-      faults_->signal("compile", 0);
+      faults_->signal(FaultPhase::Compile, 0);
       amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
       // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
       const std::string identity =
@@ -937,7 +936,7 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   EvalResult r;
   r.step = step;
   if (!splits_.test) return r;
-  faults_->signal("eval", step);
+  faults_->signal(FaultPhase::Eval, step);
   dmodel_->sync_buffers();  // every rank evaluates rank 0's model
   torch::NoGradGuard no_grad;
   model_->train(false);
@@ -1090,7 +1089,7 @@ Summary Trainer::Loop::summary() const {
   s.data = cfg_.data.name;
   s.device = device_.str();
   s.world_size = world_.size;
-  s.launcher = world_.launcher;
+  s.launcher = dist::launcher_name(world_.launcher);
   s.backend = group_->backend();
   s.restart_count = world_.restart_count;
   s.metrics_lines_lost = metrics_.lines_lost();

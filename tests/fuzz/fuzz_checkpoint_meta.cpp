@@ -7,7 +7,7 @@
 #include <cstdlib>
 #include <string>
 
-#include "keel/checkpoint/meta.h"
+#include "checkpoint/meta.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace keel::checkpoint;

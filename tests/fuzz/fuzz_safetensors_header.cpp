@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <cstdlib>
 
-#include "keel/checkpoint/safetensors_header.h"
+#include "checkpoint/safetensors_header.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace keel::checkpoint;

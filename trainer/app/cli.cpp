@@ -1,8 +1,8 @@
-#include "keel/trainer/app/cli.h"
+#include "trainer/app/cli.h"
 
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
-#include "keel/common/log.h"
+#include "common/log.h"
 
 #include <cctype>
 #include <csignal>
@@ -11,13 +11,13 @@
 #include <optional>
 #include <set>
 
-#include "keel/checkpoint/inspect.h"
+#include "checkpoint/inspect.h"
 #include "keel/dist/world.h"
-#include "keel/trainer/app/plot.h"
-#include "keel/trainer/compile/inductor.h"
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/trainer.h"
 #include "keel/version.h"
+#include "trainer/app/plot.h"
+#include "trainer/compile/inductor.h"
 
 namespace keel {
 namespace {

@@ -12,7 +12,8 @@
 
 namespace keel {
 
-int run_cli(int argc, char** argv);
+// run_cli, the command line's entry, is public: keel/trainer/trainer.h declares it.
+
 /// "keel X.Y.Z (LibTorch A.B.C)"
 std::string version_string();
 

@@ -1,9 +1,9 @@
-#include "keel/trainer/app/log.h"
+#include "trainer/app/log.h"
 
 #include <algorithm>
 #include <string>
 
-#include "keel/common/log.h"
+#include "common/log.h"
 
 namespace keel {
 

@@ -1,8 +1,6 @@
-#include "keel/trainer/app/plot.h"
-#include "keel/common/atomic_file.h"
-#include "keel/common/file.h"
-
-#include "keel/common/file.h"
+#include "trainer/app/plot.h"
+#include "common/atomic_file.h"
+#include "common/file.h"
 
 #include <unistd.h>
 
@@ -16,9 +14,9 @@
 #include <map>
 #include <sstream>
 
-#include "keel/common/log.h"
+#include "common/log.h"
 #include "keel/trainer/config/config.h"
-#include "keel/trainer/metrics.h"
+#include "trainer/metrics.h"
 
 namespace keel {
 namespace {

@@ -1,6 +1,6 @@
-#include "keel/trainer/compile/compile.h"
+#include "trainer/compile/compile.h"
 
-#include "keel/trainer/compile/compile_cache.h"
+#include "trainer/compile/compile_cache.h"
 
 #include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/api/function_impl.h>
@@ -9,8 +9,8 @@
 #include <torch/csrc/jit/ir/ir.h>
 
 #include <nlohmann/json.hpp>
-#include "keel/common/clock.h"
-#include "keel/common/log.h"
+#include "common/clock.h"
+#include "common/log.h"
 
 #include <chrono>
 #include <map>

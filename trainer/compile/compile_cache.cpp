@@ -1,31 +1,44 @@
-#include "keel/trainer/compile/compile_cache.h"
+#include "trainer/compile/compile_cache.h"
 
+#include <dlfcn.h>
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <torch/csrc/jit/api/module.h>
 #include <torch/csrc/jit/ir/ir.h>
 #include <torch/csrc/jit/serialization/import.h>
-#include "keel/common/log.h"
+#include "common/log.h"
 
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
 
+#include "common/file.h"
 #include "keel/common/error.h"
-#include "keel/common/file.h"
 #include "keel/version.h"
 
 namespace keel {
 namespace {
 
-// SHA-256 of the running executable, once per process. A model's code (a built-in one or one
-// a user registered in C++) is compiled into the executable (keel_core is a static library),
-// so a rebuilt model is a new key: the cache can never hand back the graph of older code.
+// SHA-256 of the code that runs, once per process: the executable and, when keel's own code is
+// in a shared library (libkeel.so, keel::keel), that library too. A model's code (a built-in
+// one or one a user registered in C++) is compiled into one of them, so a rebuilt model is a new
+// key: the cache can never hand back the graph of older code.
 const std::string& executable_sha256() {
   static const std::string h = [] {
     try {
-      return sha256_hex(read_regular_file("/proc/self/exe", uint64_t(4) << 30));
+      std::string code = sha256_hex(read_regular_file("/proc/self/exe", uint64_t(4) << 30));
+      Dl_info info{};
+      if (dladdr(reinterpret_cast<void*>(&executable_sha256), &info) != 0 && info.dli_fname != nullptr) {
+        // The executable's own code reports the executable (maybe by a relative argv[0]): same inode.
+        struct stat exe {
+        }, lib{};
+        if (stat("/proc/self/exe", &exe) == 0 && stat(info.dli_fname, &lib) == 0 &&
+            (exe.st_dev != lib.st_dev || exe.st_ino != lib.st_ino))
+          code += sha256_hex(read_regular_file(info.dli_fname, uint64_t(4) << 30));
+      }
+      return code;
     } catch (const std::exception& e) {
       logging::warn("compile cache: cannot read this executable to identify its code ({}); caching off", e.what());
       return std::string();

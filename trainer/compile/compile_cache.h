@@ -14,7 +14,7 @@
 #include <memory>
 #include <string>
 
-#include "keel/common/sha256.h"
+#include "common/sha256.h"
 #include "keel/trainer/config/config.h"
 
 namespace torch::jit {

@@ -1,4 +1,4 @@
-#include "keel/trainer/compile/inductor.h"
+#include "trainer/compile/inductor.h"
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
@@ -6,15 +6,15 @@
 #include <cstdlib>
 #include <fstream>
 
-#include "keel/checkpoint/io.h"
-#include "keel/common/atomic_file.h"
-#include "keel/common/clock.h"
+#include "checkpoint/io.h"
+#include "common/atomic_file.h"
+#include "common/clock.h"
+#include "common/file.h"
+#include "common/log.h"
+#include "common/sha256.h"
 #include "keel/common/error.h"
-#include "keel/common/file.h"
-#include "keel/common/log.h"
-#include "keel/common/sha256.h"
-#include "keel/trainer/compile/packaging.h"
 #include "keel/trainer/config/config.h"
+#include "trainer/compile/packaging.h"
 
 namespace keel {
 namespace {

@@ -24,8 +24,8 @@
 #include <string>
 #include <vector>
 
-#include "keel/trainer/compile/compile.h"
-#include "keel/trainer/compile/config.h"
+#include "keel/trainer/config/config.h"
+#include "trainer/compile/compile.h"
 
 namespace torch::inductor {
 class AOTIModelPackageLoader;

@@ -1,4 +1,4 @@
-#include "keel/trainer/compile/packaging.h"
+#include "trainer/compile/packaging.h"
 
 #include <dlfcn.h>
 #include <fcntl.h>
@@ -16,9 +16,9 @@
 #include <mutex>
 #include <set>
 
+#include "common/file.h"
+#include "common/sha256.h"
 #include "keel/common/error.h"
-#include "keel/common/file.h"
-#include "keel/common/sha256.h"
 
 #ifdef KEEL_WITH_CUDA
 #include <cuda_runtime_api.h>

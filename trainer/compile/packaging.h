@@ -14,7 +14,7 @@
 #include <string>
 #include <vector>
 
-#include "keel/trainer/compile/config.h"
+#include "keel/trainer/config/config.h"
 
 namespace keel::aot {
 

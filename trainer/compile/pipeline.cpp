@@ -1,6 +1,6 @@
-#include "keel/trainer/compile/pipeline.h"
+#include "trainer/compile/pipeline.h"
 
-#include "keel/common/log.h"
+#include "common/log.h"
 
 namespace keel {
 

@@ -20,12 +20,12 @@
 #include <set>
 #include <vector>
 
+#include "dist/ddp.h"
 #include "keel/dist/collectives.h"
-#include "keel/dist/ddp.h"
 #include "keel/models/model.h"
-#include "keel/trainer/compile/compile.h"
-#include "keel/trainer/compile/inductor.h"
 #include "keel/trainer/config/config.h"
+#include "trainer/compile/compile.h"
+#include "trainer/compile/inductor.h"
 
 namespace keel {
 

@@ -1,16 +1,16 @@
-#include "keel/trainer/compile/python_model.h"
+#include "trainer/compile/python_model.h"
 
 #include <cstdio>
 #include <map>
 
-#include "keel/checkpoint/safetensors.h"
+#include "checkpoint/safetensors.h"
+#include "common/file.h"
+#include "common/log.h"
+#include "common/sha256.h"
 #include "keel/common/error.h"
-#include "keel/common/file.h"
-#include "keel/common/log.h"
-#include "keel/common/sha256.h"
-#include "keel/trainer/compile/inductor.h"
-#include "keel/trainer/compile/packaging.h"
 #include "keel/trainer/config/config.h"
+#include "trainer/compile/inductor.h"
+#include "trainer/compile/packaging.h"
 
 namespace keel {
 namespace {

@@ -3,12 +3,12 @@
 // schema in config_schema.cpp, so there is one place that decides what a valid config is.
 #include "keel/trainer/config/config.h"
 
-#include "keel/common/file.h"
+#include "common/file.h"
 
 #include <toml++/toml.h>
 
-#include "keel/dist/network.h"
-#include "keel/trainer/fault/fault.h"
+#include "dist/network.h"
+#include "trainer/fault/fault.h"
 
 #include <algorithm>
 #include <cctype>

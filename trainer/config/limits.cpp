@@ -7,7 +7,7 @@
 // synthetic data's are those of trainer/data/datasets.cpp (make_synthetic) and the sampler's
 // (trainer/data/sampler.cpp). tests/test_limits.cpp checks the parameter counts against the
 // models that are built.
-#include "keel/trainer/config/limits.h"
+#include "trainer/config/limits.h"
 
 #include <unistd.h>
 

@@ -1,6 +1,6 @@
 #include "keel/trainer/data/data.h"
 
-#include "keel/common/registry.h"
+#include "common/registry.h"
 
 namespace keel::data {
 namespace {

@@ -7,7 +7,7 @@
 
 #include <cstring>
 
-#include "keel/common/file.h"
+#include "common/file.h"
 #include "keel/trainer/data/data.h"
 
 namespace keel::data {

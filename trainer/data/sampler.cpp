@@ -1,4 +1,4 @@
-#include "keel/trainer/data/sampler.h"
+#include "trainer/data/sampler.h"
 
 #include <torch/torch.h>
 
@@ -6,7 +6,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "keel/common/log.h"
+#include "common/log.h"
 
 namespace keel::data {
 

@@ -14,7 +14,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "keel/checkpoint/stateful.h"
+#include "checkpoint/stateful.h"
 
 namespace keel::data {
 

@@ -1,4 +1,4 @@
-#include "keel/trainer/fault/fault.h"
+#include "trainer/fault/fault.h"
 
 #include <algorithm>
 #include <cstdlib>
@@ -7,24 +7,16 @@
 
 namespace keel {
 
-const std::vector<std::string>& FaultPlan::types() {
-  static const std::vector<std::string> t = {"collective_hang",
-                                             "crash",
-                                             "oom",
-                                             "nonfinite_grad",
-                                             "shape_mismatch",
-                                             "checkpoint_write_failure",
-                                             "checkpoint_corruption",
-                                             "graph_break",
-                                             "straggler",
-                                             "signal"};
-  return t;
+namespace {
+
+template <class E, std::size_t N>
+std::string names(const Choices<E, N>& table) {
+  std::string list;
+  for (const auto& c : table) list += (list.empty() ? "" : ", ") + std::string(c.name);
+  return list;
 }
 
-const std::vector<std::string>& FaultPlan::signal_phases() {
-  static const std::vector<std::string> p = {"start", "compile", "step", "eval", "save"};
-  return p;
-}
+}  // namespace
 
 FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size) {
   for (const auto& text : entries) {
@@ -35,14 +27,9 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
     FaultEntry e;
     const auto at = text.find('@');
     if (at == std::string::npos) throw bad("missing '@'");
-    e.type = text.substr(0, at);
-    bool known = false;
-    for (const auto& t : types()) known |= (t == e.type);
-    if (!known) {
-      std::string list;
-      for (const auto& t : types()) list += (list.empty() ? "" : ", ") + t;
-      throw bad("unknown fault type '" + e.type + "' (known: " + list + ")");
-    }
+    const std::string type = text.substr(0, at);
+    if (!parse_choice(kFaultTypes, type, e.type))
+      throw bad("unknown fault type '" + type + "' (known: " + names(kFaultTypes) + ")");
     std::string rest = text.substr(at + 1);
     size_t pos = 0;
     while (pos <= rest.size()) {
@@ -65,10 +52,8 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
       if (eq == std::string::npos) throw bad("'" + item + "' is not key=value");
       const std::string key = item.substr(0, eq), val = item.substr(eq + 1);
       if (key == "phase") {
-        const auto& ph = signal_phases();
-        if (std::find(ph.begin(), ph.end(), val) == ph.end())
-          throw bad("phase must be one of start, compile, step, eval, save (got '" + val + "')");
-        e.phase = val;
+        if (!parse_choice(kFaultPhases, val, e.phase))
+          throw bad("phase must be one of " + names(kFaultPhases) + " (got '" + val + "')");
         continue;
       }
       char* end = nullptr;
@@ -92,8 +77,9 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
     if (e.rank >= world_size)
       throw bad("rank " + std::to_string(e.rank) + " does not exist in a world of " + std::to_string(world_size));
     if (e.always && e.restart >= 0) throw bad("'always' and 'restart=K' exclude each other");
-    if (e.crash && e.type != "checkpoint_write_failure") throw bad("'crash' applies to checkpoint_write_failure only");
-    if (e.type != "signal" && (e.twice || e.phase != "step" || e.sig != 15))
+    if (e.crash && e.type != FaultType::CheckpointWriteFailure)
+      throw bad("'crash' applies to checkpoint_write_failure only");
+    if (e.type != FaultType::Signal && (e.twice || e.phase != FaultPhase::Step || e.sig != 15))
       throw bad("'phase', 'sig' and 'twice' apply to signal only");
     if (e.sig != 2 && e.sig != 15) throw bad("sig must be 2 (SIGINT) or 15 (SIGTERM)");
     entries_.push_back(e);
@@ -105,28 +91,28 @@ bool FaultPlan::in_restart(const FaultEntry& e, int64_t restart_count) {
   return restart_count == 0 || e.always;
 }
 
-const FaultEntry* FaultPlan::find(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const {
+const FaultEntry* FaultPlan::find(FaultType type, int64_t step, int64_t rank, int64_t restart_count) const {
   for (const auto& e : entries_)
     if (e.type == type && e.step == step && e.rank == rank && in_restart(e, restart_count)) return &e;
   return nullptr;
 }
 
-const FaultEntry* FaultPlan::signal(const std::string& phase, int64_t step, int64_t rank, int64_t restart_count) const {
-  const bool once = phase == "start" || phase == "compile";
+const FaultEntry* FaultPlan::signal(FaultPhase phase, int64_t step, int64_t rank, int64_t restart_count) const {
+  const bool once = phase == FaultPhase::Start || phase == FaultPhase::Compile;
   for (const auto& e : entries_)
-    if (e.type == "signal" && e.phase == phase && (once || e.step == step) && e.rank == rank &&
+    if (e.type == FaultType::Signal && e.phase == phase && (once || e.step == step) && e.rank == rank &&
         in_restart(e, restart_count))
       return &e;
   return nullptr;
 }
 
-const FaultEntry* FaultPlan::active(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const {
+const FaultEntry* FaultPlan::active(FaultType type, int64_t step, int64_t rank, int64_t restart_count) const {
   for (const auto& e : entries_)
     if (e.type == type && e.step <= step && e.rank == rank && in_restart(e, restart_count)) return &e;
   return nullptr;
 }
 
-const FaultEntry* FaultPlan::any_rank(const std::string& type, int64_t step, int64_t restart_count) const {
+const FaultEntry* FaultPlan::any_rank(FaultType type, int64_t step, int64_t restart_count) const {
   for (const auto& e : entries_)
     if (e.type == type && e.step == step && in_restart(e, restart_count)) return &e;
   return nullptr;

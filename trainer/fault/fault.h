@@ -11,10 +11,45 @@
 #include <string>
 #include <vector>
 
+#include "keel/common/choices.h"
+
 namespace keel {
 
+/// The fault types (docs/faults.md), compared as values; an entry naming another is refused at
+/// start with these names.
+enum class FaultType {
+  CollectiveHang,
+  Crash,
+  Oom,
+  NonfiniteGrad,
+  ShapeMismatch,
+  CheckpointWriteFailure,
+  CheckpointCorruption,
+  GraphBreak,
+  Straggler,
+  Signal
+};
+inline constexpr Choices<FaultType, 10> kFaultTypes{{{"collective_hang", FaultType::CollectiveHang},
+                                                     {"crash", FaultType::Crash},
+                                                     {"oom", FaultType::Oom},
+                                                     {"nonfinite_grad", FaultType::NonfiniteGrad},
+                                                     {"shape_mismatch", FaultType::ShapeMismatch},
+                                                     {"checkpoint_write_failure", FaultType::CheckpointWriteFailure},
+                                                     {"checkpoint_corruption", FaultType::CheckpointCorruption},
+                                                     {"graph_break", FaultType::GraphBreak},
+                                                     {"straggler", FaultType::Straggler},
+                                                     {"signal", FaultType::Signal}}};
+
+/// Where a `signal` fault is sent.
+enum class FaultPhase { Start, Compile, Step, Eval, Save };
+inline constexpr Choices<FaultPhase, 5> kFaultPhases{{{"start", FaultPhase::Start},
+                                                      {"compile", FaultPhase::Compile},
+                                                      {"step", FaultPhase::Step},
+                                                      {"eval", FaultPhase::Eval},
+                                                      {"save", FaultPhase::Save}}};
+
 struct FaultEntry {
-  std::string type;
+  FaultType type = FaultType::Crash;
   int64_t step = -1;     // optimizer step (1-based) at which it fires
   int64_t rank = -1;     // the rank it fires on
   bool always = false;   // fire again after a restart
@@ -23,33 +58,29 @@ struct FaultEntry {
   bool crash = false;    // checkpoint_write_failure: SIGKILL halfway through the write, not ENOSPC
   // signal: where it is sent (start, compile, step, eval, save), which signal (SIGTERM or
   // SIGINT), and whether a second one follows the first at once.
-  std::string phase = "step";
+  FaultPhase phase = FaultPhase::Step;
   int64_t sig = 15;
   bool twice = false;
 };
 
 class FaultPlan {
  public:
-  /// Every type the injector knows.
-  static const std::vector<std::string>& types();
   /// Throws InputError naming the entry for a malformed or unknown entry.
   FaultPlan(const std::vector<std::string>& entries, int64_t world_size);
   /// The entry of `type` for (step, rank) that fires in this restart, or nullptr.
-  const FaultEntry* find(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const;
-  bool fires(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const {
+  const FaultEntry* find(FaultType type, int64_t step, int64_t rank, int64_t restart_count) const;
+  bool fires(FaultType type, int64_t step, int64_t rank, int64_t restart_count) const {
     return find(type, step, rank, restart_count) != nullptr;
   }
   /// The `signal` entry for (phase, step, rank) in this restart, or nullptr (start and compile
   /// happen once: their entries match any step).
-  const FaultEntry* signal(const std::string& phase, int64_t step, int64_t rank, int64_t restart_count) const;
-  /// The phases a `signal` entry may name.
-  static const std::vector<std::string>& signal_phases();
+  const FaultEntry* signal(FaultPhase phase, int64_t step, int64_t rank, int64_t restart_count) const;
   /// An entry of `type` active on `rank` at `step` (its step <= step), firing in this restart:
   /// for faults that last (straggler).
-  const FaultEntry* active(const std::string& type, int64_t step, int64_t rank, int64_t restart_count) const;
+  const FaultEntry* active(FaultType type, int64_t step, int64_t rank, int64_t restart_count) const;
   /// Some rank has an entry of `type` at `step` in this restart (for faults every rank must
   /// take part in, such as shape_mismatch's collective).
-  const FaultEntry* any_rank(const std::string& type, int64_t step, int64_t restart_count) const;
+  const FaultEntry* any_rank(FaultType type, int64_t step, int64_t restart_count) const;
   const std::vector<FaultEntry>& entries() const { return entries_; }
   bool empty() const { return entries_.empty(); }
 

@@ -1,4 +1,4 @@
-#include "keel/trainer/fault/injector.h"
+#include "trainer/fault/injector.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -11,7 +11,7 @@
 #include <stdexcept>
 #include <thread>
 
-#include "keel/common/log.h"
+#include "common/log.h"
 
 namespace keel {
 namespace {
@@ -56,16 +56,17 @@ bool flip_byte_in_place(const std::string& path) {
 
 // signal: what a launcher or an operator does to the process (kill(2), not raise(3): the signal
 // is the process's, taken by whichever thread).
-void send_signal(const FaultEntry& e, const char* phase, int64_t step, int64_t rank) {
+void send_signal(const FaultEntry& e, FaultPhase phase, int64_t step, int64_t rank) {
   logging::warn("fault injection: signal {} ({}){} in phase {} at step {} on rank {}", e.sig,
-                e.sig == SIGINT ? "SIGINT" : "SIGTERM", e.twice ? " twice" : "", phase, step, rank);
+                e.sig == SIGINT ? "SIGINT" : "SIGTERM", e.twice ? " twice" : "", choice_name(kFaultPhases, phase), step,
+                rank);
   ::kill(::getpid(), static_cast<int>(e.sig));
   if (e.twice) ::kill(::getpid(), static_cast<int>(e.sig));
 }
 
 }  // namespace
 
-void FaultInjector::signal(const char* phase, int64_t step) const {
+void FaultInjector::signal(FaultPhase phase, int64_t step) const {
   if (plan_.empty()) return;
   if (const FaultEntry* e = plan_.signal(phase, step, rank_, restart_count_)) send_signal(*e, phase, step, rank_);
 }
@@ -80,13 +81,13 @@ FaultInjector::FaultInjector(const FaultConfig& cfg, const dist::World& world, t
       collective_timeout_(collective_timeout) {}
 
 std::shared_ptr<models::Model> FaultInjector::wrap_model(std::shared_ptr<models::Model> model) const {
-  if (!plan_.fires("graph_break", 1, rank_, restart_count_)) return model;
+  if (!plan_.fires(FaultType::GraphBreak, 1, rank_, restart_count_)) return model;
   logging::warn("fault injection: graph_break: rank {}'s model branches on a tensor value", rank_);
   return std::make_shared<GraphBreakModel>(std::move(model));
 }
 
 void FaultInjector::after_backward(int64_t step, const std::vector<torch::Tensor>& params) const {
-  if (!plan_.fires("nonfinite_grad", step, rank_, restart_count_)) return;
+  if (!plan_.fires(FaultType::NonfiniteGrad, step, rank_, restart_count_)) return;
   logging::warn("fault injection: nonfinite_grad at step {} on rank {}", step, rank_);
   for (const auto& p : params)
     if (p.grad().defined()) {
@@ -98,24 +99,24 @@ void FaultInjector::after_backward(int64_t step, const std::vector<torch::Tensor
 void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
   if (plan_.empty()) return;
   const int64_t r = rank_, rc = restart_count_;
-  if (const FaultEntry* e = plan_.active("straggler", s, r, rc)) {
+  if (const FaultEntry* e = plan_.active(FaultType::Straggler, s, r, rc)) {
     if (s == e->step)
       logging::warn("fault injection: straggler: rank {} sleeps {} ms per step from step {}", r, e->ms, s);
     std::this_thread::sleep_for(std::chrono::milliseconds(e->ms));
   }
-  signal("step", s);
-  if (plan_.fires("crash", s, r, rc)) {
+  signal(FaultPhase::Step, s);
+  if (plan_.fires(FaultType::Crash, s, r, rc)) {
     logging::error("fault injection: crash (SIGKILL) at step {} on rank {}", s, r);
     logging::flush();
     std::raise(SIGKILL);
   }
-  if (plan_.fires("oom", s, r, rc)) {
+  if (plan_.fires(FaultType::Oom, s, r, rc)) {
     // 1 PiB: more than a 47-bit address space holds, so the allocation fails even where the
     // kernel overcommits memory (nothing is ever touched).
     logging::warn("fault injection: oom at step {} on rank {}: allocating 1 PiB", s, r);
     auto huge = torch::empty({int64_t{1} << 48}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   }
-  if (plan_.fires("collective_hang", s, r, rc)) {
+  if (plan_.fires(FaultType::CollectiveHang, s, r, rc)) {
     // This rank stops taking part in collectives and waits until a peer reports its failed
     // collective through the store (or twice the collective timeout passes).
     logging::warn("fault injection: collective_hang at step {}: rank {} stops taking part in collectives", s, r);
@@ -132,7 +133,7 @@ void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
         "fault injection: collective_hang: rank " + std::to_string(r) + " stopped at step " + std::to_string(s) +
         (why.empty() ? std::string("; no peer reported") : "; its peers gave up: " + why.substr(0, 300)));
   }
-  if (const FaultEntry* e = plan_.any_rank("shape_mismatch", s, rc)) {
+  if (const FaultEntry* e = plan_.any_rank(FaultType::ShapeMismatch, s, rc)) {
     // Every rank issues the same collective; the faulty rank's tensor has another shape.
     auto probe = torch::zeros({e->rank == r ? 5 : 4}, torch::TensorOptions().device(device_));
     if (e->rank == r) logging::warn("fault injection: shape_mismatch at step {}: rank {} all-reduces shape [5]", s, r);
@@ -144,17 +145,17 @@ checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
   checkpoint::Hooks h;
   bool write_failure = false, corruption = false, signal_at_save = false;
   for (const auto& e : plan_.entries()) {
-    write_failure |= e.type == "checkpoint_write_failure";
-    corruption |= e.type == "checkpoint_corruption";
-    signal_at_save |= e.type == "signal" && e.phase == "save";
+    write_failure |= e.type == FaultType::CheckpointWriteFailure;
+    corruption |= e.type == FaultType::CheckpointCorruption;
+    signal_at_save |= e.type == FaultType::Signal && e.phase == FaultPhase::Save;
   }
   if (signal_at_save) {
     // Once per save, at this rank's first write of it (on the writer thread with checkpoint.async).
     auto sent = std::make_shared<std::atomic<int64_t>>(-1);
     h.before_write = [plan = plan_, rank = rank_, rc = restart_count_, sent](int64_t step, const std::string&,
                                                                              uint64_t) -> int {
-      if (const FaultEntry* e = plan.signal("save", step, rank, rc); e && sent->exchange(step) != step)
-        send_signal(*e, "save", step, rank);
+      if (const FaultEntry* e = plan.signal(FaultPhase::Save, step, rank, rc); e && sent->exchange(step) != step)
+        send_signal(*e, FaultPhase::Save, step, rank);
       return 0;
     };
   }
@@ -166,7 +167,7 @@ checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
                          int64_t step, const std::string& file, uint64_t offset) -> int {
       if (first) first(step, file, offset);
       if (offset < 64 || file.rfind("model-", 0) != 0) return 0;
-      const FaultEntry* e = plan.find("checkpoint_write_failure", step, rank, rc);
+      const FaultEntry* e = plan.find(FaultType::CheckpointWriteFailure, step, rank, rc);
       if (!e) return 0;
       if (warned->exchange(step) != step)
         logging::warn("fault injection: checkpoint_write_failure ({}) at step {} on rank {}",
@@ -181,7 +182,7 @@ checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
   if (corruption) {
     h.after_commit = [plan = plan_, rank = rank_, world = world_size_, rc = restart_count_](int64_t step,
                                                                                             const std::string& dir) {
-      if (!plan.fires("checkpoint_corruption", step, rank, rc)) return;
+      if (!plan.fires(FaultType::CheckpointCorruption, step, rank, rc)) return;
       const std::string path = dir + "/" + checkpoint::model_file(rank, world);
       if (flip_byte_in_place(path)) logging::warn("fault injection: checkpoint_corruption: flipped a byte of {}", path);
     };

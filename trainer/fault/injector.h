@@ -17,12 +17,12 @@
 #include <memory>
 #include <vector>
 
-#include "keel/checkpoint/checkpoint.h"
+#include "checkpoint/checkpointer.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/world.h"
 #include "keel/models/model.h"
-#include "keel/trainer/fault/config.h"
-#include "keel/trainer/fault/fault.h"
+#include "keel/trainer/config/config.h"
+#include "trainer/fault/fault.h"
 
 namespace keel {
 
@@ -47,7 +47,7 @@ class FaultInjector {
   void before_consensus(int64_t step, dist::Collectives& coll) const;
   /// signal: sends this process SIGTERM (or SIGINT), once or twice, when an entry names this
   /// phase (start, compile, step, eval; save is sent from the checkpoint hooks) and step.
-  void signal(const char* phase, int64_t step) const;
+  void signal(FaultPhase phase, int64_t step) const;
   /// The checkpointer's hooks (checkpoint_write_failure, checkpoint_corruption, signal at save).
   checkpoint::Hooks checkpoint_hooks() const;
 

@@ -1,4 +1,6 @@
-// checkpoint/checkpoint.h: sharded, atomic, checksummed checkpoints with async save and resume.
+// keel/checkpoint/checkpoint.h: sharded, atomic, checksummed checkpoints: what a step holds, how
+// to read one, and the Checkpointer that saves and loads them with async save and resume
+// (checkpoint/checkpointer.h, private: file names, the shard plan, the protocol).
 //
 // Layout of checkpoint.dir (one directory per step, N = optimizer steps done):
 //   step_<N>/model-0000r-of-0000W.safetensors     model tensors, sharded over the W ranks
@@ -19,27 +21,11 @@
 // optimizer state's partition ("optimizer": {"zero", "owners": {parameter: rank}}), and the
 // size and SHA-256 of every other file.
 //
-// Protocol of a save (every rank calls save() at the same step):
-//   1. plan: tensors replicated on every rank (model, optimizer) are assigned to ranks largest
-//      first to the least-loaded rank, so bytes are balanced; every rank computes the same plan
-//      and its fingerprint is checked across ranks (dist/collectives.h);
-//   2. write: each rank writes its shard files (temp name, fsync, rename, fsync the directory),
-//      computing SHA-256 on the way; with async the state is first copied to CPU memory and a
-//      background thread writes while training continues;
-//   3. commit (collective, on the training thread): every rank's result is all-gathered; if any
-//      rank failed, every rank throws SaveError naming the rank, file and error, and nothing is
-//      committed; otherwise rank 0 writes the index and then meta.json (temp, fsync, rename,
-//      fsync the directory), tells every rank the outcome, and removes old steps beyond `keep`
-//      and uncommitted directories. A directory without meta.json is never loaded.
-// Async saves are committed at the first step boundary at which every rank's writer is done
-// (the trainer learns it from the per-step consensus), or by the next save / finish().
 //
-// Loading (collective): the newest committed step (or checkpoint.resume_from) whose files
-// verify on every rank; a file whose checksum or format is wrong is named in a warning and
-// the previous committed step is tried. Each rank reads and verifies the model and extra
-// shards, its own rank file, and only the optimizer files that hold state it wants
-// (Options::wants_optimizer_tensor; through the optimizer index), so a checkpoint saved at
-// any world size and dist.zero re-partitions on load.
+// A library user reads a checkpoint with list_steps / resume_from_dir (which step), verify_step
+// (are its files whole) and load_weights (a step's, or any safetensors export's, weights into a
+// model); Callbacks::save_state / load_state (keel/trainer/trainer.h) add their own State to
+// the trainer's, and a loop of one's own saves and loads with a Checkpointer.
 #pragma once
 
 #include <torch/torch.h>
@@ -53,15 +39,19 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
-
-#include "keel/checkpoint/safetensors.h"
 
 namespace keel::dist {
 class Collectives;
 }
+namespace keel::models {
+class Model;
+}
 
 namespace keel::checkpoint {
+
+using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
 /// A save failed on some rank; thrown on every rank. The previous checkpoint is intact.
 /// checkpoint.resume_from names a step that is not there or does not load: the user's input.
@@ -103,27 +93,6 @@ struct State {
                                  // (loaded: their paths, not verified: see read_step)
 };
 
-/// Seams where tests and fault injection (trainer/fault/) step in; production runs set none.
-struct Hooks {
-  /// Before each write to one of this rank's files of step `step` (on the writer thread):
-  /// `file` is its name in the step directory, `offset` the bytes already written. A non-zero
-  /// return is the errno that write fails with (a full or failing disk).
-  std::function<int(int64_t step, const std::string& file, uint64_t offset)> before_write;
-  /// After step `step` is committed and old steps are cleaned up, on every rank.
-  std::function<void(int64_t step, const std::string& step_dir)> after_commit;
-};
-
-struct Options {
-  std::string dir;   // checkpoint.dir
-  int64_t keep = 3;  // committed steps kept
-  bool async = false;
-  std::string config_sha256;  // the resolved config's hash, recorded in meta.json
-  Hooks hooks;
-  /// Which optimizer state tensors this rank loads (by name); empty = all of them. Only the
-  /// optimizer files holding a wanted tensor are read and verified on this rank.
-  std::function<bool(const std::string& name)> wants_optimizer_tensor;
-};
-
 /// What load() found.
 struct Loaded {
   int64_t step = 0;
@@ -150,25 +119,30 @@ std::string resume_from_dir(const std::string& dir, const std::string& resume_fr
 /// Step directories under `dir`, oldest first.
 std::vector<StepInfo> list_steps(const std::string& dir);
 
-/// "model-00001-of-00002.safetensors" etc.
-std::string model_file(int64_t rank, int64_t world);
-std::string optimizer_file(int64_t rank, int64_t world);
-std::string extra_file(int64_t rank, int64_t world);
-std::string rank_file(int64_t rank);
-
-/// Owner rank of each tensor of `sizes` (bytes), balanced: largest first to the least-loaded
-/// rank (ties: the lower rank), deterministic.
-std::vector<int64_t> assign_shards(const std::vector<uint64_t>& sizes, int64_t world);
-
-/// What is wrong with the optimizer state tensor `name` ("<parameter>.<field>") of a step
-/// saved after `step` optimizer steps, or "": a step count (`step_count`) is one integer in
-/// [0, step]; any other field has the shape and dtype of its parameter `param`.
-std::string optimizer_tensor_problem(const std::string& name, const torch::Tensor& t, bool step_count,
-                                     const torch::Tensor& param, int64_t step);
-
 /// Verifies every file listed in `step_dir`/meta.json against its recorded size and SHA-256.
 /// Returns the problems found (empty: the step verifies).
 std::vector<std::string> verify_step(const std::string& step_dir);
+
+/// Seams where tests and fault injection (trainer/fault/) step in; production runs set none.
+struct Hooks {
+  /// Before each write to one of this rank's files of step `step` (on the writer thread):
+  /// `file` is its name in the step directory, `offset` the bytes already written. A non-zero
+  /// return is the errno that write fails with (a full or failing disk).
+  std::function<int(int64_t step, const std::string& file, uint64_t offset)> before_write;
+  /// After step `step` is committed and old steps are cleaned up, on every rank.
+  std::function<void(int64_t step, const std::string& step_dir)> after_commit;
+};
+
+struct Options {
+  std::string dir;   // checkpoint.dir
+  int64_t keep = 3;  // committed steps kept
+  bool async = false;
+  std::string config_sha256;  // the resolved config's hash, recorded in meta.json
+  Hooks hooks;
+  /// Which optimizer state tensors this rank loads (by name); empty = all of them. Only the
+  /// optimizer files holding a wanted tensor are read and verified on this rank.
+  std::function<bool(const std::string& name)> wants_optimizer_tensor;
+};
 
 class Checkpointer {
  public:
@@ -224,10 +198,6 @@ class Checkpointer {
   double last_write_ms_ = 0;
 };
 
-}  // namespace keel::checkpoint
-
-namespace keel::checkpoint {
-
 /// The checkpoint's tensors do not bind to the model; the message lists the missing,
 /// unexpected and mismatched entries.
 class BindError : public std::runtime_error {
@@ -239,5 +209,16 @@ class BindError : public std::runtime_error {
 /// dtypes to match exactly; otherwise throws BindError listing every missing, unexpected and
 /// mismatched entry. `what` names the source in the message (e.g. the step directory).
 void copy_into(const NamedTensors& targets, const NamedTensors& source, const std::string& what);
+
+/// Copies the weights at `path` into `model`'s parameters and buffers (on their device): a
+/// .safetensors file written by anyone (PyTorch's `safetensors.torch.save_file`), a Hugging Face
+/// sharded export (model.safetensors.index.json), or a keel checkpoint step (which has that
+/// index); a directory holding the index or a single model.safetensors. The match of names and
+/// shapes is strict, as torch.nn.Module.load_state_dict(strict=True): every parameter and buffer
+/// must be there with its shape, and a tensor the model lacks is an error too; floating dtypes
+/// convert. Returns the number of tensors loaded. Throws InputError naming the file and the
+/// tensor for anything that does not match or cannot be read. (model.init_from; resuming a run
+/// restores the optimizer, data position and RNG as well.)
+int64_t load_weights(models::Model& model, const std::string& path);
 
 }  // namespace keel::checkpoint

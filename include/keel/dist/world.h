@@ -10,6 +10,7 @@
 #include <map>
 #include <string>
 
+#include "keel/common/choices.h"
 #include "keel/common/error.h"
 
 namespace keel::dist {
@@ -18,16 +19,25 @@ namespace keel::dist {
 /// absurd WORLD_SIZE from sizing anything).
 constexpr int64_t kMaxWorldSize = int64_t{1} << 18;
 
+/// Who started this process (detect_world reads it from the environment); compared as a value,
+/// named through kLaunchers ("none" for a process started alone).
+enum class Launcher { None, Torchrun, Mpirun, Srun };
+inline constexpr Choices<Launcher, 4> kLaunchers{{{"none", Launcher::None},
+                                                  {"torchrun", Launcher::Torchrun},
+                                                  {"mpirun", Launcher::Mpirun},
+                                                  {"srun", Launcher::Srun}}};
+inline const char* launcher_name(Launcher l) { return choice_name(kLaunchers, l); }
+
 struct World {
   int64_t rank = 0;
   int64_t size = 1;
   int64_t local_rank = 0;
   int64_t local_size = 1;
-  int64_t restart_count = 0;      // TORCHELASTIC_RESTART_COUNT (0 for other launchers)
-  std::string launcher = "none";  // torchrun | mpirun | srun | none
-  std::string master_addr;        // rendezvous host (torchrun, srun)
-  int64_t master_port = 0;        // rendezvous port (torchrun, srun)
-  bool agent_store = false;       // torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE)
+  int64_t restart_count = 0;  // TORCHELASTIC_RESTART_COUNT (0 for other launchers)
+  Launcher launcher = Launcher::None;
+  std::string master_addr;   // rendezvous host (torchrun, srun)
+  int64_t master_port = 0;   // rendezvous port (torchrun, srun)
+  bool agent_store = false;  // torchrun hosts the store itself (TORCHELASTIC_USE_AGENT_STORE)
   bool is_main() const { return rank == 0; }
 };
 

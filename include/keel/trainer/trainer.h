@@ -160,4 +160,11 @@ class Trainer {
 /// Asks a running Trainer to stop after its current step (what SIGINT/SIGTERM do).
 void request_stop(int signo);
 
+/// The `keel` command line (keel train, inspect, compile, ...; docs/getting-started.md) in your
+/// own binary, with the models, datasets, losses and schedules you registered:
+/// `int main(int argc, char** argv) { return keel::run_cli(argc, argv); }`. Returns the exit
+/// code: 0 success, 2 bad usage or input (config, data, model files), 1 a failure while
+/// running, 128+N stopped by signal N.
+int run_cli(int argc, char** argv);
+
 }  // namespace keel
