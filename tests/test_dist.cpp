@@ -302,7 +302,7 @@ keel::Config equivalence_config(const std::string& dir, int64_t batch, int64_t a
   cfg.train.steps = 20;
   cfg.train.batch_size = batch;
   cfg.train.grad_accum = accum;
-  cfg.train.optimizer = keel::OptimizerKind::Sgd;
+  cfg.train.optimizer = "sgd";
   cfg.train.lr = 0.05;
   cfg.train.schedule = "constant";
   keel::validate(cfg);

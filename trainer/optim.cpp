@@ -13,16 +13,48 @@
 
 namespace keel {
 
+namespace {
+
+struct OptimizerEntry {
+  OptimizerFn make;
+  OptimizerStateFn make_state;  // empty for the built-ins: their states are known by type
+};
+
+Registry<OptimizerEntry>& optimizers() {
+  static Registry<OptimizerEntry> r("optimizer", "train.optimizer", [](Registry<OptimizerEntry>& t) {
+    t.add_builtin(
+        "adamw",
+        {[](std::vector<torch::Tensor> params, const TrainConfig& c) -> std::unique_ptr<torch::optim::Optimizer> {
+           auto o = torch::optim::AdamWOptions(c.lr).betas({c.beta1, c.beta2}).eps(c.eps).weight_decay(c.weight_decay);
+           if (c.fused_optimizer) return std::make_unique<FusedAdamW>(params, o);
+           return std::make_unique<torch::optim::AdamW>(params, o);
+         },
+         nullptr});
+    t.add_builtin("sgd", {[](std::vector<torch::Tensor> params,
+                             const TrainConfig& c) -> std::unique_ptr<torch::optim::Optimizer> {
+                            auto o = torch::optim::SGDOptions(c.lr).momentum(c.momentum).weight_decay(c.weight_decay);
+                            if (c.fused_optimizer) return std::make_unique<FusedSgd>(params, o);
+                            return std::make_unique<torch::optim::SGD>(params, o);
+                          },
+                          nullptr});
+  });
+  return r;
+}
+
+}  // namespace
+
+void register_optimizer(const std::string& name, OptimizerFn make, OptimizerStateFn make_state) {
+  if (!make || !make_state) throw std::invalid_argument("register_optimizer(\"" + name + "\"): empty function");
+  optimizers().add(name, {std::move(make), std::move(make_state)});
+}
+
+std::vector<std::string> registered_optimizers() { return optimizers().names(); }
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
                                                         const std::vector<torch::Tensor>& params) {
-  if (cfg.optimizer == OptimizerKind::Sgd) {
-    auto o = torch::optim::SGDOptions(cfg.lr).momentum(cfg.momentum).weight_decay(cfg.weight_decay);
-    if (cfg.fused_optimizer) return std::make_unique<FusedSgd>(params, o);
-    return std::make_unique<torch::optim::SGD>(params, o);
-  }
-  auto o = torch::optim::AdamWOptions(cfg.lr).betas({cfg.beta1, cfg.beta2}).eps(cfg.eps).weight_decay(cfg.weight_decay);
-  if (cfg.fused_optimizer) return std::make_unique<FusedAdamW>(params, o);
-  return std::make_unique<torch::optim::AdamW>(params, o);
+  auto opt = optimizers().get(cfg.optimizer).make(params, cfg);
+  if (!opt) throw InputError("train.optimizer = \"" + cfg.optimizer + "\": its registered function made no optimizer");
+  return opt;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -201,6 +233,84 @@ auto key_of(Opt& opt, const torch::Tensor& p) {
 
 }  // namespace
 
+namespace {
+
+// A per-parameter state's fields through its own serialize(): the archive a torch::optim state
+// writes, read back (a registered optimizer's state, whose type keel does not know).
+// What `out` holds, as an archive to read.
+void reopen(torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+  std::string bytes;
+  out.save_to([&](const void* d, size_t n) {
+    bytes.append(static_cast<const char*>(d), n);
+    return n;
+  });
+  in.load_from(bytes.data(), bytes.size());
+}
+
+std::vector<std::pair<std::string, c10::IValue>> archived_fields(const torch::optim::OptimizerParamState& s) {
+  torch::serialize::OutputArchive out;
+  s.serialize(out);
+  torch::serialize::InputArchive in;
+  reopen(out, in);
+  std::vector<std::pair<std::string, c10::IValue>> fields;
+  for (const auto& k : in.keys()) {
+    c10::IValue v;
+    in.read(k, v);
+    if (k == "training" && v.isBool()) continue;  // the archive's module's own attribute
+    fields.emplace_back(k, std::move(v));
+  }
+  return fields;
+}
+
+// The inverse: a new state of the registered type, read from `fields` by its own serialize().
+std::unique_ptr<torch::optim::OptimizerParamState> archived_state(
+    const OptimizerCodec& codec, const std::vector<std::pair<std::string, c10::IValue>>& fields) {
+  torch::serialize::OutputArchive out;
+  for (const auto& [k, v] : fields) out.write(k, v);
+  torch::serialize::InputArchive in;
+  reopen(out, in);
+  auto s = codec.make_state();
+  s->serialize(in);
+  return s;
+}
+
+}  // namespace
+
+OptimizerCodec optimizer_codec(const TrainConfig& cfg) {
+  const auto entry = optimizers().get(cfg.optimizer);
+  OptimizerCodec codec;
+  if (!entry.make_state) return codec;  // a built-in
+  codec.make_state = entry.make_state;
+  const std::string who = "train.optimizer = \"" + cfg.optimizer + "\"";
+  // One step on a 2-element parameter: the state it leaves is the state every parameter has.
+  auto p = torch::zeros({2}, torch::kFloat).set_requires_grad(true);
+  p.mutable_grad() = torch::full({2}, 0.5f);
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  try {
+    opt = entry.make({p}, cfg);
+    opt->step();
+  } catch (const std::exception& e) {
+    throw InputError(who + ": a step of it on a probe parameter failed (keel steps an optimizer without a closure): " +
+                     std::string(e.what()).substr(0, 400));
+  }
+  for (const auto& [key, state] : opt->state()) {
+    for (const auto& [field, v] : archived_fields(*state)) {
+      if (v.isTensor() && v.toTensor().sizes() == p.sizes() && v.toTensor().scalar_type() == p.scalar_type())
+        codec.fields[field] = "param";
+      else if (v.isInt())
+        codec.fields[field] = "scalar";
+      else
+        throw InputError(who + ": its per-parameter state field '" + field + "' is " +
+                         (v.isTensor()
+                              ? "a " + std::string(c10::toString(v.toTensor().scalar_type())) + " tensor of shape " +
+                                    c10::str(v.toTensor().sizes()) + " (not its parameter's Float [2])"
+                              : "a " + std::string(v.tagKind())) +
+                         "; keel checkpoints tensors shaped like their parameter and integer step counts");
+    }
+  }
+  return codec;
+}
+
 NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params) {
   NamedTensorList out;
   auto& st = opt.state();
@@ -222,13 +332,23 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
     } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
       if (s->momentum_buffer().defined()) out.emplace_back(name + ".momentum_buffer", s->momentum_buffer());
     } else {
-      throw std::runtime_error("checkpoint: optimizer state of an unsupported optimizer type");
+      // A registered optimizer: whatever its state serializes (optimizer_codec checked the kinds).
+      for (const auto& [field, v] : archived_fields(*it->second)) {
+        if (v.isTensor())
+          out.emplace_back(name + "." + field, v.toTensor());
+        else if (v.isInt())
+          out.emplace_back(name + "." + field, torch::tensor(v.toInt(), torch::kLong));
+        else
+          throw std::runtime_error("checkpoint: optimizer state field '" + field + "' of '" + name + "' is a " +
+                                   v.tagKind() + " (keel checkpoints tensors and integer step counts)");
+      }
     }
   }
   return out;
 }
 
-void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state) {
+void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state,
+                          const OptimizerCodec& codec) {
   std::map<std::string, torch::Tensor> by_name(state.begin(), state.end());
   const bool fused = dynamic_cast<FusedOptimizer*>(&opt) != nullptr;
   const bool adamw = dynamic_cast<torch::optim::AdamW*>(&opt) != nullptr || dynamic_cast<FusedAdamW*>(&opt) != nullptr;
@@ -252,6 +372,24 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
       }
       return t.to(p.device(), /*non_blocking=*/false, /*copy=*/true);
     };
+    if (codec) {
+      std::vector<std::pair<std::string, c10::IValue>> fields;
+      for (const auto& [field, kind] : codec.fields) {
+        const torch::Tensor t = get(field);
+        if (!t.defined()) continue;
+        if (kind == "scalar")
+          fields.emplace_back(field, c10::IValue(t.item<int64_t>()));
+        else if (const torch::Tensor x = like_param(t, field); x.defined())
+          fields.emplace_back(field, c10::IValue(x));
+      }
+      if (fields.empty()) continue;  // never stepped
+      if (fields.size() != codec.fields.size()) {
+        problems += "\n  " + name + ": partial state (" + std::to_string(codec.fields.size()) + " fields are needed)";
+        continue;
+      }
+      st[key_of(opt, p)] = archived_state(codec, fields);
+      continue;
+    }
     if (adamw) {
       auto step = get("step"), m = get("exp_avg"), v = get("exp_avg_sq"), vmax = get("max_exp_avg_sq");
       if (!step.defined() && !m.defined() && !v.defined()) continue;  // never stepped
@@ -308,7 +446,8 @@ void zero_grads(const std::vector<torch::Tensor>& params) {
     if (p.grad().defined()) p.grad().zero_();
 }
 
-std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt) {
+std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt, const OptimizerCodec& codec) {
+  if (codec) return codec.fields;
   if (dynamic_cast<torch::optim::AdamW*>(&opt) || dynamic_cast<FusedAdamW*>(&opt)) {
     std::map<std::string, std::string> f = {{"step", "scalar"}, {"exp_avg", "param"}, {"exp_avg_sq", "param"}};
     if (static_cast<const torch::optim::AdamWOptions&>(opt.defaults()).amsgrad()) f["max_exp_avg_sq"] = "param";
@@ -322,7 +461,7 @@ void OptimizerState::save(checkpoint::State& state) const {
   state.optimizer = optimizer_state(*opt_, params_);
   state.optimizer_owners = owners_;
   state.zero = zero_;
-  state.optimizer_fields = optimizer_fields(*opt_);
+  state.optimizer_fields = optimizer_fields(*opt_, codec_);
   state.optimizer_params.clear();
   if (owners_.empty())
     for (const auto& [n, p] : params_) state.optimizer_params.push_back(n);
@@ -360,7 +499,7 @@ void OptimizerState::load(const checkpoint::Loaded& loaded) {
   // refuses it alike (each reads only its own partition's tensors).
   const auto& o = loaded.meta.value("optimizer", nlohmann::json::object());
   if (o.contains("fields") && o.contains("state")) {
-    const auto mine = optimizer_fields(*opt_);
+    const auto mine = optimizer_fields(*opt_, codec_);
     bool stepped = false;
     for (const auto& f : o["state"]) stepped |= !f.empty();
     std::string theirs;
@@ -379,7 +518,7 @@ void OptimizerState::load(const checkpoint::Loaded& loaded) {
     }
   }
   try {
-    load_optimizer_state(*opt_, params_, loaded.state.optimizer);
+    load_optimizer_state(*opt_, params_, loaded.state.optimizer, codec_);
   } catch (const std::runtime_error& e) {
     throw InputError(loaded.path +
                      ": the optimizer state does not fit this run (train.optimizer or the model "

@@ -17,6 +17,7 @@
 
 #include "checkpoint/stateful.h"
 #include "keel/trainer/config/config.h"
+#include "keel/trainer/trainer.h"  // OptimizerStateFn
 
 namespace keel {
 
@@ -91,14 +92,30 @@ using NamedTensorList = std::vector<std::pair<std::string, torch::Tensor>>;
 /// optimizers write the same names and formats, so either loads the other's checkpoints.
 NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params);
 
-/// Restores what optimizer_state() returned (copies onto each parameter's device). Throws
-/// std::runtime_error listing the parameters whose state is partial or mis-shaped.
-void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state);
+/// How keel checkpoints the state of a registered optimizer (keel::register_optimizer): its
+/// empty-state factory and the fields of its per-parameter state with their kinds ("param": a
+/// tensor shaped like the parameter; "scalar": an integer step count), probed once by one step
+/// of the optimizer on a 2-element parameter. Empty for the built-ins (adamw, sgd), whose
+/// states keel knows by type.
+struct OptimizerCodec {
+  OptimizerStateFn make_state;
+  std::map<std::string, std::string> fields;
+  explicit operator bool() const { return static_cast<bool>(make_state); }
+};
+/// train.optimizer's codec. Throws InputError naming train.optimizer for an unknown name, or for
+/// a state field keel cannot checkpoint.
+OptimizerCodec optimizer_codec(const TrainConfig& cfg);
+
+/// Restores what optimizer_state() returned (copies onto each parameter's device); `codec`
+/// for a registered optimizer. Throws std::runtime_error listing the parameters whose state is
+/// partial or mis-shaped.
+void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state,
+                          const OptimizerCodec& codec = {});
 
 /// The fields of `opt`'s per-parameter state and their kinds (checkpoint::State::optimizer_fields):
 /// AdamW's step ("scalar"), exp_avg, exp_avg_sq ("param"; max_exp_avg_sq with amsgrad), SGD's
-/// momentum_buffer.
-std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt);
+/// momentum_buffer; a registered optimizer's from its codec.
+std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt, const OptimizerCodec& codec = {});
 
 /// The optimizer's part of a checkpoint (State::optimizer), as above.
 class OptimizerState : public checkpoint::Stateful {
@@ -107,8 +124,8 @@ class OptimizerState : public checkpoint::Stateful {
   /// dist.zero >= 1, `params` are this rank's own and `owners` names the owner rank of every
   /// parameter of the model (checkpoint::State::optimizer_owners); empty: replicated.
   OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params,
-                 std::vector<std::pair<std::string, int64_t>> owners = {}, int64_t zero = 0)
-      : opt_(&opt), params_(std::move(params)), owners_(std::move(owners)), zero_(zero) {
+                 std::vector<std::pair<std::string, int64_t>> owners = {}, int64_t zero = 0, OptimizerCodec codec = {})
+      : opt_(&opt), params_(std::move(params)), owners_(std::move(owners)), zero_(zero), codec_(std::move(codec)) {
     for (const auto& [n, p] : params_) names_.insert(n);
   }
   void save(checkpoint::State& state) const override;
@@ -132,6 +149,7 @@ class OptimizerState : public checkpoint::Stateful {
   std::vector<std::pair<std::string, int64_t>> owners_;
   int64_t zero_ = 0;
   std::unordered_set<std::string> names_;
+  OptimizerCodec codec_;
 };
 
 }  // namespace keel

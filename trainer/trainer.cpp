@@ -562,7 +562,8 @@ void Trainer::Loop::build_optimizer() {
   // With dist.zero >= 1 the checkpoint records who owns each parameter's state; else replicated.
   optimizer_state_ = std::make_unique<OptimizerState>(
       *optimizer_, owned_named_,
-      dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{}, dmodel_->zero());
+      dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{}, dmodel_->zero(),
+      optimizer_codec(cfg_.train));
   schedule_.emplace(cfg_.train, progress_.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.

@@ -1,4 +1,4 @@
-// A user's own model, dataset, loss and learning-rate schedule trained by keel's Trainer, as a
+// A user's own model, dataset, loss, optimizer and learning-rate schedule trained by keel's Trainer, as a
 // user's own binary: a small regression network (no classes, mean squared error), each part
 // registered by name as keel's built-ins are (so a config file could choose them), with its own
 // state carried in keel's checkpoints. Run alone, or on 2 ranks:
@@ -61,6 +61,14 @@ int main() {
     return t.lr * std::pow(0.5, static_cast<double>((step - t.warmup_steps) / 40));
   });
 
+  // An optimizer of torch::optim's that keel does not build in, chosen by name (train.optimizer);
+  // its state (Adam's step, exp_avg, exp_avg_sq per parameter) is checkpointed through its own
+  // serialize() and partitioned with dist.zero like AdamW's.
+  keel::register_optimizer<torch::optim::AdamParamState>(
+      "adam", [](std::vector<torch::Tensor> params, const keel::TrainConfig& t) {
+        return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(t.lr).betas({t.beta1, t.beta2}));
+      });
+
   keel::Config cfg;
   cfg.run.name = "custom_model";
   cfg.run.dir = "runs/custom_model";
@@ -72,6 +80,7 @@ int main() {
   cfg.train.warmup_steps = 10;
   cfg.train.schedule = "step_decay";
   cfg.train.loss = "mse";
+  cfg.train.optimizer = "adam";
   cfg.train.eval_interval = 100;
   cfg.checkpoint.dir = "runs/custom_model/ckpt";  // run it again: it resumes from step 100
   cfg.checkpoint.interval = 50;

@@ -156,8 +156,10 @@ ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& sha
   std::string state_name = "no optimizer state";
   m.P = 4 * params;
   m.G = m.P;
-  if (cfg.train.optimizer == OptimizerKind::AdamW)
+  if (cfg.train.optimizer == "adamw")
     m.S = 2 * m.P, state_name = "AdamW state";
+  else if (cfg.train.optimizer != "sgd")
+    m.S = 2 * m.P, state_name = "the state of optimizer \"" + cfg.train.optimizer + "\" (estimated as AdamW's)";
   else if (cfg.train.momentum > 0)
     m.S = m.P, state_name = "SGD momentum";
   if (cfg.dist.zero >= 1) m.S /= static_cast<double>(world_size);  // partitioned by parameter

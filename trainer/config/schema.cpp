@@ -198,7 +198,9 @@ void train_keys(SchemaBuilder& b) {
   range(b.add("train", &C::train, "grad_accum", &TrainConfig::grad_accum,
               "micro-batches per optimizer step (gradient accumulation)"),
         1, 1 << 20);
-  b.add("train", &C::train, "optimizer", &TrainConfig::optimizer, kOptimizers, "adamw | sgd");
+  b.add("train", &C::train, "optimizer", &TrainConfig::optimizer,
+        "optimizer: adamw | sgd (fused kernels unless train.fused_optimizer = false) | a name registered with "
+        "keel::register_optimizer");
   range(b.add("train", &C::train, "lr", &TrainConfig::lr, "peak learning rate"), 0.0, 1e6);
   range(b.add("train", &C::train, "min_lr", &TrainConfig::min_lr, "learning rate at the end of the cosine schedule"),
         0.0, 1e6);

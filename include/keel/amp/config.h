@@ -1,4 +1,4 @@
-// amp/config.h: the [amp] section. Defaults here; each key's meaning, units and range are
+// keel/amp/config.h: the [amp] section. Defaults here; each key's meaning, units and range are
 // written once, in the config schema (trainer/config/schema.cpp, docs/config.md).
 #pragma once
 

@@ -1,4 +1,4 @@
-// checkpoint/config.h: the [checkpoint] section. Defaults here; each key's meaning, units and
+// keel/checkpoint/config.h: the [checkpoint] section. Defaults here; each key's meaning, units and
 // range are written once, in the config schema (trainer/config/schema.cpp, docs/config.md).
 #pragma once
 

@@ -1,4 +1,4 @@
-// common/choices.h: the names of a config choice and its enum, in one table.
+// keel/common/choices.h: the names of a config choice and its enum, in one table.
 //
 // A section's header declares `enum class E` and `inline constexpr Choices<E, N> kE{...}`; the
 // config schema parses the string once (trainer/config/schema.cpp) and code compares enums.

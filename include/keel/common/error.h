@@ -1,4 +1,4 @@
-// common/error.h: the error every layer raises for bad user input.
+// keel/common/error.h: the error every layer raises for bad user input.
 //
 // Owns: InputError. The CLI maps it to exit code 2 (bad config, command line, data or model
 // files); every other exception is a failure while running and exits 1.

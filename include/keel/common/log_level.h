@@ -1,4 +1,4 @@
-// common/log_level.h: the log levels, shared by common/log.h and its spdlog sink (this header
+// keel/common/log_level.h: the log levels, shared by common/log.h and its spdlog sink (this header
 // includes nothing, so that the sink can include it without LibTorch's fmt).
 #pragma once
 

@@ -1,4 +1,4 @@
-// dist/collectives.h: the only door to the process group. Every collective keel issues (the
+// keel/dist/collectives.h: the only door to the process group. Every collective keel issues (the
 // initial broadcast, metric reductions, the per-step consensus, checkpoint coordination) and
 // the public keel::dist API for user code go through Collectives, which first checks that all
 // ranks agree on what they are about to do.

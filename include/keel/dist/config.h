@@ -1,4 +1,4 @@
-// dist/config.h: the [dist] section. Defaults here; each key's meaning, units and range are
+// keel/dist/config.h: the [dist] section. Defaults here; each key's meaning, units and range are
 // written once, in the config schema (trainer/config/schema.cpp, docs/config.md).
 #pragma once
 

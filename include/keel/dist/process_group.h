@@ -1,4 +1,4 @@
-// dist/process_group.h: rendezvous and the process group of a job.
+// keel/dist/process_group.h: rendezvous and the process group of a job.
 //
 // Owns: building the TCPStore (torchrun/srun: at MASTER_ADDR:MASTER_PORT; mpirun: rank 0
 // opens it on a free port and shares the address through MPI), checking that every rank

@@ -1,4 +1,4 @@
-// dist/world.h: who this process is in the job, read from the launcher's environment.
+// keel/dist/world.h: who this process is in the job, read from the launcher's environment.
 //
 // Owns: detecting the launcher (torchrun, mpirun/OpenMPI, Slurm srun, or none) and this
 // process's rank, world size, local rank and restart count; refusing a partial or inconsistent

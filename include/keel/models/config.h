@@ -1,4 +1,4 @@
-// models/config.h: the [model] section. Defaults here; each key's meaning, units and range are
+// keel/models/config.h: the [model] section. Defaults here; each key's meaning, units and range are
 // written once, in the config schema (trainer/config/schema.cpp, docs/config.md).
 #pragma once
 

@@ -1,4 +1,4 @@
-// models/model.h: what a "model" is to the rest of keel, and the registry that builds one by
+// keel/models/model.h: what a "model" is to the rest of keel, and the registry that builds one by
 // name.
 //
 // Owns: the Model interface (forward, named parameters and buffers, device placement,

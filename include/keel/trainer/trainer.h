@@ -1,4 +1,4 @@
-// trainer/trainer.h: the training loop, and keel's main public entry point.
+// keel/trainer/trainer.h: the training loop, and keel's main public entry point.
 //
 // Owns: turning a validated Config into a run: seeding, threads, model and data from their
 // registries, the sampler, optimizer and schedule, the step loop (micro-batches, gradient
@@ -110,6 +110,26 @@ std::vector<std::string> registered_losses();
 /// that brings the count from `step` to `step + 1`) of `total`, from the [train] section (lr,
 /// min_lr, warmup_steps are yours to use). A pure function of the step, so a resume needs no
 /// schedule state.
+/// An optimizer of your own, or one of torch::optim's, chosen by `train.optimizer = "<name>"` as
+/// adamw and sgd are: `make` builds it over `params` (this rank's; with dist.zero >= 1 only the
+/// parameters it owns) from [train]'s keys. keel sets its learning rate every step through
+/// `OptimizerOptions::set_lr` (the schedule), steps it when no rank saw an inf/NaN, and
+/// checkpoints its per-parameter state through the state's own `serialize()`: each field
+/// becomes "<parameter>.<field>" in the optimizer files, sharded and re-partitioned with
+/// dist.zero like AdamW's. A field must be a tensor shaped like its parameter or an integer
+/// step count (what torch::optim's states hold); another kind is refused at start, naming it.
+/// `make_state` makes an empty per-parameter state to load into: register with
+/// `register_optimizer<torch::optim::AdagradParamState>(name, make)`.
+using OptimizerFn = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::Tensor> params,
+                                                                           const TrainConfig& train)>;
+using OptimizerStateFn = std::function<std::unique_ptr<torch::optim::OptimizerParamState>()>;
+void register_optimizer(const std::string& name, OptimizerFn make, OptimizerStateFn make_state);
+template <class ParamState>
+void register_optimizer(const std::string& name, OptimizerFn make) {
+  register_optimizer(name, std::move(make), [] { return std::make_unique<ParamState>(); });
+}
+std::vector<std::string> registered_optimizers();
+
 using ScheduleFn = std::function<double(int64_t step, int64_t total, const TrainConfig& train)>;
 /// Registers a schedule under `name` (train.schedule), as register_loss. Built in: cosine
 /// (linear warmup, then cosine from lr to min_lr) and constant (linear warmup, then lr).

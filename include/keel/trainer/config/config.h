@@ -52,9 +52,6 @@ enum class SyncDebug { Off, Warn, Error };
 inline constexpr Choices<SyncDebug, 3> kSyncDebugModes{
     {{"off", SyncDebug::Off}, {"warn", SyncDebug::Warn}, {"error", SyncDebug::Error}}};
 
-enum class OptimizerKind { AdamW, Sgd };
-inline constexpr Choices<OptimizerKind, 2> kOptimizers{{{"adamw", OptimizerKind::AdamW}, {"sgd", OptimizerKind::Sgd}}};
-
 struct RunConfig {
   std::string name = "keel";
   std::string dir = "";
@@ -75,7 +72,7 @@ struct TrainConfig {
   int64_t epochs = 0;
   int64_t batch_size = 64;
   int64_t grad_accum = 1;
-  OptimizerKind optimizer = OptimizerKind::AdamW;
+  std::string optimizer = "adamw";  // a registered optimizer (keel/trainer/trainer.h register_optimizer)
   double lr = 1e-3;
   double min_lr = 0.0;
   double weight_decay = 0.0;

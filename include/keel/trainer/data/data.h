@@ -1,4 +1,4 @@
-// trainer/data/data.h: datasets and the registry that builds one by name.
+// keel/trainer/data/data.h: datasets and the registry that builds one by name.
 //
 // Owns: the Dataset interface (random access to (input, target) samples, batched), the
 // train/test split of a dataset, and the name -> factory registry (fashion_mnist, text,
