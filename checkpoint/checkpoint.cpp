@@ -27,7 +27,6 @@
 namespace keel::checkpoint {
 namespace {
 
-constexpr size_t kRecordBytes = 8192;  // one rank's save result, gathered at commit
 const char* kMeta = "meta.json";
 const char* kIndex = "model.safetensors.index.json";
 const char* kOptimizerIndex = "optimizer.safetensors.index.json";
@@ -324,13 +323,10 @@ std::vector<int64_t> agree_on_plan(dist::Collectives& coll, int64_t world, int64
   for (const auto& [name, r] : state.optimizer_owners) layout += "owner:" + name + "=" + std::to_string(r) + ";";
   for (const auto& n : state.optimizer_params) layout += "param:" + n + ";";
   for (const auto& [f, kind] : state.optimizer_fields) layout += "field:" + f + "=" + kind + ";";
-  Sha256 h;
-  h.update(layout.data(), layout.size());
-  const int64_t fp = static_cast<int64_t>(std::stoull(h.hex().substr(0, 15), nullptr, 16));
-  auto all = coll.all_gather(torch::tensor({fp}, torch::kLong), "checkpoint plan");
   std::string differ;
-  for (int64_t r = 0; r < world; ++r)
-    if (all[r].item<int64_t>() != fp) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
+  if (const auto d = dist::agree(
+          coll, dist::fingerprint(layout), [] { return std::string(); }, "checkpoint plan"))
+    for (const int64_t r : d.differing_from(rank)) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
   if (!differ.empty())
     throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ +
                     " hold a different set of "
@@ -346,17 +342,10 @@ std::vector<int64_t> agree_on_plan(dist::Collectives& coll, int64_t world, int64
 nlohmann::json gather_optimizer_index(dist::Collectives& coll, int64_t world, int64_t rank, const State& state) {
   std::string mine;
   for (const auto& [name, t] : state.optimizer) mine += name + "\n";
-  auto lens = coll.all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong),
-                              "checkpoint optimizer index (lengths)");
-  int64_t longest = 0;
-  for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
-  auto buf = torch::zeros({longest + 1}, torch::kByte);
-  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
-  auto all = coll.all_gather(buf, "checkpoint optimizer index");
+  const auto all = dist::all_gather_strings(coll, mine, "checkpoint optimizer index");
   nlohmann::json map = nlohmann::json::object();
   for (int64_t r = 0; r < world && rank == 0; ++r) {
-    const char* c = reinterpret_cast<const char*>(all[r].data_ptr());
-    const std::string text(c, strnlen(c, static_cast<size_t>(longest + 1)));
+    const std::string& text = all[static_cast<size_t>(r)];
     for (size_t a = 0, b; (b = text.find('\n', a)) != std::string::npos; a = b + 1)
       map[text.substr(a, b - a)] = optimizer_file(r, world);
   }
@@ -472,20 +461,11 @@ void Checkpointer::commit() {
   // 3a. Every rank's result.
   nlohmann::json mine = {{"ok", p->error.empty()}, {"error", p->error}, {"files", nlohmann::json::array()}};
   for (const auto& f : p->files) mine["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"sha256", f.sha256}});
-  std::string rec = mine.dump();
-  if (rec.size() >= kRecordBytes) {  // only a very long error message can get here
-    mine["error"] = p->error.substr(0, 1024) + "...";
-    mine["files"] = nlohmann::json::array();
-    rec = mine.dump();
-  }
-  auto buf = torch::zeros({static_cast<int64_t>(kRecordBytes)}, torch::kByte);
-  std::memcpy(buf.data_ptr(), rec.data(), rec.size());
-  auto all = coll_->all_gather(buf, "checkpoint commit");
+  const auto all = dist::all_gather_strings(*coll_, mine.dump(), "checkpoint commit");
   std::vector<nlohmann::json> results;
   std::string failures;
   for (int64_t r = 0; r < world_; ++r) {
-    const char* s = reinterpret_cast<const char*>(all[r].data_ptr());
-    results.push_back(nlohmann::json::parse(std::string(s, strnlen(s, kRecordBytes))));
+    results.push_back(nlohmann::json::parse(all[static_cast<size_t>(r)]));
     if (!results.back()["ok"].get<bool>())
       failures += "\n  rank " + std::to_string(r) + ": " + results.back()["error"].get<std::string>();
   }
@@ -542,12 +522,9 @@ void Checkpointer::commit() {
       error = e.what();
     }
   }
-  auto failed = torch::tensor({error.empty() ? 0 : 1}, torch::kLong);
-  coll_->all_reduce(failed, dist::ReduceOp::Max, "checkpoint commit outcome");
-  if (failed.item<int64_t>() != 0)
+  if (const dist::RankError e = dist::first_error(*coll_, error, "checkpoint commit outcome"))
     throw SaveError("checkpoint step " + std::to_string(p->step) + " was not committed: rank 0 could not write " +
-                    "its index or meta.json" + (error.empty() ? "" : ": " + error) + "; the previous checkpoint, " +
-                    previous + ", is intact");
+                    "its index or meta.json: " + e.message + "; the previous checkpoint, " + previous + ", is intact");
   last_committed_ = p->step;
   uint64_t total = 0;
   size_t nfiles = 0;

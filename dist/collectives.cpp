@@ -81,6 +81,28 @@ uint64_t fingerprint(const std::vector<int64_t>& words) {
   return h & ((1ull << 62) - 1);
 }
 
+uint64_t fingerprint(std::string_view bytes) {
+  uint64_t h = 1469598103934665603ull;
+  for (const char c : bytes) {
+    h ^= static_cast<unsigned char>(c);
+    h *= 1099511628211ull;
+  }
+  return h & ((1ull << 62) - 1);
+}
+
+std::vector<int64_t> Disagreement::differing_from(int64_t rank) const {
+  std::vector<int64_t> out;
+  for (size_t r = 0; r < fingerprints.size(); ++r)
+    if (fingerprints[r] != fingerprints.at(static_cast<size_t>(rank))) out.push_back(static_cast<int64_t>(r));
+  return out;
+}
+
+std::string Disagreement::by_rank() const {
+  std::string out;
+  for (size_t r = 0; r < details.size(); ++r) out += "\n  rank " + std::to_string(r) + ": " + details[r];
+  return out;
+}
+
 // Starts an all-gather of `t` over `pg` into `out`, one fresh tensor per rank (like `t`).
 static c10::intrusive_ptr<c10d::Work> start_all_gather(c10d::ProcessGroup& pg, int64_t world, const torch::Tensor& t,
                                                        std::vector<torch::Tensor>& out) {
@@ -236,16 +258,21 @@ void Collectives::check(const Desc& d_in) {
   pair = pair.cpu();
   const int64_t mn = pair[0].item<int64_t>(), mx = -pair[1].item<int64_t>();
   if (mn == mx) return;
-  // Mismatch: exchange the descriptors to say who wanted what.
+  // Mismatch: exchange the descriptors to say who wanted what (on the raw group: this is the
+  // validation itself), as the Disagreement agree() gives.
   std::vector<torch::Tensor> out;
   wait(start_all_gather(*group_->pg(), size(), on_comm_device(torch::tensor(d.words(), torch::kLong)), out), probe);
-  for (auto& o : out) o = o.cpu();
-  std::ostringstream os;
-  os << "collective mismatch at step " << step_ << " (" << d.what << "):";
-  for (int64_t r = 0; r < size(); ++r)
-    os << "\n  rank " << r << ": " << describe(Desc::from_words(out[r].data_ptr<int64_t>()));
-  os << "\nevery rank must issue the same collectives in the same order with the same dtypes and shapes";
-  throw CollectiveMismatch(os.str());
+  Disagreement dis;
+  for (auto& o : out) {
+    o = o.cpu();
+    const std::vector<int64_t> words(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + o.numel());
+    dis.fingerprints.push_back(fingerprint(words));
+    dis.details.push_back(describe(Desc::from_words(words.data())));
+  }
+  throw CollectiveMismatch("collective mismatch at step " + std::to_string(step_) + " (" + d.what +
+                           "):" + dis.by_rank() +
+                           "\nevery rank must issue the same collectives in the same order with the same dtypes "
+                           "and shapes");
 }
 
 void Collectives::all_reduce(torch::Tensor& t, ReduceOp op, const char* what) {
@@ -481,20 +508,50 @@ StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int
   return c;
 }
 
-RankError first_error(Collectives& coll, const std::string& mine, const char* what) {
-  auto who = torch::tensor({mine.empty() ? coll.size() : coll.rank()}, torch::kLong);
-  coll.all_reduce(who, ReduceOp::Min, what);
-  RankError out;
-  const int64_t r = who.item<int64_t>();
-  if (r >= coll.size()) return out;
-  constexpr int64_t kBytes = 2048;
-  auto buf = torch::zeros({kBytes}, torch::kByte);
-  if (r == coll.rank()) std::memcpy(buf.data_ptr(), mine.data(), std::min<size_t>(mine.size(), kBytes - 1));
-  coll.broadcast(buf, r, what);
-  const char* c = reinterpret_cast<const char*>(buf.data_ptr());
-  out.rank = r;
-  out.message = std::string(c, strnlen(c, kBytes));
+std::vector<std::string> all_gather_strings(Collectives& coll, const std::string& mine, const char* what) {
+  auto lens = coll.all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong), what);
+  int64_t longest = 0;
+  for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
+  auto buf = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  const auto all = coll.all_gather(buf, what);
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(lens[r].item<int64_t>()));
   return out;
+}
+
+Disagreement agree(Collectives& coll, uint64_t fingerprint, const std::function<std::string()>& describe,
+                   const char* what) {
+  const auto f = static_cast<int64_t>(fingerprint);
+  auto pair = torch::tensor({f, -f}, torch::kLong);
+  coll.all_reduce(pair, ReduceOp::Min, what);
+  if (pair[0].item<int64_t>() == -pair[1].item<int64_t>()) return {};
+  // Each rank's fingerprint travels with its description: one exchange, every rank alike.
+  Disagreement d;
+  for (const auto& s : all_gather_strings(coll, std::to_string(fingerprint) + "\n" + describe(), what)) {
+    const size_t nl = s.find('\n');
+    d.fingerprints.push_back(std::stoull(s.substr(0, nl)));
+    d.details.push_back(s.substr(nl + 1));
+  }
+  return d;
+}
+
+std::vector<RankError> errors_on_every_rank(Collectives& coll, const std::string& mine, const char* what) {
+  auto any = torch::tensor({mine.empty() ? int64_t{0} : int64_t{1}}, torch::kLong);
+  coll.all_reduce(any, ReduceOp::Max, what);
+  if (any.item<int64_t>() == 0) return {};
+  constexpr size_t kBytes = 2048;  // each rank's message, at most
+  std::vector<RankError> out;
+  const auto all = all_gather_strings(coll, mine.substr(0, kBytes), what);
+  for (size_t r = 0; r < all.size(); ++r)
+    if (!all[r].empty()) out.push_back({static_cast<int64_t>(r), all[r]});
+  return out;
+}
+
+RankError first_error(Collectives& coll, const std::string& mine, const char* what) {
+  const auto all = errors_on_every_rank(coll, mine, what);
+  return all.empty() ? RankError{} : all.front();
 }
 
 }  // namespace keel::dist

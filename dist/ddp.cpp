@@ -56,39 +56,48 @@ class CompressHook : public c10d::CommHookInterface {
 }  // namespace
 
 void verify_parameters_across_ranks(const models::NamedTensors& params, Collectives& coll) {
-  std::vector<int64_t> words;
+  std::vector<int64_t> words = {static_cast<int64_t>(params.size())};
   for (const auto& [name, t] : params) {
     auto r = param_record(name, t);
     words.insert(words.end(), r.begin(), r.end());
   }
-  // Cheap agreement check first: count and layout fingerprint, MIN/MAX in one all-reduce.
-  const int64_t f = static_cast<int64_t>(fingerprint(words));
-  const int64_t n = static_cast<int64_t>(params.size());
-  auto probe = torch::tensor({f, -f, n, -n}, torch::kLong);
-  coll.all_reduce(probe, ReduceOp::Min, "parameter check");
-  if (probe[0].item<int64_t>() == -probe[1].item<int64_t>()) return;
-  auto counts = coll.all_gather(torch::tensor({n}, torch::kLong), "parameter count check");
+  // One line per parameter: its record (what must agree), then its shape as the message shows it.
+  const int64_t width = 2 + kMaxDims + 1;
+  const auto d = agree(
+      coll, fingerprint(words),
+      [&] {
+        std::string lines;
+        for (size_t i = 0; i < params.size(); ++i) {
+          const int64_t* r = words.data() + 1 + static_cast<int64_t>(i) * width;
+          lines += c10::str(std::vector<int64_t>(r, r + width)) + "\t" + shape_str(r) + "\n";
+        }
+        return lines;
+      },
+      "parameter check");
+  if (!d) return;
+  std::vector<std::vector<std::string>> lines(d.details.size());  // per rank, per parameter
+  for (size_t r = 0; r < d.details.size(); ++r)
+    for (size_t a = 0, b; (b = d.details[r].find('\n', a)) != std::string::npos; a = b + 1)
+      lines[r].push_back(d.details[r].substr(a, b - a));
   std::ostringstream os;
   os << "DDP: the model differs across ranks: ";
-  for (int64_t r = 1; r < coll.size(); ++r)
-    if (counts[r].item<int64_t>() != n || counts[0].item<int64_t>() != n) {
-      for (int64_t q = 0; q < coll.size(); ++q)
-        os << (q ? ", " : "") << "rank " << q << " has " << counts[q].item<int64_t>() << " parameters";
+  for (const auto& l : lines)
+    if (l.size() != params.size()) {
+      for (size_t q = 0; q < lines.size(); ++q)
+        os << (q ? ", " : "") << "rank " << q << " has " << lines[q].size() << " parameters";
       throw CollectiveMismatch(os.str());
     }
-  const int64_t width = 2 + kMaxDims + 1;
-  auto all = coll.all_gather(torch::tensor(words, torch::kLong), "parameter shape check");
-  for (int64_t i = 0; i < n; ++i) {
+  for (size_t i = 0; i < params.size(); ++i) {
     bool same = true;
-    for (int64_t r = 1; r < coll.size(); ++r)
-      same &= torch::equal(all[r].narrow(0, i * width, width), all[0].narrow(0, i * width, width));
+    for (const auto& l : lines) same &= l[i] == lines[0][i];
     if (same) continue;
     os << "parameter #" << i << " '" << params[i].first << "' (name on this rank):";
-    for (int64_t r = 0; r < coll.size(); ++r)
-      os << " rank " << r << " has " << shape_str(all[r].data_ptr<int64_t>() + i * width)
-         << (r + 1 < coll.size() ? ";" : "");
+    for (size_t r = 0; r < lines.size(); ++r)
+      os << " rank " << r << " has " << lines[r][i].substr(lines[r][i].find('\t') + 1)
+         << (r + 1 < lines.size() ? ";" : "");
     throw CollectiveMismatch(os.str());
   }
+  throw CollectiveMismatch("DDP: the model differs across ranks:" + d.by_rank());
 }
 
 DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll,

@@ -6,7 +6,7 @@ set -euo pipefail
 src="$1"; build="$2"
 db="$build/compile_commands.json"
 [ -f "$db" ] || { echo "FAIL: $db missing (configure with CMAKE_EXPORT_COMPILE_COMMANDS=ON)"; exit 1; }
-# The command of one keel_core source, less its output, input and dependency-file arguments.
+# The command of one of keel's own sources, less its output, input and dependency-file arguments.
 FLAGS=$(python3 - "$db" "$src/dist/ddp.cpp" <<'PY'
 import json, shlex, sys
 db, want = sys.argv[1], sys.argv[2]

@@ -305,6 +305,42 @@ TEST(Registries, AScheduleAndALossRegisteredByNameTrainAndUnknownNamesAreRefused
       << unknown_loss.output;
 }
 
+// An optimizer that keeps its state flattened: keel could not checkpoint it shaped like its
+// parameter, so it is refused at start.
+struct FlatOptions : torch::optim::OptimizerCloneableOptions<FlatOptions> {
+  explicit FlatOptions(double lr) : lr_(lr) {}
+  TORCH_ARG(double, lr);
+  double get_lr() const override { return lr(); }
+  void set_lr(const double lr) override { this->lr(lr); }
+};
+struct FlatState : torch::optim::OptimizerCloneableParamState<FlatState> {
+  TORCH_ARG(torch::Tensor, buf);
+  void serialize(torch::serialize::OutputArchive& a) const override { a.write("buf", buf()); }
+  void serialize(torch::serialize::InputArchive& a) override {
+    torch::Tensor t;
+    a.read("buf", t);
+    buf(t);
+  }
+};
+class FlatMomentum : public torch::optim::Optimizer {
+ public:
+  FlatMomentum(std::vector<torch::Tensor> params, FlatOptions o)
+      : Optimizer({torch::optim::OptimizerParamGroup(std::move(params))}, std::make_unique<FlatOptions>(o)) {}
+  torch::Tensor step(LossClosure = nullptr) override {
+    torch::NoGradGuard no_grad;
+    for (auto& group : param_groups())
+      for (auto& p : group.params()) {
+        if (!p.grad().defined()) continue;
+        auto& s = state_[p.unsafeGetTensorImpl()];
+        if (!s) s = std::make_unique<FlatState>(FlatState().buf(torch::zeros({p.numel()})));
+        auto& buf = static_cast<FlatState&>(*s).buf();
+        buf.mul_(0.9).add_(p.grad().flatten());
+        p.sub_(buf.view_as(p) * group.options().get_lr());
+      }
+    return {};
+  }
+};
+
 // An optimizer registered by name (torch::optim::Adagrad here, whose state keel knows only
 // through its serialize()) trains, checkpoints its state as "<param>.<field>" tensors and
 // resumes bit-exactly; an unknown name and an optimizer keel cannot step are refused at start.
@@ -317,9 +353,15 @@ TEST(Registries, AnOptimizerRegisteredByNameTrainsAndResumesBitExactly) {
       "lbfgs", [](std::vector<torch::Tensor> params, const keel::TrainConfig& t) {
         return std::make_unique<torch::optim::LBFGS>(params, torch::optim::LBFGSOptions(t.lr));
       });
-  EXPECT_THROW(keel::register_optimizer<torch::optim::AdamParamState>("sgd", nullptr), std::invalid_argument);
+  const keel::OptimizerFn adam = [](std::vector<torch::Tensor> params, const keel::TrainConfig& t) {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(t.lr));
+  };
+  EXPECT_THROW(keel::register_optimizer<torch::optim::AdamParamState>("sgd", adam), std::invalid_argument)
+      << "a built-in's name is taken";
+  EXPECT_THROW(keel::register_optimizer<torch::optim::AdamParamState>("adam2", nullptr), std::invalid_argument)
+      << "no function";
   const auto names = keel::registered_optimizers();
-  EXPECT_EQ(names, (std::vector<std::string>{"adagrad", "adamw", "lbfgs", "sgd"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"adagrad", "adamw", "lbfgs", "sgd"}));  // "flat" comes later
 
   TempDir d;
   auto config = [&](const std::string& ckpt, int64_t steps) {
@@ -374,6 +416,20 @@ TEST(Registries, AnOptimizerRegisteredByNameTrainsAndResumesBitExactly) {
     ADD_FAILURE() << "an optimizer that needs a closure trained";
   } catch (const keel::InputError& e) {
     EXPECT_NE(std::string(e.what()).find("train.optimizer = \"lbfgs\": a step of it on a probe parameter failed"),
+              std::string::npos)
+        << e.what();
+  }
+  keel::register_optimizer<FlatState>("flat", [](std::vector<torch::Tensor> params, const keel::TrainConfig& t) {
+    return std::make_unique<FlatMomentum>(params, FlatOptions(t.lr));
+  });
+  auto flat = config("e", 2);
+  flat.train.optimizer = "flat";
+  try {
+    keel::Trainer(flat, keel::dist::World{}).run();
+    ADD_FAILURE() << "an optimizer with a flattened state trained";
+  } catch (const keel::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("train.optimizer = \"flat\": its state field 'buf' is a Float tensor of "
+                                         "shape [6] for a Float parameter of shape [2, 3]"),
               std::string::npos)
         << e.what();
   }

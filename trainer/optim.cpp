@@ -237,21 +237,37 @@ namespace {
 
 // A per-parameter state's fields through its own serialize(): the archive a torch::optim state
 // writes, read back (a registered optimizer's state, whose type keel does not know).
-// What `out` holds, as an archive to read.
-void reopen(torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in) {
+// What is wrong with a registered optimizer's state field `field` of parameter `p` for a
+// checkpoint, or "": a "param" field is a tensor of p's shape and dtype, a "scalar" one integer.
+std::string state_field_problem(const std::string& field, const torch::Tensor& t, const torch::Tensor& p,
+                                const std::string& kind) {
+  if (!t.defined()) return "its state field '" + field + "' is undefined";
+  if (kind == "scalar") {
+    if (t.numel() == 1 && !c10::isFloatingType(t.scalar_type())) return "";
+    return "its state field '" + field + "' is not one integer";
+  }
+  if (t.sizes() == p.sizes() && t.scalar_type() == p.scalar_type()) return "";
+  return "its state field '" + field + "' is a " + std::string(c10::toString(t.scalar_type())) + " tensor of shape " +
+         c10::str(t.sizes()) + " for a " + std::string(c10::toString(p.scalar_type())) + " parameter of shape " +
+         c10::str(p.sizes());
+}
+
+// What `out` holds, as an archive to read (its tensors on `device`, else where they were).
+void reopen(torch::serialize::OutputArchive& out, torch::serialize::InputArchive& in,
+            std::optional<torch::Device> device = std::nullopt) {
   std::string bytes;
   out.save_to([&](const void* d, size_t n) {
     bytes.append(static_cast<const char*>(d), n);
     return n;
   });
-  in.load_from(bytes.data(), bytes.size());
+  in.load_from(bytes.data(), bytes.size(), device);
 }
 
 std::vector<std::pair<std::string, c10::IValue>> archived_fields(const torch::optim::OptimizerParamState& s) {
   torch::serialize::OutputArchive out;
   s.serialize(out);
   torch::serialize::InputArchive in;
-  reopen(out, in);
+  reopen(out, in, torch::kCPU);  // host copies, as a checkpoint writes them: no second copy on a GPU
   std::vector<std::pair<std::string, c10::IValue>> fields;
   for (const auto& k : in.keys()) {
     c10::IValue v;
@@ -281,31 +297,37 @@ OptimizerCodec optimizer_codec(const TrainConfig& cfg) {
   OptimizerCodec codec;
   if (!entry.make_state) return codec;  // a built-in
   codec.make_state = entry.make_state;
+  codec.name = cfg.optimizer;
   const std::string who = "train.optimizer = \"" + cfg.optimizer + "\"";
-  // One step on a 2-element parameter: the state it leaves is the state every parameter has.
-  auto p = torch::zeros({2}, torch::kFloat).set_requires_grad(true);
-  p.mutable_grad() = torch::full({2}, 0.5f);
+  // One step on a vector and a matrix parameter: the fields their states hold (an optimizer may
+  // keep other fields for matrices), each either shaped like its parameter or a step count.
+  std::vector<torch::Tensor> probe = {torch::zeros({2}, torch::kFloat), torch::zeros({2, 3}, torch::kFloat)};
+  for (auto& p : probe) {
+    p.set_requires_grad(true);
+    p.mutable_grad() = torch::full_like(p, 0.5f);
+  }
   std::unique_ptr<torch::optim::Optimizer> opt;
   try {
-    opt = entry.make({p}, cfg);
+    opt = entry.make(probe, cfg);
     opt->step();
   } catch (const std::exception& e) {
     throw InputError(who + ": a step of it on a probe parameter failed (keel steps an optimizer without a closure): " +
                      std::string(e.what()).substr(0, 400));
   }
-  for (const auto& [key, state] : opt->state()) {
-    for (const auto& [field, v] : archived_fields(*state)) {
-      if (v.isTensor() && v.toTensor().sizes() == p.sizes() && v.toTensor().scalar_type() == p.scalar_type())
-        codec.fields[field] = "param";
-      else if (v.isInt())
-        codec.fields[field] = "scalar";
-      else
-        throw InputError(who + ": its per-parameter state field '" + field + "' is " +
-                         (v.isTensor()
-                              ? "a " + std::string(c10::toString(v.toTensor().scalar_type())) + " tensor of shape " +
-                                    c10::str(v.toTensor().sizes()) + " (not its parameter's Float [2])"
-                              : "a " + std::string(v.tagKind())) +
+  for (const auto& p : probe) {
+    const auto it = opt->state().find(key_of(*opt, p));
+    if (it == opt->state().end()) continue;
+    for (const auto& [field, v] : archived_fields(*it->second)) {
+      const std::string problem = state_field_problem(field,
+                                                      v.isInt()      ? torch::tensor(v.toInt(), torch::kLong)
+                                                      : v.isTensor() ? v.toTensor()
+                                                                     : torch::Tensor(),
+                                                      p, v.isInt() ? "scalar" : "param");
+      if (!problem.empty() || !(v.isInt() || v.isTensor()))
+        throw InputError(who + ": " +
+                         (problem.empty() ? "its state field '" + field + "' is a " + v.tagKind() : problem) +
                          "; keel checkpoints tensors shaped like their parameter and integer step counts");
+      codec.fields[field] = v.isInt() ? "scalar" : "param";
     }
   }
   return codec;
@@ -382,11 +404,7 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
         else if (const torch::Tensor x = like_param(t, field); x.defined())
           fields.emplace_back(field, c10::IValue(x));
       }
-      if (fields.empty()) continue;  // never stepped
-      if (fields.size() != codec.fields.size()) {
-        problems += "\n  " + name + ": partial state (" + std::to_string(codec.fields.size()) + " fields are needed)";
-        continue;
-      }
+      if (fields.empty()) continue;  // never stepped (the loader checked each has what it was saved with)
       st[key_of(opt, p)] = archived_state(codec, fields);
       continue;
     }
@@ -459,6 +477,24 @@ std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt
 
 void OptimizerState::save(checkpoint::State& state) const {
   state.optimizer = optimizer_state(*opt_, params_);
+  if (codec_) {
+    // A registered optimizer's state must be what its probe promised, or no resume could use it.
+    std::map<std::string, const torch::Tensor*> by_param;
+    for (const auto& [n, p] : params_) by_param[n] = &p;
+    for (const auto& [n, t] : state.optimizer) {
+      const size_t dot = n.find_last_of('.');
+      const std::string field = n.substr(dot + 1);
+      const auto kind = codec_.fields.find(field);
+      const std::string problem =
+          kind == codec_.fields.end()
+              ? "its state field '" + field + "' of parameter '" + n.substr(0, dot) +
+                    "' was not in its state at start (a step on a vector and a matrix parameter)"
+              : state_field_problem(field, t, *by_param.at(n.substr(0, dot)), kind->second);
+      if (!problem.empty())
+        throw InputError("train.optimizer = \"" + codec_.name + "\": " + problem +
+                         "; keel checkpoints tensors shaped like their parameter and integer step counts");
+    }
+  }
   state.optimizer_owners = owners_;
   state.zero = zero_;
   state.optimizer_fields = optimizer_fields(*opt_, codec_);

@@ -88,7 +88,8 @@ using NamedTensorList = std::vector<std::pair<std::string, torch::Tensor>>;
 /// The optimizer's per-parameter state as named tensors, for checkpoints: "<param>.<field>"
 /// with AdamW's step (an int64 scalar), exp_avg, exp_avg_sq (and max_exp_avg_sq with amsgrad)
 /// and SGD's momentum_buffer. `params` are the optimizer's parameters with their names.
-/// The tensors are the live state (not copies), except the step count. Fused and loop
+/// The tensors are the live state (not copies), except the step count and a registered
+/// optimizer's state (host copies, read through its serialize()). Fused and loop
 /// optimizers write the same names and formats, so either loads the other's checkpoints.
 NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params);
 
@@ -98,6 +99,7 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
 /// of the optimizer on a 2-element parameter. Empty for the built-ins (adamw, sgd), whose
 /// states keel knows by type.
 struct OptimizerCodec {
+  std::string name;  // train.optimizer
   OptimizerStateFn make_state;
   std::map<std::string, std::string> fields;
   explicit operator bool() const { return static_cast<bool>(make_state); }

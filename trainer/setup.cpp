@@ -75,12 +75,9 @@ CompiledModel compile_on_every_rank(dist::Collectives& coll, const std::function
   } catch (const CompileError& e) {
     error = e.what();
   }
-  auto failed = torch::tensor({error.empty() ? int64_t{0} : coll.rank() + 1}, torch::kLong);
-  coll.all_reduce(failed, dist::ReduceOp::Max, "compile outcome");
-  if (failed.item<int64_t>() != 0) {
+  if (const dist::RankError e = dist::first_error(coll, error, "compile outcome")) {
     if (!error.empty()) throw CompileError(error);
-    throw CompileError("compile failed on rank " + std::to_string(failed.item<int64_t>() - 1) +
-                       " (its log says why); every rank stops");
+    throw CompileError("compile failed on rank " + std::to_string(e.rank) + " (its log says why); every rank stops");
   }
   return std::move(*compiled);
 }

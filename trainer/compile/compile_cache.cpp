@@ -1,6 +1,5 @@
 #include "trainer/compile/compile_cache.h"
 
-#include <dlfcn.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,6 +12,7 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <fstream>
 
 #include "common/file.h"
 #include "keel/common/error.h"
@@ -29,14 +29,21 @@ const std::string& executable_sha256() {
   static const std::string h = [] {
     try {
       std::string code = sha256_hex(read_regular_file("/proc/self/exe", uint64_t(4) << 30));
-      Dl_info info{};
-      if (dladdr(reinterpret_cast<void*>(&executable_sha256), &info) != 0 && info.dli_fname != nullptr) {
-        // The executable's own code reports the executable (maybe by a relative argv[0]): same inode.
+      // The file mapped where this function's code is (/proc/self/maps names it absolutely):
+      // libkeel.so when a program links keel::keel, else the executable itself.
+      const auto here = reinterpret_cast<uintptr_t>(&executable_sha256);
+      std::ifstream maps("/proc/self/maps");
+      for (std::string line; std::getline(maps, line);) {
+        uintptr_t lo = 0, hi = 0;
+        if (std::sscanf(line.c_str(), "%lx-%lx", &lo, &hi) != 2 || here < lo || here >= hi) continue;
+        const size_t slash = line.find('/');
+        const std::string lib = slash == std::string::npos ? "" : line.substr(slash);
         struct stat exe {
-        }, lib{};
-        if (stat("/proc/self/exe", &exe) == 0 && stat(info.dli_fname, &lib) == 0 &&
-            (exe.st_dev != lib.st_dev || exe.st_ino != lib.st_ino))
-          code += sha256_hex(read_regular_file(info.dli_fname, uint64_t(4) << 30));
+        }, so{};
+        if (!lib.empty() && stat("/proc/self/exe", &exe) == 0 && stat(lib.c_str(), &so) == 0 &&
+            (exe.st_dev != so.st_dev || exe.st_ino != so.st_ino))
+          code += sha256_hex(read_regular_file(lib, uint64_t(4) << 30));
+        break;
       }
       return code;
     } catch (const std::exception& e) {

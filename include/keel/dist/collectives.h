@@ -23,10 +23,12 @@
 #include <torch/torch.h>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "keel/dist/config.h"
@@ -168,20 +170,50 @@ class Collectives {
   TrafficStats traffic_;
 };
 
-/// What first_error found: the lowest rank that reported an error, and its message.
+// Cross-rank agreement, failing together and strings across ranks: one way each, used by
+// the collectives' own check, DDP's parameter check, the checkpointer (plan, commit, load
+// verdict), the compile stage and the trainer's start.
+
+/// The one encoding of strings across ranks: every rank's `mine`, exact bytes, in rank order
+/// (collective: an all-gather of the lengths, then one of the bytes padded to the longest).
+std::vector<std::string> all_gather_strings(Collectives& coll, const std::string& mine, const char* what);
+
+/// What agree() found when the ranks did not agree: every rank's fingerprint and its own
+/// description, in rank order. Empty when they agreed.
+struct Disagreement {
+  std::vector<uint64_t> fingerprints;
+  std::vector<std::string> details;
+  explicit operator bool() const { return !fingerprints.empty(); }
+  /// The ranks whose fingerprint differs from `rank`'s.
+  std::vector<int64_t> differing_from(int64_t rank) const;
+  /// "\n  rank r: <its detail>" for every rank.
+  std::string by_rank() const;
+};
+
+/// Collective, the one agreement primitive: every rank passes its fingerprint of what must be
+/// the same everywhere. All equal: an empty Disagreement, after one 16-byte MIN all-reduce.
+/// Otherwise every rank gets every rank's fingerprint and `describe()` (called only then, on
+/// every rank), so that every rank can say who differs and how, and fail alike.
+Disagreement agree(Collectives& coll, uint64_t fingerprint, const std::function<std::string()>& describe,
+                   const char* what);
+
+/// An error of one rank, as errors_on_every_rank and first_error report it.
 struct RankError {
   int64_t rank = -1;    // -1: no rank had one
   std::string message;  // that rank's message (at most 2 KiB of it)
   explicit operator bool() const { return rank >= 0; }
 };
 
-/// Collective, for failing together: each rank passes its own error ("" when it has none);
-/// every rank gets the same answer, the error of the lowest rank that had one (so every rank
-/// makes the same decision and can name the rank and its reason). One all-reduce when no rank
-/// had an error; one broadcast more otherwise.
+/// Collective, the one way to fail together: each rank passes its own error ("" when it has
+/// none); every rank gets the same answer, every rank's error in rank order (empty: none had
+/// one), so every rank makes the same decision and can name the ranks and their reasons. One
+/// all-reduce when no rank had an error; all_gather_strings otherwise.
+std::vector<RankError> errors_on_every_rank(Collectives& coll, const std::string& mine, const char* what);
+/// The first of errors_on_every_rank: the lowest rank's error, or none.
 RankError first_error(Collectives& coll, const std::string& mine, const char* what);
 
-/// FNV-1a over a descriptor's integers; 62 bits so that -f never overflows.
+/// FNV-1a over a descriptor's integers, or over bytes; 62 bits so that -f never overflows.
 uint64_t fingerprint(const std::vector<int64_t>& words);
+uint64_t fingerprint(std::string_view bytes);
 
 }  // namespace keel::dist

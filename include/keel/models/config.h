@@ -25,7 +25,7 @@ struct ModelConfig {
   int64_t vocab = 256;
   ModelInput input = ModelInput::Auto;
   int64_t num_classes = 10;
-  std::string init_from = "";  // safetensors weights to start from (checkpoint/weights.h)
+  std::string init_from = "";  // safetensors weights to start from (keel/checkpoint/checkpoint.h load_weights)
 };
 
 }  // namespace keel
