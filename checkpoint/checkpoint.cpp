@@ -21,6 +21,7 @@
 
 #include "common/clock.h"
 #include "common/file.h"
+#include "common/text.h"
 #include "keel/dist/collectives.h"
 #include "keel/version.h"
 
@@ -345,9 +346,7 @@ nlohmann::json gather_optimizer_index(dist::Collectives& coll, int64_t world, in
   const auto all = dist::all_gather_strings(coll, mine, "checkpoint optimizer index");
   nlohmann::json map = nlohmann::json::object();
   for (int64_t r = 0; r < world && rank == 0; ++r) {
-    const std::string& text = all[static_cast<size_t>(r)];
-    for (size_t a = 0, b; (b = text.find('\n', a)) != std::string::npos; a = b + 1)
-      map[text.substr(a, b - a)] = optimizer_file(r, world);
+    for (const auto& name : split_lines(all[static_cast<size_t>(r)])) map[name] = optimizer_file(r, world);
   }
   return map;
 }

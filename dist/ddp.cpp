@@ -1,6 +1,7 @@
 #include "dist/ddp.h"
 
 #include "common/log.h"
+#include "common/text.h"
 
 #include <algorithm>
 #include <cctype>
@@ -19,8 +20,7 @@ constexpr int kMaxDims = 6;
 std::vector<int64_t> param_record(const std::string& name, const torch::Tensor& t) {
   std::vector<int64_t> r = {static_cast<int64_t>(t.scalar_type()), t.dim()};
   for (int i = 0; i < kMaxDims; ++i) r.push_back(i < t.dim() ? t.size(i) : -1);
-  std::vector<int64_t> chars(name.begin(), name.end());
-  r.push_back(static_cast<int64_t>(fingerprint(chars)));
+  r.push_back(static_cast<int64_t>(fingerprint(std::string_view(name))));
   return r;
 }
 
@@ -75,10 +75,8 @@ void verify_parameters_across_ranks(const models::NamedTensors& params, Collecti
       },
       "parameter check");
   if (!d) return;
-  std::vector<std::vector<std::string>> lines(d.details.size());  // per rank, per parameter
-  for (size_t r = 0; r < d.details.size(); ++r)
-    for (size_t a = 0, b; (b = d.details[r].find('\n', a)) != std::string::npos; a = b + 1)
-      lines[r].push_back(d.details[r].substr(a, b - a));
+  std::vector<std::vector<std::string>> lines;  // per rank, per parameter
+  for (const auto& detail : d.details) lines.push_back(split_lines(detail));
   std::ostringstream os;
   os << "DDP: the model differs across ranks: ";
   for (const auto& l : lines)

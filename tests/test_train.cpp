@@ -240,6 +240,24 @@ TEST(Schedule, WarmupThenCosineExactValues) {
   EXPECT_DOUBLE_EQ(c.at(13), 1.0);
 }
 
+// The registries' tests' run: a 16-wide one-layer mlp on 256 synthetic samples, batch 8, one
+// thread, no TensorBoard.
+keel::Config small_mlp(const std::string& run_dir, int64_t steps, double lr) {
+  keel::Config cfg;
+  cfg.run.dir = run_dir;
+  cfg.run.threads = 1;
+  cfg.run.tensorboard = false;
+  cfg.model.name = "mlp";
+  cfg.model.width = 16;
+  cfg.model.depth = 1;
+  cfg.data.name = "synthetic";
+  cfg.data.synthetic_size = 256;
+  cfg.train.steps = steps;
+  cfg.train.batch_size = 8;
+  cfg.train.lr = lr;
+  return cfg;
+}
+
 // Extension points (issue 26, item 3): a library user registers a learning-rate schedule and a
 // loss by name, as models and datasets are registered, and a config chooses them; a name taken
 // (built-ins included) is refused, and an unknown one is refused at start naming the choices.
@@ -259,18 +277,7 @@ TEST(Registries, AScheduleAndALossRegisteredByNameTrainAndUnknownNamesAreRefused
   EXPECT_NE(std::find(losses.begin(), losses.end(), "cross_entropy"), losses.end());
 
   TempDir d;
-  keel::Config cfg;
-  cfg.run.dir = d.file("run");
-  cfg.run.threads = 1;
-  cfg.run.tensorboard = false;
-  cfg.model.name = "mlp";
-  cfg.model.width = 16;
-  cfg.model.depth = 1;
-  cfg.data.name = "synthetic";
-  cfg.data.synthetic_size = 256;
-  cfg.train.steps = 6;
-  cfg.train.batch_size = 8;
-  cfg.train.lr = 0.08;
+  keel::Config cfg = small_mlp(d.file("run"), 6, 0.08);
   cfg.train.eval_interval = 6;
   cfg.train.schedule = "halving_every_2";
   cfg.train.loss = "counted_cross_entropy";
@@ -365,18 +372,7 @@ TEST(Registries, AnOptimizerRegisteredByNameTrainsAndResumesBitExactly) {
 
   TempDir d;
   auto config = [&](const std::string& ckpt, int64_t steps) {
-    keel::Config cfg;
-    cfg.run.dir = d.file("run-" + ckpt + "-" + std::to_string(steps));
-    cfg.run.threads = 1;
-    cfg.run.tensorboard = false;
-    cfg.model.name = "mlp";
-    cfg.model.width = 16;
-    cfg.model.depth = 1;
-    cfg.data.name = "synthetic";
-    cfg.data.synthetic_size = 256;
-    cfg.train.steps = steps;
-    cfg.train.batch_size = 8;
-    cfg.train.lr = 0.05;
+    keel::Config cfg = small_mlp(d.file("run-" + ckpt + "-" + std::to_string(steps)), steps, 0.05);
     cfg.train.schedule = "constant";
     cfg.train.optimizer = "adagrad";
     cfg.checkpoint.dir = d.file(ckpt);

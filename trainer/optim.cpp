@@ -50,11 +50,15 @@ void register_optimizer(const std::string& name, OptimizerFn make, OptimizerStat
 
 std::vector<std::string> registered_optimizers() { return optimizers().names(); }
 
+std::unique_ptr<torch::optim::Optimizer> OptimizerChoice::make(const std::vector<torch::Tensor>& params) const {
+  auto opt = make_(params, cfg_);
+  if (!opt) throw InputError("train.optimizer = \"" + cfg_.optimizer + "\": its registered function made no optimizer");
+  return opt;
+}
+
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
                                                         const std::vector<torch::Tensor>& params) {
-  auto opt = optimizers().get(cfg.optimizer).make(params, cfg);
-  if (!opt) throw InputError("train.optimizer = \"" + cfg.optimizer + "\": its registered function made no optimizer");
-  return opt;
+  return resolve_optimizer(cfg).make(params);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -290,13 +294,12 @@ std::unique_ptr<torch::optim::OptimizerParamState> archived_state(
   return s;
 }
 
-}  // namespace
-
-OptimizerCodec optimizer_codec(const TrainConfig& cfg) {
-  const auto entry = optimizers().get(cfg.optimizer);
+// A registered optimizer's codec, found by one step of it on probe parameters; empty for a
+// built-in (no make_state), whose state keel knows by type.
+OptimizerCodec probe_codec(const TrainConfig& cfg, const OptimizerFn& make, const OptimizerStateFn& make_state) {
   OptimizerCodec codec;
-  if (!entry.make_state) return codec;  // a built-in
-  codec.make_state = entry.make_state;
+  if (!make_state) return codec;
+  codec.make_state = make_state;
   codec.name = cfg.optimizer;
   const std::string who = "train.optimizer = \"" + cfg.optimizer + "\"";
   // One step on a vector and a matrix parameter: the fields their states hold (an optimizer may
@@ -308,7 +311,7 @@ OptimizerCodec optimizer_codec(const TrainConfig& cfg) {
   }
   std::unique_ptr<torch::optim::Optimizer> opt;
   try {
-    opt = entry.make(probe, cfg);
+    opt = make(probe, cfg);
     opt->step();
   } catch (const std::exception& e) {
     throw InputError(who + ": a step of it on a probe parameter failed (keel steps an optimizer without a closure): " +
@@ -333,6 +336,13 @@ OptimizerCodec optimizer_codec(const TrainConfig& cfg) {
   return codec;
 }
 
+}  // namespace
+
+OptimizerChoice resolve_optimizer(const TrainConfig& cfg) {
+  const auto entry = optimizers().get(cfg.optimizer);
+  return OptimizerChoice(cfg, entry.make, probe_codec(cfg, entry.make, entry.make_state));
+}
+
 NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params) {
   NamedTensorList out;
   auto& st = opt.state();
@@ -354,7 +364,7 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
     } else if (auto* s = dynamic_cast<torch::optim::SGDParamState*>(it->second.get())) {
       if (s->momentum_buffer().defined()) out.emplace_back(name + ".momentum_buffer", s->momentum_buffer());
     } else {
-      // A registered optimizer: whatever its state serializes (optimizer_codec checked the kinds).
+      // A registered optimizer: whatever its state serializes (resolve_optimizer's probe checked the kinds).
       for (const auto& [field, v] : archived_fields(*it->second)) {
         if (v.isTensor())
           out.emplace_back(name + "." + field, v.toTensor());

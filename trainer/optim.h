@@ -21,6 +21,7 @@
 
 namespace keel {
 
+/// An optimizer of train.optimizer over `params` (resolve_optimizer(cfg).make(params)).
 std::unique_ptr<torch::optim::Optimizer> make_optimizer(const TrainConfig& cfg,
                                                         const std::vector<torch::Tensor>& params);
 
@@ -104,9 +105,24 @@ struct OptimizerCodec {
   std::map<std::string, std::string> fields;
   explicit operator bool() const { return static_cast<bool>(make_state); }
 };
-/// train.optimizer's codec. Throws InputError naming train.optimizer for an unknown name, or for
-/// a state field keel cannot checkpoint.
-OptimizerCodec optimizer_codec(const TrainConfig& cfg);
+/// train.optimizer resolved once, at start: its registered function and its codec.
+class OptimizerChoice {
+ public:
+  OptimizerChoice(TrainConfig cfg, OptimizerFn make, OptimizerCodec codec)
+      : cfg_(std::move(cfg)), make_(std::move(make)), codec_(std::move(codec)) {}
+  /// A new optimizer over `params`; InputError when the registered function made none.
+  std::unique_ptr<torch::optim::Optimizer> make(const std::vector<torch::Tensor>& params) const;
+  const OptimizerCodec& codec() const { return codec_; }
+
+ private:
+  TrainConfig cfg_;
+  OptimizerFn make_;
+  OptimizerCodec codec_;
+};
+/// One registry lookup and, for a registered optimizer, the probe of its codec. Throws
+/// InputError naming train.optimizer for an unknown name, or a state field keel cannot
+/// checkpoint.
+OptimizerChoice resolve_optimizer(const TrainConfig& cfg);
 
 /// Restores what optimizer_state() returned (copies onto each parameter's device); `codec`
 /// for a registered optimizer. Throws std::runtime_error listing the parameters whose state is

@@ -369,6 +369,7 @@ class Trainer::Loop {
   int64_t current_step_ = 0;         // the step begun last (with a late consensus, one ahead of steps_done)
   bool late_ = false;                // dist.consensus resolved: the consensus is read one step late
   FusedOptimizer* fused_ = nullptr;  // optimizer_, when fused (the update can skip on the device)
+  std::optional<OptimizerChoice> optimizer_choice_;  // train.optimizer, resolved at start
 };
 
 Trainer::Loop::Loop(const Config& cfg, const dist::World& world, const Callbacks& cb)
@@ -382,10 +383,11 @@ Trainer::Loop::Loop(const Config& cfg, const dist::World& world, const Callbacks
   {
     AtRendezvous rendezvous;
     group_ = dist::Group::create(world, cfg.dist, device_);
-    agree_on_config(*group_, cfg);  // before the first collective
+    agree_on_config(group_, cfg);  // before the first collective
   }
   rendezvous_ms_ = ms_since(t_rdzv);
   coll_ = std::make_shared<dist::Collectives>(group_, cfg.dist.validate);
+  optimizer_choice_.emplace(resolve_optimizer(cfg.train));  // an unknown or unusable one stops the run here
   lock_directories();
   check_memory_needs();
   build_model_and_data();
@@ -558,12 +560,12 @@ void Trainer::Loop::build_optimizer() {
   params_ = model_->parameters();
   owned_named_ = dmodel_->owned_parameters();
   for (const auto& [n, t] : owned_named_) owned_.push_back(t);
-  optimizer_ = make_optimizer(cfg_.train, owned_);
+  optimizer_ = optimizer_choice_->make(owned_);
   // With dist.zero >= 1 the checkpoint records who owns each parameter's state; else replicated.
   optimizer_state_ = std::make_unique<OptimizerState>(
       *optimizer_, owned_named_,
       dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{}, dmodel_->zero(),
-      optimizer_codec(cfg_.train));
+      optimizer_choice_->codec());
   schedule_.emplace(cfg_.train, progress_.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
