@@ -12,7 +12,8 @@ namespace keel {
 inline std::vector<std::string> split_lines(std::string_view text) {
   std::vector<std::string> lines;
   size_t a = 0;
-  for (size_t b; (b = text.find('\n', a)) != std::string_view::npos; a = b + 1) lines.emplace_back(text.substr(a, b - a));
+  for (size_t b; (b = text.find('\n', a)) != std::string_view::npos; a = b + 1)
+    lines.emplace_back(text.substr(a, b - a));
   if (a < text.size()) lines.emplace_back(text.substr(a));
   return lines;
 }

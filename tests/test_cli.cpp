@@ -18,6 +18,7 @@
 #include "helpers.h"
 #include "idx_fixture.h"
 #include "keel/trainer/config/config.h"
+#include "keel/trainer/trainer.h"
 #include "trainer/app/plot.h"
 
 using keel::testing::run_keel;
@@ -169,6 +170,38 @@ TEST(Cli, ConfigReferenceDocIsInSync) {
       << "docs/config.md is stale: regenerate it with `build/keel config-reference > docs/config.md`";
   for (const auto& f : keel::config_schema())
     EXPECT_NE(r.output.find("| `" + f.key + "` |"), std::string::npos) << f.dotted();
+}
+
+// summary.json's keys are declared once (KEEL_SUMMARY_FIELDS): what a run writes is exactly
+// what docs/summary.md lists, and the file is what `keel summary-reference` prints.
+TEST(Cli, SummaryReferenceDocIsInSyncWithWhatARunWrites) {
+  auto r = run_keel({"summary-reference"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(keel::testing::read_text(keel::testing::source_path("docs/summary.md")), r.output)
+      << "docs/summary.md is stale: regenerate it with `build/keel summary-reference > docs/summary.md`";
+  keel::Summary s;
+  s.tokens_per_s = 1;
+  s.test_accuracy = 0.5;
+  s.test_loss = 1;
+  const nlohmann::json j = s.to_json();
+  size_t rows = 0;
+  for (size_t p = 0; (p = r.output.find("\n| `", p)) != std::string::npos; ++p) ++rows;
+  size_t keys = 0;
+  for (const auto& [k, v] : j.items()) {
+    EXPECT_NE(r.output.find("| `" + k + "` |"), std::string::npos) << k;
+    keys += v.is_object() ? v.size() : 1;
+    if (v.is_object())
+      for (const auto& [sub, x] : v.items())
+        EXPECT_NE(r.output.find("| `" + k + "." + sub + "` |"), std::string::npos) << k << "." << sub;
+  }
+  EXPECT_EQ(rows, keys + 1) << "one row per key, and one for control_per_step itself";
+  const nlohmann::json empty = keel::Summary{}.to_json();
+  EXPECT_FALSE(empty.contains("tokens_per_s"));
+  EXPECT_FALSE(empty.contains("test_accuracy"));
+  EXPECT_TRUE(empty.at("loss_scale").is_null());
+  EXPECT_TRUE(empty.at("stop_signal").is_null());
+  EXPECT_EQ(empty.at("world_size"), 1);
+  EXPECT_EQ(empty.at("control_per_step").at("validation_probes"), 0.0);
 }
 
 TEST(Cli, NoSubcommandIsUsageError) {

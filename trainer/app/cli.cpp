@@ -154,6 +154,32 @@ int run_compile(Config cfg) {
   }
 }
 
+// The config of `keel train` / `keel compile`: the TOML file, then the keys the command line
+// gives (`options`, as `sub` parsed them), validated. Throws InputError.
+Config resolve_config(const std::string& config_path, const CLI::App& sub,
+                      std::map<std::string, std::vector<std::string>>& options) {
+  Config cfg;
+  if (!config_path.empty()) load_toml_file(config_path, cfg);
+  std::set<std::string> cli_keys;
+  for (const auto& f : config_schema()) {
+    const auto& values = options[f.dotted()];
+    if (sub.count("--" + f.dotted()) == 0) continue;
+    cli_keys.insert(f.dotted());
+    if (values.empty()) {  // a bare flag: true for a bool, "" (or an empty list) otherwise
+      apply_override(cfg, f.dotted(), f.type == FieldType::Bool ? "true" : "");
+      continue;
+    }
+    if (f.type == FieldType::StringList) {
+      for (const auto& v : values) apply_override(cfg, f.dotted(), v);
+    } else {
+      apply_override(cfg, f.dotted(), values.back());
+    }
+  }
+  command_line_wins(cfg, cli_keys);
+  validate(cfg);
+  return cfg;
+}
+
 }  // namespace
 
 int run_cli(int argc, char** argv) {
@@ -167,6 +193,8 @@ int run_cli(int argc, char** argv) {
   app.require_subcommand(1);
 
   auto* reference = app.add_subcommand("config-reference", "print every config key as Markdown (docs/config.md)");
+  auto* summary_reference =
+      app.add_subcommand("summary-reference", "print every key of summary.json as Markdown (docs/summary.md)");
   auto* train = app.add_subcommand("train", "train a model described by a TOML config");
   auto* plot = app.add_subcommand("plot", "PNG curves of a run (loss, throughput, loss scale) from its metrics.jsonl");
   std::string plot_dir, plot_out;
@@ -212,6 +240,10 @@ int run_cli(int argc, char** argv) {
     return kExitInput;
   }
 
+  if (summary_reference->parsed()) {
+    std::cout << Summary::reference_markdown();
+    return 0;
+  }
   if (reference->parsed()) {
     std::cout << config_reference_markdown();
     return 0;
@@ -225,24 +257,7 @@ int run_cli(int argc, char** argv) {
   if (compiling) config_path = compile_config_path;
   Config cfg;
   try {
-    if (!config_path.empty()) load_toml_file(config_path, cfg);
-    std::set<std::string> cli_keys;
-    for (const auto& f : config_schema()) {
-      const auto& values = options[f.dotted()];
-      if (sub->count("--" + f.dotted()) == 0) continue;
-      cli_keys.insert(f.dotted());
-      if (values.empty()) {  // a bare flag: true for a bool, "" (or an empty list) otherwise
-        apply_override(cfg, f.dotted(), f.type == FieldType::Bool ? "true" : "");
-        continue;
-      }
-      if (f.type == FieldType::StringList) {
-        for (const auto& v : values) apply_override(cfg, f.dotted(), v);
-      } else {
-        apply_override(cfg, f.dotted(), values.back());
-      }
-    }
-    command_line_wins(cfg, cli_keys);
-    validate(cfg);
+    cfg = resolve_config(config_path, *sub, options);
   } catch (const InputError& e) {
     std::cerr << "keel: error: " << e.what() << "\n";
     return kExitInput;

@@ -44,55 +44,85 @@ struct EvalResult {
   int64_t count = 0;    // samples (tokens) evaluated
 };
 
-/// What run() returns and rank 0 writes to <run.dir>/summary.json (to_json() is that file's
-/// content; its field names are a contract: docs/getting-started.md).
-struct Summary {
-  std::string keel_version, torch_version;
-  std::string run_name, model, data, device;
-  int64_t num_parameters = 0;
-  int64_t world_size = 1;
-  std::string launcher;            // torchrun | mpirun | srun | single
-  std::string backend;             // gloo | nccl | none (one rank)
-  int64_t restart_count = 0;       // torchrun restarts before this run
-  int64_t metrics_lines_lost = 0;  // metrics.jsonl lines that could not be written
-  int64_t threads_per_rank = 0;
-  int64_t batch_size = 0, grad_accum = 0, global_batch = 0;
-  int64_t steps = 0;  // optimizer steps done
-  int64_t planned_steps = 0;
-  bool completed = false;              // every planned step done and no stop signal
-  std::optional<int> stop_signal;      // SIGINT/SIGTERM that stopped the run
-  double median_step_ms = 0;           // over the steps after the first 5 (warm-up)
-  double samples_per_s = 0;            // global samples per second at the median step time
-  std::optional<double> tokens_per_s;  // language models
-  double final_loss = 0;               // NaN when no step ran
-  double wall_s = 0;                   // run() from start to end, seconds
-  std::string compile_mode;            // off | trace | eager-fallback
-  double compile_ms = 0;
-  std::string compile_cache;  // off | hit | miss | checkpoint (inductor: the package stored with the checkpoint)
-  int64_t recompiles = 0;
-  std::string amp_dtype;             // off | bf16 | fp16
-  std::string consensus;             // step | late: when the host read the per-step consensus (dist.consensus)
-  std::optional<double> loss_scale;  // GradScaler's scale at the end (dynamic loss scaling)
-  int64_t skipped_steps = 0;         // steps skipped on every rank for inf/NaN
-  std::optional<int64_t> resumed_from_step;
-  std::optional<int64_t> checkpoint_step;          // the newest committed checkpoint
-  double checkpoint_stall_ms = 0;                  // time saves blocked the loop
-  std::optional<double> test_accuracy, test_loss;  // the last evaluation
-  double rendezvous_ms = 0;                        // process group creation and the cross-rank config check
-  double eta_s = 0;                                // at the last log line: steps left x the recent median step time
-  std::optional<double> mfu;                       // at the last log line (models that report FLOPs), 0..1
-  std::optional<double> peak_tflops;               // MFU's denominator per rank (run.peak_tflops or measured)
-  int64_t zero = 0;                                // dist.zero
-  int64_t optimizer_state_bytes = 0;  // the optimizer state this rank holds (its partition with dist.zero >= 1)
-  double peak_rss_mb = 0;             // this process's peak resident set (getrusage), MiB
-  /// keel's control traffic per step on this rank over this run's loop (the consensus,
-  /// validation probes, checkpoint coordination, evaluation totals; not DDP's gradients).
-  struct Control {
-    double collectives = 0, probes = 0, bytes_sent = 0, bytes_received = 0, wait_ms = 0;
-    int64_t steps = 0;  // the steps averaged over
-  } control_per_step;
+// summary.json's fields, declared once: each X(type, name, initial value, absent, doc) is a
+// member of Summary and the key of summary.json that holds it (its name is a contract: scripts
+// read it); docs/summary.md (`keel summary-reference`) is made from the same list. `absent` is
+// how an empty optional is written: `null`, or `omit` (the key is left out).
+#define KEEL_SUMMARY_FIELDS(X)                                                                                         \
+  X(std::string, keel_version, , null, "keel's version")                                                               \
+  X(std::string, torch_version, , null, "the LibTorch version keel was built with")                                    \
+  X(std::string, run_name, , null, "run.name")                                                                         \
+  X(std::string, model, , null, "model.name")                                                                          \
+  X(int64_t, num_parameters, 0, null, "the model's parameters (elements)")                                             \
+  X(std::string, data, , null, "data.name")                                                                            \
+  X(std::string, device, , null, "the device rank 0 trained on (cpu, cuda:0)")                                         \
+  X(int64_t, world_size, 1, null, "ranks in the job")                                                                  \
+  X(std::string, launcher, , null, "torchrun, mpirun, srun or single")                                                 \
+  X(std::string, backend, , null, "gloo, nccl, or none (one rank without a process group)")                            \
+  X(int64_t, restart_count, 0, null, "torchrun restarts before this run")                                              \
+  X(int64_t, metrics_lines_lost, 0, null, "metrics.jsonl lines that could not be written (a full disk)")               \
+  X(int64_t, threads_per_rank, 0, null, "intra-op threads of each rank")                                               \
+  X(int64_t, batch_size, 0, null, "train.batch_size: samples per micro-batch and rank")                                \
+  X(int64_t, grad_accum, 0, null, "train.grad_accum: micro-batches per optimizer step")                                \
+  X(int64_t, global_batch, 0, null, "samples per optimizer step over all ranks")                                       \
+  X(int64_t, steps, 0, null, "optimizer steps done, resumed ones included")                                            \
+  X(int64_t, planned_steps, 0, null, "the steps train.steps or train.epochs asked for")                                \
+  X(bool, completed, false, null, "every planned step done and no stop signal")                                        \
+  X(std::optional<int>, stop_signal, , null, "the signal (SIGINT 2, SIGTERM 15) that stopped the run, else null")      \
+  X(double, median_step_ms, 0, null, "median step time over the steps after the first 5 (warm-up)")                    \
+  X(double, samples_per_s, 0, null, "global samples per second at the median step time")                               \
+  X(std::optional<double>, tokens_per_s, , omit, "global tokens per second at the median step time (language models)") \
+  X(double, final_loss, 0, null,                                                                                       \
+    "the training loss of the last step (NaN in Summary, null in the file, when no step ran)")                         \
+  X(double, wall_s, 0, null, "run() from start to end, seconds")                                                       \
+  X(std::string, compile_mode, , null, "off, trace, inductor or eager-fallback")                                       \
+  X(double, compile_ms, 0, null, "time spent compiling (or loading a compiled package)")                               \
+  X(std::string, compile_cache, , null, "off, hit, miss, or checkpoint (the package stored with the checkpoint)")      \
+  X(int64_t, recompiles, 0, null, "recompilations after the first compile")                                            \
+  X(std::string, amp_dtype, , null, "off, bf16 or fp16")                                                               \
+  X(std::string, consensus, , null, "step or late: when the host read the per-step consensus (dist.consensus)")        \
+  X(std::optional<double>, loss_scale, , null, "the GradScaler's scale at the end (fp16), else null")                  \
+  X(int64_t, skipped_steps, 0, null, "steps skipped on every rank for an inf/NaN gradient")                            \
+  X(std::optional<int64_t>, resumed_from_step, , null, "the checkpoint step this run resumed from, else null")         \
+  X(std::optional<int64_t>, checkpoint_step, , null, "the newest committed checkpoint step, else null")                \
+  X(double, checkpoint_stall_ms, 0, null, "time checkpoint saves blocked the loop")                                    \
+  X(std::optional<double>, test_accuracy, , omit, "top-1 accuracy of the last evaluation (NaN with a custom loss)")    \
+  X(std::optional<double>, test_loss, , omit, "the loss of the last evaluation")                                       \
+  X(double, rendezvous_ms, 0, null, "process group creation and the cross-rank config agreement")                      \
+  X(double, eta_s, 0, null, "at the last log line: steps left x the recent median step time")                          \
+  X(std::optional<double>, mfu, , null,                                                                                \
+    "model FLOPs utilisation at the last log line, 0..1 (models that count FLOPs)")                                    \
+  X(std::optional<double>, peak_tflops, , null, "MFU's denominator per rank (run.peak_tflops or measured)")            \
+  X(int64_t, zero, 0, null, "dist.zero")                                                                               \
+  X(int64_t, optimizer_state_bytes, 0, null, "the optimizer state this rank holds (its partition with dist.zero)")     \
+  X(double, peak_rss_mb, 0, null, "this process's peak resident set (getrusage), MiB")                                 \
+  X(ControlTraffic, control_per_step, , null,                                                                          \
+    "keel's control traffic per step on this rank over the loop (the consensus, validation probes, checkpoint "        \
+    "coordination, evaluation totals; not DDP's gradients)")
 
+// summary.json's control_per_step, as KEEL_SUMMARY_FIELDS.
+#define KEEL_CONTROL_TRAFFIC_FIELDS(X)                                                           \
+  X(double, collectives, 0, null, "keel's collectives per step")                                 \
+  X(double, validation_probes, 0, null, "of them, collective validation probes (dist.validate)") \
+  X(double, bytes_sent, 0, null, "bytes this rank sent per step")                                \
+  X(double, bytes_received, 0, null, "bytes this rank received per step")                        \
+  X(double, wait_ms, 0, null, "time per step waiting on them")                                   \
+  X(int64_t, steps, 0, null, "the steps averaged over")
+
+#define KEEL_SUMMARY_MEMBER(type, name, init, absent, doc) type name{init};
+
+struct ControlTraffic {
+  KEEL_CONTROL_TRAFFIC_FIELDS(KEEL_SUMMARY_MEMBER)
+};
+
+/// What run() returns and rank 0 writes to <run.dir>/summary.json: one member per key, each
+/// described in KEEL_SUMMARY_FIELDS above and docs/summary.md.
+struct Summary {
+  KEEL_SUMMARY_FIELDS(KEEL_SUMMARY_MEMBER)
+  /// summary.json's content.
   nlohmann::json to_json() const;
+  /// Every key of summary.json as Markdown (docs/summary.md).
+  static std::string reference_markdown();
 };
 
 /// The training loss of one micro-batch: (model output, target) -> scalar tensor, the mean over
