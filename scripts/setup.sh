@@ -85,6 +85,11 @@ else
     log "installing tensorboard and safetensors (PyPI) into $venv"
     "$py" -m pip install -q --disable-pip-version-check tensorboard safetensors >&2
   fi
+  # `keel tokenize` (trainer/data/tokenize.py): Hugging Face's tokenizers, pinned.
+  if ! "$py" -c "import tokenizers, sys; sys.exit(tokenizers.__version__ != '0.23.3')" 2>/dev/null; then
+    log "installing tokenizers 0.23.3 (PyPI) into $venv"
+    "$py" -m pip install -q --disable-pip-version-check tokenizers==0.23.3 >&2
+  fi
   # The formatter the tree is checked with (scripts/format.sh): one pinned version, whatever the
   # distribution ships.
   if ! "$venv/bin/clang-format" --version 2>/dev/null | grep -q "version 14\."; then

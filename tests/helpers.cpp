@@ -149,6 +149,26 @@ std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir) 
   return out;
 }
 
+void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens, int width, bool header,
+                      int64_t count, int32_t version) {
+  std::string bytes;
+  if (header) {
+    std::vector<int32_t> h(256, 0);
+    h[0] = width == 2 ? 20240520 : 20240801;
+    h[1] = version >= 0 ? version : (width == 2 ? 1 : 7);
+    h[2] = static_cast<int32_t>(count >= 0 ? count : static_cast<int64_t>(tokens.size()));
+    bytes.append(reinterpret_cast<const char*>(h.data()), h.size() * sizeof(int32_t));
+  }
+  for (const uint32_t t : tokens) {
+    const uint16_t narrow = static_cast<uint16_t>(t);
+    if (width == 2)
+      bytes.append(reinterpret_cast<const char*>(&narrow), 2);
+    else
+      bytes.append(reinterpret_cast<const char*>(&t), 4);
+  }
+  write_text(path, bytes);
+}
+
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::binary);
   out << text;

@@ -2,6 +2,7 @@
 // small file utilities. Every test that writes files does so under its own temp directory.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -59,6 +60,12 @@ std::string summary_field(const std::string& run_dir, const std::string& key);
 std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir);
 
 void write_text(const std::string& path, const std::string& text);
+
+/// A token file: llm.c's .bin (`header`: 256 int32, magic 20240520 / version 1 for 2-byte
+/// tokens, 20240801 / version 7 for 4-byte ones, header[2] = the count) or raw tokens.
+/// `count` and `version` override the header's (-1: the true ones) to make bad files.
+void write_token_file(const std::string& path, const std::vector<uint32_t>& tokens, int width, bool header,
+                      int64_t count = -1, int32_t version = -1);
 std::string read_text(const std::string& path);
 bool exists(const std::string& path);
 /// XORs one byte of `path`, `offset_from_end` bytes before its end, in place.

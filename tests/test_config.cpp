@@ -69,6 +69,21 @@ TEST(ConfigErrors, UnknownKeyWithSuggestion) {
   EXPECT_NE(msg.find("test.toml:2:"), std::string::npos) << msg;
 }
 
+// The token-file keys are refused where a built-in dataset would ignore them; an unknown dtype
+// names the choices.
+TEST(ConfigErrors, TokenFileKeysWithAnotherDataset) {
+  auto msg = load_error("[data]\nname = \"text\"\ntest_path = \"v.bin\"\n");
+  EXPECT_NE(msg.find("data.test_path is read only with data.name = \"tokens\""), std::string::npos) << msg;
+  msg = load_error("[data]\ntoken_dtype = \"uint32\"\n");
+  EXPECT_NE(msg.find("data.token_dtype is read only with data.name = \"tokens\" (data.name = \"fashion_mnist\")"),
+            std::string::npos)
+      << msg;
+  msg = load_error("[data]\nname = \"tokens\"\ntoken_dtype = \"int8\"\n");
+  EXPECT_NE(msg.find("uint16"), std::string::npos) << msg;
+  EXPECT_EQ(
+      load_error("[data]\nname = \"tokens\"\npath = \"t.bin\"\ntoken_dtype = \"uint32\"\ntest_path = \"v.bin\"\n"), "");
+}
+
 TEST(ConfigErrors, KeyOutsideSection) {
   auto msg = load_error("lr = 3\n");
   EXPECT_NE(msg.find("outside any section"), std::string::npos) << msg;

@@ -5,6 +5,7 @@
 #include "helpers.h"
 #include "idx_fixture.h"
 #include "keel/trainer/data/data.h"
+#include "trainer/data/token_file.h"
 
 using keel::InputError;
 using keel::testing::TempDir;
@@ -171,6 +172,135 @@ TEST(TextData, TooShortFile) {
   keel::DataConfig cfg;
   cfg.path = d.file("t.txt");
   EXPECT_NE(error_of([&] { keel::data::make_text(cfg, token_spec(16)); }).find("too short"), std::string::npos);
+}
+
+// Token files (data.name = "tokens"): llm.c's .bin with 2- and 4-byte tokens and raw files of
+// either width give the same windows, T + 1 tokens from i * T, targets shifted by one.
+TEST(TokenFiles, LlmcAndRawFilesGiveTheSameWindows) {
+  TempDir d;
+  std::vector<uint32_t> tokens;
+  for (uint32_t i = 0; i < 1000; ++i) tokens.push_back((i * 7) % 250);
+  write_token_file(d.file("a.bin"), tokens, 2, true);
+  write_token_file(d.file("b.bin"), tokens, 4, true);
+  write_token_file(d.file("c.u16"), tokens, 2, false);
+  write_token_file(d.file("d.u32"), tokens, 4, false);
+  std::vector<keel::data::Batch> batches;
+  for (const auto& [file, dtype] : std::vector<std::pair<std::string, keel::TokenDtype>>{
+           {"a.bin", keel::TokenDtype::Auto},
+           {"b.bin", keel::TokenDtype::Auto},
+           {"a.bin", keel::TokenDtype::Uint16},  // an explicit width that agrees with the header
+           {"c.u16", keel::TokenDtype::Uint16},
+           {"d.u32", keel::TokenDtype::Uint32}}) {
+    keel::DataConfig cfg;
+    cfg.name = "tokens";
+    cfg.path = d.file(file);
+    cfg.token_dtype = dtype;
+    cfg.test_fraction = 0.1;
+    auto s = keel::data::make_tokens(cfg, token_spec(16));
+    ASSERT_EQ(s.train->size() + s.test->size(), (1000 - 1) / 16) << file;
+    EXPECT_EQ(s.test->size(), 6) << file;  // the tail: 10% of 62 windows
+    batches.push_back(s.train->get({0, 3}));
+    auto t = s.test->get({0});
+    EXPECT_EQ(t.input[0][0].item<int64_t>(), tokens[56 * 16]) << file;
+  }
+  for (const auto& b : batches) {
+    ASSERT_EQ(b.input.sizes(), (std::vector<int64_t>{2, 16}));
+    EXPECT_EQ(b.input.scalar_type(), torch::kLong);
+    EXPECT_TRUE(torch::equal(b.input, batches[0].input));
+    EXPECT_TRUE(torch::equal(b.target, batches[0].target));
+    EXPECT_TRUE(torch::equal(b.input.narrow(1, 1, 15), b.target.narrow(1, 0, 15)));
+    EXPECT_EQ(b.input[1][0].item<int64_t>(), tokens[48]);
+    EXPECT_EQ(b.target[1][15].item<int64_t>(), tokens[64]);
+  }
+}
+
+// A glob of shards is one corpus, in name order; windows never span two files; data.test_path
+// gives the held-out split (all of data.path trains).
+TEST(TokenFiles, ShardsAreOneCorpusAndATestFileIsHeldOut) {
+  TempDir d;
+  auto seq = [](uint32_t from, uint32_t n) {
+    std::vector<uint32_t> v;
+    for (uint32_t i = 0; i < n; ++i) v.push_back(from + i);
+    return v;
+  };
+  write_token_file(d.file("train_001.bin"), seq(100, 50), 2, true);  // 3 windows of 17
+  write_token_file(d.file("train_000.bin"), seq(0, 100), 2, true);   // 6
+  write_token_file(d.file("train_002.bin"), seq(200, 10), 2, true);  // none
+  write_token_file(d.file("val.bin"), seq(300, 40), 4, true);        // 2, another width
+  keel::DataConfig cfg;
+  cfg.name = "tokens";
+  cfg.path = d.file("train_*.bin");
+  cfg.test_path = d.file("val.bin");
+  keel::models::InputSpec spec = token_spec(16);
+  spec.num_classes = 512;
+  auto s = keel::data::make_tokens(cfg, spec);
+  EXPECT_EQ(s.train->size(), 9);
+  EXPECT_EQ(s.test->size(), 2);
+  auto b = s.train->get({5, 6, 8});
+  EXPECT_EQ(b.input[0][0].item<int64_t>(), 80);   // train_000, window 5
+  EXPECT_EQ(b.input[1][0].item<int64_t>(), 100);  // train_001 starts a window of its own
+  EXPECT_EQ(b.target[2][15].item<int64_t>(), 100 + 2 * 16 + 16);
+  EXPECT_EQ(s.test->get({1}).input[0][0].item<int64_t>(), 316);
+}
+
+// Every file is checked at start, never read whole: a bad header, a size that does not fit it,
+// a token the model's vocabulary does not have, or no file at all is an InputError naming it.
+TEST(TokenFiles, BadFilesAreRefusedAtStartNamingThem) {
+  TempDir d;
+  std::vector<uint32_t> tokens(200, 7);
+  auto error = [&](const std::string& path, keel::TokenDtype dtype = keel::TokenDtype::Auto, int64_t vocab = 256) {
+    keel::DataConfig cfg;
+    cfg.name = "tokens";
+    cfg.path = path;
+    cfg.token_dtype = dtype;
+    keel::models::InputSpec spec = token_spec(16);
+    spec.num_classes = vocab;
+    return error_of([&] { keel::data::make_tokens(cfg, spec); });
+  };
+  write_token_file(d.file("raw.u16"), std::vector<uint32_t>(1000, 7), 2, false);
+  write_token_file(d.file("small.u16"), tokens, 2, false);
+  EXPECT_NE(error(d.file("small.u16")).find("too short for llm.c's 1024-byte header (400 bytes)"), std::string::npos)
+      << error(d.file("small.u16"));
+  EXPECT_NE(error(d.file("raw.u16")).find(d.file("raw.u16") + ": not an llm.c token file"), std::string::npos)
+      << error(d.file("raw.u16"));
+  EXPECT_NE(error(d.file("raw.u16")).find("set data.token_dtype = \"uint16\" or \"uint32\""), std::string::npos);
+  write_token_file(d.file("v3.bin"), tokens, 2, true, -1, 3);
+  EXPECT_NE(error(d.file("v3.bin")).find("llm.c magic 20240520 with version 3, expected 1"), std::string::npos)
+      << error(d.file("v3.bin"));
+  write_token_file(d.file("short.bin"), tokens, 2, true, 300);
+  EXPECT_NE(error(d.file("short.bin"))
+                .find("announces 300 uint16 tokens (1624 bytes with the header) but the file "
+                      "holds 1424 bytes (truncated)"),
+            std::string::npos)
+      << error(d.file("short.bin"));
+  write_token_file(d.file("long.bin"), tokens, 4, true, 100);
+  EXPECT_NE(error(d.file("long.bin")).find("(trailing data)"), std::string::npos) << error(d.file("long.bin"));
+  write_text(d.file("odd.u16"), std::string(201, 'x'));
+  EXPECT_NE(error(d.file("odd.u16"), keel::TokenDtype::Uint16).find("201 bytes is not a whole number of uint16 tokens"),
+            std::string::npos);
+  write_token_file(d.file("ok.bin"), tokens, 2, true);
+  EXPECT_NE(error(d.file("ok.bin"), keel::TokenDtype::Uint32)
+                .find("data.token_dtype = \"uint32\" but it is an llm.c file of uint16 tokens"),
+            std::string::npos)
+      << error(d.file("ok.bin"), keel::TokenDtype::Uint32);
+  EXPECT_EQ(error(d.file("ok.bin")), "");
+  tokens[123] = 300;
+  write_token_file(d.file("vocab.bin"), tokens, 2, true);
+  EXPECT_NE(error(d.file("vocab.bin"))
+                .find(d.file("vocab.bin") + ": token 300 at position 123 is outside the model's vocabulary of 256"),
+            std::string::npos)
+      << error(d.file("vocab.bin"));
+  EXPECT_EQ(error(d.file("vocab.bin"), keel::TokenDtype::Auto, 301), "");
+  EXPECT_NE(error(d.file("nope_*.bin")).find("data.path = \"" + d.file("nope_*.bin") + "\": no file matches"),
+            std::string::npos);
+  EXPECT_NE(error(d.file("missing.bin")).find(d.file("missing.bin")), std::string::npos);
+  EXPECT_NE(error(d.path()).find("directory"), std::string::npos) << error(d.path());
+  write_token_file(d.file("tiny.bin"), std::vector<uint32_t>(16, 1), 2, true);
+  EXPECT_NE(error(d.file("tiny.bin")).find("no file holds a window of 17 tokens"), std::string::npos)
+      << error(d.file("tiny.bin"));
+  write_token_file(d.file("empty.bin"), {}, 2, true);
+  EXPECT_NE(error(d.file("empty.bin")).find("holds no tokens"), std::string::npos) << error(d.file("empty.bin"));
+  EXPECT_NE(error("").find("needs data.path"), std::string::npos);
 }
 
 TEST(SyntheticData, DeterministicFromSeedAndShapedForModel) {

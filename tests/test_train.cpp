@@ -9,6 +9,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -24,6 +26,7 @@
 
 using keel::testing::run_keel;
 using keel::testing::TempDir;
+using keel::testing::write_token_file;
 
 namespace {
 
@@ -310,6 +313,123 @@ TEST(Registries, AScheduleAndALossRegisteredByNameTrainAndUnknownNamesAreRefused
   EXPECT_NE(unknown_loss.output.find("train.loss = \"mse\" is not a registered loss; known: cross_entropy"),
             std::string::npos)
       << unknown_loss.output;
+}
+
+// A gpt trains on an llm.c token file: each rank's windows come from the sampler, whose position
+// is in the checkpoint, so 3 steps + a resume of 3 equal 6 steps bit for bit; data.eval_samples
+// bounds an evaluation to the test split's first windows.
+TEST(TokenFiles, AGptTrainsOnATokenFileAndResumesBitExactly) {
+  TempDir d;
+  std::vector<uint32_t> tokens;
+  for (uint32_t i = 0; i < 20000; ++i) tokens.push_back((i * 31 + i / 97) % 256);
+  write_token_file(d.file("corpus.bin"), tokens, 2, true);
+  auto config = [&](const std::string& ckpt, int64_t steps) {
+    keel::Config cfg = small_mlp(d.file("run-" + ckpt + "-" + std::to_string(steps)), steps, 0.01);
+    cfg.model.name = "gpt";
+    cfg.model.width = 32;
+    cfg.model.depth = 1;
+    cfg.model.heads = 2;
+    cfg.model.context = 16;
+    cfg.data.name = "tokens";
+    cfg.data.path = d.file("corpus.bin");
+    cfg.data.eval_samples = 5;
+    cfg.train.schedule = "constant";  // the same learning rates whether the run is cut or not
+    cfg.train.eval_interval = 3;
+    cfg.checkpoint.dir = d.file(ckpt);
+    cfg.checkpoint.interval = 3;
+    keel::validate(cfg);
+    return cfg;
+  };
+  std::vector<int64_t> evaluated;
+  keel::Callbacks cb;
+  cb.on_eval = [&](const keel::EvalResult& e) { evaluated.push_back(e.count); };
+  const keel::Summary whole = keel::Trainer(config("a", 6), keel::dist::World{}, cb).run();
+  EXPECT_EQ(whole.steps, 6);
+  EXPECT_EQ(whole.data, "tokens");
+  ASSERT_FALSE(evaluated.empty());
+  for (const int64_t c : evaluated) EXPECT_EQ(c, 5 * 16) << "data.eval_samples = 5 windows of 16 tokens";
+  keel::Trainer(config("b", 3), keel::dist::World{}).run();
+  const keel::Summary resumed = keel::Trainer(config("b", 6), keel::dist::World{}).run();
+  ASSERT_EQ(resumed.resumed_from_step.value_or(-1), 3);
+  EXPECT_EQ(resumed.final_loss, whole.final_loss);
+  const auto a = keel::checkpoint::read_safetensors(d.file("a") + "/step_6/model-00001-of-00001.safetensors");
+  const auto b = keel::checkpoint::read_safetensors(d.file("b") + "/step_6/model-00001-of-00001.safetensors");
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (size_t i = 0; i < a.tensors.size(); ++i)
+    EXPECT_TRUE(torch::equal(a.tensors[i].second, b.tensors[i].second)) << a.tensors[i].first;
+
+  // Two ranks under torchrun, each reading its own windows of the same mapped file.
+  auto two = keel::testing::run_torchrun_keel(
+      2,
+      {"train", "--model.name=gpt", "--model.width=32", "--model.depth=1", "--model.context=16", "--data.name=tokens",
+       "--data.path=" + d.file("corpus.bin"), "--train.steps=4", "--train.batch_size=4", "--run.threads=1",
+       "--run.dir=" + d.file("run-two")},
+      d.file("two-logs"));
+  ASSERT_EQ(two.exit_code, 0) << two.output;
+  EXPECT_EQ(keel::testing::summary_field(d.file("run-two"), "world_size"), "2");
+
+  // A token outside the vocabulary stops the command line at start: exit 2 naming the file.
+  tokens[777] = 4000;
+  write_token_file(d.file("wide.bin"), tokens, 2, true);
+  auto r = run_keel({"train", "--model.name=gpt", "--model.width=32", "--model.depth=1", "--model.context=16",
+                     "--data.name=tokens", "--data.path=" + d.file("wide.bin"), "--train.steps=1",
+                     "--run.dir=" + d.file("run-wide")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find(d.file("wide.bin") + ": token 4000 at position 777 is outside the model's vocabulary of 256"),
+            std::string::npos)
+      << r.output;
+}
+
+// `keel tokenize` (keel's venv Python, Hugging Face tokenizers): a byte-level BPE trained on the
+// user's text writes an llm.c token file, a held-out file and its tokenizer.json; encoding with
+// that tokenizer.json gives the same tokens; a gpt trains on the result. Bad input: exit 2.
+TEST(TokenFiles, KeelTokenizeWritesFilesAGptTrainsOn) {
+  TempDir d;
+  std::vector<std::string> docs;
+  const std::vector<std::string> words = {"the",  "ranks", "agree",      "on",       "every",
+                                          "step", "and",   "checkpoint", "gradients"};
+  for (int k = 0; k < 5; ++k) {
+    std::string text;
+    for (int i = 0; i < 3000; ++i) text += words[(i * (k + 3) + i / 7) % words.size()] + (i % 11 ? " " : ".\n");
+    docs.push_back(d.file("doc" + std::to_string(k) + ".txt"));
+    keel::testing::write_text(docs.back(), text);
+  }
+  std::vector<std::string> args = {
+      "tokenize",       "--train-bpe", "280", "--out", d.file("out/train.bin"), "--val-out", d.file("out/val.bin"),
+      "--val-fraction", "0.2"};
+  args.insert(args.end(), docs.begin(), docs.end());
+  auto r = run_keel(args);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("--model.vocab=280"), std::string::npos) << r.output;
+  args = {"tokenize", "--tokenizer", d.file("out/train.tokenizer.json"), "--out", d.file("again.bin")};
+  args.insert(args.end(), docs.begin(), docs.end() - 1);  // the four train documents
+  r = run_keel(args);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string train = keel::testing::read_text(d.file("out/train.bin"));
+  EXPECT_EQ(keel::testing::read_text(d.file("again.bin")), train);
+  int32_t header[3];
+  ASSERT_GT(train.size(), 1024u);
+  std::memcpy(header, train.data(), sizeof header);
+  EXPECT_EQ(header[0], 20240520);
+  EXPECT_EQ(header[1], 1);
+  EXPECT_EQ(static_cast<size_t>(header[2]) * 2 + 1024, train.size());
+
+  r = run_keel({"train", "--model.name=gpt", "--model.width=32", "--model.depth=1", "--model.context=16",
+                "--model.vocab=280", "--data.name=tokens", "--data.path=" + d.file("out/train.bin"),
+                "--data.test_path=" + d.file("out/val.bin"), "--train.steps=3", "--train.eval_interval=3",
+                "--data.eval_samples=4", "--run.dir=" + d.file("run")});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(std::isfinite(std::stod(keel::testing::summary_field(d.file("run"), "test_loss"))));
+
+  r = run_keel({"tokenize", "--train-bpe", "300", "--out", d.file("x.bin"), d.file("missing.txt")});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find(d.file("missing.txt") + ": no such file"), std::string::npos) << r.output;
+  r = run_keel({"tokenize", "--tokenizer", docs[0], "--out", d.file("x.bin"), docs[0]});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find(docs[0] + ": not a tokenizer.json"), std::string::npos) << r.output;
+  r = run_keel({"tokenize", "--train-bpe", "100", "--out", d.file("x.bin"), docs[0]});
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(d.file("x.bin")));
 }
 
 // An optimizer that keeps its state flattened: keel could not checkpoint it shaped like its

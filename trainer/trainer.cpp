@@ -945,7 +945,8 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   model_->train(false);
   const bool classifier = !cb_.loss && cfg_.train.loss == "cross_entropy";
   double loss_sum = 0, correct = 0, count = 0;
-  const int64_t n = splits_.test->size();
+  const int64_t n =
+      cfg_.data.eval_samples > 0 ? std::min(splits_.test->size(), cfg_.data.eval_samples) : splits_.test->size();
   std::vector<int64_t> idx;
   for (int64_t i = world_.rank; i < n; i += world_.size) {
     idx.push_back(i);

@@ -4,8 +4,12 @@
 #include <CLI/CLI.hpp>
 #include "common/log.h"
 
+#include <unistd.h>
+
 #include <cctype>
+#include <cerrno>
 #include <csignal>
+#include <cstring>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -18,6 +22,7 @@
 #include "keel/version.h"
 #include "trainer/app/plot.h"
 #include "trainer/compile/inductor.h"
+#include "trainer/compile/packaging.h"
 
 namespace keel {
 namespace {
@@ -154,6 +159,32 @@ int run_compile(Config cfg) {
   }
 }
 
+// `keel tokenize ARGS`: trainer/data/tokenize.py run by keel's venv Python (as the packaging step
+// finds it: $KEEL_PYTHON, the build's venv, ~/.cache/keel/venv), ARGS passed as they are; the
+// script's exit status is keel's.
+int run_tokenize(int argc, char** argv) {
+  std::string py, script;
+  try {
+    py = aot::python_for(CompileConfig{});
+    script = aot::keel_script("trainer/data/tokenize.py", "KEEL_TOKENIZE_SCRIPT");
+  } catch (const std::runtime_error& e) {
+    std::cerr << "keel: error: " << e.what() << "\n";
+    return kExitFailure;
+  }
+  if (!aot::is_file(py)) {
+    std::cerr << "keel: error: keel tokenize runs keel's venv Python, and " << py
+              << " is not there: run scripts/setup.sh, or set KEEL_PYTHON\n";
+    return kExitFailure;
+  }
+  std::vector<char*> args = {py.data(), script.data()};
+  for (int i = 2; i < argc; ++i) args.push_back(argv[i]);
+  args.push_back(nullptr);
+  std::cout.flush();
+  ::execv(py.c_str(), args.data());
+  std::cerr << "keel: error: cannot run " << py << ": " << std::strerror(errno) << "\n";
+  return kExitFailure;
+}
+
 // The config of `keel train` / `keel compile`: the TOML file, then the keys the command line
 // gives (`options`, as `sub` parsed them), validated. Throws InputError.
 Config resolve_config(const std::string& config_path, const CLI::App& sub,
@@ -188,6 +219,7 @@ int run_cli(int argc, char** argv) {
   // error handling, not kill the rank silently. Set here, in the binary's entry: a library
   // user's own process keeps its own disposition (docs/getting-started.md).
   std::signal(SIGPIPE, SIG_IGN);
+  if (argc >= 2 && std::string(argv[1]) == "tokenize") return run_tokenize(argc, argv);
   CLI::App app{"keel: data-parallel training on LibTorch, from C++", "keel"};
   app.set_version_flag("--version", version_string());
   app.require_subcommand(1);
@@ -196,6 +228,8 @@ int run_cli(int argc, char** argv) {
   auto* summary_reference =
       app.add_subcommand("summary-reference", "print every key of summary.json as Markdown (docs/summary.md)");
   auto* train = app.add_subcommand("train", "train a model described by a TOML config");
+  app.add_subcommand(
+      "tokenize", "text files -> a token file for data.name = \"tokens\" (keel's venv Python; keel tokenize --help)");
   auto* plot = app.add_subcommand("plot", "PNG curves of a run (loss, throughput, loss scale) from its metrics.jsonl");
   std::string plot_dir, plot_out;
   plot->add_option("run_dir", plot_dir, "a run directory (run.dir)")->required();

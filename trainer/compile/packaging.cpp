@@ -52,17 +52,18 @@ std::string python_for(const CompileConfig& c) {
   return env_or("KEEL_VENV", home() + "/.cache/keel/venv") + "/bin/python";
 }
 
-// trainer/compile/aot_package.py: $KEEL_AOT_SCRIPT, the source tree this keel was built from,
-// or the installed copy (share/keel/).
-std::string script_path() {
+// One of keel's Python scripts: $<env_var>, the source tree this keel was built from, or the
+// installed copy (share/keel/).
+std::string keel_script(const std::string& source_relative, const char* env_var) {
   std::vector<std::string> tried;
+  const std::string base = source_relative.substr(source_relative.rfind('/') + 1);
   for (const std::string& p : {
-           env_or("KEEL_AOT_SCRIPT", ""),
-#ifdef KEEL_AOT_SCRIPT_SOURCE
-           std::string(KEEL_AOT_SCRIPT_SOURCE),
+           env_or(env_var, ""),
+#ifdef KEEL_SOURCE_DIR
+           std::string(KEEL_SOURCE_DIR) + "/" + source_relative,
 #endif
-#ifdef KEEL_AOT_SCRIPT_INSTALLED
-           std::string(KEEL_AOT_SCRIPT_INSTALLED),
+#ifdef KEEL_SHARE_DIR
+           std::string(KEEL_SHARE_DIR) + "/" + base,
 #endif
        }) {
     if (p.empty()) continue;
@@ -71,8 +72,15 @@ std::string script_path() {
   }
   std::string list;
   for (const auto& t : tried) list += (list.empty() ? "" : ", ") + t;
-  throw std::runtime_error("compile.mode = \"inductor\": the packaging script aot_package.py is not found (tried " +
-                           list + "; set KEEL_AOT_SCRIPT)");
+  throw std::runtime_error("keel's script " + base + " is not found (tried " + list + "; set " + env_var + ")");
+}
+
+std::string script_path() {
+  try {
+    return keel_script("trainer/compile/aot_package.py", "KEEL_AOT_SCRIPT");
+  } catch (const std::runtime_error& e) {
+    throw std::runtime_error(std::string("compile.mode = \"inductor\": ") + e.what());
+  }
 }
 
 std::string sha256_of_file(const std::string& path) {

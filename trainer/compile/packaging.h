@@ -24,7 +24,11 @@ bool is_file(const std::string& path);
 std::string cache_root(const CompileConfig& c);
 /// The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
 std::string python_for(const CompileConfig& c);
-/// aot_package.py's path; throws std::runtime_error naming where it looked.
+/// One of keel's Python scripts (`source_relative` in the source tree): $<env_var>, the source
+/// tree keel was built from, or share/keel/ of the install; std::runtime_error naming where it
+/// looked.
+std::string keel_script(const std::string& source_relative, const char* env_var);
+/// aot_package.py's path ($KEEL_AOT_SCRIPT first); throws as keel_script.
 std::string script_path();
 std::string sha256_of_file(const std::string& path);
 /// The first line a shell command prints ("" if none): the C++ compiler's version for keys.

@@ -386,6 +386,24 @@ std::optional<std::pair<int64_t, int64_t>> parse_profile_steps(const std::string
   return std::make_pair(a, b);
 }
 
+namespace {
+
+// [data]: what the keys alone decide (the files are read when the dataset is built).
+void validate_data(const DataConfig& data) {
+  auto fail = [](const std::string& m) { throw InputError("config: " + m); };
+  if (data.name.empty()) fail("data.name must not be empty");
+  // The token-file keys, given to a built-in dataset that does not read them, would be ignored.
+  if (data.name == "fashion_mnist" || data.name == "text" || data.name == "synthetic") {
+    if (data.token_dtype != TokenDtype::Auto)
+      fail("data.token_dtype is read only with data.name = \"tokens\" (data.name = \"" + data.name + "\")");
+    if (!data.test_path.empty())
+      fail("data.test_path is read only with data.name = \"tokens\" (data.name = \"" + data.name +
+           "\"; text holds out data.test_fraction of its file)");
+  }
+}
+
+}  // namespace
+
 void validate(Config& cfg) {
   auto fail = [](const std::string& m) { throw InputError("config: " + m); };
   if (cfg.run.name.empty()) fail("run.name must not be empty");
@@ -420,7 +438,7 @@ void validate(Config& cfg) {
                        "compile.mode = \"inductor\" (got \"") +
            choice_name(kCompileModes, cfg.compile.mode) + "\")");
   }
-  if (cfg.data.name.empty()) fail("data.name must not be empty");
+  validate_data(cfg.data);
   if (cfg.checkpoint.async && cfg.checkpoint.keep < 2)
     fail("checkpoint.keep must be at least 2 with checkpoint.async = true (got " + std::to_string(cfg.checkpoint.keep) +
          ")");

@@ -169,9 +169,11 @@ void model_keys(SchemaBuilder& b) {
 // [data]
 void data_keys(SchemaBuilder& b) {
   using C = Config;
-  b.add("data", &C::data, "name", &DataConfig::name, "dataset: fashion_mnist | text | synthetic | a registered name");
+  b.add("data", &C::data, "name", &DataConfig::name,
+        "dataset: fashion_mnist | text | tokens | synthetic | a registered name");
   b.add("data", &C::data, "path", &DataConfig::path,
-        "dataset location; \"\" = default (fashion_mnist: /usr/share/datasets/fashion-mnist)");
+        "dataset location; \"\" = default (fashion_mnist: /usr/share/datasets/fashion-mnist); tokens: a token "
+        "file or a glob of shards (data/fineweb_train_*.bin), read memory-mapped");
   b.add("data", &C::data, "drop_last", &DataConfig::drop_last,
         "drop each epoch's incomplete last batch (keeps shapes static)");
   b.add("data", &C::data, "shuffle", &DataConfig::shuffle,
@@ -182,8 +184,16 @@ void data_keys(SchemaBuilder& b) {
               "samples in the synthetic train split (test split: a quarter of it)"),
         1, 1 << 28);
   range(b.add("data", &C::data, "test_fraction", &DataConfig::test_fraction,
-              "text: fraction of the file (its tail) held out for evaluation"),
+              "text, and tokens without data.test_path: fraction of the data (its tail) held out for evaluation"),
         0.0, 0.9);
+  range(b.add("data", &C::data, "eval_samples", &DataConfig::eval_samples,
+              "test-split samples each evaluation uses, the first ones (a large token corpus); 0 = all"),
+        0, 1e12);
+  b.add("data", &C::data, "token_dtype", &DataConfig::token_dtype, kTokenDtypes,
+        "tokens: auto = an llm.c .bin file (256-int32 header; magic 20240520: uint16 tokens, 20240801: uint32); "
+        "uint16 | uint32 = raw little-endian tokens, no header");
+  b.add("data", &C::data, "test_path", &DataConfig::test_path,
+        "tokens: the held-out token file(s), a file or a glob; \"\" = data.path's tail (data.test_fraction)");
 }
 
 // [train]

@@ -1,6 +1,7 @@
 #include "keel/trainer/data/data.h"
 
 #include "common/registry.h"
+#include "trainer/data/token_file.h"
 
 namespace keel::data {
 namespace {
@@ -17,6 +18,8 @@ Registry<Entry>& registry() {
                    models::InputKind::Image});
     t.add_builtin("text", {[](const DataConfig& c, const models::InputSpec& s, int64_t) { return make_text(c, s); },
                            models::InputKind::Tokens});
+    t.add_builtin("tokens", {[](const DataConfig& c, const models::InputSpec& s, int64_t) { return make_tokens(c, s); },
+                             models::InputKind::Tokens});
     t.add_builtin("synthetic", {make_synthetic, std::nullopt});
   });
   return r;

@@ -91,14 +91,22 @@ struct TrainConfig {
 };
 
 // [data]: the data pipeline's (trainer/data/).
+/// data.token_dtype: how a token file (data.name = "tokens") stores its tokens.
+enum class TokenDtype { Auto, Uint16, Uint32 };
+inline constexpr Choices<TokenDtype, 3> kTokenDtypes{
+    {{"auto", TokenDtype::Auto}, {"uint16", TokenDtype::Uint16}, {"uint32", TokenDtype::Uint32}}};
+
 struct DataConfig {
   std::string name = "fashion_mnist";
   std::string path = "";
   bool drop_last = true;
   bool shuffle = true;
   int64_t eval_batch_size = 1000;
+  int64_t eval_samples = 0;  // test-split samples an evaluation uses, the first ones; 0 = all
   int64_t synthetic_size = 4096;
   double test_fraction = 0.1;
+  TokenDtype token_dtype = TokenDtype::Auto;  // tokens: auto = llm.c's header says; else raw tokens
+  std::string test_path = "";                 // tokens: held-out token file(s); "" = data.path's tail
 };
 
 // [compile]: the compile stage's (trainer/compile/).
