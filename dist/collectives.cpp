@@ -114,6 +114,46 @@ static c10::intrusive_ptr<c10d::Work> start_all_gather(c10d::ProcessGroup& pg, i
   return work;
 }
 
+namespace {
+
+// Strings across ranks, whatever all-gathers the tensors: the lengths, then the bytes padded to
+// the longest (`all_gather` returns host tensors in rank order).
+std::vector<std::string> gather_strings(
+    const std::string& mine, const std::function<std::vector<torch::Tensor>(const torch::Tensor&)>& all_gather) {
+  const auto lens = all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong));
+  int64_t longest = 0;
+  for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
+  auto buf = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kByte);
+  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
+  const auto all = all_gather(buf);
+  std::vector<std::string> out;
+  for (size_t r = 0; r < all.size(); ++r)
+    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(lens[r].item<int64_t>()));
+  return out;
+}
+
+// The agreement algorithm, whatever carries it: `min_pair` all-reduces (f, -f) with MIN in
+// place, so that min == max iff every rank passed f; only then does every rank's fingerprint
+// and description travel, through `gather`. agree() runs it over validated collectives;
+// Collectives::check, the validation itself, over the raw group.
+Disagreement run_agreement(uint64_t fingerprint, const std::function<std::string()>& describe,
+                           const std::function<void(torch::Tensor&)>& min_pair,
+                           const std::function<std::vector<std::string>(const std::string&)>& gather) {
+  const auto f = static_cast<int64_t>(fingerprint);
+  auto pair = torch::tensor({f, -f}, torch::kLong);
+  min_pair(pair);
+  if (pair[0].item<int64_t>() == -pair[1].item<int64_t>()) return {};
+  Disagreement d;
+  for (const auto& s : gather(std::to_string(fingerprint) + "\n" + describe())) {
+    const size_t nl = s.find('\n');
+    d.fingerprints.push_back(std::stoull(s.substr(0, nl)));
+    d.details.push_back(s.substr(nl + 1));
+  }
+  return d;
+}
+
+}  // namespace
+
 Collectives::Collectives(std::shared_ptr<Group> group, Validate validate) : group_(std::move(group)), mode_(validate) {}
 
 // NCCL moves only CUDA tensors: host tensors (validation probes, the per-step record,
@@ -247,28 +287,27 @@ void Collectives::check(const Desc& d_in) {
   Desc d = d_in;
   d.seq = static_cast<int64_t>(seq_++);
   if (!validating()) return;
-  const int64_t f = static_cast<int64_t>(fingerprint(d.words()));
-  auto pair = on_comm_device(torch::tensor({f, -f}, torch::kLong));
-  std::vector<at::Tensor> v{pair};
-  c10d::AllreduceOptions o;
-  o.reduceOp = c10d::ReduceOp::MIN;
   Desc probe = d;  // a failure here names the collective it guards ("checkpoint load verdict")
   probe.validation = true;
-  wait(group_->pg()->allreduce(v, o), probe);
-  pair = pair.cpu();
-  const int64_t mn = pair[0].item<int64_t>(), mx = -pair[1].item<int64_t>();
-  if (mn == mx) return;
-  // Mismatch: exchange the descriptors to say who wanted what (on the raw group: this is the
-  // validation itself), as the Disagreement agree() gives.
-  std::vector<torch::Tensor> out;
-  wait(start_all_gather(*group_->pg(), size(), on_comm_device(torch::tensor(d.words(), torch::kLong)), out), probe);
-  Disagreement dis;
-  for (auto& o : out) {
-    o = o.cpu();
-    const std::vector<int64_t> words(o.data_ptr<int64_t>(), o.data_ptr<int64_t>() + o.numel());
-    dis.fingerprints.push_back(fingerprint(words));
-    dis.details.push_back(describe(Desc::from_words(words.data())));
-  }
+  // The agreement on the raw group (this is the validation): a probe is counted per exchange.
+  auto raw_gather = [&](const torch::Tensor& t) {
+    std::vector<torch::Tensor> out;
+    wait(start_all_gather(*group_->pg(), size(), on_comm_device(t), out), probe);
+    for (auto& o : out) o = o.cpu();
+    return out;
+  };
+  const Disagreement dis = run_agreement(
+      fingerprint(d.words()), [&] { return describe(d); },
+      [&](torch::Tensor& pair) {
+        auto c = on_comm_device(pair);
+        std::vector<at::Tensor> v{c};
+        c10d::AllreduceOptions o;
+        o.reduceOp = c10d::ReduceOp::MIN;
+        wait(group_->pg()->allreduce(v, o), probe);
+        pair = c.cpu();
+      },
+      [&](const std::string& mine) { return gather_strings(mine, raw_gather); });
+  if (!dis) return;
   throw CollectiveMismatch("collective mismatch at step " + std::to_string(step_) + " (" + d.what +
                            "):" + dis.by_rank() +
                            "\nevery rank must issue the same collectives in the same order with the same dtypes "
@@ -509,32 +548,14 @@ StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int
 }
 
 std::vector<std::string> all_gather_strings(Collectives& coll, const std::string& mine, const char* what) {
-  auto lens = coll.all_gather(torch::tensor({static_cast<int64_t>(mine.size())}, torch::kLong), what);
-  int64_t longest = 0;
-  for (const auto& l : lens) longest = std::max(longest, l.item<int64_t>());
-  auto buf = torch::zeros({std::max<int64_t>(longest, 1)}, torch::kByte);
-  std::memcpy(buf.data_ptr(), mine.data(), mine.size());
-  const auto all = coll.all_gather(buf, what);
-  std::vector<std::string> out;
-  for (size_t r = 0; r < all.size(); ++r)
-    out.emplace_back(reinterpret_cast<const char*>(all[r].data_ptr()), static_cast<size_t>(lens[r].item<int64_t>()));
-  return out;
+  return gather_strings(mine, [&](const torch::Tensor& t) { return coll.all_gather(t, what); });
 }
 
 Disagreement agree(Collectives& coll, uint64_t fingerprint, const std::function<std::string()>& describe,
                    const char* what) {
-  const auto f = static_cast<int64_t>(fingerprint);
-  auto pair = torch::tensor({f, -f}, torch::kLong);
-  coll.all_reduce(pair, ReduceOp::Min, what);
-  if (pair[0].item<int64_t>() == -pair[1].item<int64_t>()) return {};
-  // Each rank's fingerprint travels with its description: one exchange, every rank alike.
-  Disagreement d;
-  for (const auto& s : all_gather_strings(coll, std::to_string(fingerprint) + "\n" + describe(), what)) {
-    const size_t nl = s.find('\n');
-    d.fingerprints.push_back(std::stoull(s.substr(0, nl)));
-    d.details.push_back(s.substr(nl + 1));
-  }
-  return d;
+  return run_agreement(
+      fingerprint, describe, [&](torch::Tensor& pair) { coll.all_reduce(pair, ReduceOp::Min, what); },
+      [&](const std::string& mine) { return all_gather_strings(coll, mine, what); });
 }
 
 std::vector<RankError> errors_on_every_rank(Collectives& coll, const std::string& mine, const char* what) {
