@@ -298,9 +298,9 @@ std::unique_ptr<torch::optim::OptimizerParamState> archived_state(
 // built-in (no make_state), whose state keel knows by type.
 OptimizerCodec probe_codec(const TrainConfig& cfg, const OptimizerFn& make, const OptimizerStateFn& make_state) {
   OptimizerCodec codec;
+  codec.name = cfg.optimizer;
   if (!make_state) return codec;
   codec.make_state = make_state;
-  codec.name = cfg.optimizer;
   const std::string who = "train.optimizer = \"" + cfg.optimizer + "\"";
   // One step on a vector and a matrix parameter: the fields their states hold (an optimizer may
   // keep other fields for matrices), each either shaped like its parameter or a step count.
@@ -505,6 +505,9 @@ void OptimizerState::save(checkpoint::State& state) const {
                          "; keel checkpoints tensors shaped like their parameter and integer step counts");
     }
   }
+  // Which optimizer wrote the state: two with the same fields (adamw, a registered adam) would
+  // otherwise read each other's moments as their own.
+  if (!codec_.name.empty()) state.shared["optimizer_name"] = codec_.name;
   state.optimizer_owners = owners_;
   state.zero = zero_;
   state.optimizer_fields = optimizer_fields(*opt_, codec_);
@@ -526,6 +529,8 @@ int64_t OptimizerState::state_bytes() const {
 }
 
 std::string OptimizerState::check(const checkpoint::Loaded& loaded) const {
+  if (loaded.state.shared.contains("optimizer_name") && !loaded.state.shared["optimizer_name"].is_string())
+    return "meta.json state.optimizer_name is not a string";
   if (loaded.meta.value("optimizer", nlohmann::json::object()).contains("fields")) return "";
   std::map<std::string, const torch::Tensor*> params;
   for (const auto& [n, p] : params_) params[n] = &p;
@@ -563,6 +568,14 @@ void OptimizerState::load(const checkpoint::Loaded& loaded) {
                        " (train.optimizer differs from the run that saved it)");
     }
   }
+  // Fields that fit may still be another optimizer's (adamw's moments read by an adam):
+  // meta.json names the writer.
+  const std::string saved = loaded.state.shared.value("optimizer_name", std::string());
+  if (!saved.empty() && !codec_.name.empty() && saved != codec_.name)
+    throw InputError(loaded.path + ": its optimizer state was written by train.optimizer = \"" + saved +
+                     "\", and this run's train.optimizer = \"" + codec_.name +
+                     "\" would read it as its own; resume with train.optimizer = \"" + saved +
+                     "\", or start another run (another checkpoint.dir)");
   try {
     load_optimizer_state(*opt_, params_, loaded.state.optimizer, codec_);
   } catch (const std::runtime_error& e) {

@@ -100,7 +100,7 @@ NamedTensorList optimizer_state(torch::optim::Optimizer& opt, const NamedTensorL
 /// of the optimizer on a 2-element parameter. Empty for the built-ins (adamw, sgd), whose
 /// states keel knows by type.
 struct OptimizerCodec {
-  std::string name;  // train.optimizer
+  std::string name;  // train.optimizer, every optimizer's (recorded in meta.json, checked on resume)
   OptimizerStateFn make_state;
   std::map<std::string, std::string> fields;
   explicit operator bool() const { return static_cast<bool>(make_state); }
