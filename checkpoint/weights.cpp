@@ -1,4 +1,4 @@
-#include "keel/checkpoint/checkpoint.h"  // load_weights
+#include "checkpoint/weights.h"
 
 #include <nlohmann/json.hpp>
 
@@ -29,22 +29,22 @@ std::string shape_str(const torch::Tensor& t) {
 
 // The files to read: one .safetensors, or every file an index names (a plain name in the
 // index's directory: never a path that leaves it).
-std::vector<std::string> files_at(const std::string& path) {
+std::vector<std::string> files_at(const std::string& path, const std::string& what) {
   auto from_index = [&](const std::string& index_path) {
     nlohmann::json index;
     try {
       index = nlohmann::json::parse(read_regular_file(index_path, uint64_t{64} << 20));
     } catch (const std::exception& e) {
-      throw InputError("model.init_from: " + index_path + ": not a safetensors index (" + e.what() + ")");
+      throw InputError(what + ": " + index_path + ": not a safetensors index (" + e.what() + ")");
     }
     if (!index.is_object() || !index.contains("weight_map") || !index["weight_map"].is_object())
-      throw InputError("model.init_from: " + index_path + ": no \"weight_map\" object");
+      throw InputError(what + ": " + index_path + ": no \"weight_map\" object");
     std::set<std::string> names;
     for (const auto& [tensor, file] : index["weight_map"].items()) {
       if (!file.is_string() || file.get<std::string>().empty() ||
           file.get<std::string>().find('/') != std::string::npos || file.get<std::string>() == "." ||
           file.get<std::string>() == "..")
-        throw InputError("model.init_from: " + index_path + ": tensor \"" + tensor + "\" maps to " + file.dump() +
+        throw InputError(what + ": " + index_path + ": tensor \"" + tensor + "\" maps to " + file.dump() +
                          ", not a file name in the index's directory");
       names.insert(file.get<std::string>());
     }
@@ -55,31 +55,43 @@ std::vector<std::string> files_at(const std::string& path) {
   if (is_directory(path)) {
     if (path_exists(path + "/" + kIndexName)) return from_index(path + "/" + kIndexName);
     if (path_exists(path + "/model.safetensors")) return {path + "/model.safetensors"};
-    throw InputError("model.init_from = \"" + path + "\": a directory without " + kIndexName + " or model.safetensors");
+    throw InputError(what + " = \"" + path + "\": a directory without " + kIndexName + " or model.safetensors");
   }
-  if (const std::string what = not_a_regular_file(path); !what.empty())
-    throw InputError("model.init_from = \"" + path + "\": " + (what == "missing" ? "not found" : "is " + what));
+  if (const std::string kind = not_a_regular_file(path); !kind.empty())
+    throw InputError(what + " = \"" + path + "\": " + (kind == "missing" ? "not found" : "is " + kind));
   if (path.size() >= 5 && path.compare(path.size() - 5, 5, ".json") == 0) return from_index(path);
   return {path};
 }
 
 }  // namespace
 
-int64_t load_weights(models::Model& model, const std::string& path) {
+int64_t load_weights(models::Model& model, const std::string& path) { return load_weights(model, path, {}); }
+
+std::map<std::string, std::pair<torch::Tensor, std::string>> read_weights(const std::string& path,
+                                                                          const TensorRename& rename,
+                                                                          const std::string& what) {
   std::map<std::string, std::pair<torch::Tensor, std::string>> found;  // name -> (tensor, file)
-  for (const auto& file : files_at(path)) {
+  for (const auto& file : files_at(path, what)) {
     SafetensorsFile f;
     try {
       f = read_safetensors(file);
     } catch (const std::exception& e) {
-      throw InputError("model.init_from: " + std::string(e.what()));
+      throw InputError(what + ": " + std::string(e.what()));
     }
-    for (auto& [name, t] : f.tensors) {
+    for (auto& [file_name, t] : f.tensors) {
+      const std::optional<std::string> to = rename ? rename(file_name) : file_name;
+      if (!to) continue;
+      const std::string& name = *to;
       if (found.count(name))
-        throw InputError("model.init_from: tensor \"" + name + "\" is in both " + found[name].second + " and " + file);
+        throw InputError(what + ": tensor \"" + name + "\" is in both " + found[name].second + " and " + file);
       found[name] = {t, file};
     }
   }
+  return found;
+}
+
+int64_t load_weights(models::Model& model, const std::string& path, const TensorRename& rename) {
+  auto found = read_weights(path, rename, "model.init_from");
   auto targets = model.named_parameters();
   for (auto& b : model.named_buffers()) targets.push_back(b);
   std::string missing;
@@ -103,13 +115,14 @@ int64_t load_weights(models::Model& model, const std::string& path) {
     found.erase(it);
     ++loaded;
   }
-  if (!missing.empty())
-    throw InputError("model.init_from = \"" + path + "\": the model's " + missing + " not found in the file(s)");
-  if (!found.empty()) {
-    std::string extra;
-    for (const auto& [name, v] : found) extra += (extra.empty() ? "" : ", ") + name;
-    throw InputError("model.init_from = \"" + path + "\": tensors the model does not have: " + extra);
-  }
+  // Both lists at once: a renamed tensor is one of each.
+  std::string extra;
+  for (const auto& [name, v] : found) extra += (extra.empty() ? "" : ", ") + name;
+  std::string problems;
+  if (!missing.empty()) problems = "the model's " + missing + " not found in the file(s)";
+  if (!extra.empty())
+    problems += (problems.empty() ? "" : "; ") + std::string("tensors the model does not have: ") + extra;
+  if (!problems.empty()) throw InputError("model.init_from = \"" + path + "\": " + problems);
   return loaded;
 }
 

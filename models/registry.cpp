@@ -2,6 +2,7 @@
 #include "keel/models/model.h"
 
 #include "common/registry.h"
+#include "models/hf.h"
 
 namespace keel::models {
 
@@ -36,6 +37,8 @@ Registry<ModelFactory>& registry() {
     t.add_builtin("mlp", [](const ModelConfig& c, std::optional<InputKind>) { return make_mlp(c); });
     t.add_builtin("cnn", [](const ModelConfig& c, std::optional<InputKind>) { return make_cnn(c); });
     t.add_builtin("gpt", [](const ModelConfig& c, std::optional<InputKind>) { return make_gpt(c); });
+    t.add_builtin("gpt2", [](const ModelConfig& c, std::optional<InputKind>) { return make_gpt2(c); });
+    t.add_builtin("llama", [](const ModelConfig& c, std::optional<InputKind>) { return make_llama(c); });
     t.add_builtin("torchscript", make_torchscript);
   });
   return r;

@@ -90,6 +90,11 @@ else
     log "installing tokenizers 0.23.3 (PyPI) into $venv"
     "$py" -m pip install -q --disable-pip-version-check tokenizers==0.23.3 >&2
   fi
+  # The gpt2 and llama families' other side (tests/hf_roundtrip.py): transformers, pinned.
+  if ! "$py" -c "import transformers, sys; sys.exit(transformers.__version__ != '5.24.0')" 2>/dev/null; then
+    log "installing transformers 5.24.0 (PyPI) into $venv"
+    "$py" -m pip install -q --disable-pip-version-check transformers==5.24.0 tokenizers==0.23.3 >&2
+  fi
   # The formatter the tree is checked with (scripts/format.sh): one pinned version, whatever the
   # distribution ships.
   if ! "$venv/bin/clang-format" --version 2>/dev/null | grep -q "version 14\."; then

@@ -49,7 +49,7 @@ TEST(Models, GptIsCausal) {
 
 TEST(Models, RegistryListsBuiltinsAndAcceptsUserModels) {
   auto names = keel::models::registered_models();
-  for (const char* n : {"mlp", "cnn", "gpt", "torchscript"})
+  for (const char* n : {"mlp", "cnn", "gpt", "gpt2", "llama", "torchscript"})
     EXPECT_NE(std::find(names.begin(), names.end(), n), names.end()) << n;
   keel::models::register_model("tiny", [](const keel::ModelConfig& c, std::optional<keel::models::InputKind>) {
     auto m = keel::models::make_mlp(c);

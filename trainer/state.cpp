@@ -17,7 +17,10 @@ checkpoint::NamedTensors ModelState::tensors() const {
   return t;
 }
 
-void ModelState::save(checkpoint::State& state) const { state.model = tensors(); }
+void ModelState::save(checkpoint::State& state) const {
+  state.model = tensors();
+  if (!hf_config_.is_null()) state.shared["hf_config"] = hf_config_;
+}
 
 void ModelState::load(const checkpoint::Loaded& loaded) {
   try {

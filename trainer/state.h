@@ -24,13 +24,18 @@ class InductorStep;
 /// throws InputError listing the differences (the user chose a checkpoint of another model).
 class ModelState : public checkpoint::Stateful {
  public:
-  explicit ModelState(std::shared_ptr<models::Model> model) : model_(std::move(model)) {}
+  /// `hf_config` (may be null): the Hugging Face config.json of a gpt2 or llama model
+  /// (models/hf.h), recorded in meta.json as state.hf_config so that `keel export --hf` can
+  /// describe the step's weights to transformers.
+  explicit ModelState(std::shared_ptr<models::Model> model, nlohmann::json hf_config = nullptr)
+      : model_(std::move(model)), hf_config_(std::move(hf_config)) {}
   void save(checkpoint::State& state) const override;
   void load(const checkpoint::Loaded& loaded) override;
 
  private:
   checkpoint::NamedTensors tensors() const;
   std::shared_ptr<models::Model> model_;
+  nlohmann::json hf_config_;
 };
 
 /// The generators a step draws from: the CPU one always, the device's one on CUDA. Saved per

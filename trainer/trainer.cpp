@@ -25,6 +25,7 @@
 #include "amp/grad_scaler.h"
 #include "checkpoint/checkpointer.h"
 #include "checkpoint/stateful.h"
+#include "checkpoint/weights.h"
 #include "common/atomic_file.h"
 #include "common/clock.h"
 #include "common/file.h"
@@ -35,6 +36,7 @@
 #include "keel/dist/process_group.h"
 #include "keel/trainer/data/data.h"
 #include "keel/version.h"
+#include "models/hf.h"
 #include "trainer/app/log.h"
 #include "trainer/compile/inductor.h"
 #include "trainer/compile/packaging.h"
@@ -184,6 +186,8 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   InductorRequest r;
   r.model = cfg.model.name;
   r.model_config = model_config_json(cfg);
+  // The Hugging Face families are packaged from transformers' own model of this config.json.
+  if (models::is_hf_family(cfg.model.name)) r.model_config["hf_config"] = models::hf_shape(cfg.model).config;
   r.batch = cfg.train.batch_size;
   r.amp = amp.enabled ? choice_name(kAmpDtypes, cfg.amp.dtype) : "off";
   r.device = device;
@@ -470,7 +474,11 @@ void Trainer::Loop::build_model_and_data() {
   model_ = build_model_on_every_rank(data_kind);
   python_ = std::dynamic_pointer_cast<PythonModel>(model_);
   if (!cfg_.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
-    const int64_t n = checkpoint::load_weights(*model_, cfg_.model.init_from);
+    // The Hugging Face families read transformers' files under their older names too.
+    const int64_t n = checkpoint::load_weights(*model_, cfg_.model.init_from,
+                                               models::is_hf_family(cfg_.model.name)
+                                                   ? models::hf_tensor_rename(models::hf_shape(cfg_.model))
+                                                   : checkpoint::TensorRename{});
     logging::info("model: {} tensors from {} (model.init_from)", n, cfg_.model.init_from);
   }
   spec_ = model_->input_spec();
@@ -584,7 +592,8 @@ void Trainer::Loop::build_checkpointing() {
     state_.add(name, *c);
     owned_state_.push_back(std::move(c));
   };
-  own("model", std::make_unique<ModelState>(model_));
+  own("model", std::make_unique<ModelState>(
+                   model_, models::is_hf_family(cfg_.model.name) ? models::hf_shape(cfg_.model).config : nullptr));
   state_.add("optimizer", *optimizer_state_);
   state_.add("progress", progress_);
   if (scaler_) state_.add("grad_scaler", *scaler_);

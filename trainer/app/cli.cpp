@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <functional>
 #include <iostream>
 #include <map>
 #include <optional>
@@ -20,6 +21,7 @@
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/trainer.h"
 #include "keel/version.h"
+#include "trainer/app/export.h"
 #include "trainer/app/plot.h"
 #include "trainer/compile/inductor.h"
 #include "trainer/compile/packaging.h"
@@ -87,9 +89,10 @@ void add_config_options(CLI::App& train, std::map<std::string, std::vector<std::
   }
 }
 
-int run_plot(const std::string& dir, const std::string& out) {
+// Prints the files `write` made, one a line: exit 0; 2 for the user's input; 1 otherwise.
+int print_files(const std::function<std::vector<std::string>()>& write) {
   try {
-    for (const auto& f : plot_run(dir, out)) std::cout << f << "\n";
+    for (const auto& f : write()) std::cout << f << "\n";
     return 0;
   } catch (const InputError& e) {
     std::cerr << "keel: error: " << e.what() << "\n";
@@ -98,6 +101,32 @@ int run_plot(const std::string& dir, const std::string& out) {
     std::cerr << "keel: error: " << e.what() << "\n";
     return kExitFailure;
   }
+}
+
+int run_plot(const std::string& dir, const std::string& out) {
+  return print_files([&] { return plot_run(dir, out); });
+}
+
+struct ExportArgs {
+  std::string step, out, max_shard_size = "5GB";
+  bool hf = false;
+};
+
+CLI::App* add_export_command(CLI::App& app, ExportArgs& a) {
+  auto* cmd = app.add_subcommand(
+      "export", "a checkpoint step as a Hugging Face model directory (--hf; model.name = gpt2 | llama)");
+  cmd->add_flag("--hf", a.hf, "write config.json and safetensors for transformers' from_pretrained")->required();
+  cmd->add_option("step", a.step, "a checkpoint step directory (checkpoint.dir/step_<N>)")->required();
+  cmd->add_option("out", a.out, "the directory to write (new, or empty)")->required();
+  cmd->add_option("--max-shard-size", a.max_shard_size,
+                  "largest safetensors file, as transformers' max_shard_size (\"5GB\", \"500MB\", \"64KiB\"; whole "
+                  "tensors); a larger model is sharded with an index")
+      ->capture_default_str();
+  return cmd;
+}
+
+int run_export(const ExportArgs& a) {
+  return print_files([&] { return export_hf(a.step, a.out, parse_shard_size(a.max_shard_size)); });
 }
 
 // Exit 0: every committed step verifies; 1: some step is corrupt or uncommitted; 2: no
@@ -239,6 +268,8 @@ int run_cli(int argc, char** argv) {
   bool inspect_json = false;
   inspect->add_option("dir", inspect_dir, "checkpoint.dir, or one step_<N> directory")->required();
   inspect->add_flag("--json", inspect_json, "print the report as JSON");
+  ExportArgs export_args;
+  auto* export_cmd = add_export_command(app, export_args);
   std::string config_path;
   bool print_config = false;
   train->add_option("--config,-c", config_path, "TOML experiment file (configs/*.toml); keys below override it");
@@ -284,6 +315,7 @@ int run_cli(int argc, char** argv) {
   }
   if (plot->parsed()) return run_plot(plot_dir, plot_out);
   if (inspect->parsed()) return run_inspect(inspect_dir, inspect_json);
+  if (export_cmd->parsed()) return run_export(export_args);
   const bool compiling = compile->parsed();
   if (!train->parsed() && !compiling) return kExitInput;
   CLI::App* sub = compiling ? compile : train;

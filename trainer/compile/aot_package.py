@@ -65,7 +65,8 @@ EXIT_ERROR, EXIT_USAGE, EXIT_GRAPH_BREAK, EXIT_NONDETERMINISTIC, EXIT_CHECK, EXI
 
 # keel's [model] keys (trainer/config/schema.cpp). Those that do not change the graph
 # (name, path, factory, input, init_from) are accepted and ignored.
-MODEL_KEYS = {"name", "path", "factory", "width", "depth", "heads", "context", "vocab", "input", "num_classes", "init_from"}
+MODEL_KEYS = {"name", "path", "factory", "width", "depth", "heads", "context", "vocab", "input", "num_classes", "init_from",
+              "kv_heads", "ffn_width", "rope_theta", "norm_eps", "tie_embeddings", "hf_config"}
 MODEL_DEFAULTS = {"width": 0, "depth": 0, "heads": 4, "context": 128, "vocab": 256, "num_classes": 10}
 
 # Random ops: keel's TorchScript list (trainer/compile/compile.cpp nondeterministic_ops()) plus
@@ -122,7 +123,7 @@ def parse_args(argv):
         description="Compile one training step (forward + cross-entropy + backward) ahead of time with AOTInductor.",
     )
     which = p.add_mutually_exclusive_group(required=True)
-    which.add_argument("--model", choices=["mlp", "cnn", "gpt"], help="a keel built-in model")
+    which.add_argument("--model", choices=["mlp", "cnn", "gpt", "gpt2", "llama"], help="a keel built-in model")
     which.add_argument("--module", metavar="PKG.MOD:FACTORY",
                        help="a user's nn.Module: FACTORY([batch=B], [device=D]) returns (module, example_input, "
                             "example_target[, loss_fn(output, target)])")
@@ -210,6 +211,8 @@ def read_model_config(text: str) -> dict:
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise Refusal(EXIT_USAGE, f"--model-config: {k} must be a non-negative integer, got {v!r}")
             out[k] = v
+    if isinstance(cfg.get("hf_config"), dict):
+        out["hf_config"] = cfg["hf_config"]
     return out
 
 
@@ -249,11 +252,63 @@ def cpp_parameter_names(model: str, cfg: dict) -> list:
     return names + lin("ln_f")
 
 
+def hf_model(name: str, cfg: dict, batch: int):
+    """keel's gpt2 and llama (models/hf.h) are transformers' GPT2LMHeadModel and
+    LlamaForCausalLM, same tensor names: packaged from transformers' own model of the run's
+    config.json (keel passes it as hf_config), without dropout (keel trains without)."""
+    import torch
+    try:
+        import transformers
+    except ImportError as e:
+        raise Refusal(EXIT_ERROR, f"model.name = {name} with compile.mode = inductor packages transformers' model: "
+                                  f"{e} (scripts/setup.sh installs transformers into keel's venv)")
+    hf = dict(cfg.get("hf_config") or {})
+    if hf.get("model_type") != name:
+        raise Refusal(EXIT_USAGE, f"model.name = {name}: no Hugging Face config was given (hf_config)")
+    for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
+        if k in hf:
+            hf[k] = 0.0
+    config = transformers.AutoConfig.for_model(name, **{k: v for k, v in hf.items() if k != "model_type"})
+    config._attn_implementation = "sdpa"
+    base = transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM
+
+    class Logits(base):
+        def forward(self, idx):
+            return super().forward(input_ids=idx, use_cache=False).logits
+
+        def _apply(self, fn, *args, **kwargs):  # .to(device) moves the constants too
+            out = super()._apply(fn, *args, **kwargs)
+            for m in self.modules():
+                for n in getattr(m, "_keel_constants", ()):
+                    object.__setattr__(m, n, fn(getattr(m, n)))
+            return out
+
+    module = Logits(config)
+    # Llama's rotary frequencies are non-persistent buffers: keel's C++ model computes them and
+    # has no buffers, so the package keeps them as constants instead of taking them as inputs.
+    for m in module.modules():
+        names = list(m._non_persistent_buffers_set)
+        for n in names:
+            t = m._buffers.pop(n)
+            m._non_persistent_buffers_set.discard(n)
+            object.__setattr__(m, n, t)  # a plain attribute (Module.__setattr__ would make it a buffer again)
+        if names:
+            m._keel_constants = names
+    vocab = config.vocab_size
+    x = torch.randint(0, vocab, (batch, cfg["context"]))
+    y = torch.randint(0, vocab, (batch, cfg["context"]))
+    graph_cfg = {"hf_config": cfg["hf_config"], "context": cfg["context"]}
+    return module, x, y, None, {"model": name, "model_config": graph_cfg, "input_kind": "tokens",
+                                "num_classes": vocab, "reference": f"transformers {transformers.__version__}"}
+
+
 def builtin_model(name: str, cfg: dict, batch: int):
     """keel's model `name` with keel's defaults (models/*.cpp make_*), its input kind and the
     example input and target of one micro-batch."""
     import torch
 
+    if name in ("gpt2", "llama"):
+        return hf_model(name, cfg, batch)
     ref, ref_path = load_reference_models()
     if name == "mlp":
         cfg["width"] = cfg["width"] or 256

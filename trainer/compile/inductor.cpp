@@ -172,9 +172,10 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
 }
 
 std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorRequest& req, CompileReport& report) {
-  if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt" && req.module.empty())
+  if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt" && req.model != "gpt2" && req.model != "llama" &&
+      req.module.empty())
     throw InputError(
-        "compile.mode = \"inductor\" packages the built-in models mlp, cnn and gpt and Python modules "
+        "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
         "(model.name = \"python\"); model.name = \"" +
         req.model + "\" is not one (use compile.mode = \"off\")");
   if (req.amp != "off" && req.amp != "bf16")

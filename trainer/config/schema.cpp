@@ -137,7 +137,9 @@ void run_keys(SchemaBuilder& b) {
 void model_keys(SchemaBuilder& b) {
   using C = Config;
   b.add("model", &C::model, "name", &ModelConfig::name,
-        "model: mlp | cnn | gpt | torchscript | python (a PyTorch module, compiled: compile.mode = inductor) | a "
+        "model: mlp | cnn | gpt | gpt2 | llama (Hugging Face transformers' GPT2LMHeadModel and LlamaForCausalLM, "
+        "same tensor names; sizes from model.init_from's config.json or the [model] keys) | torchscript | python (a "
+        "PyTorch module, compiled: compile.mode = inductor) | a "
         "registered name");
   b.add("model", &C::model, "path", &ModelConfig::path,
         "the file of a user's model: a TorchScript file (model.name = torchscript) or a Python file defining "
@@ -164,6 +166,24 @@ void model_keys(SchemaBuilder& b) {
         "buffer by name and shape, nothing else; a resumed checkpoint overrides it");
   range(b.add("model", &C::model, "num_classes", &ModelConfig::num_classes, "output classes of image models"), 2,
         1 << 24);
+  range(b.add("model", &C::model, "kv_heads", &ModelConfig::kv_heads,
+              "llama: key/value heads of grouped-query attention (num_key_value_heads); must divide model.heads; 0 "
+              "= model.heads"),
+        0, 4096);
+  range(b.add("model", &C::model, "ffn_width", &ModelConfig::ffn_width,
+              "gpt2, llama: the MLP's inner width (n_inner, intermediate_size); 0 = the family's default (gpt2 4 x "
+              "width, llama 8/3 x width rounded up to a multiple of 64)"),
+        0, 1 << 22);
+  range(b.add("model", &C::model, "rope_theta", &ModelConfig::rope_theta,
+              "llama: the base of the rotary position embedding (rope_theta)"),
+        1.0, 1e12);
+  range(b.add("model", &C::model, "norm_eps", &ModelConfig::norm_eps,
+              "gpt2, llama: the epsilon of LayerNorm (layer_norm_epsilon) or RMSNorm (rms_norm_eps); 0 = the "
+              "family's default (gpt2 1e-5, llama 1e-6)"),
+        0.0, 1.0);
+  b.add("model", &C::model, "tie_embeddings", &ModelConfig::tie_embeddings,
+        "gpt2, llama: the output projection is the token embedding (tie_word_embeddings); false = an lm_head of "
+        "its own");
 }
 
 // [data]

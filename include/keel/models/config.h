@@ -25,7 +25,14 @@ struct ModelConfig {
   int64_t vocab = 256;
   ModelInput input = ModelInput::Auto;
   int64_t num_classes = 10;
-  std::string init_from = "";  // safetensors weights to start from (keel/checkpoint/checkpoint.h load_weights)
+  // The Hugging Face families (gpt2, llama; models/hf.h). Sizes from a config.json in
+  // init_from's directory win; a key given here that disagrees with it is an error.
+  int64_t kv_heads = 0;         // llama: key/value heads (grouped-query attention); 0 = model.heads
+  int64_t ffn_width = 0;        // the MLP's inner width; 0 = the family's default
+  double rope_theta = 10000.0;  // llama: the rotary embedding's base
+  double norm_eps = 0.0;        // LayerNorm / RMSNorm epsilon; 0 = the family's default
+  bool tie_embeddings = true;   // the output projection is the token embedding
+  std::string init_from = "";   // safetensors weights to start from (keel/checkpoint/checkpoint.h load_weights)
 };
 
 }  // namespace keel

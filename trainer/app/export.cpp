@@ -1,0 +1,147 @@
+#include "trainer/app/export.h"
+
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/safetensors.h"
+#include "checkpoint/weights.h"
+#include "common/atomic_file.h"
+#include "common/file.h"
+#include "keel/common/error.h"
+
+namespace keel {
+namespace {
+
+namespace fs = std::filesystem;
+
+nlohmann::json hf_config_of(const std::string& step_dir) {
+  const std::string meta_path = step_dir + "/meta.json";
+  if (!not_a_regular_file(meta_path).empty())
+    throw InputError("keel export --hf: " + step_dir + " is not a committed checkpoint step (no meta.json)");
+  nlohmann::json meta;
+  try {
+    meta = nlohmann::json::parse(read_regular_file(meta_path, uint64_t{256} << 20));
+  } catch (const std::exception& e) {
+    throw std::runtime_error("keel export --hf: " + meta_path + " cannot be read: " + e.what());
+  }
+  if (const auto problems = checkpoint::verify_step(step_dir); !problems.empty()) {
+    std::string all;
+    for (const auto& p : problems) all += "\n  " + p;
+    throw std::runtime_error("keel export --hf: " + step_dir + " does not verify:" + all);
+  }
+  const auto state = meta.value("state", nlohmann::json::object());
+  if (!state.is_object() || !state.contains("hf_config") || !state["hf_config"].is_object())
+    throw InputError("keel export --hf: " + step_dir +
+                     " was not saved by a gpt2 or llama run (meta.json has no state.hf_config); --hf exports "
+                     "the Hugging Face families (model.name = gpt2 | llama)");
+  nlohmann::json cfg = state["hf_config"];
+  cfg.erase("torch_dtype");
+  cfg["dtype"] = "float32";  // what keel's checkpoints hold
+  return cfg;
+}
+
+// The output directory must be new or empty: an export never replaces files.
+void check_out(const std::string& out_dir) {
+  std::error_code ec;
+  if (!fs::exists(out_dir, ec)) return;
+  if (!fs::is_directory(out_dir, ec))
+    throw InputError("keel export --hf: " + out_dir + " exists and is not a directory");
+  if (!fs::is_empty(out_dir, ec))
+    throw InputError("keel export --hf: " + out_dir + " is not empty; give a new directory");
+}
+
+using Shard = std::vector<std::pair<std::string, torch::Tensor>>;
+
+std::vector<Shard> cut_shards(const std::map<std::string, std::pair<torch::Tensor, std::string>>& tensors,
+                              uint64_t max_bytes) {
+  std::vector<Shard> shards(1);
+  uint64_t bytes = 0;
+  for (const auto& [name, t] : tensors) {
+    const uint64_t n = t.first.nbytes();
+    if (!shards.back().empty() && bytes + n > max_bytes) shards.emplace_back(), bytes = 0;
+    shards.back().emplace_back(name, t.first.contiguous());
+    bytes += n;
+  }
+  return shards;
+}
+
+std::vector<std::string> write_export(const std::vector<Shard>& shards, const nlohmann::json& cfg,
+                                      const std::string& dir) {
+  std::vector<std::string> files;
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  if (shards.size() == 1) {
+    checkpoint::write_safetensors(dir + "/model.safetensors", shards[0], metadata);
+    files.push_back("model.safetensors");
+  } else {
+    nlohmann::json index = {{"metadata", {{"total_size", 0}}}, {"weight_map", nlohmann::json::object()}};
+    uint64_t total = 0;
+    for (size_t i = 0; i < shards.size(); ++i) {
+      char name[64];
+      std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, shards.size());
+      checkpoint::write_safetensors(dir + "/" + name, shards[i], metadata);
+      files.push_back(name);
+      for (const auto& [n, t] : shards[i]) {
+        index["weight_map"][n] = name;
+        total += t.nbytes();
+      }
+    }
+    index["metadata"]["total_size"] = total;
+    write_atomic(dir + "/model.safetensors.index.json", index.dump(2) + "\n");
+    files.push_back("model.safetensors.index.json");
+  }
+  write_atomic(dir + "/config.json", cfg.dump(2) + "\n");
+  files.push_back("config.json");
+  fsync_dir(dir);
+  return files;
+}
+
+}  // namespace
+
+uint64_t parse_shard_size(const std::string& text) {
+  static const std::vector<std::pair<std::string, double>> units = {
+      {"KiB", 1024.0}, {"MiB", 1048576.0}, {"GiB", 1073741824.0}, {"KB", 1e3}, {"MB", 1e6}, {"GB", 1e9}, {"B", 1.0}};
+  for (const auto& [unit, scale] : units) {
+    if (text.size() <= unit.size() || text.compare(text.size() - unit.size(), unit.size(), unit) != 0) continue;
+    const std::string number = text.substr(0, text.size() - unit.size());
+    size_t used = 0;
+    double v = 0;
+    try {
+      v = std::stod(number, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    if (used == number.size() && v * scale >= 1 && v * scale < 1e18) return static_cast<uint64_t>(v * scale);
+    break;
+  }
+  throw InputError("--max-shard-size = \"" + text + "\": give a size such as 5GB, 500MB or 64KiB");
+}
+
+std::vector<std::string> export_hf(const std::string& step_dir, const std::string& out, uint64_t max_shard_bytes) {
+  std::string out_dir = out;
+  while (out_dir.size() > 1 && out_dir.back() == '/') out_dir.pop_back();
+  const nlohmann::json cfg = hf_config_of(step_dir);
+  check_out(out_dir);
+  const auto tensors = checkpoint::read_weights(step_dir, {}, "keel export --hf");
+  const auto shards = cut_shards(tensors, max_shard_bytes);
+  const std::string tmp = out_dir + ".partial." + std::to_string(::getpid());
+  std::error_code ec;
+  fs::remove_all(tmp, ec);
+  if (const std::string err = make_dirs(tmp); !err.empty()) throw std::runtime_error("keel export --hf: " + err);
+  try {
+    auto files = write_export(shards, cfg, tmp);
+    if (fs::exists(out_dir, ec)) fs::remove(out_dir);  // the empty directory check_out allowed
+    fs::rename(tmp, out_dir);
+    const fs::path parent = fs::absolute(out_dir).parent_path();
+    fsync_dir(parent.string());
+    for (auto& f : files) f = out_dir + "/" + f;
+    return files;
+  } catch (const std::exception& e) {
+    fs::remove_all(tmp, ec);
+    throw std::runtime_error("keel export --hf: writing " + out_dir + ": " + e.what());
+  }
+}
+
+}  // namespace keel
