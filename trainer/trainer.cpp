@@ -8,6 +8,7 @@
 
 #include <ATen/record_function.h>
 #ifdef KEEL_WITH_CUDA
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
@@ -19,6 +20,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <optional>
+#include <set>
 #include <vector>
 
 #include "amp/autocast.h"
@@ -1133,6 +1135,20 @@ Summary Trainer::Loop::summary() const {
   s.checkpoint_stall_ms = checkpoint_stall_ms_;
   s.zero = dmodel_->zero();
   s.optimizer_state_bytes = optimizer_state_->state_bytes();
+  std::set<const void*> grad_storages;
+  for (const auto& [n, p] : model_->named_parameters()) {
+    s.parameter_bytes += static_cast<int64_t>(p.nbytes());
+    const auto& g = p.grad();
+    if (g.defined() && grad_storages.insert(g.storage().data()).second)
+      s.gradient_bytes += static_cast<int64_t>(g.storage().nbytes());
+  }
+#ifdef KEEL_WITH_CUDA
+  if (device_.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());
+    const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
+    s.peak_device_memory_mb = static_cast<double>(stats.allocated_bytes[aggregate].peak) / (1024.0 * 1024.0);
+  }
+#endif
   {
     struct rusage ru {};
     if (::getrusage(RUSAGE_SELF, &ru) == 0) s.peak_rss_mb = static_cast<double>(ru.ru_maxrss) / 1024.0;  // KiB on Linux

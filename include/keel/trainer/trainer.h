@@ -94,8 +94,14 @@ struct EvalResult {
     "model FLOPs utilisation at the last log line, 0..1 (models that count FLOPs)")                                    \
   X(std::optional<double>, peak_tflops, , null, "MFU's denominator per rank (run.peak_tflops or measured)")            \
   X(int64_t, zero, 0, null, "dist.zero")                                                                               \
+  X(int64_t, parameter_bytes, 0, null, "the model parameters this rank holds")                                         \
+  X(int64_t, gradient_bytes, 0, null,                                                                                  \
+    "the gradient memory this rank holds after the last step: the distinct storages of the parameters' gradients "     \
+    "(DDP's buckets, which the gradients are views of)")                                                               \
   X(int64_t, optimizer_state_bytes, 0, null, "the optimizer state this rank holds (its partition with dist.zero)")     \
   X(double, peak_rss_mb, 0, null, "this process's peak resident set (getrusage), MiB")                                 \
+  X(std::optional<double>, peak_device_memory_mb, , null,                                                              \
+    "CUDA: the peak memory allocated on this rank's device (the caching allocator's peak), MiB; null on the CPU")      \
   X(ControlTraffic, control_per_step, , null,                                                                          \
     "keel's control traffic per step on this rank over the loop (the consensus, validation probes, checkpoint "        \
     "coordination, evaluation totals; not DDP's gradients)")
