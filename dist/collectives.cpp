@@ -11,7 +11,15 @@
 
 namespace keel::dist {
 
-enum class OpCode : int64_t { AllReduce = 1, Broadcast, AllGather, Barrier, BroadcastCoalesced, StepSync };
+enum class OpCode : int64_t {
+  AllReduce = 1,
+  Broadcast,
+  AllGather,
+  Barrier,
+  BroadcastCoalesced,
+  StepSync,
+  ReduceScatter
+};
 
 static const char* op_name(int64_t code) {
   switch (static_cast<OpCode>(code)) {
@@ -27,6 +35,8 @@ static const char* op_name(int64_t code) {
       return "broadcast_coalesced";
     case OpCode::StepSync:
       return "step_sync";
+    case OpCode::ReduceScatter:
+      return "reduce_scatter";
   }
   return "?";
 }
@@ -355,6 +365,69 @@ std::vector<torch::Tensor> Collectives::all_gather(const torch::Tensor& t, const
   for (auto& o : out)
     if (o.device() != t.device()) o = o.to(t.device());
   return out;
+}
+
+void Collectives::Started::wait() {
+  if (!finish_) return;
+  auto f = std::move(finish_);
+  finish_ = nullptr;
+  f();
+}
+
+Collectives::Started Collectives::start_all_gather_into(const torch::Tensor& full, const torch::Tensor& shard,
+                                                        const char* what) {
+  TORCH_CHECK(full.is_contiguous() && shard.is_contiguous() && full.numel() == shard.numel() * size() &&
+                  full.scalar_type() == shard.scalar_type(),
+              "start_all_gather_into: full must be world x shard, contiguous, of shard's dtype");
+  Started s;
+  if (!group_->pg()) {
+    full.copy_(shard.reshape(full.sizes()));
+    return s;
+  }
+  TORCH_CHECK(shard.device() == group_->comm_device(), "start_all_gather_into: the shard is on ", shard.device(),
+              ", the process group moves ", group_->comm_device());
+  Desc d = Desc::of(OpCode::AllGather, shard);
+  d.what = what;
+  check(d);
+  c10::intrusive_ptr<c10d::Work> work;
+  auto flat_full = full.view({-1}), flat_shard = shard.view({-1});
+  if (group_->backend() == "nccl") {
+    work = group_->pg()->_allgather_base(flat_full, flat_shard);
+  } else {  // Gloo: the list form (its flat form is not on every version), chunks of `full`
+    std::vector<std::vector<at::Tensor>> outs{flat_full.chunk(size())};
+    std::vector<at::Tensor> in{flat_shard};
+    work = group_->pg()->allgather(outs, in);
+  }
+  s.finish_ = [this, work, d, full, shard] { wait(work, d); };
+  return s;
+}
+
+Collectives::Started Collectives::start_reduce_scatter(const torch::Tensor& shard, const torch::Tensor& full,
+                                                       const char* what) {
+  TORCH_CHECK(full.is_contiguous() && shard.is_contiguous() && full.numel() == shard.numel() * size() &&
+                  full.scalar_type() == shard.scalar_type(),
+              "start_reduce_scatter: full must be world x shard, contiguous, of shard's dtype");
+  Started s;
+  if (!group_->pg()) {
+    shard.copy_(full.reshape(shard.sizes()));
+    return s;
+  }
+  TORCH_CHECK(shard.device() == group_->comm_device(), "start_reduce_scatter: the shard is on ", shard.device(),
+              ", the process group moves ", group_->comm_device());
+  Desc d = Desc::of(OpCode::ReduceScatter, shard);
+  d.what = what;
+  check(d);
+  c10::intrusive_ptr<c10d::Work> work;
+  auto flat_full = full.view({-1}), flat_shard = shard.view({-1});
+  if (group_->backend() == "nccl") {
+    work = group_->pg()->_reduce_scatter_base(flat_shard, flat_full);
+  } else {
+    std::vector<at::Tensor> out{flat_shard};
+    std::vector<std::vector<at::Tensor>> ins{flat_full.chunk(size())};
+    work = group_->pg()->reduce_scatter(out, ins);
+  }
+  s.finish_ = [this, work, d, full, shard] { wait(work, d); };
+  return s;
 }
 
 void Collectives::barrier(const char* what) {

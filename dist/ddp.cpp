@@ -9,6 +9,7 @@
 #include <unordered_map>
 
 #include "dist/compat.h"
+#include "dist/fsdp.h"
 #include "dist/zero.h"
 
 namespace keel::dist {
@@ -134,6 +135,12 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     auto r = param_record(named[i].first, named[i].second);
     words.insert(words.end(), r.begin(), r.end());
   }
+  if (zero_ == 3) {
+    fsdp_ = std::make_unique<FullyShard>(model_, coll_);
+    words.push_back(static_cast<int64_t>(fsdp_->fingerprint()));
+    plan_ = fingerprint(words);
+    return;  // no Reducer: FullyShard reduce-scatters each block's gradients
+  }
   if (zero_ >= 1) {
     words.push_back(-9 - zero_);
     words.insert(words.end(), owner_.begin(), owner_.end());
@@ -190,6 +197,7 @@ std::vector<std::pair<std::string, int64_t>> DataParallel::owners() const {
 }
 
 models::NamedTensors DataParallel::owned_parameters() const {
+  if (fsdp_) return fsdp_->pieces();
   models::NamedTensors out;
   for (size_t i = 0; i < params_.size(); ++i)
     if (owner_[i] == coll_->rank()) out.push_back(params_[i]);
@@ -197,13 +205,23 @@ models::NamedTensors DataParallel::owned_parameters() const {
 }
 
 void DataParallel::sync_parameters() {
-  if (zero_ < 1 || coll_->size() == 1) return;
+  if (zero_ < 1 || zero_ == 3 || coll_->size() == 1) return;
   zero_broadcast_parameters(params_, owner_, *coll_, bucket_bytes_);
 }
 
 torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
+  if (fsdp_) return clip_grad_norm_of_pieces(fsdp_->pieces(), *coll_, max_norm);
   return dist::clip_grad_norm(params_, owner_, *coll_, max_norm, zero_ >= 1 && coll_->size() > 1);
 }
+
+void DataParallel::hold_parameters() {
+  if (fsdp_) fsdp_->hold();
+}
+void DataParallel::release_parameters() {
+  if (fsdp_) fsdp_->reshard();
+}
+int64_t DataParallel::sharded_parameter_bytes() const { return fsdp_ ? fsdp_->parameter_bytes() : -1; }
+int64_t DataParallel::sharded_gradient_bytes() const { return fsdp_ ? fsdp_->gradient_bytes() : -1; }
 
 DataParallel::~DataParallel() = default;
 
@@ -227,16 +245,20 @@ void DataParallel::sync_buffers() {
 
 void DataParallel::before_forward(bool sync) {
   sync_buffers();
+  if (fsdp_) return fsdp_->before_forward();
   if (!reducer_ || !sync) return;
   reducer_->rebuild_buckets();  // a no-op except right after the first synced step
   reducer_->prepare_for_forward();
 }
 
 void DataParallel::backward(const torch::Tensor& loss, bool sync) {
-  if (!reducer_ || !sync) return loss.backward();
-  reducer_->prepare_for_backward({loss});
+  if (!fsdp_ && (!reducer_ || !sync)) return loss.backward();
+  if (reducer_) reducer_->prepare_for_backward({loss});
   try {
-    loss.backward();  // the Reducer all-reduces the gradient buckets and waits for them here
+    loss.backward();                     // the Reducer all-reduces the gradient buckets and waits for them here
+    if (fsdp_) fsdp_->after_backward();  // every rank's shard of every gradient (sync or not)
+  } catch (const CollectiveError&) {
+    throw;  // FullyShard's collectives name their failures
   } catch (const std::exception& e) {
     // A failure of the process group (a lost peer, a partition, a timeout; Gloo throws its own
     // exception types through the Reducer's future) says which rank; an error of the backward

@@ -21,7 +21,9 @@
 // broadcast_coalesced per owner). With zero = 2 the Reducer's comm hook reduce-scatters each
 // bucket instead of all-reducing it: the owner of a gradient receives its sum, the other ranks
 // keep their own, unreduced, gradient there (read only owned gradients: clip_grad_norm, the
-// non-finite check and the GradScaler take owned_parameters()).
+// non-finite check and the GradScaler take owned_parameters()). With zero = 3 there is no
+// Reducer: dist/fsdp.h shards the parameters too, and owned_parameters() are this rank's pieces
+// of them (1-D, a parameter may be split between ranks).
 #pragma once
 
 #include <torch/torch.h>
@@ -38,6 +40,8 @@ class Reducer;
 }
 
 namespace keel::dist {
+
+class FullyShard;
 
 class DataParallel {
  public:
@@ -67,6 +71,12 @@ class DataParallel {
   /// Collective with zero >= 1 (else a no-op): after the optimizer step, every owner's
   /// parameters reach every rank (one broadcast per owner, dist/zero.h).
   void sync_parameters();
+  /// dist.zero = 3 (dist/fsdp.h; else no-ops): every parameter gathered into the model and kept
+  /// there until release_parameters() (collective), and the bytes this rank holds at rest.
+  void hold_parameters();
+  void release_parameters();
+  int64_t sharded_parameter_bytes() const;
+  int64_t sharded_gradient_bytes() const;
   /// Clips the owned gradients to a global L2 norm of `max_norm` and returns the norm before
   /// clipping (0-dim, on the device: the host reads it only if it wants), with the foreach
   /// arithmetic of torch.nn.utils.clip_grad_norm_ (dist::clip_grad_norm): with zero >= 1 the
@@ -85,6 +95,7 @@ class DataParallel {
   size_t bucket_bytes_ = 0;  // dist.bucket_cap_mb, for the parameter broadcasts
   models::NamedTensors params_;
   std::vector<int64_t> owner_;
+  std::unique_ptr<FullyShard> fsdp_;  // dist.zero = 3
 };
 
 /// Checks that every rank holds parameters of the same count, names, dtypes and shapes.

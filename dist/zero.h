@@ -51,4 +51,9 @@ void zero_broadcast_parameters(const models::NamedTensors& params, const std::ve
 torch::Tensor clip_grad_norm(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
                              double max_norm, bool sharded);
 
+/// clip_grad_norm for dist.zero = 3 (collective): `pieces` are this rank's elements of the
+/// parameters, so the squared norms are summed across ranks (one all-reduce of one number); equal
+/// to the unsharded norm up to the order of the sums.
+torch::Tensor clip_grad_norm_of_pieces(const models::NamedTensors& pieces, Collectives& coll, double max_norm);
+
 }  // namespace keel::dist

@@ -61,14 +61,17 @@ struct BlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(Block);
 
-struct GptImpl : torch::nn::Module {
+struct GptImpl : torch::nn::Module, BlockStructure {
   GptImpl(int64_t vocab, int64_t context, int64_t layers, int64_t heads, int64_t d)
       : context(context),
         wte(register_module("wte", torch::nn::Embedding(vocab, d))),
         wpe(register_module("wpe", torch::nn::Embedding(context, d))),
         h(register_module("h", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))) {
-    for (int64_t i = 0; i < layers; ++i) h->push_back(Block(d, heads));
+    for (int64_t i = 0; i < layers; ++i) {
+      h->push_back(Block(d, heads));
+      block_prefixes.push_back("h." + std::to_string(i) + ".");
+    }
     // GPT-2 initialisation: N(0, 0.02), zero biases, residual projections scaled by depth.
     torch::NoGradGuard ng;
     for (auto& p : named_parameters()) {
@@ -91,7 +94,7 @@ struct GptImpl : torch::nn::Module {
     const int64_t T = idx.size(1);
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     auto x = wte->forward(idx) + wpe->forward(pos);  // (B, T, C)
-    for (const auto& block : *h) x = block->as<Block>()->forward(x);
+    for (size_t i = 0; i < h->size(); ++i) x = block_leave(i, h[i]->as<Block>()->forward(block_enter(i, x)));
     x = ln_f->forward(x);
     return torch::matmul(x, wte->weight.t());  // tied output projection
   }

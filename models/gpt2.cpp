@@ -90,18 +90,25 @@ struct Gpt2BodyImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx) {
     auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
     auto x = wte->forward(idx) + wpe->forward(pos);
-    for (const auto& block : *h) x = block->as<Gpt2Block>()->forward(x);
+    for (size_t i = 0; i < h->size(); ++i) {
+      const auto in = blocks ? blocks->block_enter(i, x) : x;
+      const auto out = h[i]->as<Gpt2Block>()->forward(in);
+      x = blocks ? blocks->block_leave(i, out) : out;
+    }
     return ln_f->forward(x);
   }
   torch::nn::Embedding wte, wpe;
   torch::nn::ModuleList h;
   torch::nn::LayerNorm ln_f;
+  BlockStructure* blocks = nullptr;  // the model's, for dist.zero = 3
 };
 TORCH_MODULE(Gpt2Body);
 
-struct Gpt2Impl : torch::nn::Module {
+struct Gpt2Impl : torch::nn::Module, BlockStructure {
   explicit Gpt2Impl(const HfShape& s)
       : positions(s.positions), transformer(register_module("transformer", Gpt2Body(s))) {
+    transformer->blocks = this;
+    for (int64_t i = 0; i < s.layers; ++i) block_prefixes.push_back("transformer.h." + std::to_string(i) + ".");
     if (!s.tied)
       lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.vocab).bias(false)));
     // transformers' GPT-2 initialisation: N(0, 0.02), zero biases, unit LayerNorms, the residual

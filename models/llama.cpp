@@ -117,7 +117,11 @@ struct LlamaBodyImpl : torch::nn::Module {
     auto x = embed_tokens->forward(idx);
     // In the embedding's dtype, as transformers does (float32 under autocast too).
     const auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
-    for (const auto& layer : *layers) x = layer->as<LlamaLayer>()->forward(x, cos, sin);
+    for (size_t i = 0; i < layers->size(); ++i) {
+      const auto in = blocks ? blocks->block_enter(i, x) : x;
+      const auto out = layers[i]->as<LlamaLayer>()->forward(in, cos, sin);
+      x = blocks ? blocks->block_leave(i, out) : out;
+    }
     return norm->forward(x);
   }
   int64_t hd;
@@ -125,11 +129,14 @@ struct LlamaBodyImpl : torch::nn::Module {
   torch::nn::Embedding embed_tokens;
   torch::nn::ModuleList layers;
   RmsNorm norm;
+  BlockStructure* blocks = nullptr;  // the model's, for dist.zero = 3
 };
 TORCH_MODULE(LlamaBody);
 
-struct LlamaImpl : torch::nn::Module {
+struct LlamaImpl : torch::nn::Module, BlockStructure {
   explicit LlamaImpl(const HfShape& s) : model(register_module("model", LlamaBody(s))) {
+    model->blocks = this;
+    for (int64_t i = 0; i < s.layers; ++i) block_prefixes.push_back("model.layers." + std::to_string(i) + ".");
     if (!s.tied) lm_head = register_module("lm_head", linear(s.width, s.vocab, false));
     // transformers' initialisation: N(0, initializer_range = 0.02), zero biases, unit norms.
     torch::NoGradGuard ng;

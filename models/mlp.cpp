@@ -5,19 +5,20 @@
 namespace keel::models {
 namespace {
 
-struct MlpImpl : torch::nn::Module {
+struct MlpImpl : torch::nn::Module, BlockStructure {
   MlpImpl(int64_t in, int64_t width, int64_t depth, int64_t classes) {
     fc = register_module("fc", torch::nn::ModuleList());
     int64_t d = in;
     for (int64_t i = 0; i < depth; ++i, d = width) fc->push_back(torch::nn::Linear(d, width));
     fc->push_back(torch::nn::Linear(d, classes));
+    for (size_t i = 0; i < fc->size(); ++i) block_prefixes.push_back("fc." + std::to_string(i) + ".");
   }
   // x: (B, C, H, W) -> (B, classes)
   torch::Tensor forward(const torch::Tensor& x) {
     auto h = x.flatten(1);
     const size_t n = fc->size();
     for (size_t i = 0; i < n; ++i) {
-      h = fc[i]->as<torch::nn::Linear>()->forward(h);
+      h = block_leave(i, fc[i]->as<torch::nn::Linear>()->forward(block_enter(i, h)));
       if (i + 1 < n) h = torch::relu(h);
     }
     return h;

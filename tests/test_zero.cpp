@@ -260,7 +260,7 @@ TEST(Zero, Stage2WithACompressionHookIsRefused) {
                      "--run.dir=" + d.path()});
   EXPECT_EQ(r.exit_code, 2) << r.output;
   EXPECT_NE(r.output.find("dist.zero = 2"), std::string::npos) << r.output;
-  auto bad = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--dist.zero=3", "--run.dir=" + d.path()});
+  auto bad = run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--dist.zero=4", "--run.dir=" + d.path()});
   EXPECT_EQ(bad.exit_code, 2) << bad.output;
   EXPECT_NE(bad.output.find("dist.zero"), std::string::npos) << bad.output;
 }

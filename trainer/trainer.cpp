@@ -574,8 +574,8 @@ void Trainer::Loop::build_optimizer() {
   // With dist.zero >= 1 the checkpoint records who owns each parameter's state; else replicated.
   optimizer_state_ = std::make_unique<OptimizerState>(
       *optimizer_, owned_named_,
-      dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{}, dmodel_->zero(),
-      optimizer_choice_->codec());
+      dmodel_->zero() == 1 || dmodel_->zero() == 2 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{},
+      dmodel_->zero(), optimizer_choice_->codec());
   schedule_.emplace(cfg_.train, progress_.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
@@ -830,6 +830,7 @@ bool Trainer::Loop::needs_host(int64_t step) const {
 // it into *loss_now (the sum in double, as the tensor's) and returns nothing.
 torch::Tensor Trainer::Loop::forward_backward(double* loss_now) {
   zero_grads(params_);
+  if (dmodel_->zero() == 3) zero_grads(owned_);  // the gradient shards (the parameters' own are freed)
   torch::Tensor loss_sum;
   double host_sum = 0;
   for (int64_t micro = 0; micro < cfg_.train.grad_accum; ++micro) {
@@ -952,6 +953,8 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   if (!splits_.test) return r;
   faults_->signal(FaultPhase::Eval, step);
   dmodel_->sync_buffers();  // every rank evaluates rank 0's model
+  // dist.zero = 3: the whole model, once (the ranks run different numbers of batches).
+  dmodel_->hold_parameters();
   torch::NoGradGuard no_grad;
   model_->train(false);
   const bool classifier = !cb_.loss && cfg_.train.loss == "cross_entropy";
@@ -981,6 +984,7 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
     idx.clear();
   }
   model_->train(true);
+  dmodel_->release_parameters();
   auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
   coll_->all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
   loss_sum = totals[0].item<double>();
@@ -1079,7 +1083,8 @@ void Trainer::Loop::finish() {
     notify_checkpoint();
   }
   if (profiler_) profiler_->finish();
-  dmodel_->sync_buffers();  // every rank ends with rank 0's model
+  dmodel_->sync_buffers();     // every rank ends with rank 0's model
+  dmodel_->hold_parameters();  // dist.zero = 3: the whole model, for on_end and the caller
   if (cb_.on_end) cb_.on_end(*model_);
   // Every rank leaves with the same verdict: the signal a rank received (the one that stopped
   // the loop, or one that came after the last step's consensus: evaluation, the final save,
@@ -1141,6 +1146,10 @@ Summary Trainer::Loop::summary() const {
     const auto& g = p.grad();
     if (g.defined() && grad_storages.insert(g.storage().data()).second)
       s.gradient_bytes += static_cast<int64_t>(g.storage().nbytes());
+  }
+  if (dmodel_->zero() == 3) {  // what a rank holds between steps: its shards
+    s.parameter_bytes = dmodel_->sharded_parameter_bytes();
+    s.gradient_bytes = dmodel_->sharded_gradient_bytes();
   }
 #ifdef KEEL_WITH_CUDA
   if (device_.is_cuda()) {

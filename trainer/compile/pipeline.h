@@ -109,6 +109,13 @@ class DistributedModel {
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
   torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
+  /// dist.zero = 3 (else no-ops): the whole model in its parameters until release_parameters()
+  /// (collective; evaluation and the end of training), and the shards this rank holds at rest
+  /// (-1 unless dist.zero = 3).
+  void hold_parameters() { ddp_->hold_parameters(); }
+  void release_parameters() { ddp_->release_parameters(); }
+  int64_t sharded_parameter_bytes() const { return ddp_->sharded_parameter_bytes(); }
+  int64_t sharded_gradient_bytes() const { return ddp_->sharded_gradient_bytes(); }
   /// compile.mode = "inductor": the loaded package (null when the step runs eager).
   const std::shared_ptr<InductorStep>& inductor_step() const { return step_; }
   /// Compile results; recompiles keep counting while training.

@@ -404,6 +404,23 @@ void validate_data(const DataConfig& data) {
 
 }  // namespace
 
+// dist.zero = 3 (docs/zero.md): what this version does not serve yet is refused by name.
+static void validate_zero3(const Config& cfg) {
+  if (cfg.dist.zero != 3) return;
+  auto fail = [](const std::string& m) { throw InputError("config: dist.zero = 3 " + m); };
+  if (!cfg.checkpoint.dir.empty())
+    fail(
+        "does not write checkpoints in this version (each rank's shards; issue 27): set checkpoint.dir = \"\", or "
+        "dist.zero = 2");
+  if (cfg.compile.mode != CompileMode::Off)
+    fail(std::string("gathers each block's parameters around it, which compile.mode = \"") +
+         choice_name(kCompileModes, cfg.compile.mode) +
+         "\" does not let it do (the compiled step takes the whole model): set compile.mode = \"off\", or dist.zero = "
+         "2");
+  if (cfg.model.name == "torchscript")
+    fail("shards a model's parameters behind its back, which a TorchScript module does not take: use dist.zero = 2");
+}
+
 void validate(Config& cfg) {
   auto fail = [](const std::string& m) { throw InputError("config: " + m); };
   if (cfg.run.name.empty()) fail("run.name must not be empty");
@@ -488,10 +505,12 @@ void validate(Config& cfg) {
   if (cfg.checkpoint.save_graph && cfg.checkpoint.dir.empty())
     fail("checkpoint.save_graph = true needs checkpoint.dir");
   parse_profile_steps(cfg.run.profile_steps);
-  if (cfg.dist.zero == 2 && cfg.dist.comm_hook != CommHook::Allreduce)
-    fail(std::string("dist.zero = 2 reduce-scatters gradients and cannot be combined with dist.comm_hook = \"") +
+  if (cfg.dist.zero >= 2 && cfg.dist.comm_hook != CommHook::Allreduce)
+    fail("dist.zero = " + std::to_string(cfg.dist.zero) +
+         " reduce-scatters gradients and cannot be combined with dist.comm_hook = \"" +
          choice_name(kCommHooks, cfg.dist.comm_hook) +
          "\" (compressed all-reduce); use dist.zero = 1 or comm_hook = \"allreduce\"");
+  validate_zero3(cfg);
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
   try {  // the same verdict at every world size (the 2-rank path chooses an interface from it)

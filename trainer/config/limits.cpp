@@ -147,6 +147,7 @@ EstimateKeys estimate_keys(const Config& cfg, const std::optional<Shape>& shape)
 // Parameters (float32: autocast keeps them so), their gradients, the optimizer's state.
 struct ModelMemory {
   double P = 0, G = 0, S = 0;
+  double P_held = 0;           // the parameters a rank holds while it trains: P, or its shard with dist.zero = 3
   MemoryItem item, host_item;  // all of it; on a GPU, the parameters built on the CPU
 };
 
@@ -163,7 +164,9 @@ ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& sha
   else if (cfg.train.momentum > 0)
     m.S = m.P, state_name = "SGD momentum";
   if (cfg.dist.zero >= 1) m.S /= static_cast<double>(world_size);  // partitioned by parameter
-  const double bytes = m.P + m.G + m.S;
+  m.P_held = m.P;
+  if (cfg.dist.zero == 3) m.P_held /= static_cast<double>(world_size), m.G /= static_cast<double>(world_size);
+  const double bytes = m.P_held + m.G + m.S;
   std::vector<KeyUse> keys;
   if (shape.name == "mlp")
     keys = {k.width, k.depth, k.classes};
@@ -263,7 +266,7 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
   if (params) {
     e.parameters = *params;
     model = model_memory(cfg, world_size, *shape, *params, k);
-    e.model_bytes = model.P + model.G + model.S;
+    e.model_bytes = model.P_held + model.G + model.S;
   }
   // Samples in a micro-batch: the whole batch with drop_last (the sampler refuses fewer
   // samples than one global batch); without it, at most the rank's share of a synthetic
@@ -286,15 +289,15 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
   //  step: from the second step on, parameters, gradients (zeroed, kept), optimizer state and
   //  a micro-batch's activations (and on the CPU the data); a one-step run has its activations
   //  or its gradients and optimizer state at their peak, not both.
-  const double P = model.P, G = model.G, S = model.S;
+  const double P = model.P_held, G = model.G, S = model.S;
   const bool several_steps = cfg.train.epochs == 0 && cfg.train.steps >= 2;
   const double state_and_activations = several_steps ? P + G + S + A : P + std::max(A, G + S);
-  double host = P + data.build;
+  double host = model.P + data.build;  // built whole, before dist.zero = 3 shards it
   if (on_cuda) {
     host = std::max(host, data.kept + data.sampler);
     e.device_bytes = state_and_activations;
   } else {
-    host = std::max(host, P + data.kept + data.sampler);
+    host = std::max(host, model.P + data.kept + data.sampler);
     host = std::max(host, state_and_activations + data.kept);
   }
   e.host_bytes = host;

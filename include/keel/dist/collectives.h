@@ -118,6 +118,26 @@ class Collectives {
   void broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64_t root = 0,
                            const char* what = "broadcast_coalesced", size_t bucket_bytes = size_t{256} << 20);
 
+  /// A collective started and not yet finished: wait() finishes it (once; later calls and an
+  /// empty Started do nothing), with the blocking calls' errors and traffic counting.
+  class Started {
+   public:
+    Started() = default;
+    void wait();
+    explicit operator bool() const { return static_cast<bool>(finish_); }
+
+   private:
+    friend class Collectives;
+    std::function<void()> finish_;
+  };
+  /// Starts an all-gather of every rank's `shard` (validated like the blocking calls, before it
+  /// starts) into `full`, flat: rank r's shard at r x shard.numel(). Both stay in use until wait().
+  Started start_all_gather_into(const torch::Tensor& full, const torch::Tensor& shard, const char* what = "all_gather");
+  /// Starts a reduce-scatter (sum) of `full` (flat, world x shard.numel()) into `shard`: rank r
+  /// receives the sum over ranks of full's r-th chunk.
+  Started start_reduce_scatter(const torch::Tensor& shard, const torch::Tensor& full,
+                               const char* what = "reduce_scatter");
+
   /// The per-step consensus, one all-gather: checks that every rank is at the same `step`
   /// with the same `plan` fingerprint (gradient bucket layout), and shares losses, non-finite
   /// flags and compute times. `flags` are the caller's bits (e.g. "stop requested",

@@ -41,6 +41,32 @@ struct InputSpec {
 
 using NamedTensors = std::vector<std::pair<std::string, torch::Tensor>>;
 
+/// Called by a model's forward around each of its blocks (BlockStructure), so that dist.zero = 3
+/// can gather a block's sharded parameters just before the block runs and free them after (and
+/// again around the block's backward). Each returns the tensor the model goes on with (the same
+/// values; what autograd sees may differ).
+class BlockHooks {
+ public:
+  virtual ~BlockHooks() = default;
+  virtual torch::Tensor enter(size_t block, const torch::Tensor& input) = 0;
+  virtual torch::Tensor leave(size_t block, const torch::Tensor& output) = 0;
+};
+
+/// A torch::nn::Module with blocks (gpt's transformer blocks, mlp's layers): a module that
+/// derives from it lists each block's parameter name prefix in forward order ("h.0.", "h.1.",
+/// ...) and wraps each block's call as `x = block_leave(i, block(block_enter(i, x)))`. A block
+/// must use only its own parameters, and its output must be the only way its computation reaches
+/// the loss. Without blocks, dist.zero = 3 gathers the whole model for each forward and backward.
+class BlockStructure {
+ public:
+  virtual ~BlockStructure() = default;
+  std::vector<std::string> block_prefixes;
+  BlockHooks* block_hooks = nullptr;
+
+  torch::Tensor block_enter(size_t i, const torch::Tensor& x) { return block_hooks ? block_hooks->enter(i, x) : x; }
+  torch::Tensor block_leave(size_t i, const torch::Tensor& y) { return block_hooks ? block_hooks->leave(i, y) : y; }
+};
+
 /// A trainable network. Implementations: a torch::nn::Module (ModuleModel) or a TorchScript
 /// module. Parameter names are stable and follow PyTorch's dotted convention, since they are
 /// the keys of checkpoints and of the golden tests.
@@ -60,6 +86,11 @@ class Model {
   /// log and summary.json; 0 = not known (no MFU is shown). The usual estimate for dense
   /// layers: 6 x the parameters a sample multiplies with, plus attention's score products.
   virtual double train_flops_per_sample() const { return 0; }
+
+  /// The parameter name prefix of each block, in forward order, and where forward reports
+  /// entering and leaving them (BlockHooks); {} and a no-op for a model without blocks.
+  virtual std::vector<std::string> block_prefixes() const { return {}; }
+  virtual void set_block_hooks(BlockHooks* /*hooks*/) {}
 
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
@@ -87,6 +118,13 @@ class ModuleModel : public Model {
   }
   void to(const torch::Device& device) override { module_->to(device); }
   void train(bool on) override { module_->train(on); }
+  std::vector<std::string> block_prefixes() const override {
+    const auto* b = dynamic_cast<const BlockStructure*>(module_.get());
+    return b ? b->block_prefixes : std::vector<std::string>{};
+  }
+  void set_block_hooks(BlockHooks* hooks) override {
+    if (auto* b = dynamic_cast<BlockStructure*>(module_.get())) b->block_hooks = hooks;
+  }
   ModuleHolder& module() { return module_; }
 
  private:

@@ -1,0 +1,268 @@
+#include "dist/fsdp.h"
+
+#include "common/log.h"
+
+#include <algorithm>
+
+#include "keel/common/error.h"
+
+namespace keel::dist {
+namespace {
+
+// A tensor's memory without the tensor: every view of its storage keeps its sizes and offset
+// (autograd's saved tensors among them) and reads the memory allocate_storage() gives back.
+void release_storage(const torch::Tensor& t) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  s->set_data_ptr_noswap(at::DataPtr(nullptr, s->device()));
+  s->set_nbytes(0);
+}
+
+void allocate_storage(const torch::Tensor& t) {
+  auto* s = t.storage().unsafeGetStorageImpl();
+  const size_t bytes = static_cast<size_t>(t.numel()) * t.element_size();
+  if (s->nbytes() == bytes && s->data() != nullptr) return;
+  s->set_data_ptr_noswap(s->allocator()->allocate(bytes));
+  s->set_nbytes(bytes);
+}
+
+int64_t as_int(FullyShard* fs) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(fs)); }
+FullyShard* from_int(int64_t v) { return reinterpret_cast<FullyShard*>(static_cast<intptr_t>(v)); }
+
+// Identities whose backward tells FullyShard where autograd is: the gradient reaching a
+// block's output (Pre: gather its parameters again), and the gradient leaving its input
+// (!Pre: its parameters' gradients are complete).
+template <bool Pre>
+struct BlockBoundary : torch::autograd::Function<BlockBoundary<Pre>> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, const torch::Tensor& x, int64_t fs,
+                               int64_t unit) {
+    ctx->saved_data["fs"] = fs;
+    ctx->saved_data["unit"] = unit;
+    return x;
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad) {
+    FullyShard* self = from_int(ctx->saved_data["fs"].toInt());
+    const auto unit = static_cast<size_t>(ctx->saved_data["unit"].toInt());
+    if (Pre)
+      self->pre_backward(unit);
+    else
+      self->post_backward(unit);
+    return {grad[0], torch::Tensor(), torch::Tensor()};
+  }
+};
+using PreBackward = BlockBoundary<true>;
+using PostBackward = BlockBoundary<false>;
+
+}  // namespace
+
+struct FullyShard::Unit {
+  std::string name;                          // the block's prefix, or "(root)"
+  std::vector<size_t> params;                // indices into params_, model order
+  std::vector<int64_t> offsets;              // each one's first element in the flat buffer
+  std::vector<std::vector<int64_t>> shapes;  // each one's shape
+  int64_t numel = 0, shard = 0;              // the parameters' elements; a rank's share of the padded buffer
+  torch::Tensor full;                        // world x shard elements; no memory unless gathered or gathering
+  torch::Tensor shard_data, shard_grad;
+  torch::Tensor placeholder;  // 0 elements: what each parameter is while not gathered
+  Collectives::Started gathering;
+  bool gathered = false;
+  bool reduced = false;  // in this micro-batch
+  torch::Tensor grad_full, grad_out;
+  Collectives::Started scattering;
+};
+
+FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll)
+    : model_(std::move(model)), coll_(std::move(coll)), params_(model_->named_parameters()) {
+  const auto prefixes = model_->block_prefixes();
+  for (size_t b = 0; b <= prefixes.size(); ++b) {
+    auto u = std::make_unique<Unit>();
+    u->name = b < prefixes.size() ? "block " + prefixes[b] : "(the parameters outside blocks)";
+    units_.push_back(std::move(u));
+  }
+  for (size_t i = 0; i < params_.size(); ++i) {
+    size_t b = 0;
+    while (b < prefixes.size() && params_[i].first.rfind(prefixes[b], 0) != 0) ++b;
+    Unit& u = *units_[b];
+    const auto& t = params_[i].second;
+    if (!u.params.empty()) {
+      const auto& first = params_[u.params.front()];
+      if (first.second.scalar_type() != t.scalar_type() || first.second.device() != t.device())
+        throw InputError("dist.zero = 3 shards each block as one flat buffer, and " + u.name + " mixes '" +
+                         first.first + "' (" + c10::toString(first.second.scalar_type()) + " on " +
+                         first.second.device().str() + ") with '" + params_[i].first + "' (" +
+                         c10::toString(t.scalar_type()) + " on " + t.device().str() + ")");
+    }
+    u.params.push_back(i);
+    u.offsets.push_back(u.numel);
+    u.shapes.push_back(t.sizes().vec());
+    u.numel += t.numel();
+  }
+  const int64_t world = coll_->size(), rank = coll_->rank();
+  std::vector<int64_t> words = {-13, static_cast<int64_t>(units_.size())};
+  torch::NoGradGuard ng;
+  for (auto& up : units_) {
+    Unit& u = *up;
+    words.push_back(static_cast<int64_t>(u.params.size()));
+    for (size_t k = 0; k < u.params.size(); ++k)
+      words.insert(words.end(), {static_cast<int64_t>(u.params[k]), u.offsets[k]});
+    if (u.params.empty()) continue;
+    u.shard = (u.numel + world - 1) / world;
+    const auto opts = params_[u.params.front()].second.options().requires_grad(false);
+    std::vector<torch::Tensor> flat;
+    for (size_t i : u.params) flat.push_back(params_[i].second.detach().reshape({-1}));
+    if (u.shard * world > u.numel) flat.push_back(torch::zeros({u.shard * world - u.numel}, opts));
+    u.shard_data = torch::cat(flat).narrow(0, rank * u.shard, u.shard).clone();
+    u.shard_grad = torch::zeros_like(u.shard_data);
+    u.full = torch::empty({u.shard * world}, opts);
+    release_storage(u.full);
+    u.placeholder = torch::empty({0}, opts);
+    for (size_t i : u.params) params_[i].second.set_data(u.placeholder);  // the replicated copy is freed here
+    // The pieces: this rank's elements of each parameter, [offset, offset + numel) within its shard.
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      const int64_t end = k + 1 < u.params.size() ? u.offsets[k + 1] : u.numel;
+      const int64_t lo = std::max(u.offsets[k], rank * u.shard), hi = std::min(end, (rank + 1) * u.shard);
+      if (hi <= lo) continue;
+      auto piece = u.shard_data.narrow(0, lo - rank * u.shard, hi - lo).detach();
+      piece.set_requires_grad(true);
+      piece.mutable_grad() = u.shard_grad.narrow(0, lo - rank * u.shard, hi - lo);
+      pieces_.emplace_back(params_[u.params[k]].first, piece);
+    }
+  }
+  fingerprint_ = dist::fingerprint(words);
+  model_->set_block_hooks(this);
+  int64_t mine = 0, all = 0;
+  for (const auto& [n, p] : pieces_) mine += p.numel();
+  for (const auto& up : units_) all += up->numel;
+  logging::info("ZeRO stage 3: {} blocks and the parameters outside them sharded; this rank holds {} of {} elements",
+                prefixes.size(), mine, all);
+}
+
+FullyShard::~FullyShard() { model_->set_block_hooks(nullptr); }
+
+void FullyShard::start_gather(Unit& u) {
+  if (u.gathered || u.gathering || u.params.empty()) return;
+  allocate_storage(u.full);
+  u.gathering = coll_->start_all_gather_into(u.full, u.shard_data, "ZeRO-3 parameter all-gather");
+}
+
+void FullyShard::gather(Unit& u) {
+  if (u.gathered || u.params.empty()) return;
+  start_gather(u);
+  u.gathering.wait();
+  torch::NoGradGuard ng;
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    const int64_t end = k + 1 < u.params.size() ? u.offsets[k + 1] : u.numel;
+    params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], end - u.offsets[k]).view(u.shapes[k]));
+  }
+  u.gathered = true;
+}
+
+void FullyShard::free(Unit& u) {
+  if (held_ || u.params.empty()) return;
+  u.gathering.wait();  // a prefetch still writing into it
+  torch::NoGradGuard ng;
+  for (size_t i : u.params) params_[i].second.set_data(u.placeholder);
+  release_storage(u.full);
+  u.gathered = false;
+}
+
+void FullyShard::reduce(Unit& u) {
+  if (u.reduced || u.params.empty()) return;
+  u.reduced = true;
+  torch::NoGradGuard ng;
+  u.grad_full = torch::zeros({u.full.numel()}, u.shard_data.options());
+  for (size_t k = 0; k < u.params.size(); ++k) {
+    auto& p = params_[u.params[k]].second;
+    const auto& g = p.grad();
+    if (g.defined()) u.grad_full.narrow(0, u.offsets[k], g.numel()).copy_(g.reshape({-1}));
+    p.mutable_grad() = torch::Tensor();  // the full gradient is freed
+  }
+  u.grad_full.div_(static_cast<double>(coll_->size()));  // an average, as DDP's all-reduce
+  u.grad_out = torch::empty_like(u.shard_data);
+  u.scattering = coll_->start_reduce_scatter(u.grad_out, u.grad_full, "ZeRO-3 gradient reduce-scatter");
+}
+
+void FullyShard::before_forward() {
+  if (held_) return;
+  for (auto& u : units_) u->reduced = false;
+  gather(*units_.back());
+  if (units_.size() > 1) start_gather(*units_.front());
+}
+
+torch::Tensor FullyShard::enter(size_t block, const torch::Tensor& input) {
+  if (held_ || block + 1 >= units_.size()) return input;
+  gather(*units_[block]);
+  if (block + 2 < units_.size()) start_gather(*units_[block + 1]);
+  if (!torch::GradMode::is_enabled() || !input.requires_grad()) return input;
+  return PostBackward::apply(input, as_int(this), static_cast<int64_t>(block));
+}
+
+torch::Tensor FullyShard::leave(size_t block, const torch::Tensor& output) {
+  if (held_ || block + 1 >= units_.size()) return output;
+  auto out = torch::GradMode::is_enabled() && output.requires_grad()
+                 ? PreBackward::apply(output, as_int(this), static_cast<int64_t>(block))
+                 : output;
+  free(*units_[block]);
+  return out;
+}
+
+void FullyShard::pre_backward(size_t unit) {
+  gather(*units_[unit]);
+  if (unit > 0) start_gather(*units_[unit - 1]);
+}
+
+void FullyShard::post_backward(size_t unit) {
+  reduce(*units_[unit]);
+  free(*units_[unit]);
+}
+
+void FullyShard::after_backward() {
+  if (held_) return;
+  // A block whose input needs no gradient (mlp's first layer: the data) has no autograd node
+  // to say that its gradients are complete; they are now. A gradient that arrives after its
+  // block was reduced would be lost: that is a model whose block is not self-contained.
+  for (auto& up : units_) {
+    std::string late;
+    for (size_t i : up->params)
+      if (params_[i].second.grad().defined()) late = params_[i].first;
+    if (!late.empty() && up->reduced)
+      throw std::logic_error("dist.zero = 3: the gradient of '" + late + "' arrived after " + up->name +
+                             " was reduced: a block's parameters must be used inside the block only (BlockStructure)");
+    if (!late.empty() || up.get() == units_.back().get()) reduce(*up);
+    free(*up);
+  }
+  torch::NoGradGuard ng;
+  for (auto& up : units_) {
+    Unit& u = *up;
+    if (!u.scattering) continue;
+    u.scattering.wait();
+    u.shard_grad.add_(u.grad_out);
+    u.grad_full = u.grad_out = torch::Tensor();
+  }
+}
+
+void FullyShard::hold() {
+  for (auto& u : units_) gather(*u);
+  held_ = true;
+}
+
+void FullyShard::reshard() {
+  held_ = false;
+  for (auto& u : units_) free(*u);
+}
+
+int64_t FullyShard::parameter_bytes() const {
+  int64_t b = 0;
+  for (const auto& u : units_)
+    if (u->shard_data.defined()) b += static_cast<int64_t>(u->shard_data.nbytes());
+  return b;
+}
+
+int64_t FullyShard::gradient_bytes() const {
+  int64_t b = 0;
+  for (const auto& u : units_)
+    if (u->shard_grad.defined()) b += static_cast<int64_t>(u->shard_grad.nbytes());
+  return b;
+}
+
+}  // namespace keel::dist

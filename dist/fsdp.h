@@ -1,0 +1,86 @@
+// dist/fsdp.h: dist.zero = 3, parameters sharded at rest (as PyTorch's FSDP2 fully_shard and
+// DeepSpeed's ZeRO-3; docs/zero.md).
+//
+// Owns, for one model: the units (one per block the model names through BlockStructure, and a
+// root unit with every other parameter), each a flat buffer of its parameters in model order,
+// padded to a multiple of the world size and cut into equal shards, rank r holding elements
+// [r S, (r + 1) S) (a shard may split a parameter); gathering a unit's parameters before it runs
+// and freeing them after; reduce-scattering its gradients after its backward; the pieces of
+// each parameter this rank owns, on which the optimizer, clipping and the non-finite check work.
+// Does not own: the optimizer (trainer/), the collectives (dist/collectives.h, through which
+// every gather and reduce-scatter goes, validated).
+//
+// One micro-batch:
+//   before_forward()  gathers the root unit (kept until after_backward) and starts block 0's
+//   enter(i)          waits for block i's gather and starts block i + 1's (the prefetch)
+//   leave(i)          frees block i's parameters (their memory; autograd's saved tensors keep
+//                     pointing at it, and it is gathered again before they are read)
+//   backward of leave(i)   gathers block i again (and starts block i - 1's)
+//   backward of enter(i)   the block's gradients are complete: reduce-scattered (pre-divided by
+//                          the world size, as DDP averages), the full gradients and parameters freed
+//   after_backward()  the root unit's reduce-scatter; waits for every reduce-scatter and adds
+//                     each rank's sums into its gradient shard (so micro-batches accumulate)
+// Between steps a rank holds its parameter and gradient shards only; the model's parameter
+// tensors are empty (0 elements) then; hold() makes them whole until reshard().
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "keel/dist/collectives.h"
+#include "keel/models/model.h"
+
+namespace keel::dist {
+
+class FullyShard final : public models::BlockHooks {
+ public:
+  /// Collective in that every rank must make it from the same (already broadcast) parameters.
+  /// Throws InputError for a unit whose parameters mix dtypes or devices.
+  FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll);
+  ~FullyShard() override;
+
+  torch::Tensor enter(size_t block, const torch::Tensor& input) override;
+  torch::Tensor leave(size_t block, const torch::Tensor& output) override;
+  /// Before each forward (training or evaluation).
+  void before_forward();
+  /// After each micro-batch's loss.backward().
+  void after_backward();
+  /// Gathers every unit into the model's parameters and keeps them there (evaluation, whose
+  /// ranks run different numbers of batches; the end of training) until reshard().
+  void hold();
+  void reshard();
+
+  /// The elements of each parameter this rank owns (model order; parameters without any left
+  /// out): 1-D leaves over this rank's shard, each with its gradient over the gradient shard.
+  const models::NamedTensors& pieces() const { return pieces_; }
+  /// Bytes this rank holds at rest: its parameter shards, its gradient shards.
+  int64_t parameter_bytes() const;
+  int64_t gradient_bytes() const;
+  /// The layout (units, their parameters and sizes), for the per-step consensus.
+  uint64_t fingerprint() const { return fingerprint_; }
+  size_t num_units() const { return units_.size(); }
+
+  // The autograd hooks (public for the autograd functions in fsdp.cpp).
+  void pre_backward(size_t unit);
+  void post_backward(size_t unit);
+
+ private:
+  struct Unit;
+  void start_gather(Unit& u);
+  void gather(Unit& u);
+  void free(Unit& u);
+  void reduce(Unit& u);
+
+  std::shared_ptr<models::Model> model_;
+  std::shared_ptr<Collectives> coll_;
+  models::NamedTensors params_;
+  std::vector<std::unique_ptr<Unit>> units_;  // units_[i] = block i; the last = the root
+  models::NamedTensors pieces_;
+  uint64_t fingerprint_ = 0;
+  bool held_ = false;  // hold(): every unit gathered, the hooks do nothing
+};
+
+}  // namespace keel::dist
