@@ -6,6 +6,7 @@
   $PY bench/bench.py --validate-pairs 15    # dist.validate = always vs off, paired runs
   $PY bench/bench.py --observe-rounds 5     # TensorBoard and the profiler off vs on
   $PY bench/bench.py --zero-rounds 5        # dist.zero = 0 / 1 / 2 (and PyTorch's ZeroRedundancyOptimizer) on gpt
+  $PY bench/bench.py --fsdp-rounds 5 --worlds 2,3   # dist.zero = 3 beside stage 0, PyTorch DDP and FSDP2 on gpt
   $PY bench/bench.py --baseline /tmp/keel-old --worlds 2   # this build vs another keel binary
   $PY bench/bench.py --inductor             # keel compile.mode = inductor beside eager and torch.compile'd PyTorch
 
@@ -81,15 +82,16 @@ def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="
            "threads": 1, "validate": validate, "compile_mode": s["compile_mode"], "compile_ms": s["compile_ms"],
            "compile_cache": s["compile_cache"], "amp_dtype": s["amp_dtype"], "median_step_ms": s["median_step_ms"],
            "throughput": s["samples_per_s"], "zero": s.get("zero", 0),
-           "optimizer_state_bytes": s.get("optimizer_state_bytes"), "peak_rss_mb": s.get("peak_rss_mb")}
+           "optimizer_state_bytes": s.get("optimizer_state_bytes"), "peak_rss_mb": s.get("peak_rss_mb"),
+           "parameter_bytes": s.get("parameter_bytes"), "gradient_bytes": s.get("gradient_bytes")}
     if "tokens_per_s" in s:
         out["tokens_per_s"] = s["tokens_per_s"]
     return out
 
 
-def run_torch(model, batch, steps, world, compiled=False, zero=False, compile_mode="default"):
+def run_torch(model, batch, steps, world, compiled=False, zero=False, compile_mode="default", fsdp=False):
     cmd = [PY, os.path.join(ROOT, "bench", "torch_ref.py"), "--model", model, "--batch", str(batch),
-           "--steps", str(steps), "--threads", "1"] + (["--compile", "--compile-mode", compile_mode] if compiled else []) + (["--zero"] if zero else [])
+           "--steps", str(steps), "--threads", "1"] + (["--compile", "--compile-mode", compile_mode] if compiled else []) + (["--zero"] if zero else []) + (["--fsdp"] if fsdp else [])
     return json.loads(launch(cmd, world).strip().splitlines()[-1])
 
 
@@ -136,6 +138,9 @@ def main():
     ap.add_argument("--observe-rounds", type=int, default=0,
                     help="instead: N rounds of TensorBoard and profiler off / TensorBoard on / both on (gpt, 2 "
                          "ranks), order rotating: what watching a run costs")
+    ap.add_argument("--fsdp-rounds", type=int, default=0,
+                    help="instead: N rounds of keel dist.zero = 0 and 3, PyTorch DDP and FSDP2 (fully_shard) on gpt "
+                         "at each of --worlds (order rotating); memory held per rank and step time over keel zero=0's")
     ap.add_argument("--zero-rounds", type=int, default=0,
                     help="instead: N rounds of dist.zero = 0, 1, 2 on gpt at each of --worlds (order rotating), "
                          "with PyTorch DDP and ZeroRedundancyOptimizer: optimizer state, peak RSS and step time")
@@ -150,6 +155,8 @@ def main():
         return observe_bench(args)
     if args.zero_rounds:
         return zero_bench(args)
+    if args.fsdp_rounds:
+        return fsdp_bench(args)
     if args.inductor:
         return inductor_bench(args)
     if args.compile:
@@ -281,24 +288,16 @@ def observe_bench(args):
         emit(summary)
 
 
-def zero_bench(args):
-    """dist.zero = 0 / 1 / 2 on gpt (per-rank batch 8, AdamW) at each world size, with PyTorch's
-    DDP and ZeroRedundancyOptimizer (stage 1) as peers: N rounds, the order rotating within each
-    round. Per round, each configuration's step time over keel zero=0's of the same round; per
-    configuration, rank 0's optimizer state and peak RSS. Reports the medians."""
-    worlds = [int(w) for w in args.worlds.split(",")]
-    steps = max(args.steps // 5, 12)
-    b = BATCH["gpt"]
-    configs = {"keel-zero0": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=0"]),
-               "keel-zero1": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=1"]),
-               "keel-zero2": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=2"]),
-               "pytorch": lambda w: run_torch("gpt", b, steps, w),
-               "pytorch-zero1": lambda w: run_torch("gpt", b, steps, w, zero=True)}
+def rounds_on_gpt(args, rounds, suffix, configs, finish):
+    """N rounds of `configs` (name -> run(world)) on gpt at each of --worlds, the order rotating
+    within each round. Emits each round's step times over keel zero=0's, then per world a summary
+    (median step time and its ratio per configuration, peak RSS) that `finish(summary, got)`
+    completes; got[name] = that configuration's runs."""
     names = list(configs)
-    with results("-zero") as emit:
-        for world in worlds:
+    with results(suffix) as emit:
+        for world in [int(w) for w in args.worlds.split(",")]:
             got = {n: [] for n in names}
-            for i in range(args.zero_rounds):
+            for i in range(rounds):
                 order = names[i % len(names):] + names[:i % len(names)]
                 this = {n: configs[n](world) for n in order}
                 for n in names:
@@ -306,20 +305,65 @@ def zero_bench(args):
                 emit({"world": world, "round": i, **{f"{n}_ms": this[n]["median_step_ms"] for n in names},
                       **{f"{n}_over_keel_zero0": this[n]["median_step_ms"] / this["keel-zero0"]["median_step_ms"]
                          for n in names}})
-
-            summary = {"model": "gpt", "world": world, "steps": steps, "rounds": args.zero_rounds, "batch": b}
+            summary = {"model": "gpt", "world": world, "rounds": rounds, "batch": BATCH["gpt"]}
             for n in names:
                 summary[f"{n}_median_step_ms"] = middle([r["median_step_ms"] for r in got[n]])
                 summary[f"{n}_step_time_over_keel_zero0"] = middle(
-                    [got[n][k]["median_step_ms"] / got["keel-zero0"][k]["median_step_ms"] for k in range(args.zero_rounds)])
-                summary[f"{n}_optimizer_state_bytes"] = got[n][0]["optimizer_state_bytes"]
+                    [got[n][k]["median_step_ms"] / got["keel-zero0"][k]["median_step_ms"] for k in range(rounds)])
                 summary[f"{n}_peak_rss_mb"] = middle([r["peak_rss_mb"] for r in got[n]])
-            for n in ("keel-zero1", "keel-zero2"):
-                summary[f"{n}_state_over_zero0"] = (summary[f"{n}_optimizer_state_bytes"] /
-                                                    summary["keel-zero0_optimizer_state_bytes"])
-            summary["pytorch-zero1_state_over_ddp"] = (summary["pytorch-zero1_optimizer_state_bytes"] /
-                                                       summary["pytorch_optimizer_state_bytes"])
+            finish(summary, got)
             emit(summary)
+
+
+def zero_bench(args):
+    """dist.zero = 0 / 1 / 2 on gpt (per-rank batch 8, AdamW) at each world size, with PyTorch's
+    DDP and ZeroRedundancyOptimizer (stage 1) as peers: N rounds, the order rotating within each
+    round. Per round, each configuration's step time over keel zero=0's of the same round; per
+    configuration, rank 0's optimizer state and peak RSS. Reports the medians."""
+    steps = max(args.steps // 5, 12)
+    b = BATCH["gpt"]
+    configs = {"keel-zero0": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=0"]),
+               "keel-zero1": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=1"]),
+               "keel-zero2": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=2"]),
+               "pytorch": lambda w: run_torch("gpt", b, steps, w),
+               "pytorch-zero1": lambda w: run_torch("gpt", b, steps, w, zero=True)}
+
+    def finish(summary, got):
+        summary["steps"] = steps
+        for n in got:
+            summary[f"{n}_optimizer_state_bytes"] = got[n][0]["optimizer_state_bytes"]
+        for n in ("keel-zero1", "keel-zero2"):
+            summary[f"{n}_state_over_zero0"] = (summary[f"{n}_optimizer_state_bytes"] /
+                                                summary["keel-zero0_optimizer_state_bytes"])
+        summary["pytorch-zero1_state_over_ddp"] = (summary["pytorch-zero1_optimizer_state_bytes"] /
+                                                   summary["pytorch_optimizer_state_bytes"])
+
+    rounds_on_gpt(args, args.zero_rounds, "-zero", configs, finish)
+
+
+def held(run):
+    """Parameters + gradients + optimizer state a rank holds after the last step (bytes)."""
+    return run["parameter_bytes"] + run["gradient_bytes"] + run["optimizer_state_bytes"]
+
+
+def fsdp_bench(args):
+    """dist.zero = 3 on gpt (per-rank batch 8, AdamW) beside keel's stage 0, PyTorch's DDP and
+    PyTorch's FSDP2 (fully_shard per block, then the root), N rounds with the order rotating.
+    Per round each step time over keel zero=0's; per configuration rank 0's held bytes."""
+    steps = max(args.steps // 5, 12)
+    b = BATCH["gpt"]
+    configs = {"keel-zero0": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=0"]),
+               "keel-zero3": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=3"]),
+               "pytorch": lambda w: run_torch("gpt", b, steps, w),
+               "pytorch-fsdp2": lambda w: run_torch("gpt", b, steps, w, fsdp=True)}
+
+    def finish(summary, got):
+        summary["steps"] = steps
+        for n in got:
+            summary[f"{n}_held_bytes"] = held(got[n][0])
+            summary[f"{n}_held_over_keel_zero0"] = held(got[n][0]) / held(got["keel-zero0"][0])
+
+    rounds_on_gpt(args, args.fsdp_rounds, "-fsdp", configs, finish)
 
 
 @contextlib.contextmanager

@@ -8,11 +8,14 @@ first 5 steps).
   ... --device cuda        # on the GPU (DDP over NCCL under torchrun)
   ... --fused              # torch.optim.AdamW(fused=True) instead of PyTorch's default implementation
   ... --zero               # torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO stage 1) over AdamW
+  ... --fsdp               # FSDP2: fully_shard on each block (gpt's h.N, mlp's layers), then the root
 
 Prints one JSON line. Under a launcher (WORLD_SIZE > 1, or MASTER_ADDR set) the model is
 wrapped in DistributedDataParallel (Gloo on CPU, NCCL on CUDA) and each rank uses --batch
 samples per step. compile_ms is the time of the first step (Inductor compiles there).
-optimizer_state_bytes is the optimizer state this rank holds; peak_rss_mb its peak resident set.
+optimizer_state_bytes is the optimizer state this rank holds; peak_rss_mb its peak resident set;
+parameter_bytes and gradient_bytes the parameters and gradients it holds after the last step
+(with --fsdp, its local shards).
 """
 import argparse
 import json
@@ -44,6 +47,8 @@ def main():
                     help="torch.optim.AdamW(fused=True): one kernel for all parameters (default: PyTorch's default "
                          "implementation, the for-loop on CPU and foreach on CUDA)")
     ap.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: the AdamW state partitioned across ranks")
+    ap.add_argument("--fsdp", action="store_true",
+                    help="FSDP2 (torch.distributed.fsdp.fully_shard) per block and at the root, instead of DDP")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
@@ -72,8 +77,15 @@ def main():
     if world > 1 or "MASTER_ADDR" in os.environ:
         import torch.distributed as dist
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
-        model = torch.nn.parallel.DistributedDataParallel(
-            model, device_ids=[local_rank] if device.type == "cuda" else None)
+        if args.fsdp:
+            from torch.distributed.fsdp import fully_shard
+            blocks = model.h if hasattr(model, "h") else getattr(model, "fc", [])
+            for block in blocks:
+                fully_shard(block)
+            fully_shard(model)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[local_rank] if device.type == "cuda" else None)
     if args.zero and (world > 1 or "MASTER_ADDR" in os.environ):
         from torch.distributed.optim import ZeroRedundancyOptimizer
         opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, lr=args.lr)
@@ -100,13 +112,20 @@ def main():
         times.append((time.perf_counter() - t0) * 1000.0)
     med = statistics.median(times[5:] if len(times) > 5 else times)
     local = opt.optim if hasattr(opt, "optim") else opt  # ZeroRedundancyOptimizer's own partition
-    state_bytes = sum(t.numel() * t.element_size() for st in local.state.values() for t in st.values()
-                      if torch.is_tensor(t))
+
+    def held(t):  # a DTensor's local shard (FSDP2), else the tensor
+        t = t.to_local() if hasattr(t, "to_local") else t
+        return t.numel() * t.element_size()
+
+    state_bytes = sum(held(t) for st in local.state.values() for t in st.values() if torch.is_tensor(t))
+    param_bytes = sum(held(p) for p in model.parameters())
+    grad_bytes = sum(held(p.grad) for p in model.parameters() if p.grad is not None)
     if rank == 0:
         out = {"impl": "pytorch-compile" if args.compile else "pytorch", "torch": torch.__version__,
                "model": args.model, "world": world, "device": device.type, "compile_ms": times[0],
                "batch": args.batch, "threads": args.threads, "median_step_ms": med,
                "throughput": world * args.batch * 1000.0 / med, "optimizer_state_bytes": state_bytes,
+               "parameter_bytes": param_bytes, "gradient_bytes": grad_bytes,
                "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
         if args.compile and args.compile_mode != "default":
             out["impl"] += "-" + args.compile_mode
@@ -114,6 +133,8 @@ def main():
             out["impl"] += "-fused"
         if args.zero:
             out["impl"] += "-zero1"
+        if args.fsdp:
+            out["impl"] += "-fsdp2"
         if tokens_per_sample:
             out["tokens_per_s"] = out["throughput"] * tokens_per_sample
         print(json.dumps(out), flush=True)

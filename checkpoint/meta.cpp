@@ -62,8 +62,8 @@ nlohmann::json parse_meta(const std::string& text, const std::string& path, cons
     const int64_t world = meta["world_size"].get<int64_t>();
     if (!o.is_object()) throw FormatError(path + ": \"optimizer\" is not an object");
     const auto zero = o.value("zero", nlohmann::json());
-    if (!zero.is_number_integer() || zero.get<int64_t>() < 0 || zero.get<int64_t>() > 2)
-      throw FormatError(path + ": \"optimizer.zero\" must be 0, 1 or 2, got " + zero.dump());
+    if (!zero.is_number_integer() || zero.get<int64_t>() < 0 || zero.get<int64_t>() > 3)
+      throw FormatError(path + ": \"optimizer.zero\" must be 0, 1, 2 or 3, got " + zero.dump());
     // The optimizer's fields and which parameters have them (checkpoint::State::optimizer_fields).
     if (o.contains("fields") != o.contains("state"))
       throw FormatError(path + ": \"optimizer\" has one of \"fields\" and \"state\" without the other");

@@ -25,7 +25,7 @@ bool plain_name(const std::string& name);
 /// meta.json's text, checked: format "keel-checkpoint" version 1; "step" an integer >= 0 that
 /// equals N when `dir_name` is "step_<N>"; "world_size" in [1, min(2^18, files / 2)]; "files"
 /// an object of plain names, each with a string "sha256" and an unsigned "bytes"; "optimizer",
-/// when present, an object with "zero" in [0, 2] and "owners" mapping names to ranks < world. `path` names
+/// when present, an object with "zero" in [0, 3] and "owners" mapping names to ranks < world. `path` names
 /// the file in messages. Throws FormatError.
 nlohmann::json parse_meta(const std::string& text, const std::string& path, const std::string& dir_name);
 

@@ -217,8 +217,8 @@ torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
 void DataParallel::hold_parameters() {
   if (fsdp_) fsdp_->hold();
 }
-void DataParallel::release_parameters() {
-  if (fsdp_) fsdp_->reshard();
+void DataParallel::release_parameters(bool changed) {
+  if (fsdp_) fsdp_->reshard(changed);
 }
 int64_t DataParallel::sharded_parameter_bytes() const { return fsdp_ ? fsdp_->parameter_bytes() : -1; }
 int64_t DataParallel::sharded_gradient_bytes() const { return fsdp_ ? fsdp_->gradient_bytes() : -1; }

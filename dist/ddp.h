@@ -74,7 +74,10 @@ class DataParallel {
   /// dist.zero = 3 (dist/fsdp.h; else no-ops): every parameter gathered into the model and kept
   /// there until release_parameters() (collective), and the bytes this rank holds at rest.
   void hold_parameters();
-  void release_parameters();
+  void release_parameters(bool changed = false);
+  /// dist.zero = 3: FullyShard's conversions of optimizer state between this rank's pieces and
+  /// whole parameters (null otherwise; see dist/fsdp.h).
+  FullyShard* fully_shard() const { return fsdp_.get(); }
   int64_t sharded_parameter_bytes() const;
   int64_t sharded_gradient_bytes() const;
   /// Clips the owned gradients to a global L2 norm of `max_norm` and returns the norm before

@@ -126,6 +126,8 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
       piece.set_requires_grad(true);
       piece.mutable_grad() = u.shard_grad.narrow(0, lo - rank * u.shard, hi - lo);
       pieces_.emplace_back(params_[u.params[k]].first, piece);
+      piece_at_.push_back({u.params[k], static_cast<size_t>(&up - units_.data()), lo - u.offsets[k],
+                           lo - rank * u.shard, end - u.offsets[k]});
     }
   }
   fingerprint_ = dist::fingerprint(words);
@@ -246,9 +248,90 @@ void FullyShard::hold() {
   held_ = true;
 }
 
-void FullyShard::reshard() {
+void FullyShard::reshard(bool changed) {
+  if (changed) {
+    torch::NoGradGuard ng;
+    for (auto& u : units_)
+      if (u->gathered) u->shard_data.copy_(u->full.narrow(0, coll_->rank() * u->shard, u->shard));
+  }
   held_ = false;
   for (auto& u : units_) free(*u);
+}
+
+models::NamedTensors FullyShard::whole_state(const models::NamedTensors& piece_state,
+                                             const std::map<std::string, std::string>& fields,
+                                             const std::vector<int64_t>& owner) {
+  std::map<std::string, torch::Tensor> mine(piece_state.begin(), piece_state.end());
+  std::vector<std::string> scalars, tensors;
+  for (const auto& [f, kind] : fields) (kind == "scalar" ? scalars : tensors).push_back(f);
+  // Per parameter: whether any rank has its state, then each scalar (the same on every rank
+  // that has a piece; -1 where a rank has none), in one all-reduce (max).
+  const auto P = static_cast<int64_t>(params_.size()), S = static_cast<int64_t>(scalars.size());
+  auto table = torch::full({P * (1 + S)}, int64_t{-1}, torch::kLong);
+  auto* t = table.data_ptr<int64_t>();
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const auto& name = pieces_[i].first;
+    const auto p = static_cast<int64_t>(piece_at_[i].param);
+    bool any = false;
+    for (const auto& f : tensors) any |= mine.count(name + "." + f) != 0;
+    for (int64_t s = 0; s < S; ++s)
+      if (auto it = mine.find(name + "." + scalars[static_cast<size_t>(s)]); it != mine.end())
+        t[P * (1 + s) + p] = it->second.item<int64_t>(), any = true;
+    if (any) t[p] = 1;
+  }
+  coll_->all_reduce(table, ReduceOp::Max, "ZeRO-3 checkpoint: optimizer state presence");
+  t = table.data_ptr<int64_t>();
+  models::NamedTensors out;
+  torch::NoGradGuard ng;
+  for (const auto& up : units_) {
+    const Unit& u = *up;
+    if (u.params.empty()) continue;
+    for (const auto& f : tensors) {
+      auto shard = torch::zeros_like(u.shard_data);
+      for (size_t i = 0; i < pieces_.size(); ++i)
+        if (units_[piece_at_[i].unit].get() == &u)
+          if (auto it = mine.find(pieces_[i].first + "." + f); it != mine.end())
+            shard.narrow(0, piece_at_[i].in_shard, it->second.numel()).copy_(it->second.reshape({-1}));
+      auto full = torch::empty({u.shard * coll_->size()}, shard.options());
+      coll_->start_all_gather_into(full, shard, "ZeRO-3 checkpoint: optimizer state all-gather").wait();
+      for (size_t k = 0; k < u.params.size(); ++k) {
+        const size_t i = u.params[k];
+        if (owner[i] != coll_->rank() || t[i] < 0) continue;
+        const int64_t n = c10::multiply_integers(u.shapes[k]);
+        out.emplace_back(params_[i].first + "." + f, full.narrow(0, u.offsets[k], n).view(u.shapes[k]).clone());
+      }
+    }
+    for (size_t k = 0; k < u.params.size(); ++k) {
+      const size_t i = u.params[k];
+      if (owner[i] != coll_->rank() || t[i] < 0) continue;
+      for (int64_t s = 0; s < S; ++s)
+        if (t[P * (1 + s) + static_cast<int64_t>(i)] >= 0)
+          out.emplace_back(params_[i].first + "." + scalars[static_cast<size_t>(s)],
+                           torch::tensor(t[P * (1 + s) + static_cast<int64_t>(i)], torch::kLong));
+    }
+  }
+  return out;
+}
+
+models::NamedTensors FullyShard::piece_state(const models::NamedTensors& whole_state) const {
+  std::map<std::string, size_t> piece_of;
+  for (size_t i = 0; i < pieces_.size(); ++i) piece_of[pieces_[i].first] = i;
+  models::NamedTensors out;
+  for (const auto& [name, t] : whole_state) {
+    const size_t dot = name.find_last_of('.');
+    const auto it = dot == std::string::npos ? piece_of.end() : piece_of.find(name.substr(0, dot));
+    if (it == piece_of.end()) {
+      out.emplace_back(name, t);
+      continue;
+    }
+    const auto& at = piece_at_[it->second];
+    if (t.dim() == 0 || t.numel() != at.param_numel) {  // a scalar, or a tensor the loader will name
+      out.emplace_back(name, t);
+      continue;
+    }
+    out.emplace_back(name, t.reshape({-1}).narrow(0, at.in_param, pieces_[it->second].second.numel()).clone());
+  }
+  return out;
 }
 
 int64_t FullyShard::parameter_bytes() const {

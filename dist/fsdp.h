@@ -26,6 +26,7 @@
 
 #include <torch/torch.h>
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -49,9 +50,22 @@ class FullyShard final : public models::BlockHooks {
   /// After each micro-batch's loss.backward().
   void after_backward();
   /// Gathers every unit into the model's parameters and keeps them there (evaluation, whose
-  /// ranks run different numbers of batches; the end of training) until reshard().
+  /// ranks run different numbers of batches; a checkpoint; the end of training) until
+  /// reshard(). `changed`: the parameters were written meanwhile (a resume), so each rank first
+  /// takes its shard from them.
   void hold();
-  void reshard();
+  void reshard(bool changed = false);
+
+  /// Checkpoints (collective). `piece_state`: the optimizer state of this rank's pieces
+  /// ("<parameter>.<field>"; `fields` maps each field to "param", shaped like the piece, or
+  /// "scalar", an int64 count); returns the whole-parameter state of the parameters `owner`
+  /// gives this rank (owner[i]: parameter i's rank, model order), one all-gather per unit and
+  /// field, and one all-reduce of the scalars.
+  models::NamedTensors whole_state(const models::NamedTensors& piece_state,
+                                   const std::map<std::string, std::string>& fields, const std::vector<int64_t>& owner);
+  /// The reverse, local: whole-parameter state -> this rank's pieces of it (a tensor whose size
+  /// is not its parameter's is passed on as it is, for the loader to name).
+  models::NamedTensors piece_state(const models::NamedTensors& whole_state) const;
 
   /// The elements of each parameter this rank owns (model order; parameters without any left
   /// out): 1-D leaves over this rank's shard, each with its gradient over the gradient shard.
@@ -79,6 +93,12 @@ class FullyShard final : public models::BlockHooks {
   models::NamedTensors params_;
   std::vector<std::unique_ptr<Unit>> units_;  // units_[i] = block i; the last = the root
   models::NamedTensors pieces_;
+  struct PieceAt {
+    size_t param, unit;
+    int64_t in_param, in_shard;  // where its first element is in the parameter and in the shard
+    int64_t param_numel;
+  };
+  std::vector<PieceAt> piece_at_;  // parallel to pieces_
   uint64_t fingerprint_ = 0;
   bool held_ = false;  // hold(): every unit gathered, the hooks do nothing
 };

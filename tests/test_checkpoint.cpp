@@ -533,6 +533,7 @@ void sigkill_resume_case(const std::string& zero) {
 TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdentically) { sigkill_resume_case("0"); }
 TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdenticallyWithZero1) { sigkill_resume_case("1"); }
 TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdenticallyWithZero2) { sigkill_resume_case("2"); }
+TEST(CheckpointResume, SigkillUnderTorchrunResumesBitIdenticallyWithZero3) { sigkill_resume_case("3"); }
 
 // The loss scaler's state (scale and growth tracker) is part of the checkpoint: with growth
 // every 4 clean steps and a skipped step 3, the scale is 32768 after step 3, grows at steps 7,

@@ -178,7 +178,7 @@ TEST(FaultCollectiveHang, PeersTimeOutNamingTheCollectiveAndTheMissingRank) {
   std::printf("collective_hang, dist.timeout_s = 6: both ranks ended %.1f s after launch\n", s);
 }
 
-// `zero`: dist.zero of the run (the faults tests run at 0, 1 and 2).
+// `zero`: dist.zero of the run (the faults tests run at 0, 1, 2 and 3).
 void crash_case(const std::string& zero) {
   TempDir d;
   const auto t0 = std::chrono::steady_clock::now();
@@ -196,6 +196,7 @@ void crash_case(const std::string& zero) {
 TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRank) { crash_case("0"); }
 TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRankWithZero1) { crash_case("1"); }
 TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRankWithZero2) { crash_case("2"); }
+TEST(FaultCrash, PeersExitPromptlyNamingTheDeadRankWithZero3) { crash_case("3"); }
 
 TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
   TempDir d;
@@ -412,6 +413,7 @@ void corruption_case(const std::string& zero) {
 TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsed) { corruption_case("0"); }
 TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsedWithZero1) { corruption_case("1"); }
 TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsedWithZero2) { corruption_case("2"); }
+TEST(FaultCheckpointCorruption, DetectedOnLoadAndThePreviousStepIsUsedWithZero3) { corruption_case("3"); }
 
 // With dist.zero >= 1 at the same world size each rank reads only its own optimizer file: a
 // damaged one is found by its owner alone, and still every rank falls back together.
@@ -457,6 +459,7 @@ void write_failure_case(const std::string& zero) {
 TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecovers) { write_failure_case("0"); }
 TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecoversWithZero1) { write_failure_case("1"); }
 TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecoversWithZero2) { write_failure_case("2"); }
+TEST(FaultCheckpointWriteFailure, CrashDuringASaveCommitsNothingAndTheJobRecoversWithZero3) { write_failure_case("3"); }
 
 // The chaos test: a 2-rank torchrun job with restarts, in which a rank is SIGKILLed at three
 // random steps (one per restart, random ranks, async checkpoints every 4 steps): its final

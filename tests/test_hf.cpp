@@ -196,6 +196,7 @@ TEST(HfModels, ExportedStepsLoadInTransformersWithKeelsLogits) {
   const std::vector<Trained> runs = {{"gpt2, 1 rank", gpt2, 1, 0},
                                      {"gpt2, 2 ranks, zero 1", gpt2, 2, 1},
                                      {"llama, 2 ranks, zero 2", llama, 2, 2},
+                                     {"llama, 3 ranks, zero 3", llama, 3, 3},
                                      {"llama, 2 ranks, zero 0, bf16", llama, 2, 0, "bf16"}};
   for (const auto& run : runs) {
     TempDir d;

@@ -237,7 +237,6 @@ TEST(Zero3, WhatItDoesNotServeYetIsRefusedByName) {
     a.push_back(extra);
     return run_keel(a);
   };
-  expect_input_error(with("--checkpoint.dir=" + d.file("ckpt")), "checkpoint.dir");
   expect_input_error(with("--compile.mode=trace"), "compile.mode = \"trace\"");
   expect_input_error(with("--dist.comm_hook=bf16"), "dist.comm_hook");
 }

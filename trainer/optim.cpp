@@ -511,6 +511,7 @@ void OptimizerState::save(checkpoint::State& state) const {
   state.optimizer_owners = owners_;
   state.zero = zero_;
   state.optimizer_fields = optimizer_fields(*opt_, codec_);
+  if (resharding_) state.optimizer = resharding_.whole(state.optimizer, state.optimizer_fields);
   state.optimizer_params.clear();
   if (owners_.empty())
     for (const auto& [n, p] : params_) state.optimizer_params.push_back(n);
@@ -534,7 +535,7 @@ std::string OptimizerState::check(const checkpoint::Loaded& loaded) const {
   if (loaded.meta.value("optimizer", nlohmann::json::object()).contains("fields")) return "";
   std::map<std::string, const torch::Tensor*> params;
   for (const auto& [n, p] : params_) params[n] = &p;
-  for (const auto& [n, t] : loaded.state.optimizer) {
+  for (const auto& [n, t] : resharding_ ? resharding_.pieces(loaded.state.optimizer) : loaded.state.optimizer) {
     const size_t dot = n.find_last_of('.');
     const auto p = dot == std::string::npos ? params.end() : params.find(n.substr(0, dot));
     if (p == params.end()) continue;  // another model's or optimizer's: load() says so (exit 2)
@@ -577,7 +578,8 @@ void OptimizerState::load(const checkpoint::Loaded& loaded) {
                      "\" would read it as its own; resume with train.optimizer = \"" + saved +
                      "\", or start another run (another checkpoint.dir)");
   try {
-    load_optimizer_state(*opt_, params_, loaded.state.optimizer, codec_);
+    load_optimizer_state(*opt_, params_,
+                         resharding_ ? resharding_.pieces(loaded.state.optimizer) : loaded.state.optimizer, codec_);
   } catch (const std::runtime_error& e) {
     throw InputError(loaded.path +
                      ": the optimizer state does not fit this run (train.optimizer or the model "

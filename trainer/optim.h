@@ -8,6 +8,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -135,6 +136,16 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
 /// momentum_buffer; a registered optimizer's from its codec.
 std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt, const OptimizerCodec& codec = {});
 
+/// dist.zero = 3: the optimizer steps this rank's pieces of the parameters (1-D, a parameter's
+/// elements split between ranks); a checkpoint holds whole parameters' state (dist/fsdp.h).
+struct PieceResharding {
+  /// Collective: the pieces' state -> the whole state of the parameters this rank writes.
+  std::function<NamedTensorList(const NamedTensorList&, const std::map<std::string, std::string>& fields)> whole;
+  /// Local: whole parameters' state -> this rank's pieces of it.
+  std::function<NamedTensorList(const NamedTensorList&)> pieces;
+  explicit operator bool() const { return static_cast<bool>(whole); }
+};
+
 /// The optimizer's part of a checkpoint (State::optimizer), as above.
 class OptimizerState : public checkpoint::Stateful {
  public:
@@ -142,8 +153,14 @@ class OptimizerState : public checkpoint::Stateful {
   /// dist.zero >= 1, `params` are this rank's own and `owners` names the owner rank of every
   /// parameter of the model (checkpoint::State::optimizer_owners); empty: replicated.
   OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params,
-                 std::vector<std::pair<std::string, int64_t>> owners = {}, int64_t zero = 0, OptimizerCodec codec = {})
-      : opt_(&opt), params_(std::move(params)), owners_(std::move(owners)), zero_(zero), codec_(std::move(codec)) {
+                 std::vector<std::pair<std::string, int64_t>> owners = {}, int64_t zero = 0, OptimizerCodec codec = {},
+                 PieceResharding resharding = {})
+      : opt_(&opt),
+        params_(std::move(params)),
+        owners_(std::move(owners)),
+        zero_(zero),
+        codec_(std::move(codec)),
+        resharding_(std::move(resharding)) {
     for (const auto& [n, p] : params_) names_.insert(n);
   }
   void save(checkpoint::State& state) const override;
@@ -168,6 +185,7 @@ class OptimizerState : public checkpoint::Stateful {
   int64_t zero_ = 0;
   std::unordered_set<std::string> names_;
   OptimizerCodec codec_;
+  PieceResharding resharding_;
 };
 
 }  // namespace keel

@@ -34,6 +34,7 @@
 #include "common/host_copy.h"
 #include "common/log.h"
 #include "common/registry.h"
+#include "dist/fsdp.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 #include "keel/trainer/data/data.h"
@@ -300,6 +301,7 @@ class Trainer::Loop {
   std::shared_ptr<models::Model> build_model_on_every_rank(std::optional<models::InputKind> data_kind);
   void compile_and_distribute();
   void build_optimizer();
+  PieceResharding piece_resharding() const;
   void build_checkpointing();
   void resume();
   void open_outputs();
@@ -574,8 +576,8 @@ void Trainer::Loop::build_optimizer() {
   // With dist.zero >= 1 the checkpoint records who owns each parameter's state; else replicated.
   optimizer_state_ = std::make_unique<OptimizerState>(
       *optimizer_, owned_named_,
-      dmodel_->zero() == 1 || dmodel_->zero() == 2 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{},
-      dmodel_->zero(), optimizer_choice_->codec());
+      dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{}, dmodel_->zero(),
+      optimizer_choice_->codec(), piece_resharding());
   schedule_.emplace(cfg_.train, progress_.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
@@ -585,6 +587,19 @@ void Trainer::Loop::build_optimizer() {
     throw InputError("dist.consensus = \"late\" needs a fused optimizer (train.fused_optimizer = true)");
   late_ = fused_ &&
           (mode == Consensus::Late || (mode == Consensus::Auto && device_.is_cuda() && group_->backend() == "nccl"));
+}
+
+// dist.zero = 3: the optimizer state moves between this rank's pieces and whole parameters,
+// written by their owner (the stage-1 partition), so that any world size and stage resumes it.
+PieceResharding Trainer::Loop::piece_resharding() const {
+  dist::FullyShard* fs = dmodel_->fully_shard();
+  if (!fs) return {};
+  std::vector<int64_t> owner;
+  for (const auto& [n, r] : dmodel_->owners()) owner.push_back(r);
+  return {[fs, owner](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
+            return fs->whole_state(s, fields, owner);
+          },
+          [fs](const NamedTensorList& s) { return fs->piece_state(s); }};
 }
 
 // Every component registers its own part of a checkpoint (checkpoint/stateful.h).
@@ -637,7 +652,9 @@ void Trainer::Loop::resume() {
     logging::info("checkpoint: no committed step under {}; starting fresh", cfg_.checkpoint.dir);
     return;
   }
+  dmodel_->hold_parameters();  // dist.zero = 3: loaded whole, then each rank keeps its shard
   state_.load(*loaded);
+  dmodel_->release_parameters(/*changed=*/true);
   resumed_from_ = loaded->step;
   logging::info("resumed from {} (step {} of {})", loaded->path, loaded->step, progress_.total_steps);
 }
@@ -1038,7 +1055,11 @@ void Trainer::Loop::maybe_checkpoint(int64_t step) {
 
 void Trainer::Loop::save_checkpoint(int64_t step) {
   dmodel_->sync_buffers();  // the buffers saved are rank 0's, whichever rank writes them
+  // dist.zero = 3: the whole model while the state is taken (each rank writes its share of the
+  // model files, as at stage 0; the optimizer state becomes whole parameters', by owner).
+  dmodel_->hold_parameters();
   ckpt_->save(step, state_.save());
+  dmodel_->release_parameters();
   checkpoint_stall_ms_ += ckpt_->last_save_blocking_ms();
   notify_checkpoint();
 }

@@ -113,7 +113,9 @@ class DistributedModel {
   /// (collective; evaluation and the end of training), and the shards this rank holds at rest
   /// (-1 unless dist.zero = 3).
   void hold_parameters() { ddp_->hold_parameters(); }
-  void release_parameters() { ddp_->release_parameters(); }
+  /// `changed`: the held parameters were written (a resume): each rank keeps its shard of them.
+  void release_parameters(bool changed = false) { ddp_->release_parameters(changed); }
+  dist::FullyShard* fully_shard() const { return ddp_->fully_shard(); }
   int64_t sharded_parameter_bytes() const { return ddp_->sharded_parameter_bytes(); }
   int64_t sharded_gradient_bytes() const { return ddp_->sharded_gradient_bytes(); }
   /// compile.mode = "inductor": the loaded package (null when the step runs eager).

@@ -408,10 +408,6 @@ void validate_data(const DataConfig& data) {
 static void validate_zero3(const Config& cfg) {
   if (cfg.dist.zero != 3) return;
   auto fail = [](const std::string& m) { throw InputError("config: dist.zero = 3 " + m); };
-  if (!cfg.checkpoint.dir.empty())
-    fail(
-        "does not write checkpoints in this version (each rank's shards; issue 27): set checkpoint.dir = \"\", or "
-        "dist.zero = 2");
   if (cfg.compile.mode != CompileMode::Off)
     fail(std::string("gathers each block's parameters around it, which compile.mode = \"") +
          choice_name(kCompileModes, cfg.compile.mode) +
