@@ -49,6 +49,9 @@ struct Collectives::Desc {
   int64_t root = -1, device = 0, numel = 0, seq = 0, step = 0, extra = 0;
   const char* what = "";
   bool validation = false;  // the cross-rank check that runs before the collective `what`
+  // NCCL, a collective whose result stays on the device (start_*): wait() makes the current
+  // stream wait for it instead of blocking the host (failures: the NCCL watchdog's timeout).
+  bool stream_wait = false;
 
   std::vector<int64_t> words() const {
     std::vector<int64_t> w = {op, reduce, dtype, ndim};
@@ -271,7 +274,10 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
   const auto t0 = std::chrono::steady_clock::now();
   try {
     // dist.timeout_s bounds the whole failure: the wait, then the grace to name missing ranks.
-    w->wait(group_->timeout() - report_grace());
+    if (d.stream_wait)
+      w->wait();
+    else
+      w->wait(group_->timeout() - report_grace());
   } catch (const std::exception& e) {
     throw failure(std::string(d.validation ? "validation of " : "") + d.what + ": " + describe(d), e.what());
   }
@@ -392,6 +398,7 @@ Collectives::Started Collectives::start_all_gather_into(const torch::Tensor& ful
   c10::intrusive_ptr<c10d::Work> work;
   auto flat_full = full.view({-1}), flat_shard = shard.view({-1});
   if (group_->backend() == "nccl") {
+    d.stream_wait = true;
     work = group_->pg()->_allgather_base(flat_full, flat_shard);
   } else {  // Gloo: the list form (its flat form is not on every version), chunks of `full`
     std::vector<std::vector<at::Tensor>> outs{flat_full.chunk(size())};
@@ -420,6 +427,7 @@ Collectives::Started Collectives::start_reduce_scatter(const torch::Tensor& shar
   c10::intrusive_ptr<c10d::Work> work;
   auto flat_full = full.view({-1}), flat_shard = shard.view({-1});
   if (group_->backend() == "nccl") {
+    d.stream_wait = true;
     work = group_->pg()->_reduce_scatter_base(flat_shard, flat_full);
   } else {
     std::vector<at::Tensor> out{flat_shard};

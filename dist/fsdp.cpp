@@ -98,6 +98,11 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     u.numel += t.numel();
   }
   const int64_t world = coll_->size(), rank = coll_->rank();
+  if (!params_.empty() && coll_->group()->pg() && params_.front().second.device() != coll_->group()->comm_device())
+    throw InputError("dist.zero = 3 gathers and reduce-scatters the parameters on their device (" +
+                     params_.front().second.device().str() + "), and the process group (dist.backend = \"" +
+                     coll_->group()->backend() + "\") moves tensors on " + coll_->group()->comm_device().str() +
+                     ": use dist.backend = \"nccl\" for a GPU, or dist.zero <= 2");
   std::vector<int64_t> words = {-13, static_cast<int64_t>(units_.size())};
   torch::NoGradGuard ng;
   for (auto& up : units_) {
@@ -168,17 +173,34 @@ void FullyShard::free(Unit& u) {
   u.gathered = false;
 }
 
+void FullyShard::finish_reduce(Unit& u) {
+  if (!u.scattering) return;
+  u.scattering.wait();
+  torch::NoGradGuard ng;
+  u.shard_grad.add_(u.grad_out);
+  u.grad_full = u.grad_out = torch::Tensor();
+}
+
 void FullyShard::reduce(Unit& u) {
   if (u.reduced || u.params.empty()) return;
   u.reduced = true;
+  // One reduce-scatter in flight at a time: the previous block's full gradients are freed
+  // before this one's are copied, so a rank never holds more than two blocks' of them.
+  for (auto& other : units_) finish_reduce(*other);
   torch::NoGradGuard ng;
-  u.grad_full = torch::zeros({u.full.numel()}, u.shard_data.options());
+  u.grad_full = torch::empty({u.full.numel()}, u.shard_data.options());
   for (size_t k = 0; k < u.params.size(); ++k) {
     auto& p = params_[u.params[k]].second;
     const auto& g = p.grad();
-    if (g.defined()) u.grad_full.narrow(0, u.offsets[k], g.numel()).copy_(g.reshape({-1}));
+    const int64_t end = k + 1 < u.params.size() ? u.offsets[k + 1] : u.numel;
+    auto to = u.grad_full.narrow(0, u.offsets[k], end - u.offsets[k]);
+    if (g.defined())
+      to.copy_(g.reshape({-1}));
+    else
+      to.zero_();                        // not used in this micro-batch
     p.mutable_grad() = torch::Tensor();  // the full gradient is freed
   }
+  if (u.full.numel() > u.numel) u.grad_full.narrow(0, u.numel, u.full.numel() - u.numel).zero_();
   u.grad_full.div_(static_cast<double>(coll_->size()));  // an average, as DDP's all-reduce
   u.grad_out = torch::empty_like(u.shard_data);
   u.scattering = coll_->start_reduce_scatter(u.grad_out, u.grad_full, "ZeRO-3 gradient reduce-scatter");
@@ -233,14 +255,7 @@ void FullyShard::after_backward() {
     if (!late.empty() || up.get() == units_.back().get()) reduce(*up);
     free(*up);
   }
-  torch::NoGradGuard ng;
-  for (auto& up : units_) {
-    Unit& u = *up;
-    if (!u.scattering) continue;
-    u.scattering.wait();
-    u.shard_grad.add_(u.grad_out);
-    u.grad_full = u.grad_out = torch::Tensor();
-  }
+  for (auto& up : units_) finish_reduce(*up);
 }
 
 void FullyShard::hold() {
@@ -325,7 +340,8 @@ models::NamedTensors FullyShard::piece_state(const models::NamedTensors& whole_s
       continue;
     }
     const auto& at = piece_at_[it->second];
-    if (t.dim() == 0 || t.numel() != at.param_numel) {  // a scalar, or a tensor the loader will name
+    if ((t.dim() == 0 && !t.is_floating_point()) ||
+        t.numel() != at.param_numel) {  // a scalar, or a tensor the loader will name
       out.emplace_back(name, t);
       continue;
     }

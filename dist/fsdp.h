@@ -87,6 +87,7 @@ class FullyShard final : public models::BlockHooks {
   void gather(Unit& u);
   void free(Unit& u);
   void reduce(Unit& u);
+  void finish_reduce(Unit& u);  // waits for its reduce-scatter and adds the sums into its shard
 
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
