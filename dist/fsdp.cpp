@@ -61,7 +61,8 @@ struct FullyShard::Unit {
   std::vector<int64_t> offsets;              // each one's first element in the flat buffer
   std::vector<std::vector<int64_t>> shapes;  // each one's shape
   int64_t numel = 0, shard = 0;              // the parameters' elements; a rank's share of the padded buffer
-  torch::Tensor full;                        // world x shard elements; no memory unless gathered or gathering
+  int64_t numel_of(size_t k) const { return (k + 1 < params.size() ? offsets[k + 1] : numel) - offsets[k]; }
+  torch::Tensor full;  // world x shard elements; no memory unless gathered or gathering
   torch::Tensor shard_data, shard_grad;
   torch::Tensor placeholder;  // 0 elements: what each parameter is while not gathered
   Collectives::Started gathering;
@@ -124,7 +125,7 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     for (size_t i : u.params) params_[i].second.set_data(u.placeholder);  // the replicated copy is freed here
     // The pieces: this rank's elements of each parameter, [offset, offset + numel) within its shard.
     for (size_t k = 0; k < u.params.size(); ++k) {
-      const int64_t end = k + 1 < u.params.size() ? u.offsets[k + 1] : u.numel;
+      const int64_t end = u.offsets[k] + u.numel_of(k);
       const int64_t lo = std::max(u.offsets[k], rank * u.shard), hi = std::min(end, (rank + 1) * u.shard);
       if (hi <= lo) continue;
       auto piece = u.shard_data.narrow(0, lo - rank * u.shard, hi - lo).detach();
@@ -132,7 +133,7 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
       piece.mutable_grad() = u.shard_grad.narrow(0, lo - rank * u.shard, hi - lo);
       pieces_.emplace_back(params_[u.params[k]].first, piece);
       piece_at_.push_back({u.params[k], static_cast<size_t>(&up - units_.data()), lo - u.offsets[k],
-                           lo - rank * u.shard, end - u.offsets[k]});
+                           lo - rank * u.shard, u.numel_of(k)});
     }
   }
   fingerprint_ = dist::fingerprint(words);
@@ -158,8 +159,7 @@ void FullyShard::gather(Unit& u) {
   u.gathering.wait();
   torch::NoGradGuard ng;
   for (size_t k = 0; k < u.params.size(); ++k) {
-    const int64_t end = k + 1 < u.params.size() ? u.offsets[k + 1] : u.numel;
-    params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], end - u.offsets[k]).view(u.shapes[k]));
+    params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], u.numel_of(k)).view(u.shapes[k]));
   }
   u.gathered = true;
 }
@@ -192,8 +192,7 @@ void FullyShard::reduce(Unit& u) {
   for (size_t k = 0; k < u.params.size(); ++k) {
     auto& p = params_[u.params[k]].second;
     const auto& g = p.grad();
-    const int64_t end = k + 1 < u.params.size() ? u.offsets[k + 1] : u.numel;
-    auto to = u.grad_full.narrow(0, u.offsets[k], end - u.offsets[k]);
+    auto to = u.grad_full.narrow(0, u.offsets[k], u.numel_of(k));
     if (g.defined())
       to.copy_(g.reshape({-1}));
     else
