@@ -319,7 +319,8 @@ def zero_bench(args):
     """dist.zero = 0 / 1 / 2 on gpt (per-rank batch 8, AdamW) at each world size, with PyTorch's
     DDP and ZeroRedundancyOptimizer (stage 1) as peers: N rounds, the order rotating within each
     round. Per round, each configuration's step time over keel zero=0's of the same round; per
-    configuration, rank 0's optimizer state and peak RSS. Reports the medians."""
+    configuration, rank 0's optimizer state, gradient bytes, held bytes (parameters + gradients +
+    optimizer state) and peak RSS. Reports the medians."""
     steps = max(args.steps // 5, 12)
     b = BATCH["gpt"]
     configs = {"keel-zero0": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=0"]),
@@ -332,9 +333,13 @@ def zero_bench(args):
         summary["steps"] = steps
         for n in got:
             summary[f"{n}_optimizer_state_bytes"] = got[n][0]["optimizer_state_bytes"]
+        for n in ("keel-zero0", "keel-zero1", "keel-zero2"):
+            summary[f"{n}_gradient_bytes"] = got[n][0]["gradient_bytes"]
+            summary[f"{n}_held_bytes"] = held(got[n][0])
         for n in ("keel-zero1", "keel-zero2"):
             summary[f"{n}_state_over_zero0"] = (summary[f"{n}_optimizer_state_bytes"] /
                                                 summary["keel-zero0_optimizer_state_bytes"])
+            summary[f"{n}_held_over_zero0"] = summary[f"{n}_held_bytes"] / summary["keel-zero0_held_bytes"]
         summary["pytorch-zero1_state_over_ddp"] = (summary["pytorch-zero1_optimizer_state_bytes"] /
                                                    summary["pytorch_optimizer_state_bytes"])
 

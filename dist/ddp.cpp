@@ -135,9 +135,9 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     auto r = param_record(named[i].first, named[i].second);
     words.insert(words.end(), r.begin(), r.end());
   }
-  if (zero_ == 3) {
-    fsdp_ = std::make_unique<FullyShard>(model_, coll_);
-    words.push_back(static_cast<int64_t>(fsdp_->fingerprint()));
+  if (zero_ >= 2) {
+    fsdp_ = std::make_unique<FullyShard>(model_, coll_, /*reshard_parameters=*/zero_ == 3);
+    words.insert(words.end(), {-9 - zero_, static_cast<int64_t>(fsdp_->fingerprint())});
     plan_ = fingerprint(words);
     return;  // no Reducer: FullyShard reduce-scatters each block's gradients
   }
@@ -167,18 +167,12 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   plan_ = fingerprint(words);
   reducer_ = compat::make_reducer(params, buckets, coll_->group()->pg(), static_cast<int64_t>(cap),
                                   cfg.find_unused_parameters, names, static_cast<int64_t>(first));
-  if (zero_ == 2) {
-    std::unordered_map<const void*, int64_t> owner;
-    for (size_t i = 0; i < params.size(); ++i) owner[params[i].unsafeGetTensorImpl()] = owner_[i];
-    reducer_->register_comm_hook(
-        make_reduce_scatter_hook(coll_->group()->pg(), std::move(owner), coll_->size(), coll_->rank()));
-  } else if (cfg.comm_hook != CommHook::Allreduce) {
+  if (cfg.comm_hook != CommHook::Allreduce) {
     reducer_->register_comm_hook(std::make_unique<CompressHook>(
         coll_->group()->pg(), cfg.comm_hook == CommHook::Fp16 ? at::kHalf : at::kBFloat16, coll_->size()));
   }
   logging::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
-                num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb,
-                zero_ == 2 ? std::string("reduce-scatter (dist.zero = 2)") : choice_name(kCommHooks, cfg.comm_hook));
+                num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, choice_name(kCommHooks, cfg.comm_hook));
   if (zero_ >= 1) {
     int64_t mine = 0, all = 0, count = 0;
     for (size_t i = 0; i < params.size(); ++i) {
@@ -205,7 +199,8 @@ models::NamedTensors DataParallel::owned_parameters() const {
 }
 
 void DataParallel::sync_parameters() {
-  if (zero_ < 1 || zero_ == 3 || coll_->size() == 1) return;
+  if (fsdp_) return fsdp_->sync_parameters();
+  if (zero_ < 1 || coll_->size() == 1) return;
   zero_broadcast_parameters(params_, owner_, *coll_, bucket_bytes_);
 }
 
@@ -245,7 +240,7 @@ void DataParallel::sync_buffers() {
 
 void DataParallel::before_forward(bool sync) {
   sync_buffers();
-  if (fsdp_) return fsdp_->before_forward();
+  if (fsdp_) return fsdp_->before_forward(sync);
   if (!reducer_ || !sync) return;
   reducer_->rebuild_buckets();  // a no-op except right after the first synced step
   reducer_->prepare_for_forward();

@@ -18,12 +18,12 @@
 // whose share of the bytes holds its midpoint), the same on every rank. With zero >= 1 the
 // optimizer holds only owned_parameters(); after its step, sync_parameters() sends each
 // owner's updated parameters to every rank (dist.bucket_cap_mb buckets, one validated
-// broadcast_coalesced per owner). With zero = 2 the Reducer's comm hook reduce-scatters each
-// bucket instead of all-reducing it: the owner of a gradient receives its sum, the other ranks
-// keep their own, unreduced, gradient there (read only owned gradients: clip_grad_norm, the
-// non-finite check and the GradScaler take owned_parameters()). With zero = 3 there is no
-// Reducer: dist/fsdp.h shards the parameters too, and owned_parameters() are this rank's pieces
-// of them (1-D, a parameter may be split between ranks).
+// broadcast_coalesced per owner). With zero >= 2 there is no Reducer: dist/fsdp.h lays each
+// block's parameters out as one flat buffer cut into equal shards, reduce-scatters the gradients
+// (each rank keeps only its shard of them), and owned_parameters() are this rank's pieces of the
+// parameters (1-D, a parameter may be split between ranks); zero = 3 shards the parameters too.
+// The owner partition above still names who writes each parameter's optimizer state in a
+// checkpoint at every stage.
 #pragma once
 
 #include <torch/torch.h>
@@ -68,14 +68,15 @@ class DataParallel {
   std::vector<std::pair<std::string, int64_t>> owners() const;
   /// The parameters whose optimizer state and update this rank owns (all with zero = 0).
   models::NamedTensors owned_parameters() const;
-  /// Collective with zero >= 1 (else a no-op): after the optimizer step, every owner's
-  /// parameters reach every rank (one broadcast per owner, dist/zero.h).
+  /// Collective with zero = 1 or 2 (else a no-op): after the optimizer step, every owner's
+  /// parameters reach every rank (stage 1: one broadcast per owner, dist/zero.h; stage 2: an
+  /// all-gather of each block's shards).
   void sync_parameters();
   /// dist.zero = 3 (dist/fsdp.h; else no-ops): every parameter gathered into the model and kept
   /// there until release_parameters() (collective), and the bytes this rank holds at rest.
   void hold_parameters();
   void release_parameters(bool changed = false);
-  /// dist.zero = 3: FullyShard's conversions of optimizer state between this rank's pieces and
+  /// dist.zero >= 2: FullyShard's conversions of optimizer state between this rank's pieces and
   /// whole parameters (null otherwise; see dist/fsdp.h).
   FullyShard* fully_shard() const { return fsdp_.get(); }
   int64_t sharded_parameter_bytes() const;
@@ -98,7 +99,7 @@ class DataParallel {
   size_t bucket_bytes_ = 0;  // dist.bucket_cap_mb, for the parameter broadcasts
   models::NamedTensors params_;
   std::vector<int64_t> owner_;
-  std::unique_ptr<FullyShard> fsdp_;  // dist.zero = 3
+  std::unique_ptr<FullyShard> fsdp_;  // dist.zero >= 2
 };
 
 /// Checks that every rank holds parameters of the same count, names, dtypes and shapes.

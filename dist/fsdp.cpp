@@ -25,6 +25,14 @@ void allocate_storage(const torch::Tensor& t) {
   s->set_nbytes(bytes);
 }
 
+// Each parameter starts, and each shard is cut, at a multiple of 64 elements of the flat buffer:
+// a piece then starts where the whole parameter's 64-element runs do, so the CPU's fused
+// optimizer kernels (vectorized runs, then a scalar tail) round each element of a piece as they
+// round it in the whole parameter, and stages 2 and 3 update as stage 0 does, bit for bit.
+// (It also aligns every parameter to 256 bytes in float32.)
+constexpr int64_t kAlign = 64;
+int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
+
 int64_t as_int(FullyShard* fs) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(fs)); }
 FullyShard* from_int(int64_t v) { return reinterpret_cast<FullyShard*>(static_cast<intptr_t>(v)); }
 
@@ -60,9 +68,9 @@ struct FullyShard::Unit {
   std::vector<size_t> params;                // indices into params_, model order
   std::vector<int64_t> offsets;              // each one's first element in the flat buffer
   std::vector<std::vector<int64_t>> shapes;  // each one's shape
-  int64_t numel = 0, shard = 0;              // the parameters' elements; a rank's share of the padded buffer
-  int64_t numel_of(size_t k) const { return (k + 1 < params.size() ? offsets[k + 1] : numel) - offsets[k]; }
-  torch::Tensor full;  // world x shard elements; no memory unless gathered or gathering
+  std::vector<int64_t> sizes;                // each one's elements
+  int64_t numel = 0, shard = 0;              // the end of the last one; a rank's share of the padded buffer
+  torch::Tensor full;                        // world x shard elements; no memory unless gathered or gathering
   torch::Tensor shard_data, shard_grad;
   torch::Tensor placeholder;  // 0 elements: what each parameter is while not gathered
   Collectives::Started gathering;
@@ -72,8 +80,13 @@ struct FullyShard::Unit {
   Collectives::Started scattering;
 };
 
-FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll)
-    : model_(std::move(model)), coll_(std::move(coll)), params_(model_->named_parameters()) {
+FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters)
+    : model_(std::move(model)),
+      coll_(std::move(coll)),
+      params_(model_->named_parameters()),
+      keep_(!reshard_parameters),
+      stage_(reshard_parameters ? 3 : 2) {
+  const std::string zero = "dist.zero = " + std::to_string(stage_);
   const auto prefixes = model_->block_prefixes();
   for (size_t b = 0; b <= prefixes.size(); ++b) {
     auto u = std::make_unique<Unit>();
@@ -88,22 +101,23 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     if (!u.params.empty()) {
       const auto& first = params_[u.params.front()];
       if (first.second.scalar_type() != t.scalar_type() || first.second.device() != t.device())
-        throw InputError("dist.zero = 3 shards each block as one flat buffer, and " + u.name + " mixes '" +
-                         first.first + "' (" + c10::toString(first.second.scalar_type()) + " on " +
-                         first.second.device().str() + ") with '" + params_[i].first + "' (" +
-                         c10::toString(t.scalar_type()) + " on " + t.device().str() + ")");
+        throw InputError(zero + " shards each block as one flat buffer, and " + u.name + " mixes '" + first.first +
+                         "' (" + c10::toString(first.second.scalar_type()) + " on " + first.second.device().str() +
+                         ") with '" + params_[i].first + "' (" + c10::toString(t.scalar_type()) + " on " +
+                         t.device().str() + ")");
     }
     u.params.push_back(i);
-    u.offsets.push_back(u.numel);
+    u.offsets.push_back(aligned(u.numel));
     u.shapes.push_back(t.sizes().vec());
-    u.numel += t.numel();
+    u.sizes.push_back(t.numel());
+    u.numel = u.offsets.back() + t.numel();
   }
   const int64_t world = coll_->size(), rank = coll_->rank();
   if (!params_.empty() && coll_->group()->pg() && params_.front().second.device() != coll_->group()->comm_device())
-    throw InputError("dist.zero = 3 gathers and reduce-scatters the parameters on their device (" +
+    throw InputError(zero + " gathers and reduce-scatters on the parameters' device (" +
                      params_.front().second.device().str() + "), and the process group (dist.backend = \"" +
                      coll_->group()->backend() + "\") moves tensors on " + coll_->group()->comm_device().str() +
-                     ": use dist.backend = \"nccl\" for a GPU, or dist.zero <= 2");
+                     ": use dist.backend = \"nccl\" for a GPU, or dist.zero <= 1");
   std::vector<int64_t> words = {-13, static_cast<int64_t>(units_.size())};
   torch::NoGradGuard ng;
   for (auto& up : units_) {
@@ -112,37 +126,46 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     for (size_t k = 0; k < u.params.size(); ++k)
       words.insert(words.end(), {static_cast<int64_t>(u.params[k]), u.offsets[k]});
     if (u.params.empty()) continue;
-    u.shard = (u.numel + world - 1) / world;
+    u.shard = aligned((u.numel + world - 1) / world);
     const auto opts = params_[u.params.front()].second.options().requires_grad(false);
-    std::vector<torch::Tensor> flat;
-    for (size_t i : u.params) flat.push_back(params_[i].second.detach().reshape({-1}));
-    if (u.shard * world > u.numel) flat.push_back(torch::zeros({u.shard * world - u.numel}, opts));
-    u.shard_data = torch::cat(flat).narrow(0, rank * u.shard, u.shard).clone();
+    auto flat = torch::zeros({u.shard * world}, opts);
+    for (size_t k = 0; k < u.params.size(); ++k)
+      flat.narrow(0, u.offsets[k], u.sizes[k]).copy_(params_[u.params[k]].second.detach().reshape({-1}));
+    if (keep_) {  // stage 2: the whole buffer stays; the parameters become views of it
+      u.full = flat;
+      u.shard_data = u.full.narrow(0, rank * u.shard, u.shard);
+      for (size_t k = 0; k < u.params.size(); ++k)
+        params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], u.sizes[k]).view(u.shapes[k]));
+      u.gathered = true;
+    } else {
+      u.shard_data = flat.narrow(0, rank * u.shard, u.shard).clone();
+      u.full = torch::empty({u.shard * world}, opts);
+      release_storage(u.full);
+      u.placeholder = torch::empty({0}, opts);
+      for (size_t i : u.params) params_[i].second.set_data(u.placeholder);  // the replicated copy is freed here
+    }
     u.shard_grad = torch::zeros_like(u.shard_data);
-    u.full = torch::empty({u.shard * world}, opts);
-    release_storage(u.full);
-    u.placeholder = torch::empty({0}, opts);
-    for (size_t i : u.params) params_[i].second.set_data(u.placeholder);  // the replicated copy is freed here
     // The pieces: this rank's elements of each parameter, [offset, offset + numel) within its shard.
     for (size_t k = 0; k < u.params.size(); ++k) {
-      const int64_t end = u.offsets[k] + u.numel_of(k);
+      const int64_t end = u.offsets[k] + u.sizes[k];
       const int64_t lo = std::max(u.offsets[k], rank * u.shard), hi = std::min(end, (rank + 1) * u.shard);
       if (hi <= lo) continue;
       auto piece = u.shard_data.narrow(0, lo - rank * u.shard, hi - lo).detach();
       piece.set_requires_grad(true);
       piece.mutable_grad() = u.shard_grad.narrow(0, lo - rank * u.shard, hi - lo);
       pieces_.emplace_back(params_[u.params[k]].first, piece);
-      piece_at_.push_back({u.params[k], static_cast<size_t>(&up - units_.data()), lo - u.offsets[k],
-                           lo - rank * u.shard, u.numel_of(k)});
+      piece_at_.push_back(
+          {u.params[k], static_cast<size_t>(&up - units_.data()), lo - u.offsets[k], lo - rank * u.shard, u.sizes[k]});
     }
   }
   fingerprint_ = dist::fingerprint(words);
   model_->set_block_hooks(this);
   int64_t mine = 0, all = 0;
   for (const auto& [n, p] : pieces_) mine += p.numel();
-  for (const auto& up : units_) all += up->numel;
-  logging::info("ZeRO stage 3: {} blocks and the parameters outside them sharded; this rank holds {} of {} elements",
-                prefixes.size(), mine, all);
+  for (const auto& [n, p] : params_) all += p.numel();
+  logging::info("ZeRO stage {}: {} blocks and the parameters outside them sharded{}; this rank owns {} of {} elements",
+                stage_, prefixes.size(), keep_ ? " (gradients and optimizer state; parameters kept whole)" : "", mine,
+                all);
 }
 
 FullyShard::~FullyShard() { model_->set_block_hooks(nullptr); }
@@ -150,7 +173,8 @@ FullyShard::~FullyShard() { model_->set_block_hooks(nullptr); }
 void FullyShard::start_gather(Unit& u) {
   if (u.gathered || u.gathering || u.params.empty()) return;
   allocate_storage(u.full);
-  u.gathering = coll_->start_all_gather_into(u.full, u.shard_data, "ZeRO-3 parameter all-gather");
+  u.gathering = coll_->start_all_gather_into(u.full, u.shard_data,
+                                             keep_ ? "ZeRO-2 parameter all-gather" : "ZeRO-3 parameter all-gather");
 }
 
 void FullyShard::gather(Unit& u) {
@@ -159,13 +183,13 @@ void FullyShard::gather(Unit& u) {
   u.gathering.wait();
   torch::NoGradGuard ng;
   for (size_t k = 0; k < u.params.size(); ++k) {
-    params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], u.numel_of(k)).view(u.shapes[k]));
+    params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], u.sizes[k]).view(u.shapes[k]));
   }
   u.gathered = true;
 }
 
 void FullyShard::free(Unit& u) {
-  if (held_ || u.params.empty()) return;
+  if (held_ || keep_ || u.params.empty()) return;
   u.gathering.wait();  // a prefetch still writing into it
   torch::NoGradGuard ng;
   for (size_t i : u.params) params_[i].second.set_data(u.placeholder);
@@ -192,22 +216,27 @@ void FullyShard::reduce(Unit& u) {
   for (size_t k = 0; k < u.params.size(); ++k) {
     auto& p = params_[u.params[k]].second;
     const auto& g = p.grad();
-    auto to = u.grad_full.narrow(0, u.offsets[k], u.numel_of(k));
+    auto to = u.grad_full.narrow(0, u.offsets[k], u.sizes[k]);
     if (g.defined())
       to.copy_(g.reshape({-1}));
     else
       to.zero_();                        // not used in this micro-batch
     p.mutable_grad() = torch::Tensor();  // the full gradient is freed
+    // The alignment gap after it (and the padding after the last).
+    const int64_t gap = u.offsets[k] + u.sizes[k], next = k + 1 < u.params.size() ? u.offsets[k + 1] : u.full.numel();
+    if (next > gap) u.grad_full.narrow(0, gap, next - gap).zero_();
   }
-  if (u.full.numel() > u.numel) u.grad_full.narrow(0, u.numel, u.full.numel() - u.numel).zero_();
   u.grad_full.div_(static_cast<double>(coll_->size()));  // an average, as DDP's all-reduce
   u.grad_out = torch::empty_like(u.shard_data);
-  u.scattering = coll_->start_reduce_scatter(u.grad_out, u.grad_full, "ZeRO-3 gradient reduce-scatter");
+  u.scattering = coll_->start_reduce_scatter(
+      u.grad_out, u.grad_full, keep_ ? "ZeRO-2 gradient reduce-scatter" : "ZeRO-3 gradient reduce-scatter");
 }
 
-void FullyShard::before_forward() {
+void FullyShard::before_forward(bool sync) {
   if (held_) return;
+  sync_ = sync || !keep_;  // stage 3 does not keep full gradients between micro-batches
   for (auto& u : units_) u->reduced = false;
+  if (keep_) return;
   gather(*units_.back());
   if (units_.size() > 1) start_gather(*units_.front());
 }
@@ -216,12 +245,12 @@ torch::Tensor FullyShard::enter(size_t block, const torch::Tensor& input) {
   if (held_ || block + 1 >= units_.size()) return input;
   gather(*units_[block]);
   if (block + 2 < units_.size()) start_gather(*units_[block + 1]);
-  if (!torch::GradMode::is_enabled() || !input.requires_grad()) return input;
+  if (!sync_ || !torch::GradMode::is_enabled() || !input.requires_grad()) return input;
   return PostBackward::apply(input, as_int(this), static_cast<int64_t>(block));
 }
 
 torch::Tensor FullyShard::leave(size_t block, const torch::Tensor& output) {
-  if (held_ || block + 1 >= units_.size()) return output;
+  if (held_ || keep_ || block + 1 >= units_.size()) return output;
   auto out = torch::GradMode::is_enabled() && output.requires_grad()
                  ? PreBackward::apply(output, as_int(this), static_cast<int64_t>(block))
                  : output;
@@ -240,7 +269,7 @@ void FullyShard::post_backward(size_t unit) {
 }
 
 void FullyShard::after_backward() {
-  if (held_) return;
+  if (held_ || !sync_) return;  // stage 2's gradients accumulate in the parameters until the last micro-batch
   // A block whose input needs no gradient (mlp's first layer: the data) has no autograd node
   // to say that its gradients are complete; they are now. A gradient that arrives after its
   // block was reduced would be lost: that is a model whose block is not self-contained.
@@ -249,12 +278,23 @@ void FullyShard::after_backward() {
     for (size_t i : up->params)
       if (params_[i].second.grad().defined()) late = params_[i].first;
     if (!late.empty() && up->reduced)
-      throw std::logic_error("dist.zero = 3: the gradient of '" + late + "' arrived after " + up->name +
+      throw std::logic_error("dist.zero = " + std::to_string(stage_) + ": the gradient of '" + late +
+                             "' arrived after " + up->name +
                              " was reduced: a block's parameters must be used inside the block only (BlockStructure)");
     if (!late.empty() || up.get() == units_.back().get()) reduce(*up);
     free(*up);
   }
   for (auto& up : units_) finish_reduce(*up);
+}
+
+void FullyShard::sync_parameters() {
+  if (!keep_ || coll_->size() == 1) return;
+  // Each unit's own range is the all-gather's input and part of its output: it goes from a copy.
+  std::vector<Collectives::Started> started;
+  for (auto& up : units_)
+    if (!up->params.empty())
+      started.push_back(coll_->start_all_gather_into(up->full, up->shard_data.clone(), "ZeRO-2 parameter all-gather"));
+  for (auto& s : started) s.wait();
 }
 
 void FullyShard::hold() {
@@ -263,7 +303,7 @@ void FullyShard::hold() {
 }
 
 void FullyShard::reshard(bool changed) {
-  if (changed) {
+  if (changed && !keep_) {  // (stage 2's shard is a view of the whole buffer)
     torch::NoGradGuard ng;
     for (auto& u : units_)
       if (u->gathered) u->shard_data.copy_(u->full.narrow(0, coll_->rank() * u->shard, u->shard));
@@ -293,7 +333,7 @@ models::NamedTensors FullyShard::whole_state(const models::NamedTensors& piece_s
         t[P * (1 + s) + p] = it->second.item<int64_t>(), any = true;
     if (any) t[p] = 1;
   }
-  coll_->all_reduce(table, ReduceOp::Max, "ZeRO-3 checkpoint: optimizer state presence");
+  coll_->all_reduce(table, ReduceOp::Max, "ZeRO checkpoint: optimizer state presence");
   t = table.data_ptr<int64_t>();
   models::NamedTensors out;
   torch::NoGradGuard ng;
@@ -307,7 +347,7 @@ models::NamedTensors FullyShard::whole_state(const models::NamedTensors& piece_s
           if (auto it = mine.find(pieces_[i].first + "." + f); it != mine.end())
             shard.narrow(0, piece_at_[i].in_shard, it->second.numel()).copy_(it->second.reshape({-1}));
       auto full = torch::empty({u.shard * coll_->size()}, shard.options());
-      coll_->start_all_gather_into(full, shard, "ZeRO-3 checkpoint: optimizer state all-gather").wait();
+      coll_->start_all_gather_into(full, shard, "ZeRO checkpoint: optimizer state all-gather").wait();
       for (size_t k = 0; k < u.params.size(); ++k) {
         const size_t i = u.params[k];
         if (owner[i] != coll_->rank() || t[i] < 0) continue;
@@ -352,7 +392,7 @@ models::NamedTensors FullyShard::piece_state(const models::NamedTensors& whole_s
 int64_t FullyShard::parameter_bytes() const {
   int64_t b = 0;
   for (const auto& u : units_)
-    if (u->shard_data.defined()) b += static_cast<int64_t>(u->shard_data.nbytes());
+    if (u->shard_data.defined()) b += static_cast<int64_t>(keep_ ? u->full.nbytes() : u->shard_data.nbytes());
   return b;
 }
 

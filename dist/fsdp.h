@@ -1,14 +1,15 @@
 // dist/fsdp.h: dist.zero = 3, parameters sharded at rest (as PyTorch's FSDP2 fully_shard and
-// DeepSpeed's ZeRO-3; docs/zero.md).
+// DeepSpeed's ZeRO-3; docs/zero.md); and dist.zero = 2, the same layout with the parameters kept
+// whole (DeepSpeed's ZeRO-2; FSDP2's SHARD_GRAD_OP): only the gradients and optimizer state are
+// sharded.
 //
 // Owns, for one model: the units (one per block the model names through BlockStructure, and a
-// root unit with every other parameter), each a flat buffer of its parameters in model order,
-// padded to a multiple of the world size and cut into equal shards, rank r holding elements
-// [r S, (r + 1) S) (a shard may split a parameter); gathering a unit's parameters before it runs
-// and freeing them after; reduce-scattering its gradients after its backward; the pieces of
-// each parameter this rank owns, on which the optimizer, clipping and the non-finite check work.
-// Does not own: the optimizer (trainer/), the collectives (dist/collectives.h, through which
-// every gather and reduce-scatter goes, validated).
+// root unit with every other parameter), each a flat buffer of its parameters in model order
+// (each starting at a multiple of 64 elements), padded to W equal shards of a multiple of 64
+// elements, rank r holding elements [r S, (r + 1) S) (a shard may split a parameter); gathering a unit's parameters
+// before it runs and freeing them after; reduce-scattering its gradients after its backward; the pieces of each
+// parameter this rank owns, on which the optimizer, clipping and the non-finite check work. Does not own: the optimizer
+// (trainer/), the collectives (dist/collectives.h, through which every gather and reduce-scatter goes, validated).
 //
 // One micro-batch:
 //   before_forward()  gathers the root unit (kept until after_backward) and starts block 0's
@@ -22,6 +23,14 @@
 //                     each rank's sums into its gradient shard (so micro-batches accumulate)
 // Between steps a rank holds its parameter and gradient shards only; the model's parameter
 // tensors are empty (0 elements) then; hold() makes them whole until reshard().
+//
+// Stage 2 (reshard_parameters = false): each unit's flat buffer is always whole, the model's
+// parameters are views of it and this rank's shard is its own range of it (so the optimizer's
+// update of a piece is the model's parameter); nothing is gathered or freed around a block.
+// Micro-batches that do not sync accumulate full gradients locally (as DDP's no_sync); on the
+// step's last one each block's summed gradients are reduce-scattered as its backward completes
+// and freed, so between steps a rank holds its gradient shard only. After the optimizer step
+// sync_parameters() all-gathers every unit's shards into the whole buffers.
 #pragma once
 
 #include <torch/torch.h>
@@ -39,16 +48,21 @@ namespace keel::dist {
 class FullyShard final : public models::BlockHooks {
  public:
   /// Collective in that every rank must make it from the same (already broadcast) parameters.
-  /// Throws InputError for a unit whose parameters mix dtypes or devices.
-  FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll);
+  /// `reshard_parameters`: stage 3 (true) or 2. Throws InputError for a unit whose parameters mix
+  /// dtypes or devices.
+  FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters = true);
   ~FullyShard() override;
 
   torch::Tensor enter(size_t block, const torch::Tensor& input) override;
   torch::Tensor leave(size_t block, const torch::Tensor& output) override;
-  /// Before each forward (training or evaluation).
-  void before_forward();
+  /// Before each forward (training or evaluation). `sync`: the step's last micro-batch (stage 3
+  /// reduce-scatters every micro-batch's gradients; stage 2 only the last's, summed).
+  void before_forward(bool sync = true);
   /// After each micro-batch's loss.backward().
   void after_backward();
+  /// Stage 2, after the optimizer step (collective; a no-op at stage 3): every rank's updated
+  /// shard into every rank's whole parameters.
+  void sync_parameters();
   /// Gathers every unit into the model's parameters and keeps them there (evaluation, whose
   /// ranks run different numbers of batches; a checkpoint; the end of training) until
   /// reshard(). `changed`: the parameters were written meanwhile (a resume), so each rank first
@@ -70,7 +84,8 @@ class FullyShard final : public models::BlockHooks {
   /// The elements of each parameter this rank owns (model order; parameters without any left
   /// out): 1-D leaves over this rank's shard, each with its gradient over the gradient shard.
   const models::NamedTensors& pieces() const { return pieces_; }
-  /// Bytes this rank holds at rest: its parameter shards, its gradient shards.
+  /// Bytes this rank holds at rest: its parameter shards (stage 2: the whole parameters), its
+  /// gradient shards.
   int64_t parameter_bytes() const;
   int64_t gradient_bytes() const;
   /// The layout (units, their parameters and sizes), for the per-step consensus.
@@ -102,6 +117,9 @@ class FullyShard final : public models::BlockHooks {
   std::vector<PieceAt> piece_at_;  // parallel to pieces_
   uint64_t fingerprint_ = 0;
   bool held_ = false;  // hold(): every unit gathered, the hooks do nothing
+  bool keep_ = false;  // stage 2: the parameters stay whole
+  bool sync_ = true;   // this micro-batch's gradients are reduced
+  int stage_ = 3;
 };
 
 }  // namespace keel::dist

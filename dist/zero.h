@@ -1,7 +1,7 @@
-// dist/zero.h: the pieces of ZeRO stages 1 and 2 (dist.zero, docs/zero.md) that DataParallel
-// (dist/ddp.h) puts together: who owns each parameter, the comm hook that reduce-scatters a
-// gradient bucket to the owners, the global gradient norm over the owners' gradients, and the
-// broadcast of the updated parameters.
+// dist/zero.h: the pieces of ZeRO (dist.zero, docs/zero.md) that DataParallel (dist/ddp.h) puts
+// together: who owns each parameter (stage 1's update, every stage's checkpoint writer), the
+// global gradient norm over the owners' gradients or over this rank's pieces (stages 2 and 3,
+// dist/fsdp.h), and stage 1's broadcast of the updated parameters.
 // Does not own: the optimizer (trainer/), or the checkpoint layout of a partition (checkpoint/).
 // Not installed: DataParallel's and DistributedModel's methods are the public surface.
 #pragma once
@@ -10,10 +10,8 @@
 
 #include <cstdint>
 #include <memory>
-#include <unordered_map>
 #include <vector>
 
-#include "dist/compat.h"
 #include "keel/dist/collectives.h"
 #include "keel/models/model.h"
 
@@ -23,15 +21,6 @@ namespace keel::dist {
 /// ranges balanced by bytes, a parameter going to the rank whose share of the total holds its
 /// midpoint (so within half the largest parameter of even). Deterministic.
 std::vector<int64_t> zero_partition(const std::vector<uint64_t>& sizes, int64_t world);
-
-/// dist.zero = 2's comm hook for c10d's Reducer: each bucket is pre-divided by `world` and
-/// reduce-scattered (one input per rank: that owner's gradients in the bucket, uneven sizes),
-/// and the owner's sum is copied back into its gradients. `owner` maps each parameter's
-/// TensorImpl to its rank. Where the backend's work has no future (Gloo), a helper thread
-/// waits for it and completes the hook's future.
-std::unique_ptr<c10d::CommHookInterface> make_reduce_scatter_hook(c10::intrusive_ptr<c10d::ProcessGroup> pg,
-                                                                  std::unordered_map<const void*, int64_t> owner,
-                                                                  int64_t world, int64_t rank);
 
 /// Collective, after the optimizer step: every rank's updated parameters (`owner[i] == rank`)
 /// reach every rank, one validated broadcast_coalesced per owner in messages of at most

@@ -84,9 +84,9 @@ void copy_tree(const std::string& from, const std::string& to) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
 }
 
-// Stage 2's tolerance: its gradients are summed by a reduce-scatter instead of an all-reduce.
-// At 2 ranks both add the same two addends (exact: a + b == b + a), and the runs below are
-// bit-identical; at more ranks the order of the sum differs, by ~1 ulp per step.
+// Stage 2's tolerance: its gradients are summed by a reduce-scatter instead of an all-reduce
+// (at 2 ranks both add the same two addends: exact, a + b == b + a; at more the order differs),
+// and the clip's norm is summed over each rank's pieces of the parameters, in another order.
 constexpr double kStage2Tolerance = 1e-6;
 
 void equivalence(const std::string& optimizer, std::vector<std::string> extra) {
@@ -117,14 +117,26 @@ void equivalence(const std::string& optimizer, std::vector<std::string> extra) {
               static_cast<long long>(s2["optimizer_state_bytes"].get<int64_t>()));
   EXPECT_GT(s0["optimizer_state_bytes"].get<int64_t>(), 0);
   EXPECT_LE(ratio, 0.55);
-  EXPECT_EQ(s1["optimizer_state_bytes"], s2["optimizer_state_bytes"]);
+  // Stage 2 splits each block's elements evenly (a parameter may be split): half, within the
+  // alignment of each parameter and shard to 64 elements.
+  const double ratio2 = s2["optimizer_state_bytes"].get<double>() / s0["optimizer_state_bytes"].get<double>();
+  EXPECT_GE(ratio2, 0.499);
+  EXPECT_LE(ratio2, 0.501);
   EXPECT_GT(s0["peak_rss_mb"].get<double>(), 10.0);
-  // The parameters and the gradient memory each rank holds (issue 27, item 7): the parameters
-  // stay replicated at stages 0-2 (float32), and the gradients live in DDP's full-size buckets
-  // at every stage (stage 2 does not free them yet: docs/zero.md).
+  // The parameters and the gradient memory each rank holds (issue 27, items 3 and 7): the
+  // parameters stay replicated at stages 0-2 (float32; stage 2's flat buffers align each
+  // parameter and shard to 64 elements: at most 4 KiB here); the gradients live in DDP's
+  // full-size buckets at stages 0 and 1, and stage 2 keeps only this rank's shard of them (half).
   for (const auto* s : {&s0, &s1, &s2}) {
-    EXPECT_EQ((*s)["parameter_bytes"].get<int64_t>(), 4 * (*s)["num_parameters"].get<int64_t>());
-    EXPECT_GE((*s)["gradient_bytes"].get<int64_t>(), (*s)["parameter_bytes"].get<int64_t>());
+    const int64_t params = 4 * (*s)["num_parameters"].get<int64_t>();
+    EXPECT_GE((*s)["parameter_bytes"].get<int64_t>(), params);
+    EXPECT_LE((*s)["parameter_bytes"].get<int64_t>(), s == &s2 ? params + 4096 : params);
+    if (s == &s2) {
+      EXPECT_GE(s2["gradient_bytes"].get<int64_t>(), params / 2);
+      EXPECT_LE(s2["gradient_bytes"].get<int64_t>(), params / 2 + 4096);
+    } else {
+      EXPECT_GE((*s)["gradient_bytes"].get<int64_t>(), params);
+    }
     EXPECT_TRUE((*s)["peak_device_memory_mb"].is_null()) << "a CPU run";
   }
   std::printf("%s: parameter bytes %lld; gradient bytes zero=0 %lld, zero=1 %lld, zero=2 %lld\n", optimizer.c_str(),

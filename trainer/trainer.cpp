@@ -589,7 +589,7 @@ void Trainer::Loop::build_optimizer() {
           (mode == Consensus::Late || (mode == Consensus::Auto && device_.is_cuda() && group_->backend() == "nccl"));
 }
 
-// dist.zero = 3: the optimizer state moves between this rank's pieces and whole parameters,
+// dist.zero >= 2: the optimizer state moves between this rank's pieces and whole parameters,
 // written by their owner (the stage-1 partition), so that any world size and stage resumes it.
 PieceResharding Trainer::Loop::piece_resharding() const {
   dist::FullyShard* fs = dmodel_->fully_shard();
@@ -847,7 +847,7 @@ bool Trainer::Loop::needs_host(int64_t step) const {
 // it into *loss_now (the sum in double, as the tensor's) and returns nothing.
 torch::Tensor Trainer::Loop::forward_backward(double* loss_now) {
   zero_grads(params_);
-  if (dmodel_->zero() == 3) zero_grads(owned_);  // the gradient shards (the parameters' own are freed)
+  if (dmodel_->fully_shard()) zero_grads(owned_);  // dist.zero >= 2: the gradient shards (the full ones are freed)
   torch::Tensor loss_sum;
   double host_sum = 0;
   for (int64_t micro = 0; micro < cfg_.train.grad_accum; ++micro) {
@@ -1168,7 +1168,7 @@ Summary Trainer::Loop::summary() const {
     if (g.defined() && grad_storages.insert(g.storage().data()).second)
       s.gradient_bytes += static_cast<int64_t>(g.storage().nbytes());
   }
-  if (dmodel_->zero() == 3) {  // what a rank holds between steps: its shards
+  if (dmodel_->fully_shard()) {  // dist.zero >= 2: what a rank holds between steps (its shards)
     s.parameter_bytes = dmodel_->sharded_parameter_bytes();
     s.gradient_bytes = dmodel_->sharded_gradient_bytes();
   }

@@ -110,8 +110,8 @@ class DistributedModel {
   torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
   /// dist.zero = 3 (else no-ops): the whole model in its parameters until release_parameters()
-  /// (collective; evaluation and the end of training), and the shards this rank holds at rest
-  /// (-1 unless dist.zero = 3).
+  /// (collective; evaluation and the end of training), and the bytes this rank holds at rest
+  /// (-1 unless dist.zero >= 2; stage 2's parameters are whole, its gradients a shard).
   void hold_parameters() { ddp_->hold_parameters(); }
   /// `changed`: the held parameters were written (a resume): each rank keeps its shard of them.
   void release_parameters(bool changed = false) { ddp_->release_parameters(changed); }

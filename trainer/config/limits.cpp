@@ -148,6 +148,7 @@ EstimateKeys estimate_keys(const Config& cfg, const std::optional<Shape>& shape)
 struct ModelMemory {
   double P = 0, G = 0, S = 0;
   double P_held = 0;           // the parameters a rank holds while it trains: P, or its shard with dist.zero = 3
+                               // (G: the gradients it keeps, sharded from dist.zero = 2)
   MemoryItem item, host_item;  // all of it; on a GPU, the parameters built on the CPU
 };
 
@@ -165,7 +166,8 @@ ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& sha
     m.S = m.P, state_name = "SGD momentum";
   if (cfg.dist.zero >= 1) m.S /= static_cast<double>(world_size);  // partitioned by parameter
   m.P_held = m.P;
-  if (cfg.dist.zero == 3) m.P_held /= static_cast<double>(world_size), m.G /= static_cast<double>(world_size);
+  if (cfg.dist.zero >= 2) m.G /= static_cast<double>(world_size);
+  if (cfg.dist.zero == 3) m.P_held /= static_cast<double>(world_size);
   const double bytes = m.P_held + m.G + m.S;
   std::vector<KeyUse> keys;
   if (shape.name == "mlp")
