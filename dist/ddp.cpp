@@ -136,7 +136,8 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     words.insert(words.end(), r.begin(), r.end());
   }
   if (zero_ >= 2) {
-    fsdp_ = std::make_unique<FullyShard>(model_, coll_, /*reshard_parameters=*/zero_ == 3);
+    fsdp_ = std::make_unique<FullyShard>(model_, coll_, /*reshard_parameters=*/zero_ == 3,
+                                         /*reduce_in_order=*/cfg.find_unused_parameters);
     words.insert(words.end(), {-9 - zero_, static_cast<int64_t>(fsdp_->fingerprint())});
     plan_ = fingerprint(words);
     return;  // no Reducer: FullyShard reduce-scatters each block's gradients

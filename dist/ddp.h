@@ -72,8 +72,9 @@ class DataParallel {
   /// parameters reach every rank (stage 1: one broadcast per owner, dist/zero.h; stage 2: an
   /// all-gather of each block's shards).
   void sync_parameters();
-  /// dist.zero = 3 (dist/fsdp.h; else no-ops): every parameter gathered into the model and kept
-  /// there until release_parameters() (collective), and the bytes this rank holds at rest.
+  /// dist.zero = 3 (dist/fsdp.h; else no-ops, stage 2's parameters being whole): every parameter
+  /// gathered into the model and kept there until release_parameters() (collective), and the
+  /// bytes this rank holds at rest (dist.zero >= 2).
   void hold_parameters();
   void release_parameters(bool changed = false);
   /// dist.zero >= 2: FullyShard's conversions of optimizer state between this rank's pieces and

@@ -80,11 +80,13 @@ struct FullyShard::Unit {
   Collectives::Started scattering;
 };
 
-FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters)
+FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters,
+                       bool reduce_in_order)
     : model_(std::move(model)),
       coll_(std::move(coll)),
       params_(model_->named_parameters()),
       keep_(!reshard_parameters),
+      in_order_(reduce_in_order),
       stage_(reshard_parameters ? 3 : 2) {
   const std::string zero = "dist.zero = " + std::to_string(stage_);
   const auto prefixes = model_->block_prefixes();
@@ -245,7 +247,7 @@ torch::Tensor FullyShard::enter(size_t block, const torch::Tensor& input) {
   if (held_ || block + 1 >= units_.size()) return input;
   gather(*units_[block]);
   if (block + 2 < units_.size()) start_gather(*units_[block + 1]);
-  if (!sync_ || !torch::GradMode::is_enabled() || !input.requires_grad()) return input;
+  if (!sync_ || (keep_ && in_order_) || !torch::GradMode::is_enabled() || !input.requires_grad()) return input;
   return PostBackward::apply(input, as_int(this), static_cast<int64_t>(block));
 }
 
@@ -264,7 +266,7 @@ void FullyShard::pre_backward(size_t unit) {
 }
 
 void FullyShard::post_backward(size_t unit) {
-  reduce(*units_[unit]);
+  if (!in_order_) reduce(*units_[unit]);  // else after the backward, in order (its gradients kept until then)
   free(*units_[unit]);
 }
 
@@ -281,7 +283,7 @@ void FullyShard::after_backward() {
       throw std::logic_error("dist.zero = " + std::to_string(stage_) + ": the gradient of '" + late +
                              "' arrived after " + up->name +
                              " was reduced: a block's parameters must be used inside the block only (BlockStructure)");
-    if (!late.empty() || up.get() == units_.back().get()) reduce(*up);
+    if (in_order_ || !late.empty() || up.get() == units_.back().get()) reduce(*up);
     free(*up);
   }
   for (auto& up : units_) finish_reduce(*up);

@@ -48,9 +48,13 @@ namespace keel::dist {
 class FullyShard final : public models::BlockHooks {
  public:
   /// Collective in that every rank must make it from the same (already broadcast) parameters.
-  /// `reshard_parameters`: stage 3 (true) or 2. Throws InputError for a unit whose parameters mix
-  /// dtypes or devices.
-  FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters = true);
+  /// `reshard_parameters`: stage 3 (true) or 2. `reduce_in_order` (dist.find_unused_parameters):
+  /// every unit is reduce-scattered after the backward, in unit order, whether or not this rank
+  /// produced gradients for it (so ranks that skip different blocks still pair their
+  /// collectives), instead of each block as its backward completes. Throws InputError for a unit
+  /// whose parameters mix dtypes or devices.
+  FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters = true,
+             bool reduce_in_order = false);
   ~FullyShard() override;
 
   torch::Tensor enter(size_t block, const torch::Tensor& input) override;
@@ -116,9 +120,10 @@ class FullyShard final : public models::BlockHooks {
   };
   std::vector<PieceAt> piece_at_;  // parallel to pieces_
   uint64_t fingerprint_ = 0;
-  bool held_ = false;  // hold(): every unit gathered, the hooks do nothing
-  bool keep_ = false;  // stage 2: the parameters stay whole
-  bool sync_ = true;   // this micro-batch's gradients are reduced
+  bool held_ = false;      // hold(): every unit gathered, the hooks do nothing
+  bool keep_ = false;      // stage 2: the parameters stay whole
+  bool sync_ = true;       // this micro-batch's gradients are reduced
+  bool in_order_ = false;  // every unit reduced after the backward, in order
   int stage_ = 3;
 };
 

@@ -220,7 +220,7 @@ TEST(FaultOom, ClearErrorNamingTheStepAndSizeAndTheCheckpointSurvives) {
 // "step" trains: an inf on rank 1 at step 5 skipped everywhere, the loss scale backing off and
 // growing, clipping, a periodic checkpoint in the middle: the same losses, grad norms and loss
 // scales in every metrics line, and the same final weights and optimizer state, to the bit.
-// With dist.zero = 2 too: each owner updates its share (skipping on the device) and broadcasts it.
+// With dist.zero = 2 too: each rank updates its shard (skipping on the device) and all-gathers it.
 class LateConsensus : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(LateConsensus, TrainsTheSameStepsAsTheConsensusReadAtOnce) {

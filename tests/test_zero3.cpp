@@ -154,6 +154,48 @@ TEST(Zero3, Gpt2AndLlamaBlocksGatheredAndReducedAsTheUnshardedModelAtThreeRanks)
 // mlp's first block eats the data (no gradient): its gradients are reduced after the backward.
 TEST(Zero3, MlpLayersGatheredAndReducedAsTheUnshardedModelAtThreeRanks) { in_process(3, "mlp"); }
 
+// dist.find_unused_parameters at stage 2: rank 1 runs no forward at all in the first step (no
+// block of it gets a gradient) while rank 0 runs every block. Every unit is reduce-scattered
+// after the backward, in order, on both ranks (rank 1's zeros), so the collectives pair up and
+// the step is the unsharded model's with rank 1 contributing nothing. (Reduced as each block
+// completes, rank 0 would start block reduce-scatters that rank 1 never does.)
+void skipped_blocks_on_one_rank(const keel::dist::World& w) {
+  auto coll = collectives(w);
+  auto sharded = small_model("mlp"), reference = small_model("mlp");
+  keel::dist::FullyShard fs(sharded, coll, /*reshard_parameters=*/false, /*reduce_in_order=*/true);
+  const auto pieces = fs.pieces();
+  for (int step = 0; step < 2; ++step) {
+    for (const auto& [n, p] : pieces) p.grad().zero_();
+    for (auto& p : reference->parameters()) p.mutable_grad() = torch::zeros_like(p);
+    const int64_t seed = 100 * step + w.rank;
+    const auto x = batch_for("mlp", seed);
+    fs.before_forward(/*sync=*/true);
+    if (w.rank == 0 || step == 1) {
+      loss_of("mlp", sharded->forward(x), seed).backward();
+      loss_of("mlp", reference->forward(x), seed).backward();
+    }
+    fs.after_backward();
+    torch::NoGradGuard ng;
+    for (const auto& [n, p] : pieces) p.sub_(p.grad(), 0.1);
+    for (auto& p : reference->parameters()) {
+      auto g = p.grad().clone();
+      coll->all_reduce(g, keel::dist::ReduceOp::Sum, "test: reference gradients");
+      p.sub_(g / static_cast<double>(w.size), 0.1);
+    }
+    fs.sync_parameters();
+  }
+  const auto got = sharded->named_parameters(), want = reference->named_parameters();
+  ASSERT_EQ(got.size(), want.size());
+  for (size_t i = 0; i < got.size(); ++i)
+    EXPECT_TRUE(torch::allclose(got[i].second, want[i].second, 1e-5, 1e-6)) << got[i].first;
+}
+
+TEST(Zero3, Stage2WithFindUnusedParametersPairsTheReductionsWhenARankSkipsEveryBlock) {
+  auto results = run_ranks(2, skipped_blocks_on_one_rank);
+  if (is_rank_process()) return;
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
 // Whole runs: dist.zero = 1, 2 and 3 against dist.zero = 0 on the same ranks. The final
 // checkpoint (step 30) holds each run's final parameters.
 std::vector<std::string> run_args(const std::string& dir, const std::string& model, int zero,

@@ -652,7 +652,7 @@ void Trainer::Loop::resume() {
     logging::info("checkpoint: no committed step under {}; starting fresh", cfg_.checkpoint.dir);
     return;
   }
-  dmodel_->hold_parameters();  // dist.zero = 3: loaded whole, then each rank keeps its shard
+  dmodel_->hold_parameters();  // dist.zero >= 2: loaded whole, then each rank keeps its shard
   state_.load(*loaded);
   dmodel_->release_parameters(/*changed=*/true);
   resumed_from_ = loaded->step;
@@ -970,7 +970,8 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   if (!splits_.test) return r;
   faults_->signal(FaultPhase::Eval, step);
   dmodel_->sync_buffers();  // every rank evaluates rank 0's model
-  // dist.zero = 3: the whole model, once (the ranks run different numbers of batches).
+  // dist.zero = 3: the whole model, once (the ranks run different numbers of batches; a no-op
+  // at stage 2, whose parameters are whole).
   dmodel_->hold_parameters();
   torch::NoGradGuard no_grad;
   model_->train(false);
@@ -1105,7 +1106,7 @@ void Trainer::Loop::finish() {
   }
   if (profiler_) profiler_->finish();
   dmodel_->sync_buffers();     // every rank ends with rank 0's model
-  dmodel_->hold_parameters();  // dist.zero = 3: the whole model, for on_end and the caller
+  dmodel_->hold_parameters();  // dist.zero = 3: the whole model, for on_end and the caller (stage 2's is)
   if (cb_.on_end) cb_.on_end(*model_);
   // Every rank leaves with the same verdict: the signal a rank received (the one that stopped
   // the loop, or one that came after the last step's consensus: evaluation, the final save,

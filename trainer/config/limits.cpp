@@ -166,7 +166,9 @@ ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& sha
     m.S = m.P, state_name = "SGD momentum";
   if (cfg.dist.zero >= 1) m.S /= static_cast<double>(world_size);  // partitioned by parameter
   m.P_held = m.P;
-  if (cfg.dist.zero >= 2) m.G /= static_cast<double>(world_size);
+  // Stage 2 keeps full gradients through the micro-batches that do not sync (as DDP), stage 3
+  // reduce-scatters every micro-batch.
+  if (cfg.dist.zero == 3 || (cfg.dist.zero == 2 && cfg.train.grad_accum == 1)) m.G /= static_cast<double>(world_size);
   if (cfg.dist.zero == 3) m.P_held /= static_cast<double>(world_size);
   const double bytes = m.P_held + m.G + m.S;
   std::vector<KeyUse> keys;

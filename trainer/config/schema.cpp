@@ -287,7 +287,8 @@ void dist_keys(SchemaBuilder& b) {
               "size of DDP's first bucket (the gradients ready first), MiB"),
         0.0, 1e6);
   b.add("dist", &C::dist, "find_unused_parameters", &DistConfig::find_unused_parameters,
-        "tolerate parameters that receive no gradient in a step");
+        "tolerate parameters that receive no gradient in a step (on some ranks or all; with dist.zero >= 2 every "
+        "block's gradients are then reduced after the backward, in order, instead of as each block completes)");
   b.add("dist", &C::dist, "broadcast_buffers", &DistConfig::broadcast_buffers,
         "rank 0's buffers (BatchNorm running statistics, ...) reach every rank before each forward, each evaluation, "
         "each checkpoint and the end (PyTorch DDP's broadcast_buffers); false: each rank keeps its own");
