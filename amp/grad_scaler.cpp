@@ -152,22 +152,30 @@ void GradScaler::update(const torch::Tensor& found_inf) {
   unscaled_ = false;
 }
 
-void GradScaler::save(checkpoint::State& state) const {
-  const ScalerState s = this->state();
-  state.shared["scaler"] = {{"scale", s.scale},
-                            {"growth_tracker", s.growth_tracker},
-                            {"growth_factor", s.growth_factor},
-                            {"backoff_factor", s.backoff_factor},
-                            {"growth_interval", s.growth_interval}};
+namespace {
+
+// Its values: the component's own (format 2), or format 1's shared "scaler" object.
+nlohmann::json scaler_values(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
+  return loaded.format_version >= 2 ? mine.values : mine.values.value("scaler", nlohmann::json());
 }
 
-void GradScaler::load(const checkpoint::Loaded& loaded) {
-  const auto& shared = loaded.state.shared;
-  if (!shared.contains("scaler") || !shared["scaler"].is_object()) {
+}  // namespace
+
+void GradScaler::save(checkpoint::Component& mine) const {
+  const ScalerState s = this->state();
+  mine.values = {{"scale", s.scale},
+                 {"growth_tracker", s.growth_tracker},
+                 {"growth_factor", s.growth_factor},
+                 {"backoff_factor", s.backoff_factor},
+                 {"growth_interval", s.growth_interval}};
+}
+
+void GradScaler::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
+  const nlohmann::json j = scaler_values(loaded, mine);
+  if (!j.is_object() || !j.contains("scale")) {
     logging::warn("checkpoint {} has no loss-scaler state; starting from amp.init_scale", loaded.path);
     return;
   }
-  const auto& j = shared["scaler"];
   ScalerState ss;
   ss.scale = j.at("scale").get<double>();
   ss.growth_tracker = j.at("growth_tracker").get<int64_t>();
@@ -177,17 +185,17 @@ void GradScaler::load(const checkpoint::Loaded& loaded) {
   load_state(ss);
 }
 
-std::string GradScaler::check(const checkpoint::Loaded& loaded) const {
-  const auto& shared = loaded.state.shared;
-  if (!shared.contains("scaler") || !shared["scaler"].is_object()) return "";
-  const auto& j = shared["scaler"];
+std::string GradScaler::check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const {
+  const nlohmann::json j = scaler_values(loaded, mine);
+  if (j.is_null() || (j.is_object() && j.empty())) return "";  // none saved: load() warns, starts afresh
+  if (!j.is_object()) return "values are not an object";
   auto number = [&](const char* key, double lo, double hi, bool integer) -> std::string {
     const auto& v = j.value(key, nlohmann::json());
     const bool ok = (integer ? v.is_number_integer() : v.is_number()) && std::isfinite(v.get<double>()) &&
                     v.get<double>() >= lo && v.get<double>() <= hi;
     return ok ? ""
-              : std::string("state.scaler.") + key + " = " + v.dump() + " is not " +
-                    (integer ? "an integer" : "a number") + " in [" + fmt_bound(lo) + ", " + fmt_bound(hi) + "]";
+              : std::string("values.") + key + " = " + v.dump() + " is not " + (integer ? "an integer" : "a number") +
+                    " in [" + fmt_bound(lo) + ", " + fmt_bound(hi) + "]";
   };
   for (const auto& problem : {number("scale", 1e-30, 3e38, false), number("growth_tracker", 0, 1e15, true),
                               number("growth_factor", 1, 1e6, false), number("backoff_factor", 1e-6, 1, false),

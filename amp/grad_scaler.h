@@ -13,7 +13,8 @@
 // there at the first unscale; update(found_inf) runs _amp_update_scale_ there, so that a step
 // whose verdict stays on the device (dist.consensus = late) never makes the host wait. state()
 // and scale_value() read them (the host waits): checkpoints and log lines only.
-// Its checkpoint state is meta.json's "scaler" object (checkpoint::Stateful).
+// Its checkpoint state is its component's values (checkpoint::Stateful; the trainer registers
+// it as "grad_scaler").
 // Thread-compatible.
 #pragma once
 
@@ -61,13 +62,14 @@ class GradScaler : public checkpoint::Stateful {
   /// The whole state (the host waits for the scale and the tracker).
   ScalerState state() const;
   void load_state(const ScalerState& s);
-  /// shared["scaler"] = {scale, growth_tracker, growth_factor, backoff_factor, growth_interval}.
-  void save(checkpoint::State& state) const override;
-  /// Restores shared["scaler"]; a checkpoint without it (saved without loss scaling) keeps the
+  /// Its values: {scale, growth_tracker, growth_factor, backoff_factor, growth_interval}.
+  void save(checkpoint::Component& mine) const override;
+  /// Restores them (a format-1 step: its shared "scaler"); a step without them (saved without
+  /// loss scaling) keeps the
   /// configured initial scale, with a warning.
-  void load(const checkpoint::Loaded& loaded) override;
-  /// A present "scaler" must hold finite numbers in the ranges amp.* allows (scale > 0).
-  std::string check(const checkpoint::Loaded& loaded) const override;
+  void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
+  /// Values present must hold finite numbers in the ranges amp.* allows (scale > 0).
+  std::string check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const override;
   /// Whether the fused kernel serves `device` (for logs and tests).
   static bool has_fused_unscale(c10::DeviceType device);
 

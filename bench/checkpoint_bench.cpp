@@ -57,11 +57,11 @@ int main(int argc, char** argv) {
   torch::manual_seed(0);
   for (int64_t i = 0; i < n_tensors; ++i) {
     const std::string name = "layer." + std::to_string(i) + ".weight";
-    st.model.emplace_back(name, torch::randn({per}));
-    st.optimizer.emplace_back(name + ".exp_avg", torch::randn({per}));
-    st.optimizer.emplace_back(name + ".exp_avg_sq", torch::rand({per}));
+    st["model"].add(name, torch::randn({per}));
+    st["optimizer"].add(name + ".exp_avg", torch::randn({per}));
+    st["optimizer"].add(name + ".exp_avg_sq", torch::rand({per}));
   }
-  st.rank_tensors = {{"rng.cpu", torch::arange(5056, torch::kByte)}};
+  st["rng"].add("rng.cpu", torch::arange(5056, torch::kByte), checkpoint::Placement::PerRank);
   const double bytes = 3.0 * n_tensors * per * 4;
 
   checkpoint::Options o;
@@ -82,7 +82,7 @@ int main(int argc, char** argv) {
     auto t0 = Clock::now();
     auto L = c.load();
     load_ms.push_back(ms_since(t0));
-    if (!L || L->state.model.size() != st.model.size()) {
+    if (!L || L->component("model").tensors.size() != st["model"].tensors.size()) {
       std::fprintf(stderr, "load failed\n");
       return 1;
     }

@@ -29,12 +29,8 @@ namespace keel::checkpoint {
 namespace {
 
 const char* kMeta = "meta.json";
-const char* kIndex = "model.safetensors.index.json";
-const char* kOptimizerIndex = "optimizer.safetensors.index.json";
-const char* kGraph = "graph.pt";
-const char* kPackage = "graph.pt2";
-const char* kPackageManifest = "graph.json";
 const char* kRankStateKey = "keel.rank_state";
+constexpr int64_t kFormatVersion = 2;
 
 std::string numbered(const char* fmt, int64_t a, int64_t b) {
   char buf[96];
@@ -84,15 +80,10 @@ std::string read_verified(const nlohmann::json& meta, const std::string& dir, co
 
 }  // namespace
 
-std::string model_file(int64_t rank, int64_t world) {
-  return numbered("model-%05ld-of-%05ld.safetensors", rank + 1, world);
+std::string component_file(const std::string& component, int64_t rank, int64_t world) {
+  return component + numbered("-%05ld-of-%05ld.safetensors", rank + 1, world);
 }
-std::string optimizer_file(int64_t rank, int64_t world) {
-  return numbered("optimizer-%05ld-of-%05ld.safetensors", rank + 1, world);
-}
-std::string extra_file(int64_t rank, int64_t world) {
-  return numbered("extra-%05ld-of-%05ld.safetensors", rank + 1, world);
-}
+std::string index_file(const std::string& component) { return component + ".safetensors.index.json"; }
 std::string rank_file(int64_t rank) { return numbered("rank-%05ld.safetensors", rank, 0); }
 
 std::vector<int64_t> assign_shards(const std::vector<uint64_t>& sizes, int64_t world) {
@@ -129,30 +120,14 @@ std::vector<StepInfo> list_steps(const std::string& dir) {
 }
 
 namespace {
-using Wants = std::function<bool(const std::string&)>;
+using Wants = std::function<bool(const std::string&, const std::string&)>;
 Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants);
 }  // namespace
 
 // Every file's checksum (each problem listed), then the loader's own checks (read_step: the
-// shard set of the saved world, the index against the shards, each rank's file): what
-// `keel inspect` calls verified is exactly what training would load.
-std::string optimizer_tensor_problem(const std::string& name, const torch::Tensor& t, bool step_count,
-                                     const torch::Tensor& param, int64_t step) {
-  const std::string what =
-      "optimizer state \"" + name + "\" (" + c10::toString(t.scalar_type()) + c10::str(t.sizes()) + ")";
-  if (step_count) {
-    if (t.numel() != 1 || !c10::isIntegralType(t.scalar_type(), /*includeBool=*/false))
-      return what + " must be a single integer (a step count)";
-    const int64_t v = t.reshape({}).item<int64_t>();
-    if (v < 0 || v > step) return what + " = " + std::to_string(v) + " is outside [0, " + std::to_string(step) + "]";
-  } else if (t.sizes() != param.sizes() || t.scalar_type() != param.scalar_type()) {
-    const size_t dot = name.find_last_of('.');
-    return what + " does not match its parameter " + name.substr(0, dot) + " (" + c10::toString(param.scalar_type()) +
-           c10::str(param.sizes()) + ")";
-  }
-  return "";
-}
-
+// shard set of the saved world, each index against meta.json and the shards, each tensor's
+// recorded dtype and shape, each rank's file). What each component makes of its values (a
+// step count in range, the loss scale) is the component's check at load, not this one's.
 std::vector<std::string> verify_step(const std::string& step_dir) {
   nlohmann::json meta;
   try {
@@ -160,12 +135,18 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
   } catch (const std::exception& e) {
     return {e.what()};
   }
-  // The loader's own checks first: they checksum every file they read (every listed file but
-  // the rank files of ranks other than 0), so those are not hashed twice.
+  // The loader's own checks first: they checksum every file they read (the components' files
+  // and indexes, rank 0's file), so those are not hashed twice.
   std::string load_error;
+  std::set<std::string> hashed;
   try {
     const Loaded L = read_step(step_dir, 0, {});
-    for (int64_t r = 1; r < L.saved_world_size; ++r) expected_sha(meta, step_dir, rank_file(r));
+    hashed.insert(rank_file(0));
+    for (const auto& [c, lc] : L.components) {
+      if (!meta["files"].contains(component_file(c, 0, L.saved_world_size))) continue;
+      for (int64_t r = 0; r < L.saved_world_size; ++r) hashed.insert(component_file(c, r, L.saved_world_size));
+      hashed.insert(index_file(c));
+    }
   } catch (const std::exception& e) {
     load_error = e.what();
   }
@@ -173,7 +154,7 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
   // that every damaged file is named and not only the first.
   std::vector<std::string> problems;
   for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
-    if (load_error.empty() && (it.key().rfind("rank-", 0) != 0 || it.key() == rank_file(0))) continue;
+    if (load_error.empty() && hashed.count(it.key())) continue;
     const std::string path = step_dir + "/" + it.key();
     try {
       // expected_sha checks presence and size (the same checks a load makes).
@@ -192,23 +173,23 @@ std::vector<std::string> verify_step(const std::string& step_dir) {
 struct Checkpointer::Pending {
   int64_t step = 0;
   std::string dir;
-  NamedTensors model_shard, optimizer_shard, extra_shard, rank_tensors;
-  bool has_extra = false;
-  std::map<std::string, std::string> rank_meta;
-  std::string graph, package, package_manifest;
-  // Every rank's view of the whole plan (for the index).
-  std::vector<std::string> model_names;
-  std::vector<int64_t> model_owner;
-  uint64_t model_bytes = 0;
-  nlohmann::json shared;
-  nlohmann::json optimizer_map = nlohmann::json::object();  // rank 0: state tensor -> file
-  nlohmann::json optimizer_meta;                            // meta.json "optimizer"
-  std::vector<std::string> optimizer_params;                // State::optimizer_params
+  struct File {
+    std::string name;
+    NamedTensors tensors;                         // a safetensors file, or
+    std::map<std::string, std::string> metadata;  //
+    const std::string* bytes = nullptr;           // a whole file (rank 0's, of the State saved)
+    std::string copy;                             // with async: its copy
+    bool whole = false;
+  };
+  std::vector<File> files;  // this rank's
+  // Rank 0's record of the step: meta.json "components", and each component's index.
+  nlohmann::json components = nlohmann::json::object();
+  std::map<std::string, nlohmann::json> indexes;
   // Results of the write.
   std::thread thread;
   std::atomic<bool> done{false};
   std::string error;
-  std::vector<WrittenFile> files;
+  std::vector<WrittenFile> written;
   double write_ms = 0;
 };
 
@@ -245,47 +226,35 @@ double Checkpointer::last_write_ms() const { return pending_ ? pending_->write_m
 
 void Checkpointer::write_shards(Pending& p) {
   const auto t0 = Clock::now();
-  // The model shard is written on a second thread while this one writes the optimizer shard
-  // and the rest: measured here, one writer leaves the disk idle while it copies and hashes.
-  auto hooked = [&](const std::string& file) {
-    WriteOptions o;
-    if (const auto& h = opts_.hooks.before_write)
-      o.before_write = [h, step = p.step, file](uint64_t offset) { return h(step, file, offset); };
-    return o;
+  // Two writers, largest file first: measured here, one writer leaves the disk idle while it
+  // copies and hashes.
+  std::vector<WrittenFile> written(p.files.size());
+  std::vector<std::string> errors(p.files.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t k; (k = next.fetch_add(1)) < p.files.size();) {
+      const auto& f = p.files[k];
+      try {
+        if (f.whole) {
+          written[k] = write_atomic(p.dir + "/" + f.name, opts_.async ? f.copy : *f.bytes);
+          continue;
+        }
+        WriteOptions o;
+        if (const auto& h = opts_.hooks.before_write)
+          o.before_write = [h, step = p.step, file = f.name](uint64_t offset) { return h(step, file, offset); };
+        written[k] = write_safetensors(p.dir + "/" + f.name, f.tensors, f.metadata, o);
+      } catch (const std::exception& e) {
+        errors[k] = e.what();
+      }
+    }
   };
-  WrittenFile model_written;
-  std::string model_error;
-  std::thread model_writer([&] {
-    try {
-      const std::string file = model_file(rank_, world_);
-      model_written = write_safetensors(p.dir + "/" + file, p.model_shard,
-                                        {{"format", "pt"}, {"keel_step", std::to_string(p.step)}}, hooked(file));
-    } catch (const std::exception& e) {
-      model_error = e.what();
-    }
-  });
-  std::vector<WrittenFile> rest;
-  try {
-    rest.push_back(write_safetensors(p.dir + "/" + optimizer_file(rank_, world_), p.optimizer_shard,
-                                     {{"keel_step", std::to_string(p.step)}}, hooked(optimizer_file(rank_, world_))));
-    if (p.has_extra)
-      rest.push_back(write_safetensors(p.dir + "/" + extra_file(rank_, world_), p.extra_shard,
-                                       {{"keel_step", std::to_string(p.step)}}, hooked(extra_file(rank_, world_))));
-    rest.push_back(
-        write_safetensors(p.dir + "/" + rank_file(rank_), p.rank_tensors, p.rank_meta, hooked(rank_file(rank_))));
-    if (rank_ == 0 && !p.graph.empty()) rest.push_back(write_atomic(p.dir + "/" + kGraph, p.graph));
-    if (rank_ == 0 && !p.package.empty()) {
-      rest.push_back(write_atomic(p.dir + "/" + kPackage, p.package));
-      rest.push_back(write_atomic(p.dir + "/" + kPackageManifest, p.package_manifest));
-    }
-  } catch (const std::exception& e) {
-    p.error = e.what();
-  }
-  model_writer.join();
-  if (!model_error.empty()) p.error = model_error;  // the first file's error is the one to report
+  std::thread second(work);
+  work();
+  second.join();
+  for (const auto& e : errors)
+    if (!e.empty() && p.error.empty()) p.error = e;  // the first file's error is the one to report
   if (p.error.empty()) {
-    p.files.push_back(model_written);
-    p.files.insert(p.files.end(), rest.begin(), rest.end());
+    p.written = written;
     try {
       fsync_dir(p.dir);
     } catch (const std::exception& e) {
@@ -298,57 +267,116 @@ void Checkpointer::write_shards(Pending& p) {
 
 namespace {
 
-// Step 1 of a save: the plan (which tensors, in which shard), identical on every rank by
-// construction and checked across ranks with one all-gather of its fingerprint. A partitioned
-// optimizer state (dist.zero >= 1) is not in it: each rank writes its own partition, which must
-// hold only the state of parameters it owns. Returns each planned tensor's writing rank.
-std::vector<int64_t> agree_on_plan(dist::Collectives& coll, int64_t world, int64_t rank, int64_t step,
-                                   const State& state, bool partitioned) {
-  std::map<std::string, int64_t> owner_of_param(state.optimizer_owners.begin(), state.optimizer_owners.end());
-  if (partitioned)
-    for (const auto& [name, t] : state.optimizer) {
-      const auto it = owner_of_param.find(name.substr(0, name.find_last_of('.')));
-      if (it == owner_of_param.end() || it->second != rank)
-        throw SaveError("checkpoint step " + std::to_string(step) + ": optimizer state \"" + name +
-                        "\" is not of a parameter this rank owns");
+nlohmann::json shape_record(const torch::Tensor& t) {
+  return {{"dtype", safetensors_dtype(t.scalar_type())}, {"shape", t.sizes().vec()}};
+}
+
+// One component's part of a step, as every rank plans it.
+struct ComponentPlan {
+  std::map<std::string, std::string> index;           // each replicated and owned tensor -> its file
+  nlohmann::json tensors = nlohmann::json::object();  // name -> {"dtype", "shape"}
+  nlohmann::json owned = nlohmann::json::array();
+  uint64_t bytes = 0;
+  NamedTensors mine;  // this rank's file: its share of the replicated tensors, then its own
+};
+
+// What is wrong with this rank's `state` on its own (names, tensors, whole files), or "". Run
+// through one collective before any other, so that a problem on one rank (an owned tensor
+// only it holds) throws on every rank instead of leaving the others in the next collective.
+std::string local_problem(const State& state) {
+  std::set<std::string> whole_files;
+  for (const auto& [c, comp] : state.components) {
+    if (const std::string p = component_name_problem(c); !p.empty()) return "component name \"" + c + "\" " + p;
+    std::set<std::string> names;
+    for (const auto& e : comp.tensors) {
+      if (e.name.empty() || e.name.find_first_of("\t\n") != std::string::npos)
+        return "component " + c + ": a tensor name is empty or holds a tab or newline";
+      if (!names.insert(e.name).second) return "component " + c + " has two tensors named \"" + e.name + "\"";
+      if (!e.tensor.defined()) return "component " + c + ": tensor \"" + e.name + "\" is undefined";
+      try {
+        safetensors_dtype(e.tensor.scalar_type());
+      } catch (const std::exception& x) {
+        return "component " + c + ": tensor \"" + e.name + "\": " + x.what();
+      }
     }
-  std::vector<uint64_t> sizes;
-  std::string layout = "world=" + std::to_string(world) + ";zero=" + std::to_string(state.zero) + ";";
-  for (const auto* list : {&state.model, &state.optimizer, &state.extra}) {
-    if (partitioned && list == &state.optimizer) continue;
-    for (const auto& [name, t] : *list) {
-      sizes.push_back(nbytes(t));
-      layout += name + ":" + c10::toString(t.scalar_type()) + ":" + std::to_string(t.numel()) + ";";
+    for (const auto& [f, bytes] : comp.files) {
+      const auto ends = [&](const std::string& tail) {
+        return f.size() >= tail.size() && f.compare(f.size() - tail.size(), tail.size(), tail) == 0;
+      };
+      if (!plain_name(f) || f == kMeta || f.rfind("rank-", 0) == 0 || ends(".safetensors") ||
+          ends(".safetensors.index.json"))
+        return "component " + c + ": \"" + f +
+               "\" cannot name a whole file of a step (a plain name that is not "
+               "meta.json, rank-*, *.safetensors or *.safetensors.index.json)";
+      if (!whole_files.insert(f).second) return "component " + c + ": another component also writes \"" + f + "\"";
     }
   }
-  for (const auto& [name, r] : state.optimizer_owners) layout += "owner:" + name + "=" + std::to_string(r) + ";";
-  for (const auto& n : state.optimizer_params) layout += "param:" + n + ";";
-  for (const auto& [f, kind] : state.optimizer_fields) layout += "field:" + f + "=" + kind + ";";
+  return "";
+}
+
+// Step 1 of a save: the plan, identical on every rank by construction and checked across ranks
+// with one all-gather of its fingerprint (the replicated tensors), then one all-gather of every
+// rank's owned tensors (their names, dtypes and shapes) for the indexes. Every rank throws alike.
+std::map<std::string, ComponentPlan> plan_save(dist::Collectives& coll, int64_t world, int64_t rank, int64_t step,
+                                               const State& state) {
+  const std::string at = "checkpoint step " + std::to_string(step) + ": ";
+  if (const dist::RankError e = dist::first_error(coll, local_problem(state), "checkpoint plan check"))
+    throw SaveError(at + "rank " + std::to_string(e.rank) + ": " + e.message);
+  std::vector<uint64_t> sizes;
+  std::vector<std::pair<std::string, const Component::Entry*>> replicated;
+  std::string layout = "world=" + std::to_string(world) + ";", owned;
+  for (const auto& [c, comp] : state.components) {
+    layout += "component=" + c + ";";
+    for (const auto& e : comp.tensors) {
+      if (e.placement == Placement::Replicated) {
+        sizes.push_back(nbytes(e.tensor));
+        replicated.emplace_back(c, &e);
+        layout += e.name + ":" + c10::toString(e.tensor.scalar_type()) + c10::str(e.tensor.sizes()) + ";";
+      } else if (e.placement == Placement::Owned) {
+        owned +=
+            c + "\t" + e.name + "\t" + shape_record(e.tensor).dump() + "\t" + std::to_string(nbytes(e.tensor)) + "\n";
+      }
+    }
+  }
   std::string differ;
   if (const auto d = dist::agree(
           coll, dist::fingerprint(layout), [] { return std::string(); }, "checkpoint plan"))
     for (const int64_t r : d.differing_from(rank)) differ += (differ.empty() ? "" : ", ") + std::to_string(r);
   if (!differ.empty())
-    throw SaveError("checkpoint step " + std::to_string(step) + ": rank(s) " + differ +
-                    " hold a different set of "
-                    "tensors (names, dtypes or sizes) than rank " +
-                    std::to_string(rank) +
-                    "; model and optimizer state must be replicated, or the optimizer partitioned the same way");
-  return assign_shards(sizes, world);
-}
-
-// A partitioned optimizer state's index: every rank's tensor names, through one all-gather of
-// their lengths and one of the names (padded to the longest). Rank 0 gets name -> file; the
-// others an empty object.
-nlohmann::json gather_optimizer_index(dist::Collectives& coll, int64_t world, int64_t rank, const State& state) {
-  std::string mine;
-  for (const auto& [name, t] : state.optimizer) mine += name + "\n";
-  const auto all = dist::all_gather_strings(coll, mine, "checkpoint optimizer index");
-  nlohmann::json map = nlohmann::json::object();
-  for (int64_t r = 0; r < world && rank == 0; ++r) {
-    for (const auto& name : split_lines(all[static_cast<size_t>(r)])) map[name] = optimizer_file(r, world);
+    throw SaveError(at + "rank(s) " + differ +
+                    " hold other components or replicated tensors (names, dtypes or sizes) " + "than rank " +
+                    std::to_string(rank) + "; replicated tensors must be the same on every rank");
+  std::map<std::string, ComponentPlan> plans;
+  for (const auto& [c, comp] : state.components) plans[c];
+  const std::vector<int64_t> owner = assign_shards(sizes, world);
+  for (size_t i = 0; i < replicated.size(); ++i) {
+    auto& p = plans[replicated[i].first];
+    const auto& e = *replicated[i].second;
+    p.index[e.name] = component_file(replicated[i].first, owner[i], world);
+    p.tensors[e.name] = shape_record(e.tensor);
+    p.bytes += nbytes(e.tensor);
+    if (owner[i] == rank) p.mine.emplace_back(e.name, e.tensor);
   }
-  return map;
+  const auto all = dist::all_gather_strings(coll, owned, "checkpoint owned tensors");
+  std::string clash;
+  for (int64_t r = 0; r < world; ++r)
+    for (const auto& line : split_lines(all[static_cast<size_t>(r)])) {
+      const size_t a = line.find('\t'), b = line.find('\t', a + 1), d = line.find('\t', b + 1);
+      const std::string c = line.substr(0, a), name = line.substr(a + 1, b - a - 1);
+      auto& p = plans[c];
+      const auto [it, fresh] = p.index.emplace(name, component_file(c, r, world));
+      if (!fresh && clash.empty())
+        clash = "component " + c + "'s tensor \"" + name + "\" is owned by rank " + std::to_string(r) +
+                " and also placed in " + it->second + " (owned names must be unique across ranks)";
+      p.tensors[name] = nlohmann::json::parse(line.substr(b + 1, d - b - 1));
+      p.owned.push_back(name);
+      p.bytes += std::stoull(line.substr(d + 1));
+    }
+  if (!clash.empty()) throw SaveError(at + clash);  // every rank gathered the same lines
+  for (const auto& [c, comp] : state.components)
+    for (const auto& e : comp.tensors)
+      if (e.placement == Placement::Owned) plans[c].mine.emplace_back(e.name, e.tensor);
+  return plans;
 }
 
 // The tensor a save writes: `t` itself, or with checkpoint.async a copy into a staging buffer
@@ -381,51 +409,55 @@ void Checkpointer::save(int64_t step, const State& state) {
   auto p = std::make_unique<Pending>();
   p->step = step;
   p->dir = step_dir(step);
-  p->shared = state.shared;
 
   // 1. The plan, agreed across ranks.
-  const bool partitioned = !state.optimizer_owners.empty();
-  const std::vector<int64_t> owner = agree_on_plan(*coll_, world_, rank_, step, state, partitioned);
-  p->optimizer_meta = {{"zero", state.zero}, {"partitioned", partitioned}};
-  p->optimizer_params = state.optimizer_params;
-  if (!state.optimizer_fields.empty()) p->optimizer_meta["fields"] = state.optimizer_fields;
-  if (partitioned) {
-    nlohmann::json owners = nlohmann::json::object();
-    for (const auto& [name, r] : state.optimizer_owners) owners[name] = r;
-    p->optimizer_meta["owners"] = owners;
-    p->optimizer_map = gather_optimizer_index(*coll_, world_, rank_, state);
-  }
-  // 2. This rank's share: owned replicated tensors, and its own state (copied for async).
+  const auto plans = plan_save(*coll_, world_, rank_, step, state);
+  // 2. This rank's files (copied for async), and rank 0's record of the step.
   const auto take = [&](const std::string& key, const torch::Tensor& t) {
     return snapshot(staging_, opts_.async, key, t);
   };
-  size_t i = 0;
-  for (const auto& [name, t] : state.model) {
-    p->model_names.push_back(name);
-    p->model_owner.push_back(owner[i]);
-    p->model_bytes += nbytes(t);
-    if (owner[i++] == rank_) p->model_shard.emplace_back(name, take("m:" + name, t));
-  }
-  for (const auto& [name, t] : state.optimizer) {
-    if (partitioned) {
-      p->optimizer_shard.emplace_back(name, take("o:" + name, t));
-      continue;
+  const std::map<std::string, std::string> stamp = {{"format", "pt"}, {"keel_step", std::to_string(step)}};
+  Pending::File own{rank_file(rank_), {}, stamp};
+  nlohmann::json rank_values = nlohmann::json::object();
+  for (const auto& [c, comp] : state.components) {
+    const ComponentPlan& plan = plans.at(c);
+    if (!plan.index.empty()) {
+      Pending::File f{component_file(c, rank_, world_), {}, stamp};
+      for (const auto& [n, t] : plan.mine) f.tensors.emplace_back(n, take(c + "\t" + n, t));
+      p->files.push_back(std::move(f));
     }
-    p->optimizer_map[name] = optimizer_file(owner[i], world_);
-    if (owner[i++] == rank_) p->optimizer_shard.emplace_back(name, take("o:" + name, t));
+    for (const auto& e : comp.tensors)
+      if (e.placement == Placement::PerRank)
+        own.tensors.emplace_back("rank." + std::to_string(rank_) + "." + c + "." + e.name,
+                                 take("\t" + c + "\t" + e.name, e.tensor));  // tabs: no name has one
+    if (!comp.rank_values.empty()) rank_values[c] = comp.rank_values;
+    if (rank_ != 0) continue;
+    nlohmann::json record = {{"values", comp.values}};
+    if (!plan.index.empty()) {
+      record["tensors"] = plan.tensors;
+      if (!plan.owned.empty()) record["owned"] = plan.owned;
+      p->indexes[c] = {{"metadata", {{"total_size", plan.bytes}}}, {"weight_map", plan.index}};
+    }
+    for (const auto& [name, bytes] : comp.files) {
+      record["files"].push_back(name);
+      Pending::File f{name};
+      f.whole = true;
+      f.bytes = &bytes;  // the State outlives a synchronous write
+      if (opts_.async) f.copy = bytes;
+      p->files.push_back(std::move(f));
+    }
+    p->components[c] = record;
   }
-  for (const auto& [name, t] : state.extra)
-    if (owner[i++] == rank_) p->extra_shard.emplace_back(name, take("e:" + name, t));
-  p->has_extra = !state.extra.empty();
-  const std::string prefix = "rank." + std::to_string(rank_) + ".";
-  for (const auto& [name, t] : state.rank_tensors) p->rank_tensors.emplace_back(prefix + name, take("r:" + name, t));
-  p->rank_meta[kRankStateKey] = state.rank_state.dump();
-  p->rank_meta["keel_step"] = std::to_string(step);
-  if (rank_ == 0) {
-    p->graph = state.graph;
-    p->package = state.package;
-    p->package_manifest = state.package_manifest;
-  }
+  own.metadata[kRankStateKey] = rank_values.dump();
+  p->files.push_back(std::move(own));
+  std::stable_sort(p->files.begin(), p->files.end(), [](const Pending::File& a, const Pending::File& b) {
+    const auto size = [](const Pending::File& f) {
+      uint64_t n = f.whole ? f.bytes->size() : 0;
+      for (const auto& [name, t] : f.tensors) n += nbytes(t);
+      return n;
+    };
+    return size(a) > size(b);
+  });
 
   // 3. The write: on this thread, or on the writer thread with checkpoint.async.
   try {
@@ -459,7 +491,8 @@ void Checkpointer::commit() {
 
   // 3a. Every rank's result.
   nlohmann::json mine = {{"ok", p->error.empty()}, {"error", p->error}, {"files", nlohmann::json::array()}};
-  for (const auto& f : p->files) mine["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"sha256", f.sha256}});
+  for (const auto& f : p->written)
+    mine["files"].push_back({{"name", f.name}, {"bytes", f.bytes}, {"sha256", f.sha256}});
   const auto all = dist::all_gather_strings(*coll_, mine.dump(), "checkpoint commit");
   std::vector<nlohmann::json> results;
   std::string failures;
@@ -483,36 +516,19 @@ void Checkpointer::commit() {
       for (int64_t r = 0; r < world_; ++r)
         for (const auto& f : results[r]["files"])
           files[f["name"].get<std::string>()] = {{"bytes", f["bytes"]}, {"sha256", f["sha256"]}, {"rank", r}};
-      nlohmann::json index = {{"metadata", {{"total_size", p->model_bytes}}}, {"weight_map", nlohmann::json::object()}};
-      for (size_t k = 0; k < p->model_names.size(); ++k)
-        index["weight_map"][p->model_names[k]] = model_file(p->model_owner[k], world_);
-      const WrittenFile idx = write_atomic(p->dir + "/" + kIndex, index.dump(2) + "\n");
-      files[idx.name] = {{"bytes", idx.bytes}, {"sha256", idx.sha256}, {"rank", 0}};
-      if (p->optimizer_meta.contains("fields")) {
-        // Which fields each parameter has: from the index (every rank's state names).
-        nlohmann::json manifest = nlohmann::json::object();
-        for (const auto& n : p->optimizer_params) manifest[n] = nlohmann::json::array();
-        for (auto it = p->optimizer_map.begin(); it != p->optimizer_map.end(); ++it) {
-          const std::string& n = it.key();
-          const size_t dot = n.find_last_of('.');
-          manifest[n.substr(0, dot)].push_back(n.substr(dot + 1));
-        }
-        p->optimizer_meta["state"] = manifest;
+      for (const auto& [c, index] : p->indexes) {
+        const WrittenFile idx = write_atomic(p->dir + "/" + index_file(c), index.dump(2) + "\n");
+        files[idx.name] = {{"bytes", idx.bytes}, {"sha256", idx.sha256}, {"rank", 0}};
       }
-      nlohmann::json opt_index = {{"metadata", {{"zero", p->optimizer_meta["zero"]}, {"world_size", world_}}},
-                                  {"weight_map", p->optimizer_map}};
-      const WrittenFile oidx = write_atomic(p->dir + "/" + kOptimizerIndex, opt_index.dump(2) + "\n");
-      files[oidx.name] = {{"bytes", oidx.bytes}, {"sha256", oidx.sha256}, {"rank", 0}};
       nlohmann::json meta = {{"format", "keel-checkpoint"},
-                             {"format_version", 1},
+                             {"format_version", kFormatVersion},
                              {"step", p->step},
                              {"world_size", world_},
                              {"config_sha256", opts_.config_sha256},
                              {"keel_version", KEEL_VERSION},
                              {"torch_version", TORCH_VERSION},
                              {"created_utc", utc_now()},
-                             {"state", p->shared},
-                             {"optimizer", p->optimizer_meta},
+                             {"components", p->components},
                              {"files", files}};
       write_atomic(p->dir + "/" + kMeta, meta.dump(2) + "\n");
       fsync_dir(p->dir);
@@ -566,60 +582,6 @@ void Checkpointer::cleanup(int64_t keep_step) {
 
 namespace {
 
-// meta.json records every parameter the optimizer updates and the fields of its state; the
-// index must list exactly those tensors: state that went missing (a deleted partition, removed
-// index entries) is named by parameter, never replaced by a fresh state. Checked on every rank
-// whatever part it reads, so that every rank reaches the same verdict.
-void check_optimizer_manifest(const nlohmann::json& o, const std::map<std::string, std::string>& index,
-                              const std::string& dir, bool has_index) {
-  const std::string where = dir + "/" + kMeta + " and " + kOptimizerIndex;
-  if (!has_index) throw FormatError(dir + ": meta.json records optimizer state but lists no " + kOptimizerIndex);
-  std::set<std::string> recorded;
-  std::string missing, unknown;
-  int64_t n_missing = 0;
-  for (auto it = o["state"].begin(); it != o["state"].end(); ++it)
-    for (const auto& f : it.value()) {
-      const std::string name = it.key() + "." + f.get<std::string>();
-      recorded.insert(name);
-      if (!index.count(name) && n_missing++ < 8) missing += (missing.empty() ? "" : ", ") + name;
-    }
-  for (const auto& [n, f] : index)
-    if (!recorded.count(n)) unknown += (unknown.empty() ? "" : ", ") + n;
-  if (n_missing > 0)
-    throw FormatError(where + ": the optimizer state of " + std::to_string(n_missing) + " tensor(s) is missing (" +
-                      missing + (n_missing > 8 ? ", ..." : "") + "): meta.json records it, the index does not list it");
-  if (!unknown.empty())
-    throw FormatError(where +
-                      ": the index lists optimizer state that meta.json does not record: " + unknown.substr(0, 400));
-}
-
-// Each optimizer state tensor this rank read has its field's kind: a step count is one integer
-// element in [0, step]; the others have their parameter's shape and dtype.
-// `o`: meta.json's "optimizer" with its record of the state's fields (steps written before it
-// existed carry none: their owner checks them, trainer/optim.h OptimizerState::check).
-void check_optimizer_tensors(const nlohmann::json& o, const Loaded& L, const std::string& dir,
-                             const std::map<std::string, std::string>& index) {
-  std::map<std::string, const torch::Tensor*> model;
-  for (const auto& [n, t] : L.state.model) model[n] = &t;
-  for (auto it = o["state"].begin(); it != o["state"].end(); ++it)
-    if (!model.count(it.key()))
-      throw FormatError(dir + "/" + kMeta + ": optimizer.state names \"" + it.key() +
-                        "\", which is not a model tensor");
-  for (const auto& [n, t] : L.state.optimizer) {
-    const size_t dot = n.find_last_of('.');
-    if (dot == std::string::npos) throw FormatError(dir + ": optimizer state \"" + n + "\" is not <parameter>.<field>");
-    const std::string param = n.substr(0, dot), field = n.substr(dot + 1);
-    if (!model.count(param))
-      throw FormatError(dir + ": optimizer state \"" + n + "\" is of " + param + ", which is not a model tensor");
-    const std::string problem =
-        optimizer_tensor_problem(n, t, o["fields"].value(field, "param") == "scalar", *model.at(param), L.step);
-    if (!problem.empty()) {
-      const auto file = index.find(n);
-      throw FormatError(dir + "/" + (file == index.end() ? std::string("?") : file->second) + ": " + problem);
-    }
-  }
-}
-
 // The files `names` of step `dir`, mapped and checksummed in parallel (SHA-256 runs at ~1.6 GB/s
 // on one core); the first failure, if any, as FormatError.
 std::vector<SafetensorsFile> read_shards(const nlohmann::json& meta, const std::string& dir,
@@ -645,25 +607,158 @@ std::vector<SafetensorsFile> read_shards(const nlohmann::json& meta, const std::
   return files;
 }
 
-// Rank `rank`'s own file of the step: its tensors (the "rank.<r>." prefix taken off) and state.
+// Rank `rank`'s own file of the step: its tensors (the "rank.<r>." prefix taken off; format 2:
+// "<component>." after it) and each component's values.
 void read_rank_file(Loaded& L, const std::string& dir, int64_t rank) {
   const std::string name = rank_file(rank);
   auto f = read_safetensors(dir + "/" + name, expected_sha(L.meta, dir, name));
-  const std::string prefix = "rank." + std::to_string(rank) + ".";
+  const std::string prefix = "rank." + std::to_string(rank) + ".", where = dir + "/" + name;
+  nlohmann::json values = nlohmann::json::object();
+  if (auto it = f.header.metadata.find(kRankStateKey); it != f.header.metadata.end()) {
+    try {
+      values = nlohmann::json::parse(it->second);
+    } catch (const nlohmann::json::exception& e) {
+      throw FormatError(where + ": rank state is not valid JSON: " + e.what());
+    }
+    if (!values.is_object()) throw FormatError(where + ": rank state is not a JSON object");
+  }
+  if (L.format_version < 2) L.legacy_rank_values = values;
+  for (auto it = values.begin(); it != values.end() && L.format_version >= 2; ++it) {
+    if (!L.components.count(it.key()) || !it.value().is_object())
+      throw FormatError(where + ": rank state \"" + it.key().substr(0, 100) +
+                        "\" is not an object of a component of the step");
+    L.components[it.key()].rank_values = it.value();
+  }
   for (auto& [n, t] : f.tensors) {
     if (n.rfind(prefix, 0) != 0)
-      throw FormatError(dir + "/" + name + ": tensor \"" + n + "\" does not belong to rank " + std::to_string(rank));
-    L.state.rank_tensors.emplace_back(n.substr(prefix.size()), std::move(t));
-  }
-  auto it = f.header.metadata.find(kRankStateKey);
-  if (it != f.header.metadata.end()) {
-    try {
-      L.state.rank_state = nlohmann::json::parse(it->second);
-    } catch (const nlohmann::json::exception& e) {
-      throw FormatError(dir + "/" + name + ": rank state is not valid JSON: " + e.what());
+      throw FormatError(where + ": tensor \"" + n + "\" does not belong to rank " + std::to_string(rank));
+    const std::string rest = n.substr(prefix.size());
+    if (L.format_version < 2) {
+      L.legacy_rank_tensors.emplace_back(rest, std::move(t));
+      continue;
     }
+    const size_t dot = rest.find('.');
+    const auto c = dot == std::string::npos ? L.components.end() : L.components.find(rest.substr(0, dot));
+    if (c == L.components.end())
+      throw FormatError(where + ": tensor \"" + n + "\" is not rank." + std::to_string(rank) +
+                        ".<component>.<name> of a component of the step");
+    c->second.rank_tensors.emplace_back(rest.substr(dot + 1), std::move(t));
   }
   L.has_rank_state = true;
+}
+
+// Where a step keeps one component's tensors.
+struct ComponentLayout {
+  std::vector<std::string> shards;           // its files, in rank order
+  bool has_index = false;                    // false: format 1's extra files (every file is read)
+  std::map<std::string, std::string> index;  // tensor -> file
+  const nlohmann::json* record = nullptr;    // format 2: meta.json components.<name>
+};
+
+// Format 2: the components meta.json records. Format 1: the stems of its tensor files (model,
+// optimizer, extra), each with the index of its name where the step has one.
+std::map<std::string, ComponentLayout> layout_of(const nlohmann::json& meta, const std::string& dir, int64_t W,
+                                                 int64_t version) {
+  std::map<std::string, ComponentLayout> out;
+  const auto shards = [&](ComponentLayout& l, const std::string& c) {
+    for (int64_t r = 0; r < W; ++r) l.shards.push_back(component_file(c, r, W));
+  };
+  if (version >= 2) {
+    for (auto it = meta["components"].begin(); it != meta["components"].end(); ++it) {
+      auto& l = out[it.key()];
+      l.record = &it.value();
+      if (it.value().contains("tensors")) shards(l, it.key()), l.has_index = true;
+    }
+  } else {
+    const std::string tail = numbered("-%05ld-of-%05ld.safetensors", 1, W);
+    for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
+      const std::string& n = it.key();
+      if (n.size() <= tail.size() || n.compare(n.size() - tail.size(), tail.size(), tail) != 0) continue;
+      const std::string c = n.substr(0, n.size() - tail.size());
+      if (!component_name_problem(c).empty()) continue;
+      shards(out[c], c);
+      out[c].has_index = meta["files"].contains(index_file(c));
+    }
+  }
+  for (auto& [c, l] : out) {
+    for (const auto& f : l.shards) expected_sha(meta, dir, f);  // every rank of the saved job wrote one, maybe empty
+    if (l.has_index)
+      l.index = parse_index(read_verified(meta, dir, index_file(c)), dir + "/" + index_file(c),
+                            std::set<std::string>(l.shards.begin(), l.shards.end()));
+  }
+  return out;
+}
+
+// The index lists exactly the tensors meta.json records: a tensor that went missing (a file
+// deleted, index entries removed) is named, never silently absent. Checked on every rank
+// whatever part it reads, so that every rank reaches the same verdict.
+void check_index_against_record(const std::string& c, const ComponentLayout& l, const std::string& dir) {
+  const nlohmann::json& recorded = (*l.record)["tensors"];
+  std::string missing;
+  int64_t n_missing = 0;
+  for (auto it = recorded.begin(); it != recorded.end(); ++it)
+    if (!l.index.count(it.key()) && n_missing++ < 8) missing += (missing.empty() ? "" : ", ") + it.key();
+  if (n_missing > 0)
+    throw FormatError(dir + "/" + index_file(c) + ": " + std::to_string(n_missing) + " tensor(s) of component " + c +
+                      " that meta.json records are missing from the index (" + missing +
+                      (n_missing > 8 ? ", ..." : "") + ")");
+  for (const auto& [n, f] : l.index)
+    if (!recorded.contains(n))
+      throw FormatError(dir + "/" + index_file(c) + ": lists \"" + n.substr(0, 200) +
+                        "\", which meta.json does not record");
+}
+
+// A tensor read from `file` against what meta.json records of it.
+void check_tensor(const nlohmann::json& record, const std::string& name, const torch::Tensor& t,
+                  const std::string& where) {
+  const nlohmann::json& r = record["tensors"][name];
+  const std::string dtype = safetensors_dtype(t.scalar_type());
+  if (r["dtype"] != dtype || r["shape"] != nlohmann::json(t.sizes().vec()))
+    throw FormatError(where + ": tensor \"" + name + "\" is " + dtype + nlohmann::json(t.sizes().vec()).dump() +
+                      ", meta.json records " + r["dtype"].get<std::string>() + r["shape"].dump());
+}
+
+// Reads the files of each component that hold a tensor `wants` (all, without it): each tensor
+// where its index places it, with the dtype and shape meta.json records.
+void read_tensors(Loaded& L, const std::string& dir, std::map<std::string, ComponentLayout>& layouts,
+                  const Wants& wants) {
+  std::vector<std::string> names, of;
+  for (auto& [c, l] : layouts) {
+    std::set<std::string> needed;
+    for (const auto& [n, f] : l.index)
+      if (!wants || wants(c, n)) needed.insert(f);
+    for (const auto& f : l.shards)
+      if (!wants || !l.has_index || needed.count(f)) names.push_back(f), of.push_back(c), ++L.files_read[c];
+    if (!L.files_read.count(c) && !l.shards.empty()) L.files_read[c] = 0;
+  }
+  std::vector<SafetensorsFile> files = read_shards(L.meta, dir, names);
+  std::set<std::string> seen;
+  for (size_t k = 0; k < names.size(); ++k) {
+    const std::string& c = of[k];
+    const ComponentLayout& l = layouts.at(c);
+    LoadedComponent& into = L.components[c];
+    const std::string where = dir + "/" + names[k];
+    for (auto& [n, t] : files[k].tensors) {
+      if (!seen.insert(c + "/" + n).second)
+        throw FormatError(where + ": tensor \"" + n + "\" is also stored in another file of component " + c);
+      if (l.has_index) {
+        const auto it = l.index.find(n);
+        if (it == l.index.end() || it->second != names[k])
+          throw FormatError(where + ": holds \"" + n + "\", which " + index_file(c) + " places " +
+                            (it == l.index.end() ? std::string("nowhere") : "in " + it->second));
+      } else {
+        into.index[n] = names[k];
+      }
+      if (l.record) check_tensor(*l.record, n, t, where);
+      if (wants && !wants(c, n)) continue;
+      into.tensors.emplace_back(n, std::move(t));
+    }
+  }
+  // Every wanted tensor the index lists was found where it says.
+  for (const auto& [c, l] : layouts)
+    for (const auto& [n, f] : l.index)
+      if ((!wants || wants(c, n)) && !seen.count(c + "/" + n))
+        throw FormatError(dir + "/" + index_file(c) + ": lists \"" + n + "\" in " + f + ", which does not hold it");
 }
 
 Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
@@ -672,89 +767,50 @@ Loaded read_step(const std::string& dir, int64_t rank, const Wants& wants) {
   L.meta = read_meta(dir);
   L.step = L.meta["step"].get<int64_t>();
   L.saved_world_size = L.meta["world_size"].get<int64_t>();
+  L.format_version = L.meta["format_version"].get<int64_t>();
   const int64_t W = L.saved_world_size;
-  if (L.meta.contains("state") && L.meta["state"].is_object()) L.state.shared = L.meta["state"];
-  std::set<std::string> seen;
-  // The optimizer index says which file holds each optimizer state tensor: only the files with
-  // a wanted one are read (a step written before the index existed: all of them).
-  std::map<std::string, std::string> optimizer_map;
-  const bool has_optimizer_index = L.meta["files"].contains(kOptimizerIndex);
-  std::set<std::string> optimizer_files;
-  for (int64_t r = 0; r < W; ++r) {
-    optimizer_files.insert(optimizer_file(r, W));
-    expected_sha(L.meta, dir, model_file(r, W));  // the saved world's shards are listed and present
+  auto layouts = layout_of(L.meta, dir, W, L.format_version);
+  std::set<std::string> tensor_files;
+  for (auto& [c, l] : layouts) {
+    LoadedComponent& lc = L.components[c];
+    lc.present = true;
+    lc.index = l.index;
+    tensor_files.insert(l.shards.begin(), l.shards.end());
+    if (l.has_index) tensor_files.insert(index_file(c));
+    if (!l.record) continue;
+    if (l.has_index) check_index_against_record(c, l, dir);
+    lc.values = l.record->value("values", nlohmann::json::object());
+    const nlohmann::json recorded = l.record->value("tensors", nlohmann::json::object());
+    for (auto it = recorded.begin(); it != recorded.end(); ++it)
+      lc.shapes[it.key()] = {it.value()["dtype"].get<std::string>(), it.value()["shape"].get<std::vector<int64_t>>()};
+    for (const auto& f : l.record->value("files", nlohmann::json::array()))
+      lc.files[f.get<std::string>()] = dir + "/" + f.get<std::string>();
   }
-  for (int64_t r = 0; r < W && has_optimizer_index; ++r)
-    expected_sha(L.meta, dir, optimizer_file(r, W));  // every rank of the saved job wrote one, maybe empty
-  if (has_optimizer_index)
-    optimizer_map = parse_optimizer_index(read_verified(L.meta, dir, kOptimizerIndex), dir + "/" + kOptimizerIndex,
-                                          optimizer_files);
-  const nlohmann::json* manifest = nullptr;  // meta.json optimizer.fields / .state (parse_meta checked their form)
-  if (L.meta.contains("optimizer") && L.meta["optimizer"].contains("state")) {
-    manifest = &L.meta["optimizer"];
-    check_optimizer_manifest(*manifest, optimizer_map, dir, has_optimizer_index);
+  if (L.format_version < 2) {
+    L.legacy_values = L.meta.value("state", nlohmann::json::object());
+    for (auto it = L.meta["files"].begin(); it != L.meta["files"].end(); ++it)
+      if (!tensor_files.count(it.key()) && it.key().rfind("rank-", 0) != 0)
+        L.legacy_files[it.key()] = dir + "/" + it.key();
   }
-  // The shards: the model's, the optimizer's that hold a wanted tensor, the extra state's.
-  const bool has_extra = L.meta["files"].contains(extra_file(0, W));
-  std::set<std::string> needed_optimizer;
-  for (const auto& [n, f] : optimizer_map)
-    if (!wants || wants(n)) needed_optimizer.insert(f);
-  std::vector<std::string> names;
-  for (int64_t r = 0; r < W; ++r) {
-    names.push_back(model_file(r, W));
-    if (!has_optimizer_index || !wants || needed_optimizer.count(optimizer_file(r, W)))
-      names.push_back(optimizer_file(r, W));
-    if (has_extra) names.push_back(extra_file(r, W));
-  }
-  for (const auto& n : names) L.optimizer_files_read += n[0] == 'o';
-  if (L.meta.contains("optimizer")) L.saved_zero = L.meta["optimizer"]["zero"].get<int64_t>();
-  std::vector<SafetensorsFile> files = read_shards(L.meta, dir, names);
-  for (size_t k = 0; k < names.size(); ++k) {
-    const char kind = names[k][0];  // m(odel), o(ptimizer), e(xtra)
-    NamedTensors& into = kind == 'm' ? L.state.model : kind == 'o' ? L.state.optimizer : L.state.extra;
-    for (auto& [n, t] : files[k].tensors) {
-      if (!seen.insert(std::string(1, kind) + ":" + n).second)
-        throw FormatError(dir + "/" + names[k] + ": tensor \"" + n + "\" is also stored in another shard");
-      if (kind == 'o' && has_optimizer_index) {
-        const auto it = optimizer_map.find(n);
-        if (it == optimizer_map.end() || it->second != names[k])
-          throw FormatError(dir + "/" + names[k] + ": holds \"" + n + "\", which " + kOptimizerIndex + " places " +
-                            (it == optimizer_map.end() ? std::string("nowhere") : "in " + it->second));
-      }
-      if (kind == 'o' && wants && !wants(n)) continue;
-      into.emplace_back(n, std::move(t));
-    }
-  }
-  if (manifest) check_optimizer_tensors(*manifest, L, dir, optimizer_map);
-  // Every wanted optimizer tensor the index lists was found where it says.
-  for (const auto& [n, f] : optimizer_map)
-    if ((!wants || wants(n)) && !seen.count("o:" + n))
-      throw FormatError(dir + "/" + kOptimizerIndex + ": lists \"" + n + "\" in " + f + ", which does not hold it");
-  // The Hugging Face index must agree with the shards.
-  {
-    const std::string path = dir + "/" + kIndex;
-    const std::string text = read_verified(L.meta, dir, kIndex);
-    std::set<std::string> shard_names, model_tensors;
-    for (int64_t r = 0; r < W; ++r) shard_names.insert(model_file(r, W));
-    for (const auto& [n, t] : L.state.model) model_tensors.insert(n);
-    check_index(text, path, shard_names, model_tensors);
-  }
+  read_tensors(L, dir, layouts, wants);
   if (rank < W) read_rank_file(L, dir, rank);
-  if (L.meta["files"].contains(kGraph)) {
-    const std::string path = dir + "/" + kGraph;
-    if (sha256_file(path) != expected_sha(L.meta, dir, kGraph)) throw FormatError(path + ": checksum mismatch");
-    L.state.graph = path;  // the path; callers load it with torch::jit::load
-  }
-  // The inductor package is not training state: a damaged one is reported and left out (the
-  // compile cache then packages the step anew), never a reason to give up the step. Checked
-  // where it is used (trainer/compile/inductor.cpp), so not hashed here on every rank.
-  for (const auto& [name, field] :
-       {std::pair{kPackage, &L.state.package}, std::pair{kPackageManifest, &L.state.package_manifest}})
-    if (L.meta["files"].contains(name)) *field = dir + "/" + name;
   return L;
 }
 
 }  // namespace
+
+LoadedComponent Loaded::component(const std::string& name) const {
+  LoadedComponent c;
+  if (const auto it = components.find(name); it != components.end()) c = it->second;
+  if (format_version >= 2) return c;
+  // Format 1: the shared slots, as every component saw them then.
+  c.values = legacy_values;
+  if (name != "files" && name != "state" && meta.contains(name) && meta[name].is_object()) c.values.update(meta[name]);
+  c.rank_values = legacy_rank_values;
+  c.rank_tensors = legacy_rank_tensors;
+  c.files = legacy_files;
+  return c;
+}
 
 std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
                                          const std::function<std::string(const Loaded&)>& validate) {
@@ -783,21 +839,24 @@ std::optional<Loaded> Checkpointer::load(const std::string& resume_from,
     std::string problem;
     Loaded L;
     try {
-      L = read_step(dir, rank_, opts_.wants_optimizer_tensor);
+      L = read_step(dir, rank_, opts_.wants);
       if (validate) problem = validate(L);
       if (!problem.empty()) problem = dir + "/" + kMeta + ": " + problem;
     } catch (const std::exception& e) {
       problem = e.what();
     }
-    // Every rank the same verdict, naming the first rank's problem (a rank reads only its own
-    // part of a partitioned optimizer state).
+    // Every rank the same verdict, naming the first rank's problem (a rank reads only the
+    // owned tensors it wants: a damaged partition is seen by its reader alone).
     const dist::RankError failed = dist::first_error(*coll_, problem, "checkpoint load verdict");
     if (!failed) {
       last_committed_ = L.step;
+      std::string read;
+      for (const auto& [c, n] : L.files_read)
+        read += (read.empty() ? "" : ", ") + c + ": " + std::to_string(n) + " of " + std::to_string(L.saved_world_size);
       logging::info(
-          "checkpoint: {} (saved by {} rank(s), dist.zero = {}): this rank read and verified {} of the step's {} "
-          "optimizer file(s)",
-          dir, L.saved_world_size, L.saved_zero, L.optimizer_files_read, L.saved_world_size);
+          "checkpoint: {} (saved by {} rank(s)): this rank read and verified its rank file and, of each "
+          "component's files, {}",
+          dir, L.saved_world_size, read.empty() ? "none" : read);
       return L;
     }
     const std::string why =

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <set>
 #include <sstream>
 #include <stdexcept>
 
@@ -21,6 +22,59 @@ std::string human_bytes(uint64_t b) {
   else
     std::snprintf(buf, sizeof buf, "%lu B", static_cast<unsigned long>(b));
   return buf;
+}
+
+// Each component of the step: its values, its tensors by rank file (and how many of them that
+// rank owns), its whole files. Format 1 steps: the stems of their tensor files.
+nlohmann::json components_of(const nlohmann::json& meta, const nlohmann::json& tensors, int64_t world) {
+  nlohmann::json out = nlohmann::json::array();
+  nlohmann::json records = meta.value("components", nlohmann::json::object());
+  if (meta.value("format_version", int64_t{0}) < 2)
+    for (const auto& t : tensors) {
+      const std::string f = t["file"].get<std::string>();
+      const size_t dash = f.find('-');
+      if (dash != std::string::npos && f.rfind("rank-", 0) != 0) records[f.substr(0, dash)] = nlohmann::json::object();
+    }
+  for (auto it = records.begin(); it != records.end(); ++it) {
+    const std::string c = it.key();
+    const auto& rec = it.value();
+    std::set<std::string> owned;
+    for (const auto& n : rec.value("owned", nlohmann::json::array())) owned.insert(n.get<std::string>());
+    nlohmann::json ranks = nlohmann::json::array();
+    for (int64_t r = 0; r < world && r < 4096 && (rec.contains("tensors") || !rec.contains("values")); ++r) {
+      const std::string file = component_file(c, r, world);
+      int64_t n = 0, own = 0;
+      uint64_t bytes = 0;
+      for (const auto& t : tensors)
+        if (t["file"] == file)
+          ++n, own += owned.count(t["name"].get<std::string>()), bytes += t["bytes"].get<uint64_t>();
+      ranks.push_back({{"rank", r}, {"file", file}, {"tensors", n}, {"owned", own}, {"bytes", bytes}});
+    }
+    nlohmann::json files = nlohmann::json::array();
+    const nlohmann::json values = rec.value("values", nlohmann::json::object());
+    for (const auto& f : rec.value("files", nlohmann::json::array())) {
+      if (!f.is_string()) continue;
+      const std::string name = f.get<std::string>();
+      const nlohmann::json all = meta.value("files", nlohmann::json::object());
+      const nlohmann::json listed =
+          all.is_object() && all.contains(name) && all[name].is_object() ? all[name] : nlohmann::json::object();
+      nlohmann::json e = {{"file", name},
+                          {"bytes", listed.value("bytes", uint64_t{0})},
+                          {"sha256", listed.value("sha256", std::string())}};
+      // A component may describe its files in its values ("files": {name: what it is}).
+      if (values.contains("files") && values["files"].is_object() &&
+          values["files"].value(name, nlohmann::json()).is_string())
+        e["what"] = values["files"][name];
+      files.push_back(e);
+    }
+    out.push_back({{"name", c},
+                   {"values", values},
+                   {"tensors", rec.value("tensors", nlohmann::json::object()).size()},
+                   {"owned", owned.size()},
+                   {"ranks", ranks},
+                   {"files", files}});
+  }
+  return out;
 }
 
 nlohmann::json inspect_step(const StepInfo& s) {
@@ -59,36 +113,46 @@ nlohmann::json inspect_step(const StepInfo& s) {
     j["created_utc"] = meta.value("created_utc", std::string());
     j["keel_version"] = meta.value("keel_version", std::string());
     j["torch_version"] = meta.value("torch_version", std::string());
-    // The graph stored with the step (checkpoint.save_graph), as meta.json lists it.
-    nlohmann::json graph = nlohmann::json::array();
-    for (const char* name : {"graph.pt", "graph.pt2", "graph.json"})
-      if (meta["files"].contains(name))
-        graph.push_back({{"file", name},
-                         {"bytes", meta["files"][name].value("bytes", uint64_t{0})},
-                         {"sha256", meta["files"][name].value("sha256", std::string())}});
-    if (!graph.empty()) j["graph"] = graph;
-    // Who holds the optimizer state: each rank's file, its tensors and bytes, and with
-    // dist.zero >= 1 the parameters whose state that rank owns.
-    if (meta.contains("optimizer") && meta["optimizer"].is_object()) {
-      const auto& o = meta["optimizer"];
-      const int64_t world = j["world_size"].get<int64_t>();
-      nlohmann::json ranks = nlohmann::json::array();
-      for (int64_t r = 0; r < world && r < 4096; ++r) {
-        const std::string file = optimizer_file(r, world);
-        int64_t tensors = 0, params = 0;
-        uint64_t bytes = 0;
-        for (const auto& t : j["tensors"])
-          if (t["file"] == file) ++tensors, bytes += t["bytes"].get<uint64_t>();
-        if (o.contains("owners") && o["owners"].is_object())
-          for (const auto& [name, owner] : o["owners"].items()) params += owner == r;
-        ranks.push_back({{"rank", r}, {"file", file}, {"tensors", tensors}, {"bytes", bytes}, {"parameters", params}});
-      }
-      j["optimizer"] = {
-          {"zero", o.value("zero", int64_t{0})}, {"partitioned", o.value("partitioned", false)}, {"ranks", ranks}};
-    }
+    j["format_version"] = meta.value("format_version", int64_t{0});
+    j["components"] = components_of(meta, j["tensors"], j["world_size"].get<int64_t>());
   } catch (const std::exception&) {
   }
   return j;
+}
+
+// A component's values on one line: a long value (a map of every parameter's owner) is shown by
+// its size.
+std::string summary_of(const nlohmann::json& values) {
+  if (!values.is_object()) return values.dump().substr(0, 160);
+  std::string out;
+  for (auto it = values.begin(); it != values.end(); ++it) {
+    std::string v = it.value().dump();
+    if (v.size() > 48)
+      v = it.value().is_object()  ? "{" + std::to_string(it.value().size()) + " entries}"
+          : it.value().is_array() ? "[" + std::to_string(it.value().size()) + " items]"
+                                  : v.substr(0, 45) + "...";
+    out += (out.empty() ? "" : ", ") + it.key() + ": " + v;
+  }
+  return "{" + out + "}";
+}
+
+void format_component(std::ostringstream& os, const nlohmann::json& c) {
+  const std::string name = c["name"].get<std::string>();
+  const std::string values = summary_of(c["values"]);
+  os << "  component " << name << ": " << c["tensors"].get<size_t>() << " tensor(s)";
+  if (c["owned"].get<size_t>() > 0) os << ", " << c["owned"].get<size_t>() << " owned by the rank that wrote them";
+  os << "; values " << values << "\n";
+  for (const auto& r : c["ranks"]) {
+    os << "    rank " << r["rank"].get<int64_t>() << ": " << r["tensors"].get<int64_t>() << " tensor(s)";
+    if (c["owned"].get<size_t>() > 0) os << " (owns " << r["owned"].get<int64_t>() << ")";
+    os << ", " << human_bytes(r["bytes"].get<uint64_t>()) << " in " << r["file"].get<std::string>() << "\n";
+  }
+  for (const auto& f : c["files"]) {
+    os << "  " << name << ": " << f["file"].get<std::string>() << ", " << human_bytes(f["bytes"].get<uint64_t>())
+       << ", sha256 " << f["sha256"].get<std::string>();
+    if (f.contains("what")) os << " (" << f["what"].get<std::string>() << ")";
+    os << "\n";
+  }
 }
 
 }  // namespace
@@ -130,30 +194,8 @@ std::string format_inspect(const nlohmann::json& r) {
     if (s.contains("created_utc")) os << " at " << s["created_utc"].get<std::string>();
     os << ", " << human_bytes(s["bytes"].get<uint64_t>()) << " of tensors\n";
     for (const auto& p : s["problems"]) os << "  problem: " << p.get<std::string>() << "\n";
-    if (s.contains("graph"))
-      for (const auto& g : s["graph"]) {
-        const std::string f = g["file"].get<std::string>();
-        os << "  graph: " << f << ", " << human_bytes(g["bytes"].get<uint64_t>()) << ", sha256 "
-           << g["sha256"].get<std::string>() << " ("
-           << (f == "graph.pt"    ? "the traced TorchScript module"
-               : f == "graph.pt2" ? "the AOTInductor package of the training step"
-                                  : "its manifest")
-           << ")\n";
-      }
-    if (s.contains("optimizer")) {
-      const auto& o = s["optimizer"];
-      const bool part = o["partitioned"].get<bool>();
-      os << "  optimizer state: dist.zero = " << o["zero"].get<int64_t>()
-         << (part ? ", partitioned by parameter (each rank wrote the state it owns)"
-                  : ", replicated on every rank (each rank wrote a share)")
-         << "\n";
-      for (const auto& r : o["ranks"]) {
-        os << "    rank " << r["rank"].get<int64_t>() << ": ";
-        if (part) os << "owns " << r["parameters"].get<int64_t>() << " parameter(s), ";
-        os << r["tensors"].get<int64_t>() << " tensor(s), " << human_bytes(r["bytes"].get<uint64_t>()) << " in "
-           << r["file"].get<std::string>() << "\n";
-      }
-    }
+    if (s.contains("components"))
+      for (const auto& c : s["components"]) format_component(os, c);
     for (const auto& t : s["tensors"]) {
       std::string shape = "[";
       for (size_t i = 0; i < t["shape"].size(); ++i)

@@ -12,19 +12,19 @@ void StateRegistry::add(std::string name, Stateful& component) {
 
 State StateRegistry::save() const {
   State st;
-  for (const auto& [name, c] : components_) c->save(st);
+  for (const auto& [name, c] : components_) c->save(st[name]);
   return st;
 }
 
 void StateRegistry::load(const Loaded& loaded) const {
-  for (const auto& [name, c] : components_) c->load(loaded);
+  for (const auto& [name, c] : components_) c->load(loaded, loaded.component(name));
 }
 
 std::string StateRegistry::check(const Loaded& loaded) const {
   for (const auto& [name, c] : components_) {
     std::string problem;
     try {
-      problem = c->check(loaded);
+      problem = c->check(loaded, loaded.component(name));
     } catch (const std::exception& e) {
       problem = e.what();
     }

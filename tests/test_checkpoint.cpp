@@ -11,6 +11,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <thread>
@@ -175,8 +176,7 @@ TEST(CheckpointMeta, FuzzCorpusReplaysWithoutCrashing) {
     } catch (const FormatError&) {
     }
     try {
-      check_index(text, name, {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"},
-                  {"w", "b", "fc.0.weight"});
+      parse_index(text, name, {"model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"});
       ++indexes;
     } catch (const FormatError&) {
     }
@@ -199,12 +199,19 @@ TEST(AssignShards, BalancesBytesAcrossRanks) {
 
 State small_state(float v) {
   State s;
-  s.model = {{"w", torch::full({4, 3}, v)}, {"b", torch::arange(3, torch::kFloat)}};
-  s.optimizer = {{"w.exp_avg", torch::full({4, 3}, v / 2)}, {"w.step", torch::tensor(7, torch::kLong)}};
-  s.shared = {{"step", 1}, {"note", "x"}};
-  s.rank_tensors = {{"rng.cpu", torch::arange(5, torch::kByte)}};
-  s.rank_state = {{"sampler", {{"epoch", 1}, {"batch", 2}}}};
+  s["model"].add("w", torch::full({4, 3}, v));
+  s["model"].add("b", torch::arange(3, torch::kFloat));
+  s["optimizer"].add("w.exp_avg", torch::full({4, 3}, v / 2));
+  s["optimizer"].add("w.step", torch::tensor(7, torch::kLong));
+  s["progress"].values = {{"step", 1}, {"note", "x"}};
+  s["rng"].add("rng.cpu", torch::arange(5, torch::kByte), Placement::PerRank);
+  s["sampler"].rank_values = {{"sampler", {{"epoch", 1}, {"batch", 2}}}};
   return s;
+}
+
+std::map<std::string, torch::Tensor> tensors_of(const Loaded& L, const std::string& component) {
+  const auto t = L.component(component).tensors;
+  return {t.begin(), t.end()};
 }
 
 TEST(Checkpointer, SavesCommitsAndLoadsEverything) {
@@ -227,14 +234,23 @@ TEST(Checkpointer, SavesCommitsAndLoadsEverything) {
   ASSERT_TRUE(L.has_value());
   EXPECT_EQ(L->step, 5);
   EXPECT_EQ(L->saved_world_size, 1);
-  std::map<std::string, torch::Tensor> m(L->state.model.begin(), L->state.model.end());
-  EXPECT_TRUE(torch::equal(m["w"], torch::full({4, 3}, 1.5f)));
-  std::map<std::string, torch::Tensor> opt(L->state.optimizer.begin(), L->state.optimizer.end());
-  EXPECT_EQ(opt["w.step"].item<int64_t>(), 7);
-  EXPECT_EQ(L->state.shared["note"], "x");
-  ASSERT_EQ(L->state.rank_tensors.size(), 1u);
-  EXPECT_EQ(L->state.rank_tensors[0].first, "rng.cpu");  // stored as rank.0.rng.cpu
-  EXPECT_EQ(L->state.rank_state["sampler"]["batch"], 2);
+  EXPECT_EQ(L->format_version, 2);
+  EXPECT_TRUE(torch::equal(tensors_of(*L, "model")["w"], torch::full({4, 3}, 1.5f)));
+  EXPECT_EQ(tensors_of(*L, "optimizer")["w.step"].item<int64_t>(), 7);
+  EXPECT_EQ(L->component("optimizer").index.at("w.exp_avg"), "optimizer-00001-of-00001.safetensors");
+  EXPECT_EQ(L->component("optimizer").shapes.at("w.exp_avg").shape, (std::vector<int64_t>{4, 3}));
+  EXPECT_EQ(L->component("progress").values["note"], "x");
+  EXPECT_TRUE(L->component("progress").tensors.empty());
+  const auto rng = L->component("rng");
+  ASSERT_EQ(rng.rank_tensors.size(), 1u);
+  EXPECT_EQ(rng.rank_tensors[0].first, "rng.cpu");  // stored as rank.0.rng.rng.cpu
+  EXPECT_EQ(L->component("sampler").rank_values["sampler"]["batch"], 2);
+  EXPECT_FALSE(L->component("absent").present);
+  // Each component's values in meta.json; no component knows another's.
+  const auto meta = nlohmann::json::parse(read_text(d.file("ck/step_5/meta.json")));
+  EXPECT_EQ(meta["components"]["progress"]["values"]["note"], "x");
+  EXPECT_EQ(meta["components"]["model"]["tensors"]["w"]["dtype"], "F32");
+  EXPECT_FALSE(meta.contains("state"));
 }
 
 // The trainer turns ResumeError into exit 2 (the user's checkpoint.resume_from) and lets every
@@ -270,6 +286,60 @@ TEST(CheckpointResume, BadResumeFromIsInputAPeerDyingDuringLoadIsNot) {
       EXPECT_NE(std::string(e.what()).find("checkpoint load verdict"), std::string::npos) << e.what();
     }
   });
+  if (is_rank_process()) return;
+  for (auto& r : ranks) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// Owned tensors across ranks: each rank writes its own, the component's index and meta.json
+// record every rank's, and a rank that wants only its own reads only its own rank's file. A
+// problem that one rank's state alone has (an owned tensor safetensors cannot hold; two ranks
+// owning one name) fails the save on every rank with the same message, before any file is
+// written, instead of leaving the other rank in the plan's collectives until the timeout.
+TEST(Checkpointer, OwnedTensorsAreWrittenByTheirOwnerAndReadWhereWanted) {
+  TempDir d;  // the parent's: each rank process makes its own, so the ranks take it from the env
+  auto ranks = run_ranks(
+      2,
+      [&](const keel::dist::World& w) {
+        const std::string dir = std::string(std::getenv("KEEL_TEST_CKPT")) + "/ck";
+        keel::DistConfig cfg;
+        cfg.timeout_s = 60;
+        auto coll = std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU),
+                                                              keel::Validate::Always);
+        const std::string mine = "part" + std::to_string(w.rank);
+        auto state = [&](const std::string& owned_name, torch::Tensor owned) {
+          State s = small_state(1.f);
+          s["optimizer"].add(owned_name, owned, Placement::Owned);
+          return s;
+        };
+        Options o;
+        o.dir = dir;
+        Checkpointer ck(o, coll);
+        const std::string complex = error_of<SaveError>([&] {
+          ck.save(4, state(mine, w.rank == 1 ? torch::zeros({2}, torch::kComplexFloat) : torch::zeros({2})));
+        });
+        EXPECT_NE(complex.find("rank 1: component optimizer: tensor \"part1\""), std::string::npos) << complex;
+        const std::string twice = error_of<SaveError>([&] { ck.save(4, state("shared.name", torch::zeros({2}))); });
+        EXPECT_NE(twice.find("\"shared.name\" is owned by rank 1 and also placed in optimizer-00001-of-00002"),
+                  std::string::npos)
+            << twice;
+        EXPECT_FALSE(exists(dir + "/step_4"));
+        ck.save(5, state(mine, torch::full({3}, float(w.rank))));
+        const auto index = nlohmann::json::parse(read_text(dir + "/step_5/optimizer.safetensors.index.json"));
+        EXPECT_EQ(index["weight_map"]["part1"], "optimizer-00002-of-00002.safetensors");
+        const auto meta = nlohmann::json::parse(read_text(dir + "/step_5/meta.json"));
+        EXPECT_EQ(meta["components"]["optimizer"]["owned"], (nlohmann::json{"part0", "part1"}));
+        Options only_mine = o;
+        only_mine.wants = [&](const std::string& c, const std::string& n) { return c != "optimizer" || n == mine; };
+        auto L = Checkpointer(only_mine, coll).load();
+        ASSERT_TRUE(L.has_value());
+        const auto opt = L->component("optimizer");
+        ASSERT_EQ(opt.tensors.size(), 1u);
+        EXPECT_EQ(opt.tensors[0].first, mine);
+        EXPECT_TRUE(torch::equal(opt.tensors[0].second, torch::full({3}, float(w.rank))));
+        EXPECT_EQ(opt.index.size(), 4u);              // every rank's, and the replicated two
+        EXPECT_EQ(L->files_read.at("optimizer"), 1);  // the file holding its own, not the other rank's
+      },
+      120, {"KEEL_TEST_CKPT=" + d.path()});
   if (is_rank_process()) return;
   for (auto& r : ranks) EXPECT_EQ(r.exit_code, 0) << r.output;
 }
@@ -411,7 +481,7 @@ TEST(Checkpointer, AsyncSaveCopiesTheStateAndCommitsLater) {
   Checkpointer c(o, local_collectives());
   State s = small_state(1.f);
   c.save(3, s);
-  s.model[0].second.fill_(99.f);  // training goes on and changes the live tensors
+  s["model"].tensors[0].tensor.fill_(99.f);  // training goes on and changes the live tensors
   EXPECT_TRUE(c.pending());
   for (int i = 0; i < 500 && !c.write_finished(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(10));
   EXPECT_FALSE(exists(d.file("ck/step_3/meta.json")));  // written, not yet committed
@@ -419,8 +489,7 @@ TEST(Checkpointer, AsyncSaveCopiesTheStateAndCommitsLater) {
   EXPECT_EQ(c.last_committed(), 3);
   auto L = Checkpointer(o, local_collectives()).load();
   ASSERT_TRUE(L.has_value());
-  std::map<std::string, torch::Tensor> m(L->state.model.begin(), L->state.model.end());
-  EXPECT_TRUE(torch::equal(m["w"], torch::full({4, 3}, 1.f)));  // the snapshot, not the later value
+  EXPECT_TRUE(torch::equal(tensors_of(*L, "model")["w"], torch::full({4, 3}, 1.f)));  // the snapshot
 }
 
 TEST(CopyInto, ListsMissingUnexpectedAndMismatchedEntries) {
@@ -562,6 +631,52 @@ TEST(CheckpointResume, LossScalerStateIsRestored) {
             sha256_file(d.file("resumed/ckpt/step_15/model-00001-of-00001.safetensors")));
 }
 
+// Steps written by keel 0.1 (format_version 1: fixed slots model / optimizer / extra and one
+// shared "state" object in meta.json) still load. tests/data/checkpoint_v1 holds two, made by
+// keel at 743cfb0 (mlp of width 16, 10 steps of AdamW on the synthetic data, batch 8): one
+// rank, and two ranks with dist.zero = 1 (each rank's optimizer partition in its own file).
+// Each resumes at step 10 with today's keel, verifies in `keel inspect`, continues to step 15
+// and ends with the loss of a run that never stopped; its new steps are format 2.
+TEST(CheckpointResume, StepsOfFormatOneStillLoad) {
+  struct Case {
+    const char* fixture;
+    int ranks;
+    const char* zero;
+  };
+  for (const Case c : {Case{"one_rank", 1, "0"}, Case{"two_ranks_zero1", 2, "1"}}) {
+    SCOPED_TRACE(c.fixture);
+    TempDir d;
+    std::filesystem::create_directories(d.file("old"));
+    std::filesystem::copy(source_path(std::string("tests/data/checkpoint_v1/") + c.fixture), d.file("old/ckpt"),
+                          std::filesystem::copy_options::recursive);
+    const auto inspected = run_keel({"inspect", d.file("old/ckpt")});
+    EXPECT_EQ(inspected.exit_code, 0) << inspected.output;
+    EXPECT_NE(inspected.output.find("component optimizer"), std::string::npos) << inspected.output;
+    auto args = [&](const std::string& dir, int steps) {
+      auto a = train_args(dir, steps, 5);  // the fixture's batch and width, and its zero
+      a.insert(a.end(), {"--train.batch_size=8", "--model.width=16", std::string("--dist.zero=") + c.zero});
+      return a;
+    };
+    auto run = [&](const std::string& dir, int steps) {
+      const auto out = c.ranks == 1 ? std::vector<ProcResult>{run_keel(args(dir, steps))}
+                                    : run_keel_ranks(c.ranks, args(dir, steps));
+      for (const auto& r : out) ASSERT_EQ(r.exit_code, 0) << dir << "\n" << r.output;
+    };
+    // The old step resumed to 15, against today's keel doing the same from a step of its own
+    // (the schedule decays over train.steps = 10 in both first halves).
+    run(d.file("old"), 15);
+    run(d.file("fresh"), 10);
+    run(d.file("fresh"), 15);
+    const auto old = summary_of(d.file("old")), fresh = summary_of(d.file("fresh"));
+    EXPECT_EQ(old["resumed_from_step"], 10);
+    EXPECT_EQ(fresh["resumed_from_step"], 10);
+    const double a = old["final_loss"].get<double>(), b = fresh["final_loss"].get<double>();
+    EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(b)) << a << " vs " << b;
+    const auto meta = nlohmann::json::parse(read_text(d.file("old/ckpt/step_15/meta.json")));
+    EXPECT_EQ(meta["format_version"], 2);
+  }
+}
+
 // Values read back from a checkpoint are never trusted: a meta.json whose fields are out of
 // range, of the wrong type or disagree with the step directory (the commit marker is not
 // checksummed) is treated like a failed checksum: a warning naming the file and the field, and
@@ -587,12 +702,25 @@ TEST(CheckpointResume, TamperedMetadataFallsBackNamingTheField) {
       {"step as a string", [](nlohmann::json& m) { m["step"] = "ten"; }, "\"step\" must be an integer"},
       {"absurd world size", [](nlohmann::json& m) { m["world_size"] = 1000000000; },
        "\"world_size\" must be an integer"},
-      {"another format", [](nlohmann::json& m) { m["format_version"] = 2; }, "format_version"},
-      {"loss scale 0", [](nlohmann::json& m) { m["state"]["scaler"]["scale"] = 0; }, "state.scaler.scale = 0"},
-      {"skipped steps as a string", [](nlohmann::json& m) { m["state"]["skipped_steps"] = "x"; },
-       "state.skipped_steps"},
-      {"negative data position", [](nlohmann::json& m) { m["state"]["data_position"]["batch"] = -1; },
-       "state.data_position.batch = -1"},
+      {"another format", [](nlohmann::json& m) { m["format_version"] = 3; }, "format_version"},
+      {"loss scale 0", [](nlohmann::json& m) { m["components"]["grad_scaler"]["values"]["scale"] = 0; },
+       "grad_scaler: values.scale = 0"},
+      {"skipped steps as a string",
+       [](nlohmann::json& m) { m["components"]["progress"]["values"]["skipped_steps"] = "x"; },
+       "progress: values.skipped_steps"},
+      {"negative data position",
+       [](nlohmann::json& m) { m["components"]["sampler"]["values"]["data_position"]["batch"] = -1; },
+       "sampler: values.data_position.batch = -1"},
+      {"an optimizer owner outside the saved world",
+       [](nlohmann::json& m) {
+         m["components"]["optimizer"]["values"]["owners"] = {{"fc.0.weight", 7}};
+       },
+       "optimizer: values.owners[\"fc.0.weight\"] must be a rank in [0, 1), got 7"},
+      {"a component's values not an object", [](nlohmann::json& m) { m["components"]["optimizer"]["values"] = 3; },
+       "components.optimizer.values is not an object"},
+      {"a recorded shape not a shape",
+       [](nlohmann::json& m) { m["components"]["model"]["tensors"]["fc.0.weight"]["shape"] = {-1}; },
+       "components.model.tensors[\"fc.0.weight\"]"},
   };
   for (const auto& c : cases) {
     nlohmann::json m = pristine;
@@ -757,7 +885,7 @@ TEST(CheckpointPython, ASpecReaderReadsTheShards) {
   auto j = nlohmann::json::parse(py.output);
   std::map<std::string, torch::Tensor> mine;
   for (int r = 0; r < 2; ++r)
-    for (auto& [n, t] : read_safetensors(step + "/" + model_file(r, 2)).tensors) mine[n] = t;
+    for (auto& [n, t] : read_safetensors(step + "/" + component_file("model", r, 2)).tensors) mine[n] = t;
   ASSERT_EQ(j["tensors"].size(), mine.size());
   for (auto& [n, t] : mine) {
     ASSERT_TRUE(j["tensors"].contains(n)) << n;
@@ -854,27 +982,25 @@ TEST(KeelInspect, VerifiesWhatTheLoaderVerifies) {
          index["weight_map"]["no.such.tensor"] = "model-00001-of-00001.safetensors";
          write_index(index, m);
        },
-       "which no shard holds"},
+       "which meta.json does not record"},
       {"optimizer index listing state its file does not hold",
        [&](nlohmann::json& m) {
          auto index = opt_index0;
          index["weight_map"]["fc.0.weight.no_such_field"] = "optimizer-00001-of-00001.safetensors";
          write_file_entry(opt_index_name, index.dump(), m);
        },
-       // meta.json's record of the optimizer state (issue 23) refuses it before the files are read
-       "the index lists optimizer state that meta.json does not record: fc.0.weight.no_such_field"},
+       // meta.json's record of the component's tensors refuses it before the files are read
+       "which meta.json does not record"},
       {"optimizer index naming a file of another step",
        [&](nlohmann::json& m) {
          auto index = opt_index0;
          index["weight_map"].begin().value() = "../step_0/optimizer-00001-of-00001.safetensors";
          write_file_entry(opt_index_name, index.dump(), m);
        },
-       "is not an optimizer file of this step"},
-      {"optimizer owner outside the saved world",
-       [&](nlohmann::json& m) {
-         m["optimizer"]["owners"] = {{"fc.0.weight", 7}};
-       },
-       "must be a rank in [0, 1), got 7"},
+       "points outside the checkpoint directory"},
+      {"an owned tensor the component does not record",
+       [&](nlohmann::json& m) { m["components"]["optimizer"]["owned"] = {"no.such.tensor"}; },
+       "which is not one of its tensors"},
   };
   for (const auto& c : cases) {
     nlohmann::json m = meta0;
@@ -961,28 +1087,28 @@ TEST(TrainerCheckpoints, CallbacksSaveAndRestoreYourOwnState) {
     committed.push_back(step);
     EXPECT_TRUE(exists(dir + "/meta.json")) << dir;
   };
-  cb.save_state = [&](State& st) {
+  cb.save_state = [&](keel::checkpoint::Component& mine) {
     ++saves;
-    st.extra.emplace_back("user.ema", torch::full({3}, float(saves)));
-    st.shared["user"] = {{"saves", saves}};
-    st.rank_tensors.emplace_back("user.noise", torch::arange(4));
+    mine.add("ema", torch::full({3}, float(saves)));
+    mine.values["saves"] = saves;
+    mine.add("noise", torch::arange(4), Placement::PerRank);
   };
   keel::Trainer(cfg, keel::dist::World{}, cb).run();
   EXPECT_EQ(committed, (std::vector<int64_t>{3, 6}));
-  EXPECT_TRUE(exists(d.file("ck/step_6/extra-00001-of-00001.safetensors")));
+  EXPECT_TRUE(exists(d.file("ck/step_6/user-00001-of-00001.safetensors")));
 
   cfg.train.steps = 9;
   bool loaded = false;
   keel::Callbacks cb2;
-  cb2.load_state = [&](const State& st) {
+  cb2.load_state = [&](const keel::checkpoint::LoadedComponent& mine) {
     loaded = true;
-    ASSERT_EQ(st.extra.size(), 1u);
-    EXPECT_EQ(st.extra[0].first, "user.ema");
-    EXPECT_TRUE(torch::equal(st.extra[0].second, torch::full({3}, 2.f)));
-    EXPECT_EQ(st.shared["user"]["saves"], 2);
-    bool noise = false;
-    for (const auto& [n, t] : st.rank_tensors) noise |= n == "user.noise" && torch::equal(t, torch::arange(4));
-    EXPECT_TRUE(noise);
+    ASSERT_EQ(mine.tensors.size(), 1u);
+    EXPECT_EQ(mine.tensors[0].first, "ema");
+    EXPECT_TRUE(torch::equal(mine.tensors[0].second, torch::full({3}, 2.f)));
+    EXPECT_EQ(mine.values["saves"], 2);
+    ASSERT_EQ(mine.rank_tensors.size(), 1u);
+    EXPECT_EQ(mine.rank_tensors[0].first, "noise");
+    EXPECT_TRUE(torch::equal(mine.rank_tensors[0].second, torch::arange(4)));
   };
   auto s = keel::Trainer(cfg, keel::dist::World{}, cb2).run();
   EXPECT_TRUE(loaded);

@@ -113,7 +113,7 @@ TEST(Hardening, MissingOptimizerStateIsRefusedByTheLoaderAndInspectAlike) {
   TempDir d;
   expect_all_ok(run_keel_ranks(2, run_args(d.path(), 10, {"--dist.zero=1"})));
   const std::string step = d.file("ckpt/step_10");
-  const std::string gone = keel::checkpoint::optimizer_file(1, 2);
+  const std::string gone = keel::checkpoint::component_file("optimizer", 1, 2);
   const std::string param = tensor_in(step, gone, ".exp_avg");
   ASSERT_FALSE(param.empty());
   std::remove((step + "/" + gone).c_str());
@@ -145,7 +145,7 @@ TEST(Hardening, OptimizerStateMissingFromTheIndexNamesTheParameter) {
   auto r0 = run_keel(run_args(d.path(), 10));
   ASSERT_EQ(r0.exit_code, 0) << r0.output;
   const std::string step = d.file("ckpt/step_10");
-  const std::string file = keel::checkpoint::optimizer_file(0, 1);
+  const std::string file = keel::checkpoint::component_file("optimizer", 0, 1);
   const std::string victim = tensor_in(step, file, ".exp_avg_sq");
   ASSERT_FALSE(victim.empty());
   const std::string param = victim.substr(0, victim.size() - std::string(".exp_avg_sq").size());
@@ -160,7 +160,7 @@ TEST(Hardening, OptimizerStateMissingFromTheIndexNamesTheParameter) {
   EXPECT_TRUE(contains(inspect.output, param + ".exp_avg")) << inspect.output;
   auto r = run_keel(run_args(d.path(), 15));
   ASSERT_EQ(r.exit_code, 0) << r.output;
-  EXPECT_TRUE(contains(r.output, "is missing")) << r.output;
+  EXPECT_TRUE(contains(r.output, "missing from the index")) << r.output;
   EXPECT_TRUE(contains(r.output, param + ".")) << r.output;
   EXPECT_EQ(summary_of(d.path())["resumed_from_step"], 5);
 }
@@ -172,7 +172,7 @@ TEST(Hardening, OptimizerStateMissingFromTheIndexNamesTheParameter) {
 TEST(Hardening, DamagedOptimizerStateIsJudgedAlikeOnEveryRank) {
   TempDir base;
   expect_all_ok(run_keel_ranks(2, run_args(base.path(), 10, {"--dist.zero=1"})));
-  const std::string file = keel::checkpoint::optimizer_file(1, 2);
+  const std::string file = keel::checkpoint::component_file("optimizer", 1, 2);
   struct Case {
     const char* what;
     const char* suffix;

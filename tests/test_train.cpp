@@ -405,7 +405,7 @@ TEST(Registries, AResumeWithAnotherOptimizerOfTheSameFieldsIsRefused) {
   };
   keel::Trainer(config("adamw", 3), keel::dist::World{}).run();
   const auto meta = nlohmann::json::parse(keel::testing::read_text(d.file("ckpt/step_3/meta.json")));
-  EXPECT_EQ(meta["state"]["optimizer_name"], "adamw") << meta.dump();
+  EXPECT_EQ(meta["components"]["optimizer"]["values"]["optimizer_name"], "adamw") << meta.dump();
   const std::string other = input_error_of_run(config("adam", 6));
   EXPECT_NE(other.find("its optimizer state was written by train.optimizer = \"adamw\", and this run's "
                        "train.optimizer = \"adam\" would read it as its own"),
@@ -560,7 +560,8 @@ TEST(Registries, AnOptimizerRegisteredByNameTrainsAndResumesBitExactly) {
   EXPECT_EQ(by_name["fc.0.weight.step"].item<int64_t>(), 6);
   EXPECT_GT(by_name["fc.0.weight.sum"].abs().sum().item<double>(), 0);
   const auto meta = nlohmann::json::parse(keel::testing::read_text(d.file("a") + "/step_6/meta.json"));
-  EXPECT_EQ(meta["optimizer"]["fields"], (nlohmann::json{{"step", "scalar"}, {"sum", "param"}})) << meta.dump();
+  EXPECT_EQ(meta["components"]["optimizer"]["values"]["fields"], (nlohmann::json{{"step", "scalar"}, {"sum", "param"}}))
+      << meta.dump();
 
   auto lbfgs = config("c", 2);
   lbfgs.train.optimizer = "lbfgs";

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <map>
 #include <optional>
+#include <set>
 #include <sstream>
 #include <type_traits>
 
@@ -485,13 +486,13 @@ std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt
   throw std::runtime_error("checkpoint: optimizer state of an unsupported optimizer type");
 }
 
-void OptimizerState::save(checkpoint::State& state) const {
-  state.optimizer = optimizer_state(*opt_, params_);
+void OptimizerState::save(checkpoint::Component& mine) const {
+  NamedTensorList state = optimizer_state(*opt_, params_);
   if (codec_) {
     // A registered optimizer's state must be what its probe promised, or no resume could use it.
     std::map<std::string, const torch::Tensor*> by_param;
     for (const auto& [n, p] : params_) by_param[n] = &p;
-    for (const auto& [n, t] : state.optimizer) {
+    for (const auto& [n, t] : state) {
       const size_t dot = n.find_last_of('.');
       const std::string field = n.substr(dot + 1);
       const auto kind = codec_.fields.find(field);
@@ -505,18 +506,22 @@ void OptimizerState::save(checkpoint::State& state) const {
                          "; keel checkpoints tensors shaped like their parameter and integer step counts");
     }
   }
+  const auto fields = optimizer_fields(*opt_, codec_);
+  if (resharding_) state = resharding_.whole(state, fields);
+  const auto placement = owners_.empty() ? checkpoint::Placement::Replicated : checkpoint::Placement::Owned;
+  for (auto& [n, t] : state) mine.add(n, t, placement);
   // Which optimizer wrote the state: two with the same fields (adamw, a registered adam) would
   // otherwise read each other's moments as their own.
-  if (!codec_.name.empty()) state.shared["optimizer_name"] = codec_.name;
-  state.optimizer_owners = owners_;
-  state.zero = zero_;
-  state.optimizer_fields = optimizer_fields(*opt_, codec_);
-  if (resharding_) state.optimizer = resharding_.whole(state.optimizer, state.optimizer_fields);
-  state.optimizer_params.clear();
+  if (!codec_.name.empty()) mine.values["optimizer_name"] = codec_.name;
+  mine.values["zero"] = zero_;
+  mine.values["partitioned"] = !owners_.empty();
+  mine.values["fields"] = fields;
+  nlohmann::json params = nlohmann::json::array(), owners = nlohmann::json::object();
   if (owners_.empty())
-    for (const auto& [n, p] : params_) state.optimizer_params.push_back(n);
-  else
-    for (const auto& [n, r] : owners_) state.optimizer_params.push_back(n);
+    for (const auto& [n, p] : params_) params.push_back(n);
+  for (const auto& [n, r] : owners_) params.push_back(n), owners[n] = r;
+  mine.values["params"] = params;
+  if (!owners_.empty()) mine.values["owners"] = owners;
 }
 
 bool OptimizerState::wants(const std::string& name) const {
@@ -529,57 +534,171 @@ int64_t OptimizerState::state_bytes() const {
   return bytes;
 }
 
-std::string OptimizerState::check(const checkpoint::Loaded& loaded) const {
-  if (loaded.state.shared.contains("optimizer_name") && !loaded.state.shared["optimizer_name"].is_string())
-    return "meta.json state.optimizer_name is not a string";
-  if (loaded.meta.value("optimizer", nlohmann::json::object()).contains("fields")) return "";
-  std::map<std::string, const torch::Tensor*> params;
-  for (const auto& [n, p] : params_) params[n] = &p;
-  for (const auto& [n, t] : resharding_ ? resharding_.pieces(loaded.state.optimizer) : loaded.state.optimizer) {
-    const size_t dot = n.find_last_of('.');
-    const auto p = dot == std::string::npos ? params.end() : params.find(n.substr(0, dot));
-    if (p == params.end()) continue;  // another model's or optimizer's: load() says so (exit 2)
-    const std::string problem =
-        checkpoint::optimizer_tensor_problem(n, t, n.substr(dot + 1) == "step", *p->second, loaded.step);
-    if (!problem.empty()) return problem;
+namespace {
+
+// What is wrong with the optimizer state tensor `name` ("<parameter>.<field>") of a step saved
+// after `step` optimizer steps, or "": a step count (`step_count`) is one integer in [0, step];
+// any other field has the shape and dtype of its parameter `param`.
+std::string tensor_problem(const std::string& name, const torch::Tensor& t, bool step_count, const torch::Tensor& param,
+                           int64_t step) {
+  const std::string what =
+      "optimizer state \"" + name + "\" (" + c10::toString(t.scalar_type()) + c10::str(t.sizes()) + ")";
+  if (step_count) {
+    if (t.numel() != 1 || !c10::isIntegralType(t.scalar_type(), /*includeBool=*/false))
+      return what + " must be a single integer (a step count)";
+    const int64_t v = t.reshape({}).item<int64_t>();
+    if (v < 0 || v > step) return what + " = " + std::to_string(v) + " is outside [0, " + std::to_string(step) + "]";
+  } else if (t.sizes() != param.sizes() || t.scalar_type() != param.scalar_type()) {
+    const size_t dot = name.find_last_of('.');
+    return what + " does not match its parameter " + name.substr(0, dot) + " (" + c10::toString(param.scalar_type()) +
+           c10::str(param.sizes()) + ")";
   }
   return "";
 }
 
-void OptimizerState::load(const checkpoint::Loaded& loaded) {
-  // Another optimizer is told from meta.json, which every rank reads whole, so that every rank
+// The form of the values (meta.json could say anything): "" or the problem, naming the key.
+std::string values_problem(const nlohmann::json& o, int64_t world) {
+  if (o.contains("optimizer_name") && !o["optimizer_name"].is_string()) return "values.optimizer_name is not a string";
+  if (o.contains("zero")) {
+    const auto& z = o["zero"];
+    if (!z.is_number_integer() || z.get<int64_t>() < 0 || z.get<int64_t>() > 3)
+      return "values.zero must be 0, 1, 2 or 3, got " + z.dump();
+  }
+  if (o.contains("fields")) {
+    if (!o["fields"].is_object()) return "values.fields is not an object";
+    for (auto it = o["fields"].begin(); it != o["fields"].end(); ++it)
+      if (it.value() != "scalar" && it.value() != "param")
+        return "values.fields[\"" + it.key() + "\"] must be \"scalar\" or \"param\", got " +
+               it.value().dump().substr(0, 100);
+  }
+  if (o.contains("owners")) {
+    if (!o["owners"].is_object()) return "values.owners is not an object";
+    for (auto it = o["owners"].begin(); it != o["owners"].end(); ++it)
+      if (!it.value().is_number_integer() || it.value().get<int64_t>() < 0 || it.value().get<int64_t>() >= world)
+        return "values.owners[\"" + it.key() + "\"] must be a rank in [0, " + std::to_string(world) + "), got " +
+               it.value().dump();
+  }
+  for (const char* list : {"params"})
+    if (o.contains(list) && (!o[list].is_array() ||
+                             !std::all_of(o[list].begin(), o[list].end(), [](const auto& x) { return x.is_string(); })))
+      return std::string("values.") + list + " is not a list of names";
+  if (o.contains("state") && !o["state"].is_object()) return "values.state is not an object";
+  return "";
+}
+
+// Which fields of which parameter the step holds: every tensor of the index is a
+// "<parameter>.<field>" of a recorded parameter and field, and a parameter has every field or
+// none (never stepped). Format 1 recorded the same as "state" ({parameter: [fields]}): the index
+// must list exactly it.
+std::string index_problem(const nlohmann::json& o, const std::map<std::string, std::string>& index) {
+  if (!o.contains("fields")) return "";
+  std::map<std::string, std::set<std::string>> held;
+  for (const auto& [n, f] : index) {
+    const size_t dot = n.find_last_of('.');
+    const std::string param = dot == std::string::npos ? n : n.substr(0, dot);
+    if (dot == std::string::npos || !o["fields"].contains(n.substr(dot + 1)))
+      return "optimizer state \"" + n + "\" (in " + f + ") is not <parameter>.<field> of a field of values.fields " +
+             o["fields"].dump();
+    held[param].insert(n.substr(dot + 1));
+  }
+  std::set<std::string> params;
+  for (const auto& p : o.value("params", nlohmann::json::array())) params.insert(p.get<std::string>());
+  if (o.contains("state")) {  // format 1: {parameter: [its fields]}, [] for one never stepped
+    for (auto it = o["state"].begin(); it != o["state"].end(); ++it) {
+      params.insert(it.key());
+      if (!it.value().is_array()) return "values.state[\"" + it.key() + "\"] is not a list of fields";
+      const auto h = held.find(it.key());
+      const size_t n_held = h == held.end() ? 0 : h->second.size();
+      std::string missing;
+      for (const auto& f : it.value())
+        if (!f.is_string() || h == held.end() || !h->second.count(f.get<std::string>()))
+          missing += (missing.empty() ? "" : ", ") + it.key() + "." + (f.is_string() ? f.get<std::string>() : f.dump());
+      if (!missing.empty()) return "the optimizer state of " + it.key() + " is missing (" + missing + ")";
+      if (n_held != it.value().size())
+        return "the index lists optimizer state of " + it.key() + " that meta.json does not record";
+    }
+  }
+  for (const auto& [param, fields] : held) {
+    if (!params.empty() && !params.count(param))
+      return "optimizer state of \"" + param + "\", which is not a parameter the optimizer updates";
+    if (fields.size() != o["fields"].size()) {
+      std::string missing;
+      for (auto it = o["fields"].begin(); it != o["fields"].end(); ++it)
+        if (!fields.count(it.key())) missing += (missing.empty() ? "" : ", ") + param + "." + it.key();
+      return "the optimizer state of " + param + " is missing (" + missing + "): it has some fields, not all";
+    }
+  }
+  return "";
+}
+
+}  // namespace
+
+std::string OptimizerState::check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const {
+  // A step without the optimizer's part would resume with fresh moments: unusable, like a
+  // missing file (every step keel wrote has one, if empty).
+  if (!mine.present) return "the step has no optimizer state (no optimizer component)";
+  const nlohmann::json& o = mine.values;
+  if (std::string p = values_problem(o, loaded.saved_world_size); !p.empty()) return p;
+  if (std::string p = index_problem(o, mine.index); !p.empty()) return p;
+  // Every parameter it records is one of the step's model tensors.
+  const auto model = loaded.component("model").tensors;
+  std::map<std::string, torch::Tensor> in_step(model.begin(), model.end());
+  std::vector<std::string> recorded;
+  for (const auto& p : o.value("params", nlohmann::json::array())) recorded.push_back(p.get<std::string>());
+  const nlohmann::json state = o.value("state", nlohmann::json::object());  // format 1
+  for (auto it = state.begin(); it != state.end(); ++it) recorded.push_back(it.key());
+  for (const auto& p : recorded)
+    if (!in_step.count(p)) return "values name \"" + p + "\", which is not a model tensor of the step";
+  // This rank's tensors, against the step's own parameters (or, where it has none, this run's:
+  // a model that differs is load()'s InputError, never a fallback).
+  std::map<std::string, torch::Tensor> params;
+  for (const auto& [n, p] : params_) params[n] = p;
+  for (const auto& [n, t] : in_step) params[n] = t;
+  for (const auto& [n, t] : mine.tensors) {
+    const size_t dot = n.find_last_of('.');
+    const auto p = dot == std::string::npos ? params.end() : params.find(n.substr(0, dot));
+    if (p == params.end()) continue;  // another model's or optimizer's: load() says so (exit 2)
+    const std::string field = n.substr(dot + 1);
+    const bool scalar = o.contains("fields") ? o["fields"].value(field, "param") == "scalar" : field == "step";
+    if (resharding_ && !scalar && p->second.numel() != t.numel()) continue;  // this run's piece: load() compares
+    const std::string problem = tensor_problem(n, t, scalar, p->second, loaded.step);
+    if (!problem.empty()) return (mine.index.count(n) ? mine.index.at(n) + ": " : std::string()) + problem;
+  }
+  return "";
+}
+
+void OptimizerState::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
+  // Another optimizer is told from the values, which every rank reads whole, so that every rank
   // refuses it alike (each reads only its own partition's tensors).
-  const auto& o = loaded.meta.value("optimizer", nlohmann::json::object());
-  if (o.contains("fields") && o.contains("state")) {
-    const auto mine = optimizer_fields(*opt_, codec_);
-    bool stepped = false;
-    for (const auto& f : o["state"]) stepped |= !f.empty();
+  const nlohmann::json& o = mine.values;
+  if (o.contains("fields")) {
+    const auto mine_fields = optimizer_fields(*opt_, codec_);
+    const bool stepped = !mine.index.empty();
     std::string theirs;
     bool fits = true;
     for (auto it = o["fields"].begin(); it != o["fields"].end(); ++it) {
       theirs += (theirs.empty() ? "" : ", ") + it.key();
-      const auto m = mine.find(it.key());
-      fits &= m != mine.end() && m->second == it.value().get<std::string>();
+      const auto m = mine_fields.find(it.key());
+      fits &= m != mine_fields.end() && m->second == it.value().get<std::string>();
     }
     if (stepped && !fits) {
       std::string ours;
-      for (const auto& [f, k] : mine) ours += (ours.empty() ? "" : ", ") + f;
+      for (const auto& [f, k] : mine_fields) ours += (ours.empty() ? "" : ", ") + f;
       throw InputError(loaded.path + ": the optimizer state does not fit this run: it holds " + theirs +
                        " per parameter, this run's train.optimizer keeps " + ours +
                        " (train.optimizer differs from the run that saved it)");
     }
   }
-  // Fields that fit may still be another optimizer's (adamw's moments read by an adam):
-  // meta.json names the writer.
-  const std::string saved = loaded.state.shared.value("optimizer_name", std::string());
+  // Fields that fit may still be another optimizer's (adamw's moments read by an adam): the
+  // values name the writer.
+  const std::string saved = o.value("optimizer_name", std::string());
   if (!saved.empty() && !codec_.name.empty() && saved != codec_.name)
     throw InputError(loaded.path + ": its optimizer state was written by train.optimizer = \"" + saved +
                      "\", and this run's train.optimizer = \"" + codec_.name +
                      "\" would read it as its own; resume with train.optimizer = \"" + saved +
                      "\", or start another run (another checkpoint.dir)");
   try {
-    load_optimizer_state(*opt_, params_,
-                         resharding_ ? resharding_.pieces(loaded.state.optimizer) : loaded.state.optimizer, codec_);
+    load_optimizer_state(*opt_, params_, resharding_ ? resharding_.pieces(mine.tensors) : mine.tensors, codec_);
   } catch (const std::runtime_error& e) {
     throw InputError(loaded.path +
                      ": the optimizer state does not fit this run (train.optimizer or the model "

@@ -131,7 +131,7 @@ OptimizerChoice resolve_optimizer(const TrainConfig& cfg);
 void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& params, const NamedTensorList& state,
                           const OptimizerCodec& codec = {});
 
-/// The fields of `opt`'s per-parameter state and their kinds (checkpoint::State::optimizer_fields):
+/// The fields of `opt`'s per-parameter state and their kinds (recorded in its checkpoint values):
 /// AdamW's step ("scalar"), exp_avg, exp_avg_sq ("param"; max_exp_avg_sq with amsgrad), SGD's
 /// momentum_buffer; a registered optimizer's from its codec.
 std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt, const OptimizerCodec& codec = {});
@@ -146,12 +146,15 @@ struct PieceResharding {
   explicit operator bool() const { return static_cast<bool>(whole); }
 };
 
-/// The optimizer's part of a checkpoint (State::optimizer), as above.
+/// The optimizer's part of a checkpoint (the component "optimizer"): one tensor per parameter
+/// and field ("<parameter>.<field>"), replicated, or with dist.zero >= 1 owned by the rank that
+/// steps the parameter; its values record the optimizer's name, dist.zero, the fields and their
+/// kinds, every parameter it updates and (partitioned) each one's owner rank.
 class OptimizerState : public checkpoint::Stateful {
  public:
   /// `opt` must outlive this object; `params` are its parameters with their names. With
   /// dist.zero >= 1, `params` are this rank's own and `owners` names the owner rank of every
-  /// parameter of the model (checkpoint::State::optimizer_owners); empty: replicated.
+  /// parameter of the model (recorded in its values); empty: replicated.
   OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params,
                  std::vector<std::pair<std::string, int64_t>> owners = {}, int64_t zero = 0, OptimizerCodec codec = {},
                  PieceResharding resharding = {})
@@ -163,20 +166,22 @@ class OptimizerState : public checkpoint::Stateful {
         resharding_(std::move(resharding)) {
     for (const auto& [n, p] : params_) names_.insert(n);
   }
-  void save(checkpoint::State& state) const override;
+  void save(checkpoint::Component& mine) const override;
   /// Whether this rank loads the optimizer state tensor `name` ("<parameter>.<field>"): the
-  /// state of its own parameters (checkpoint::Options::wants_optimizer_tensor).
+  /// state of its own parameters (checkpoint::Options::wants).
   bool wants(const std::string& name) const;
   /// Bytes of the optimizer state this rank holds.
   int64_t state_bytes() const;
   /// A saved state that does not fit this optimizer (another train.optimizer, other
   /// parameters) is the user's choice of checkpoint: InputError, like a model that does not bind.
-  void load(const checkpoint::Loaded& loaded) override;
-  /// A step written before meta.json recorded the optimizer's fields (which the loader checks
-  /// itself): this rank's state tensors checked the same way, before any rank accepts the step
-  /// (a step count is one integer in [0, step]; the other fields have their parameter's shape
-  /// and dtype), so that every rank falls back alike instead of failing in load().
-  std::string check(const checkpoint::Loaded& loaded) const override;
+  void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
+  /// Its values' form (dist.zero, the fields and their kinds, owner ranks within the saved
+  /// world), the index against them (every tensor a "<parameter>.<field>" of a recorded field,
+  /// every parameter with all fields or none), and this rank's tensors (a step count is one
+  /// integer in [0, step]; the other fields have their parameter's shape and dtype in the
+  /// step), before any rank accepts the step, so that every rank falls back alike instead of
+  /// failing in load().
+  std::string check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const override;
 
  private:
   torch::optim::Optimizer* opt_;

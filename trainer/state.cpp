@@ -17,14 +17,14 @@ checkpoint::NamedTensors ModelState::tensors() const {
   return t;
 }
 
-void ModelState::save(checkpoint::State& state) const {
-  state.model = tensors();
-  if (!hf_config_.is_null()) state.shared["hf_config"] = hf_config_;
+void ModelState::save(checkpoint::Component& mine) const {
+  for (auto& [n, t] : tensors()) mine.add(n, t);
+  if (!hf_config_.is_null()) mine.values["hf_config"] = hf_config_;
 }
 
-void ModelState::load(const checkpoint::Loaded& loaded) {
+void ModelState::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
   try {
-    checkpoint::copy_into(tensors(), loaded.state.model, loaded.path);
+    checkpoint::copy_into(tensors(), mine.tensors, loaded.path);
   } catch (const checkpoint::BindError& e) {
     throw InputError(e.what());
   }
@@ -40,18 +40,18 @@ std::vector<torch::Device> rng_devices(const torch::Device& device) {
 
 }  // namespace
 
-void RngState::save(checkpoint::State& state) const {
+void RngState::save(checkpoint::Component& mine) const {
   for (const auto& d : rng_devices(device_)) {
     auto gen = at::globalContext().defaultGenerator(d);
     std::lock_guard<std::mutex> lock(gen.mutex());
-    state.rank_tensors.emplace_back("rng." + d.str(), gen.get_state());
+    mine.add("rng." + d.str(), gen.get_state(), checkpoint::Placement::PerRank);
   }
 }
 
-void RngState::load(const checkpoint::Loaded& loaded) {
+void RngState::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
   if (!loaded.has_rank_state) return;
   for (const auto& d : rng_devices(device_))
-    for (const auto& [name, t] : loaded.state.rank_tensors)
+    for (const auto& [name, t] : mine.rank_tensors)
       if (name == "rng." + d.str()) {
         auto gen = at::globalContext().defaultGenerator(d);
         std::lock_guard<std::mutex> lock(gen.mutex());
@@ -59,10 +59,10 @@ void RngState::load(const checkpoint::Loaded& loaded) {
       }
 }
 
-std::string RngState::check(const checkpoint::Loaded& loaded) const {
+std::string RngState::check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const {
   if (!loaded.has_rank_state) return "";
   for (const auto& d : rng_devices(device_))
-    for (const auto& [name, t] : loaded.state.rank_tensors)
+    for (const auto& [name, t] : mine.rank_tensors)
       if (name == "rng." + d.str()) {
         // A clone of the generator takes the state first: what the real one would refuse, or
         // throw on, is found here without touching it.
@@ -87,13 +87,18 @@ std::string RngState::check(const checkpoint::Loaded& loaded) const {
   return "";
 }
 
-void GraphState::save(checkpoint::State& state) const {
-  state.graph = export_();
-  if (state.graph.empty() && warn_)
-    logging::warn("checkpoint.save_graph: the model is not traced (compile fell back to eager); no graph.pt");
+void GraphState::save(checkpoint::Component& mine) const {
+  std::string graph = export_();
+  if (graph.empty()) {
+    if (warn_)
+      logging::warn("checkpoint.save_graph: the model is not traced (compile fell back to eager); no graph.pt");
+    return;
+  }
+  mine.files["graph.pt"] = std::move(graph);
+  mine.values["files"] = {{"graph.pt", "the traced TorchScript module"}};
 }
 
-void PackageState::save(checkpoint::State& state) const {
+void PackageState::save(checkpoint::Component& mine) const {
   if (!main_) return;
   if (!step_) {
     logging::warn("checkpoint.save_graph: the training step runs eager (no package); no graph.pt2");
@@ -115,8 +120,10 @@ void PackageState::save(checkpoint::State& state) const {
       return;
     }
   }
-  state.package = bytes_;
-  state.package_manifest = step_->manifest_for_checkpoint();
+  mine.files["graph.pt2"] = bytes_;
+  mine.files["graph.json"] = step_->manifest_for_checkpoint();
+  mine.values["files"] = {{"graph.pt2", "the AOTInductor package of the training step"},
+                          {"graph.json", "its manifest"}};
 }
 
 }  // namespace keel

@@ -2,9 +2,10 @@
 // components (the others are the optimizer's, trainer/optim.h; the GradScaler's,
 // amp/grad_scaler.h; and the sampler's, trainer/data/sampler.h).
 //
-// Owns: the model's tensors (State::model), this rank's random generators
-// (State::rank_tensors "rng.<device>"), the traced graph (checkpoint.save_graph), and the
-// user's own state (Callbacks::save_state / load_state).
+// Owns: the model's tensors (component "model", replicated), this rank's random generators
+// (component "rng", per rank: "rng.<device>"), the traced graph or package (component "graph",
+// checkpoint.save_graph), and the user's own state (component "user",
+// Callbacks::save_state / load_state).
 #pragma once
 
 #include <torch/torch.h>
@@ -25,12 +26,16 @@ class InductorStep;
 class ModelState : public checkpoint::Stateful {
  public:
   /// `hf_config` (may be null): the Hugging Face config.json of a gpt2 or llama model
-  /// (models/hf.h), recorded in meta.json as state.hf_config so that `keel export --hf` can
+  /// (models/hf.h), recorded in its values as hf_config so that `keel export --hf` can
   /// describe the step's weights to transformers.
   explicit ModelState(std::shared_ptr<models::Model> model, nlohmann::json hf_config = nullptr)
       : model_(std::move(model)), hf_config_(std::move(hf_config)) {}
-  void save(checkpoint::State& state) const override;
-  void load(const checkpoint::Loaded& loaded) override;
+  void save(checkpoint::Component& mine) const override;
+  void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
+  /// A step without the model's tensors is unusable (a fallback), not another model (exit 2).
+  std::string check(const checkpoint::Loaded&, const checkpoint::LoadedComponent& mine) const override {
+    return mine.present && !mine.index.empty() ? "" : "the step has no model tensors (no model component)";
+  }
 
  private:
   checkpoint::NamedTensors tensors() const;
@@ -44,10 +49,10 @@ class ModelState : public checkpoint::Stateful {
 class RngState : public checkpoint::Stateful {
  public:
   explicit RngState(torch::Device device) : device_(device) {}
-  void save(checkpoint::State& state) const override;
-  void load(const checkpoint::Loaded& loaded) override;
+  void save(checkpoint::Component& mine) const override;
+  void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
   /// Each saved generator state has the dtype and size of this build's generator state.
-  std::string check(const checkpoint::Loaded& loaded) const override;
+  std::string check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const override;
 
  private:
   torch::Device device_;
@@ -58,8 +63,8 @@ class RngState : public checkpoint::Stateful {
 class GraphState : public checkpoint::Stateful {
  public:
   GraphState(std::function<std::string()> export_graph, bool warn) : export_(std::move(export_graph)), warn_(warn) {}
-  void save(checkpoint::State& state) const override;
-  void load(const checkpoint::Loaded&) override {}
+  void save(checkpoint::Component& mine) const override;
+  void load(const checkpoint::Loaded&, const checkpoint::LoadedComponent&) override {}
 
  private:
   std::function<std::string()> export_;
@@ -73,8 +78,8 @@ class GraphState : public checkpoint::Stateful {
 class PackageState : public checkpoint::Stateful {
  public:
   PackageState(std::shared_ptr<InductorStep> step, bool main) : step_(std::move(step)), main_(main) {}
-  void save(checkpoint::State& state) const override;
-  void load(const checkpoint::Loaded&) override {}
+  void save(checkpoint::Component& mine) const override;
+  void load(const checkpoint::Loaded&, const checkpoint::LoadedComponent&) override {}
 
  private:
   std::shared_ptr<InductorStep> step_;
@@ -83,21 +88,27 @@ class PackageState : public checkpoint::Stateful {
   mutable bool unusable_ = false;
 };
 
-/// The user's Callbacks::save_state / load_state.
+/// The user's Callbacks::save_state / load_state: the component "user". A step of format 1
+/// kept the user's tensors in its "extra" files: they are handed over as the user's.
 class UserState : public checkpoint::Stateful {
  public:
-  UserState(std::function<void(checkpoint::State&)> save, std::function<void(const checkpoint::State&)> load)
+  UserState(std::function<void(checkpoint::Component&)> save,
+            std::function<void(const checkpoint::LoadedComponent&)> load)
       : save_(std::move(save)), load_(std::move(load)) {}
-  void save(checkpoint::State& state) const override {
-    if (save_) save_(state);
+  void save(checkpoint::Component& mine) const override {
+    if (save_) save_(mine);
   }
-  void load(const checkpoint::Loaded& loaded) override {
-    if (load_) load_(loaded.state);
+  void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override {
+    if (!load_) return;
+    if (loaded.format_version >= 2) return load_(mine);
+    checkpoint::LoadedComponent old = mine;
+    old.tensors = loaded.component("extra").tensors;
+    load_(old);
   }
 
  private:
-  std::function<void(checkpoint::State&)> save_;
-  std::function<void(const checkpoint::State&)> load_;
+  std::function<void(checkpoint::Component&)> save_;
+  std::function<void(const checkpoint::LoadedComponent&)> load_;
 };
 
 }  // namespace keel

@@ -147,38 +147,36 @@ Registry<LossFn>& losses() {
   return r;
 }
 
-// The loop's counters in a checkpoint (meta.json: step, skipped_steps, loss, total_steps,
-// global_batch; "scaler" stays null unless the GradScaler writes its own).
+// The loop's counters in a checkpoint (component "progress": step, skipped_steps, loss,
+// total_steps, global_batch).
 struct Progress : checkpoint::Stateful {
   int64_t steps_done = 0;
   int64_t skipped_steps = 0;
   double last_loss = std::nan("");
   int64_t total_steps = 0, global_batch = 0;
 
-  void save(checkpoint::State& st) const override {
-    st.shared["step"] = steps_done;
-    st.shared["skipped_steps"] = skipped_steps;
-    st.shared["loss"] = std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr);
-    st.shared["total_steps"] = total_steps;
-    st.shared["global_batch"] = global_batch;
-    st.shared["scaler"] = nullptr;
+  void save(checkpoint::Component& mine) const override {
+    mine.values["step"] = steps_done;
+    mine.values["skipped_steps"] = skipped_steps;
+    mine.values["loss"] = std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr);
+    mine.values["total_steps"] = total_steps;
+    mine.values["global_batch"] = global_batch;
   }
-  std::string check(const checkpoint::Loaded& l) const override {
-    const auto& sh = l.state.shared;
+  std::string check(const checkpoint::Loaded& l, const checkpoint::LoadedComponent& mine) const override {
+    const auto& sh = mine.values;
     if (sh.contains("step") && sh["step"] != l.step)
-      return "state.step = " + sh["step"].dump() + " but the step is " + std::to_string(l.step);
+      return "values.step = " + sh["step"].dump() + " but the step is " + std::to_string(l.step);
     const auto skipped = sh.value("skipped_steps", nlohmann::json(0));
     if (!skipped.is_number_integer() || skipped.get<int64_t>() < 0 || skipped.get<int64_t>() > l.step)
-      return "state.skipped_steps = " + skipped.dump() + " is not an integer in [0, step]";
+      return "values.skipped_steps = " + skipped.dump() + " is not an integer in [0, step]";
     if (sh.contains("loss") && !sh["loss"].is_null() && !sh["loss"].is_number())
-      return "state.loss = " + sh["loss"].dump() + " is not a number";
+      return "values.loss = " + sh["loss"].dump() + " is not a number";
     return "";
   }
-  void load(const checkpoint::Loaded& l) override {
+  void load(const checkpoint::Loaded& l, const checkpoint::LoadedComponent& mine) override {
     steps_done = l.step;
-    skipped_steps = l.state.shared.value("skipped_steps", int64_t{0});
-    if (l.state.shared.contains("loss") && l.state.shared["loss"].is_number())
-      last_loss = l.state.shared["loss"].get<double>();
+    skipped_steps = mine.values.value("skipped_steps", int64_t{0});
+    if (mine.values.contains("loss") && mine.values["loss"].is_number()) last_loss = mine.values["loss"].get<double>();
   }
 };
 
@@ -630,7 +628,9 @@ void Trainer::Loop::build_checkpointing() {
   o.config_sha256 = sha256_hex(dump_toml(cfg_));
   o.hooks = faults_->checkpoint_hooks();
   if (dmodel_->zero() >= 1)  // each rank reads only the optimizer files holding its own parameters' state
-    o.wants_optimizer_tensor = [s = optimizer_state_.get()](const std::string& n) { return s->wants(n); };
+    o.wants = [s = optimizer_state_.get()](const std::string& component, const std::string& n) {
+      return component != "optimizer" || s->wants(n);
+    };
   try {
     ckpt_ = std::make_unique<checkpoint::Checkpointer>(o, coll_);
   } catch (const checkpoint::SaveError& e) {

@@ -93,9 +93,11 @@ int main() {
     ++evals_seen;
     std::cout << "eval: mean squared error " << r.loss << "\n";
   };
-  cb.save_state = [&](keel::checkpoint::State& st) { st.shared["user"] = {{"evals_seen", evals_seen}}; };
-  cb.load_state = [&](const keel::checkpoint::State& st) {
-    evals_seen = st.shared.value("user", nlohmann::json::object()).value("evals_seen", int64_t{0});
+  cb.save_state = [&](keel::checkpoint::Component& mine) { mine.values["evals_seen"] = evals_seen; };
+  cb.load_state = [&](const keel::checkpoint::LoadedComponent& mine) {
+    // A step of keel 0.1 (format 1) kept this under "user" in its shared values.
+    const auto& v = mine.values.contains("user") ? mine.values["user"] : mine.values;
+    evals_seen = v.value("evals_seen", int64_t{0});
   };
   cb.on_checkpoint = [](int64_t step, const std::string& dir) {
     std::cout << "checkpoint " << step << ": " << dir << "\n";

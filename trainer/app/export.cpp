@@ -32,11 +32,16 @@ nlohmann::json hf_config_of(const std::string& step_dir) {
     for (const auto& p : problems) all += "\n  " + p;
     throw std::runtime_error("keel export --hf: " + step_dir + " does not verify:" + all);
   }
-  const auto state = meta.value("state", nlohmann::json::object());
+  // The model component's values (format 2), or format 1's shared state.
+  const auto components = meta.value("components", nlohmann::json::object());
+  const auto model = components.is_object() ? components.value("model", nlohmann::json::object()) : nlohmann::json();
+  const auto state = meta.contains("components")
+                         ? (model.is_object() ? model.value("values", nlohmann::json::object()) : nlohmann::json())
+                         : meta.value("state", nlohmann::json::object());
   if (!state.is_object() || !state.contains("hf_config") || !state["hf_config"].is_object())
     throw InputError("keel export --hf: " + step_dir +
-                     " was not saved by a gpt2 or llama run (meta.json has no state.hf_config); --hf exports "
-                     "the Hugging Face families (model.name = gpt2 | llama)");
+                     " was not saved by a gpt2 or llama run (meta.json records no hf_config of the model); --hf "
+                     "exports the Hugging Face families (model.name = gpt2 | llama)");
   nlohmann::json cfg = state["hf_config"];
   cfg.erase("torch_dtype");
   cfg["dtype"] = "float32";  // what keel's checkpoints hold

@@ -12,7 +12,7 @@ namespace keel {
 /// GB (powers of 1000) or KiB, MiB, GiB (of 1024). Throws InputError naming --max-shard-size.
 uint64_t parse_shard_size(const std::string& text);
 
-/// Writes OUT/config.json (meta.json's state.hf_config, dtype float32) and the step's model
+/// Writes OUT/config.json (the model component's hf_config, dtype float32) and the step's model
 /// tensors under transformers' names: OUT/model.safetensors, or shards of at most
 /// `max_shard_bytes` (whole tensors) with OUT/model.safetensors.index.json. The step must
 /// verify (every checksum) and may come from any world size and dist.zero (its model files hold

@@ -73,18 +73,17 @@ void DistributedSampler::restore(const Position& p) {
   pos_ = p;
 }
 
-void DistributedSampler::save(checkpoint::State& state) const {
-  state.shared["data_position"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
-  state.shared["batch_size"] = batch_;
-  state.rank_state["sampler"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
-  state.rank_state["batch_size"] = batch_;
-  state.rank_state["world_size"] = world_;
-  state.rank_state["rank"] = rank_;
+void DistributedSampler::save(checkpoint::Component& mine) const {
+  mine.values["data_position"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
+  mine.values["batch_size"] = batch_;
+  mine.rank_values["sampler"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
+  mine.rank_values["batch_size"] = batch_;
+  mine.rank_values["world_size"] = world_;
+  mine.rank_values["rank"] = rank_;
 }
 
-void DistributedSampler::load(const checkpoint::Loaded& loaded) {
-  const auto& st = loaded.state;
-  const auto& rs = st.rank_state;
+void DistributedSampler::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
+  const auto& rs = mine.rank_values;
   const int64_t saved_world = loaded.saved_world_size;
   if (loaded.has_rank_state && saved_world == world_ && rs.value("batch_size", int64_t{-1}) == batch_) {
     restore({rs["sampler"]["epoch"].get<int64_t>(), rs["sampler"]["batch"].get<int64_t>()});
@@ -94,11 +93,11 @@ void DistributedSampler::load(const checkpoint::Loaded& loaded) {
   // the whole job has consumed in the current epoch, and start every rank at the first global
   // batch not fully consumed.
   int64_t e = 0, b = 0;  // every rank of the saved job had this position
-  if (st.shared.contains("data_position")) {
-    e = st.shared["data_position"].value("epoch", int64_t{0});
-    b = st.shared["data_position"].value("batch", int64_t{0});
+  if (mine.values.contains("data_position")) {
+    e = mine.values["data_position"].value("epoch", int64_t{0});
+    b = mine.values["data_position"].value("batch", int64_t{0});
   }
-  const int64_t saved_batch = st.shared.value("batch_size", batch_);
+  const int64_t saved_batch = mine.values.value("batch_size", batch_);
   const int64_t consumed = b * saved_world * saved_batch;
   const int64_t per_global = world_ * batch_;
   const int64_t nb = std::min(consumed / per_global, batches_per_epoch_);
@@ -122,17 +121,17 @@ std::string int_in(const nlohmann::json& j, const char* key, int64_t lo, int64_t
 
 }  // namespace
 
-std::string DistributedSampler::check(const checkpoint::Loaded& loaded) const {
-  const auto& sh = loaded.state.shared;
+std::string DistributedSampler::check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const {
+  const auto& sh = mine.values;
   constexpr int64_t kBig = int64_t{1} << 40;
   if (sh.contains("data_position")) {
     for (const char* k : {"epoch", "batch"})
-      if (auto p = int_in(sh["data_position"], k, 0, kBig, "state.data_position"); !p.empty()) return p;
+      if (auto p = int_in(sh["data_position"], k, 0, kBig, "values.data_position"); !p.empty()) return p;
   }
   if (sh.contains("batch_size"))
-    if (auto p = int_in(sh, "batch_size", 1, kBig, "state"); !p.empty()) return p;
+    if (auto p = int_in(sh, "batch_size", 1, kBig, "values"); !p.empty()) return p;
   if (!loaded.has_rank_state) return "";
-  const auto& rs = loaded.state.rank_state;
+  const auto& rs = mine.rank_values;
   const std::string where = "rank " + std::to_string(rank_) + "'s state";
   if (!rs.contains("sampler")) return "";  // saved before positions were kept per rank: remapped
   for (const char* k : {"epoch", "batch"})

@@ -5,8 +5,8 @@
 // torch.utils.data.DistributedSampler does; rank r of N takes positions r, r+N, r+2N, ... of
 // it. Hence N ranks with batch B see, step for step, the same samples as one rank with batch
 // N*B. Its position (epoch, batch) can be reported and restored for exact resume.
-// Its checkpoint state (checkpoint::Stateful): this rank's position in rank_state, and the
-// job's position in meta.json (data_position, batch_size), from which a job of another world
+// Its checkpoint state (checkpoint::Stateful): this rank's position in its rank_values, and the
+// job's position in its values (data_position, batch_size), from which a job of another world
 // size or batch size resumes at the first global batch not fully consumed.
 // Does not own: loading samples (trainer/data/data.h).
 #pragma once
@@ -41,14 +41,14 @@ class DistributedSampler : public checkpoint::Stateful {
   /// All of this rank's indices for `epoch`, in visiting order (padded when !drop_last).
   std::vector<int64_t> rank_indices(int64_t epoch) const;
 
-  void save(checkpoint::State& state) const override;
+  void save(checkpoint::Component& mine) const override;
   /// The saved position when the saved job had this world size and batch size; otherwise the
   /// samples the whole job consumed in the saved epoch, mapped to this job's global batches
   /// (docs/checkpoints.md), with a warning.
-  void load(const checkpoint::Loaded& loaded) override;
+  void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
   /// Positions are non-negative integers, a batch index at most the epoch's batches; the rank
   /// state is this rank's of a job of the saved world size.
-  std::string check(const checkpoint::Loaded& loaded) const override;
+  std::string check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const override;
 
  private:
   int64_t size_, world_, rank_, batch_;

@@ -183,7 +183,7 @@ checkpoint::Hooks FaultInjector::checkpoint_hooks() const {
     h.after_commit = [plan = plan_, rank = rank_, world = world_size_, rc = restart_count_](int64_t step,
                                                                                             const std::string& dir) {
       if (!plan.fires(FaultType::CheckpointCorruption, step, rank, rc)) return;
-      const std::string path = dir + "/" + checkpoint::model_file(rank, world);
+      const std::string path = dir + "/" + checkpoint::component_file("model", rank, world);
       if (flip_byte_in_place(path)) logging::warn("fault injection: checkpoint_corruption: flipped a byte of {}", path);
     };
   }

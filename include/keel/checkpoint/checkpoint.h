@@ -2,30 +2,34 @@
 // to read one, and the Checkpointer that saves and loads them with async save and resume
 // (checkpoint/checkpointer.h, private: file names, the shard plan, the protocol).
 //
-// Layout of checkpoint.dir (one directory per step, N = optimizer steps done):
-//   step_<N>/model-0000r-of-0000W.safetensors     model tensors, sharded over the W ranks
-//   step_<N>/model.safetensors.index.json         Hugging Face's index: weight_map, metadata.total_size
-//   step_<N>/optimizer-0000r-of-0000W.safetensors optimizer state: sharded the same way when it
-//                                                 is replicated (dist.zero = 0); rank r's own
-//                                                 partition with dist.zero >= 1
-//   step_<N>/optimizer.safetensors.index.json     weight_map: each optimizer state tensor -> its file
-//   step_<N>/extra-0000r-of-0000W.safetensors     State::extra (a library user's own tensors), if any
-//   step_<N>/rank-0000r.safetensors               rank r's own state (RNG states, data position)
-//                                                 under keys "rank.<r>." and its metadata
-//   step_<N>/graph.pt                             the traced module (checkpoint.save_graph, trace)
-//   step_<N>/graph.pt2, graph.json                the AOTInductor package of the training step and
-//                                                 its manifest (checkpoint.save_graph, inductor)
-//   step_<N>/meta.json                            written last: the commit marker
-// meta.json holds the step, world size, the resolved config's SHA-256, keel and LibTorch
-// versions, the replicated trainer state (schedule position, loss scaler, counters), the
-// optimizer state's partition ("optimizer": {"zero", "owners": {parameter: rank}}), and the
-// size and SHA-256 of every other file.
-//
+// A step's state is a map of named components (the trainer's are model, optimizer, progress,
+// grad_scaler, rng, sampler, graph and user); the checkpointer knows none of them. Each
+// component holds tensors, each tagged with its Placement (replicated, owned by this rank,
+// or per rank), small JSON values, and whole files. Layout of checkpoint.dir (one directory
+// per step, N = optimizer steps done; <c> a component with tensors, W the saving world):
+//   step_<N>/<c>-0000r-of-0000W.safetensors    rank r's file of component <c>: its share of the
+//                                               replicated tensors (balanced over the ranks,
+//                                               largest first) and every tensor it owns
+//   step_<N>/<c>.safetensors.index.json        weight_map (each tensor -> its file) and
+//                                               metadata.total_size: Hugging Face's index, so
+//                                               step_<N>/model.safetensors.index.json opens
+//                                               the model in transformers and safetensors
+//   step_<N>/rank-0000r.safetensors            rank r's PerRank tensors ("rank.<r>.<c>.<name>")
+//                                               and, in its metadata, each component's rank_values
+//   step_<N>/<file>                            a component's whole files (rank 0's), e.g. the
+//                                               traced graph.pt or the AOTInductor graph.pt2
+//   step_<N>/meta.json                         written last: the commit marker
+// meta.json (format_version 2) holds the step, world size, the resolved config's SHA-256, keel
+// and LibTorch versions, and per component ("components": {<c>: ...}) its values, the dtype
+// and shape of each of its tensors (every rank checks what it reads against them, and that the
+// index lists exactly them), its owned tensors' names and its files; then the size and SHA-256
+// of every file. Steps of format_version 1 (keel 0.1: fixed slots model / optimizer / extra /
+// shared) still load: see Loaded::component.
 //
 // A library user reads a checkpoint with list_steps / resume_from_dir (which step), verify_step
 // (are its files whole) and load_weights (a step's, or any safetensors export's, weights into a
-// model); Callbacks::save_state / load_state (keel/trainer/trainer.h) add their own State to
-// the trainer's, and a loop of one's own saves and loads with a Checkpointer.
+// model); Callbacks::save_state / load_state (keel/trainer/trainer.h) add a component of their
+// own ("user") to the trainer's, and a loop of one's own saves and loads with a Checkpointer.
 #pragma once
 
 #include <torch/torch.h>
@@ -65,32 +69,76 @@ class SaveError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-/// Everything one step saves. `model`, `optimizer` and `shared` must be the same on every rank
-/// (they are written once, sharded); `rank_tensors` and `rank_state` are this rank's own.
+/// Where a tensor of a checkpoint lives across the ranks: who writes it, who reads it back.
+enum class Placement {
+  /// The same on every rank (checked at save by name, dtype and size): written once, the ranks
+  /// sharing the writing; read by every rank.
+  Replicated,
+  /// This rank's alone (a partition of optimizer state, a shard of parameters): written by this
+  /// rank; the component's index says which file holds it, so that a rank of a later job reads
+  /// only the files holding what it wants (Options::wants). No two ranks own the same name.
+  Owned,
+  /// Every rank its own value under the same name (a random generator's state): written to the
+  /// rank's own file, handed back to the rank of the same number when the saving job had it
+  /// (Loaded::has_rank_state); what a job of another world size makes of it is the component's.
+  PerRank,
+};
+
+/// One component's part of a step (what Stateful::save fills in).
+struct Component {
+  struct Entry {
+    std::string name;
+    torch::Tensor tensor;
+    Placement placement = Placement::Replicated;
+  };
+  std::vector<Entry> tensors;  // names unique within the component
+  /// Small values, the same on every rank (rank 0's are written): meta.json
+  /// components.<name>.values.
+  nlohmann::json values = nlohmann::json::object();
+  /// This rank's own small values: its rank file.
+  nlohmann::json rank_values = nlohmann::json::object();
+  /// Whole files of the step, written by rank 0 (name -> contents), e.g. "graph.pt": plain names
+  /// that are not the step's own (meta.json, rank-*, *.safetensors, *.safetensors.index.json).
+  std::map<std::string, std::string> files;
+
+  void add(std::string name, torch::Tensor tensor, Placement placement = Placement::Replicated) {
+    tensors.push_back({std::move(name), std::move(tensor), placement});
+  }
+  /// The tensors of one placement, in order.
+  NamedTensors named(Placement placement) const {
+    NamedTensors out;
+    for (const auto& e : tensors)
+      if (e.placement == placement) out.emplace_back(e.name, e.tensor);
+    return out;
+  }
+};
+
+/// Everything one step saves: components by name ([a-z0-9_], at most 64 characters; the same
+/// set, with the same replicated tensors, on every rank).
 struct State {
-  NamedTensors model;      // parameters and buffers, by name
-  NamedTensors optimizer;  // optimizer state tensors, by name ("<parameter>.<field>")
-  /// Empty: `optimizer` is replicated (the same on every rank). Otherwise (dist.zero >= 1) the
-  /// owner rank of every parameter, the same on every rank, and `optimizer` holds this rank's
-  /// own partition (the state of the parameters it owns), written by this rank alone.
-  std::vector<std::pair<std::string, int64_t>> optimizer_owners;
-  int64_t zero = 0;  // dist.zero, recorded in meta.json
-  /// What the optimizer's state looks like, recorded in meta.json ("optimizer": "fields" and
-  /// "state") so that every rank and `keel inspect` check a step's optimizer state before it is
-  /// used: each per-parameter field and its kind ("scalar": one integer element in [0, step],
-  /// a step count; "param": the parameter's shape and dtype), and every parameter the
-  /// optimizer updates, of the whole model (with dist.zero >= 1 too, not only this rank's).
-  /// A parameter has either every field or none (never stepped). Empty: not recorded.
-  std::map<std::string, std::string> optimizer_fields;
-  std::vector<std::string> optimizer_params;
-  NamedTensors extra;                                // your own replicated tensors (sharded like the optimizer state)
-  nlohmann::json shared = nlohmann::json::object();  // small replicated state (-> meta.json)
-  NamedTensors rank_tensors;                         // e.g. RNG states (stored as "rank.<r>.<name>")
-  nlohmann::json rank_state = nlohmann::json::object();  // e.g. the data position
-  std::string graph;             // serialized TorchScript module (rank 0 writes it), may be empty
-  std::string package;           // compile.mode = inductor: the step's .pt2 package (rank 0), may be empty
-  std::string package_manifest;  // and its manifest (JSON: signature, SHA-256, compile cache key)
-                                 // (loaded: their paths, not verified: see read_step)
+  std::map<std::string, Component> components;
+  Component& operator[](const std::string& name) { return components[name]; }
+};
+
+/// One component's part of a loaded step.
+struct LoadedComponent {
+  bool present = false;  // the step has this component
+  /// Its replicated and owned tensors that this rank read: all of them, or those
+  /// Options::wants asked for.
+  NamedTensors tensors;
+  /// This rank's PerRank tensors (when Loaded::has_rank_state).
+  NamedTensors rank_tensors;
+  nlohmann::json values = nlohmann::json::object();
+  nlohmann::json rank_values = nlohmann::json::object();  // this rank's (when Loaded::has_rank_state)
+  /// Every replicated and owned tensor of the step's component (not only those read) -> the
+  /// file holding it; with its dtype ("F32", safetensors' names) and shape where the step records them.
+  std::map<std::string, std::string> index;
+  struct Shape {
+    std::string dtype;
+    std::vector<int64_t> shape;
+  };
+  std::map<std::string, Shape> shapes;       // format_version >= 2
+  std::map<std::string, std::string> files;  // its whole files: name -> path in the step directory
 };
 
 /// What load() found.
@@ -98,11 +146,26 @@ struct Loaded {
   int64_t step = 0;
   std::string path;  // the step directory
   int64_t saved_world_size = 0;
+  int64_t format_version = 2;
   nlohmann::json meta;
-  State state;  // rank_* hold this rank's own state when the step has it
-  bool has_rank_state = false;
-  int64_t optimizer_files_read = 0;  // of the saved world's optimizer files, those this rank read
-  int64_t saved_zero = 0;            // meta.json "optimizer.zero" (0 when absent)
+  bool has_rank_state = false;  // the saving job had this rank: rank tensors and values are its own
+  std::map<std::string, LoadedComponent> components;
+  /// Tensor files of each component that this rank read and verified (the others it checked
+  /// for presence and size only).
+  std::map<std::string, int64_t> files_read;
+
+  /// The component `name` (present = false and empty when the step has none). A step of
+  /// format_version 1 had fixed slots: its tensor files (model-, optimizer-, extra-) are the
+  /// components of those names; and every component sees all of its small values
+  /// (meta.json "state", with the top-level object named like the component merged in, e.g.
+  /// "optimizer"), the rank file's values, and its rank tensors by their old names.
+  LoadedComponent component(const std::string& name) const;
+
+  // format_version 1's shared slots (component() hands them to every component).
+  nlohmann::json legacy_values = nlohmann::json::object();
+  nlohmann::json legacy_rank_values = nlohmann::json::object();
+  NamedTensors legacy_rank_tensors;
+  std::map<std::string, std::string> legacy_files;  // its whole files (graph.pt, ...): name -> path
 };
 
 /// One step directory as seen by list_steps / inspect.
@@ -139,9 +202,10 @@ struct Options {
   bool async = false;
   std::string config_sha256;  // the resolved config's hash, recorded in meta.json
   Hooks hooks;
-  /// Which optimizer state tensors this rank loads (by name); empty = all of them. Only the
-  /// optimizer files holding a wanted tensor are read and verified on this rank.
-  std::function<bool(const std::string& name)> wants_optimizer_tensor;
+  /// Which of a component's replicated and owned tensors this rank loads; empty = all of them.
+  /// Only the files holding a wanted tensor are read and verified on this rank (the others are
+  /// checked for presence and size).
+  std::function<bool(const std::string& component, const std::string& name)> wants;
 };
 
 class Checkpointer {

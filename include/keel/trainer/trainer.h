@@ -180,13 +180,15 @@ struct Callbacks {
   std::function<void(models::Model&)> on_end;
   /// After a checkpoint is committed on every rank: its step and directory.
   std::function<void(int64_t step, const std::string& dir)> on_checkpoint;
-  /// Your own state in the trainer's checkpoints. save_state is called when a checkpoint is
-  /// taken: add replicated tensors to `state.extra`, small values under
-  /// `state.shared["user"]`, and this rank's own tensors to `state.rank_tensors` (names not
-  /// starting with "rng."). load_state is called on resume with what was saved (`extra`,
-  /// `shared`, and this rank's `rank_tensors` when the saved job had this rank).
-  std::function<void(checkpoint::State& state)> save_state;
-  std::function<void(const checkpoint::State& state)> load_state;
+  /// Your own state in the trainer's checkpoints: the component "user" of every step. save_state
+  /// is called when a checkpoint is taken: add tensors (Placement::Replicated: the same on
+  /// every rank; Owned: this rank's alone; PerRank: each rank its own, restored to the same
+  /// rank) and small values (`values`, the same on every rank; `rank_values`, this rank's).
+  /// load_state is called on resume with what was saved (this rank's per-rank part when the
+  /// saved job had this rank). A step written by keel 0.1 (format 1) hands you all of its
+  /// shared values (yours under the key you used) and its "extra" tensors.
+  std::function<void(checkpoint::Component& mine)> save_state;
+  std::function<void(const checkpoint::LoadedComponent& mine)> load_state;
   /// The training and evaluation loss, overriding train.loss. Empty: train.loss's (default
   /// cross-entropy over the last dimension: logits (..., C), target (...) int64, with top-1
   /// accuracy reported). With your own loss, evaluation reports the mean of it over the test
