@@ -175,11 +175,10 @@ struct Checkpointer::Pending {
   std::string dir;
   struct File {
     std::string name;
-    NamedTensors tensors;                         // a safetensors file, or
-    std::map<std::string, std::string> metadata;  //
-    const std::string* bytes = nullptr;           // a whole file (rank 0's, of the State saved)
-    std::string copy;                             // with async: its copy
-    bool whole = false;
+    NamedTensors tensors;  // a safetensors file with its metadata, or
+    std::map<std::string, std::string> metadata;
+    bool whole = false;  // a whole file (rank 0's), these bytes
+    std::string bytes;
   };
   std::vector<File> files;  // this rank's
   // Rank 0's record of the step: meta.json "components", and each component's index.
@@ -236,7 +235,7 @@ void Checkpointer::write_shards(Pending& p) {
       const auto& f = p.files[k];
       try {
         if (f.whole) {
-          written[k] = write_atomic(p.dir + "/" + f.name, opts_.async ? f.copy : *f.bytes);
+          written[k] = write_atomic(p.dir + "/" + f.name, f.bytes);
           continue;
         }
         WriteOptions o;
@@ -300,11 +299,8 @@ std::string local_problem(const State& state) {
       }
     }
     for (const auto& [f, bytes] : comp.files) {
-      const auto ends = [&](const std::string& tail) {
-        return f.size() >= tail.size() && f.compare(f.size() - tail.size(), tail.size(), tail) == 0;
-      };
-      if (!plain_name(f) || f == kMeta || f.rfind("rank-", 0) == 0 || ends(".safetensors") ||
-          ends(".safetensors.index.json"))
+      if (!plain_name(f) || f == kMeta || f.starts_with("rank-") || f.ends_with(".safetensors") ||
+          f.ends_with(".safetensors.index.json"))
         return "component " + c + ": \"" + f +
                "\" cannot name a whole file of a step (a plain name that is not "
                "meta.json, rank-*, *.safetensors or *.safetensors.index.json)";
@@ -442,8 +438,7 @@ void Checkpointer::save(int64_t step, const State& state) {
       record["files"].push_back(name);
       Pending::File f{name};
       f.whole = true;
-      f.bytes = &bytes;  // the State outlives a synchronous write
-      if (opts_.async) f.copy = bytes;
+      f.bytes = bytes;  // a copy, as the tensors' snapshot: an async write outlives `state`
       p->files.push_back(std::move(f));
     }
     p->components[c] = record;
@@ -452,7 +447,7 @@ void Checkpointer::save(int64_t step, const State& state) {
   p->files.push_back(std::move(own));
   std::stable_sort(p->files.begin(), p->files.end(), [](const Pending::File& a, const Pending::File& b) {
     const auto size = [](const Pending::File& f) {
-      uint64_t n = f.whole ? f.bytes->size() : 0;
+      uint64_t n = f.bytes.size();
       for (const auto& [name, t] : f.tensors) n += nbytes(t);
       return n;
     };
@@ -673,7 +668,7 @@ std::map<std::string, ComponentLayout> layout_of(const nlohmann::json& meta, con
     const std::string tail = numbered("-%05ld-of-%05ld.safetensors", 1, W);
     for (auto it = meta["files"].begin(); it != meta["files"].end(); ++it) {
       const std::string& n = it.key();
-      if (n.size() <= tail.size() || n.compare(n.size() - tail.size(), tail.size(), tail) != 0) continue;
+      if (n.size() <= tail.size() || !n.ends_with(tail)) continue;
       const std::string c = n.substr(0, n.size() - tail.size());
       if (!component_name_problem(c).empty()) continue;
       shards(out[c], c);
