@@ -578,10 +578,9 @@ std::string values_problem(const nlohmann::json& o, int64_t world) {
         return "values.owners[\"" + it.key() + "\"] must be a rank in [0, " + std::to_string(world) + "), got " +
                it.value().dump();
   }
-  for (const char* list : {"params"})
-    if (o.contains(list) && (!o[list].is_array() ||
-                             !std::all_of(o[list].begin(), o[list].end(), [](const auto& x) { return x.is_string(); })))
-      return std::string("values.") + list + " is not a list of names";
+  if (o.contains("params") && (!o["params"].is_array() || !std::all_of(o["params"].begin(), o["params"].end(),
+                                                                       [](const auto& x) { return x.is_string(); })))
+    return "values.params is not a list of names";
   if (o.contains("state") && !o["state"].is_object()) return "values.state is not an object";
   return "";
 }
