@@ -103,16 +103,11 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
                            const DistConfig& cfg)
     : model_(std::move(model)),
       coll_(std::move(coll)),
-      zero_(cfg.zero),
       bucket_bytes_(static_cast<size_t>(std::max(1.0, cfg.bucket_cap_mb * 1024 * 1024))) {
   auto named = model_->named_parameters();
   verify_parameters_across_ranks(named, *coll_);
   params_ = named;
-  {
-    std::vector<uint64_t> sizes;
-    for (const auto& [n, t] : named) sizes.push_back(static_cast<uint64_t>(t.numel()) * t.element_size());
-    owner_ = zero_ >= 1 ? zero_partition(sizes, coll_->size()) : std::vector<int64_t>(named.size(), coll_->rank());
-  }
+  placement_ = Placement(cfg.zero, named, model_->block_prefixes(), coll_->size());
 
   // Start from rank 0's parameters and buffers.
   std::vector<torch::Tensor> state;
@@ -135,16 +130,11 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     auto r = param_record(named[i].first, named[i].second);
     words.insert(words.end(), r.begin(), r.end());
   }
-  if (zero_ >= 2) {
-    fsdp_ = std::make_unique<FullyShard>(model_, coll_, /*reshard_parameters=*/zero_ == 3,
-                                         /*reduce_in_order=*/cfg.find_unused_parameters);
-    words.insert(words.end(), {-9 - zero_, static_cast<int64_t>(fsdp_->fingerprint())});
+  words.push_back(static_cast<int64_t>(placement_.fingerprint()));
+  if (placement_.shards_gradients()) {
+    fsdp_ = std::make_unique<FullyShard>(model_, coll_, placement_, /*reduce_in_order=*/cfg.find_unused_parameters);
     plan_ = fingerprint(words);
     return;  // no Reducer: FullyShard reduce-scatters each block's gradients
-  }
-  if (zero_ >= 1) {
-    words.push_back(-9 - zero_);
-    words.insert(words.end(), owner_.begin(), owner_.end());
   }
   if (!coll_->group()->pg()) {
     plan_ = fingerprint(words);
@@ -174,47 +164,39 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   }
   logging::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
                 num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, choice_name(kCommHooks, cfg.comm_hook));
-  if (zero_ >= 1) {
+  if (placement_.shards_optimizer_state()) {
     int64_t mine = 0, all = 0, count = 0;
-    for (size_t i = 0; i < params.size(); ++i) {
-      all += params[i].numel();
-      if (owner_[i] == coll_->rank()) mine += params[i].numel(), ++count;
-    }
-    logging::info("ZeRO stage {}: this rank owns the optimizer state of {} of {} parameters ({} of {} elements)", zero_,
-                  count, params.size(), mine, all);
+    for (const auto& p : params) all += p.numel();
+    for (const auto& piece : placement_.pieces(coll_->rank())) mine += piece.numel, ++count;
+    logging::info("ZeRO stage {}: this rank owns the optimizer state of {} of {} parameters ({} of {} elements)",
+                  placement_.stage(), count, params.size(), mine, all);
   }
-}
-
-std::vector<std::pair<std::string, int64_t>> DataParallel::owners() const {
-  std::vector<std::pair<std::string, int64_t>> out;
-  for (size_t i = 0; i < params_.size(); ++i) out.emplace_back(params_[i].first, owner_[i]);
-  return out;
 }
 
 models::NamedTensors DataParallel::owned_parameters() const {
   if (fsdp_) return fsdp_->pieces();
   models::NamedTensors out;
-  for (size_t i = 0; i < params_.size(); ++i)
-    if (owner_[i] == coll_->rank()) out.push_back(params_[i]);
+  for (const auto& piece : placement_.pieces(coll_->rank())) out.push_back(params_[piece.param]);
   return out;
 }
 
 void DataParallel::sync_parameters() {
   if (fsdp_) return fsdp_->sync_parameters();
-  if (zero_ < 1 || coll_->size() == 1) return;
-  zero_broadcast_parameters(params_, owner_, *coll_, bucket_bytes_);
+  if (!placement_.shards_optimizer_state() || coll_->size() == 1) return;
+  zero_broadcast_parameters(params_, placement_.owners(), *coll_, bucket_bytes_);
 }
 
 torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
   if (fsdp_) return clip_grad_norm_of_pieces(fsdp_->pieces(), *coll_, max_norm);
-  return dist::clip_grad_norm(params_, owner_, *coll_, max_norm, zero_ >= 1 && coll_->size() > 1);
+  return dist::clip_grad_norm(params_, placement_.owners(), *coll_, max_norm,
+                              placement_.shards_optimizer_state() && coll_->size() > 1);
 }
 
 void DataParallel::hold_parameters() {
   if (fsdp_) fsdp_->hold();
 }
-void DataParallel::release_parameters(bool changed) {
-  if (fsdp_) fsdp_->reshard(changed);
+void DataParallel::release_parameters() {
+  if (fsdp_) fsdp_->reshard();
 }
 int64_t DataParallel::sharded_parameter_bytes() const { return fsdp_ ? fsdp_->parameter_bytes() : -1; }
 int64_t DataParallel::sharded_gradient_bytes() const { return fsdp_ ? fsdp_->gradient_bytes() : -1; }

@@ -13,17 +13,16 @@
 //   for i in 0..k-1: { ddp.forward_pre(sync = i == k-1); model->forward; ddp.backward(loss, sync) }
 // With sync = false the Reducer's hooks stay idle and gradients accumulate locally.
 //
-// ZeRO (dist.zero, docs/zero.md). Each parameter has an owner rank: the parameters, in model
-// order, are cut into world contiguous ranges balanced by bytes (a parameter goes to the rank
-// whose share of the bytes holds its midpoint), the same on every rank. With zero >= 1 the
-// optimizer holds only owned_parameters(); after its step, sync_parameters() sends each
-// owner's updated parameters to every rank (dist.bucket_cap_mb buckets, one validated
-// broadcast_coalesced per owner). With zero >= 2 there is no Reducer: dist/fsdp.h lays each
-// block's parameters out as one flat buffer cut into equal shards, reduce-scatters the gradients
-// (each rank keeps only its shard of them), and owned_parameters() are this rank's pieces of the
-// parameters (1-D, a parameter may be split between ranks); zero = 3 shards the parameters too.
-// The owner partition above still names who writes each parameter's optimizer state in a
-// checkpoint at every stage.
+// ZeRO (dist.zero, docs/zero.md) is a dist::Placement (dist/placement.h), made here once from
+// dist.zero and the model: which rank owns which elements of which parameter. Stage 1: the
+// optimizer holds only owned_parameters() (whole parameters, contiguous ranges balanced by
+// bytes); after its step, sync_parameters() sends each owner's updated parameters to every rank
+// (dist.bucket_cap_mb buckets, one validated broadcast_coalesced per owner). Stages 2 and 3 have
+// no Reducer: dist/fsdp.h holds the placement's flat units, reduce-scatters the gradients (each
+// rank keeps only its shard of them), and owned_parameters() are this rank's pieces of the
+// parameters (1-D, a parameter may be split between ranks); stage 3 shards the parameters too.
+// Placement::owner names who writes each parameter's optimizer state in a checkpoint at stages
+// 1-3 (and, at stage 3, the parameter).
 #pragma once
 
 #include <torch/torch.h>
@@ -31,6 +30,7 @@
 #include <memory>
 #include <string>
 
+#include "dist/placement.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/config.h"
 #include "keel/models/model.h"
@@ -62,11 +62,10 @@ class DataParallel {
   uint64_t plan() const { return plan_; }
   int64_t num_buckets() const { return num_buckets_; }
 
-  /// dist.zero.
-  int64_t zero() const { return zero_; }
-  /// Each parameter's name and owner rank (model order); every owner is this rank with zero = 0.
-  std::vector<std::pair<std::string, int64_t>> owners() const;
-  /// The parameters whose optimizer state and update this rank owns (all with zero = 0).
+  /// dist.zero as what it shards and who owns what (dist/placement.h).
+  const Placement& placement() const { return placement_; }
+  /// The parameters (stages 0 and 1; all at stage 0) or pieces of them (stages 2 and 3) whose
+  /// optimizer state and update this rank owns: Placement::pieces of this rank.
   models::NamedTensors owned_parameters() const;
   /// Collective with zero = 1 or 2 (else a no-op): after the optimizer step, every owner's
   /// parameters reach every rank (stage 1: one broadcast per owner, dist/zero.h; stage 2: an
@@ -76,7 +75,7 @@ class DataParallel {
   /// gathered into the model and kept there until release_parameters() (collective), and the
   /// bytes this rank holds at rest (dist.zero >= 2).
   void hold_parameters();
-  void release_parameters(bool changed = false);
+  void release_parameters();
   /// dist.zero >= 2: FullyShard's conversions of optimizer state between this rank's pieces and
   /// whole parameters (null otherwise; see dist/fsdp.h).
   FullyShard* fully_shard() const { return fsdp_.get(); }
@@ -96,10 +95,9 @@ class DataParallel {
   std::vector<torch::Tensor> buffers_;  // empty unless dist.broadcast_buffers and world > 1
   uint64_t plan_ = 0;
   int64_t num_buckets_ = 0;
-  int64_t zero_ = 0;
+  Placement placement_;
   size_t bucket_bytes_ = 0;  // dist.bucket_cap_mb, for the parameter broadcasts
   models::NamedTensors params_;
-  std::vector<int64_t> owner_;
   std::unique_ptr<FullyShard> fsdp_;  // dist.zero >= 2
 };
 

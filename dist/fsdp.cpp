@@ -25,14 +25,6 @@ void allocate_storage(const torch::Tensor& t) {
   s->set_nbytes(bytes);
 }
 
-// Each parameter starts, and each shard is cut, at a multiple of 64 elements of the flat buffer:
-// a piece then starts where the whole parameter's 64-element runs do, so the CPU's fused
-// optimizer kernels (vectorized runs, then a scalar tail) round each element of a piece as they
-// round it in the whole parameter, and stages 2 and 3 update as stage 0 does, bit for bit.
-// (It also aligns every parameter to 256 bytes in float32.)
-constexpr int64_t kAlign = 64;
-int64_t aligned(int64_t n) { return (n + kAlign - 1) / kAlign * kAlign; }
-
 int64_t as_int(FullyShard* fs) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(fs)); }
 FullyShard* from_int(int64_t v) { return reinterpret_cast<FullyShard*>(static_cast<intptr_t>(v)); }
 
@@ -63,14 +55,9 @@ using PostBackward = BlockBoundary<false>;
 
 }  // namespace
 
-struct FullyShard::Unit {
-  std::string name;                          // the block's prefix, or "(root)"
-  std::vector<size_t> params;                // indices into params_, model order
-  std::vector<int64_t> offsets;              // each one's first element in the flat buffer
-  std::vector<std::vector<int64_t>> shapes;  // each one's shape
-  std::vector<int64_t> sizes;                // each one's elements
-  int64_t numel = 0, shard = 0;              // the end of the last one; a rank's share of the padded buffer
-  torch::Tensor full;                        // world x shard elements; no memory unless gathered or gathering
+// A unit of the placement with its tensors.
+struct FullyShard::Unit : Placement::Unit {
+  torch::Tensor full;  // world x shard elements; no memory unless gathered or gathering
   torch::Tensor shard_data, shard_grad;
   torch::Tensor placeholder;  // 0 elements: what each parameter is while not gathered
   Collectives::Started gathering;
@@ -80,55 +67,28 @@ struct FullyShard::Unit {
   Collectives::Started scattering;
 };
 
-FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters,
+FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, Placement placement,
                        bool reduce_in_order)
     : model_(std::move(model)),
       coll_(std::move(coll)),
+      placement_(std::move(placement)),
       params_(model_->named_parameters()),
-      keep_(!reshard_parameters),
-      in_order_(reduce_in_order),
-      stage_(reshard_parameters ? 3 : 2) {
-  const std::string zero = "dist.zero = " + std::to_string(stage_);
-  const auto prefixes = model_->block_prefixes();
-  for (size_t b = 0; b <= prefixes.size(); ++b) {
-    auto u = std::make_unique<Unit>();
-    u->name = b < prefixes.size() ? "block " + prefixes[b] : "(the parameters outside blocks)";
-    units_.push_back(std::move(u));
-  }
-  for (size_t i = 0; i < params_.size(); ++i) {
-    size_t b = 0;
-    while (b < prefixes.size() && params_[i].first.rfind(prefixes[b], 0) != 0) ++b;
-    Unit& u = *units_[b];
-    const auto& t = params_[i].second;
-    if (!u.params.empty()) {
-      const auto& first = params_[u.params.front()];
-      if (first.second.scalar_type() != t.scalar_type() || first.second.device() != t.device())
-        throw InputError(zero + " shards each block as one flat buffer, and " + u.name + " mixes '" + first.first +
-                         "' (" + c10::toString(first.second.scalar_type()) + " on " + first.second.device().str() +
-                         ") with '" + params_[i].first + "' (" + c10::toString(t.scalar_type()) + " on " +
-                         t.device().str() + ")");
-    }
-    u.params.push_back(i);
-    u.offsets.push_back(aligned(u.numel));
-    u.shapes.push_back(t.sizes().vec());
-    u.sizes.push_back(t.numel());
-    u.numel = u.offsets.back() + t.numel();
-  }
+      keep_(!placement_.shards_parameters()),
+      in_order_(reduce_in_order) {
   const int64_t world = coll_->size(), rank = coll_->rank();
+  if (!placement_.shards_gradients() || placement_.world() != world || placement_.num_params() != params_.size())
+    throw std::logic_error("FullyShard: a placement of stage 2 or 3 over this model and world is needed");
   if (!params_.empty() && coll_->group()->pg() && params_.front().second.device() != coll_->group()->comm_device())
-    throw InputError(zero + " gathers and reduce-scatters on the parameters' device (" +
+    throw InputError(placement_.key() + " gathers and reduce-scatters on the parameters' device (" +
                      params_.front().second.device().str() + "), and the process group (dist.backend = \"" +
                      coll_->group()->backend() + "\") moves tensors on " + coll_->group()->comm_device().str() +
                      ": use dist.backend = \"nccl\" for a GPU, or dist.zero <= 1");
-  std::vector<int64_t> words = {-13, static_cast<int64_t>(units_.size())};
   torch::NoGradGuard ng;
-  for (auto& up : units_) {
-    Unit& u = *up;
-    words.push_back(static_cast<int64_t>(u.params.size()));
-    for (size_t k = 0; k < u.params.size(); ++k)
-      words.insert(words.end(), {static_cast<int64_t>(u.params[k]), u.offsets[k]});
+  for (const auto& layout : placement_.units()) {
+    units_.push_back(std::make_unique<Unit>());
+    Unit& u = *units_.back();
+    static_cast<Placement::Unit&>(u) = layout;
     if (u.params.empty()) continue;
-    u.shard = aligned((u.numel + world - 1) / world);
     const auto opts = params_[u.params.front()].second.options().requires_grad(false);
     auto flat = torch::zeros({u.shard * world}, opts);
     for (size_t k = 0; k < u.params.size(); ++k)
@@ -147,27 +107,23 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
       for (size_t i : u.params) params_[i].second.set_data(u.placeholder);  // the replicated copy is freed here
     }
     u.shard_grad = torch::zeros_like(u.shard_data);
-    // The pieces: this rank's elements of each parameter, [offset, offset + numel) within its shard.
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      const int64_t end = u.offsets[k] + u.sizes[k];
-      const int64_t lo = std::max(u.offsets[k], rank * u.shard), hi = std::min(end, (rank + 1) * u.shard);
-      if (hi <= lo) continue;
-      auto piece = u.shard_data.narrow(0, lo - rank * u.shard, hi - lo).detach();
-      piece.set_requires_grad(true);
-      piece.mutable_grad() = u.shard_grad.narrow(0, lo - rank * u.shard, hi - lo);
-      pieces_.emplace_back(params_[u.params[k]].first, piece);
-      piece_at_.push_back(
-          {u.params[k], static_cast<size_t>(&up - units_.data()), lo - u.offsets[k], lo - rank * u.shard, u.sizes[k]});
-    }
   }
-  fingerprint_ = dist::fingerprint(words);
+  // The pieces: leaves over this rank's shards, each with its gradient over the gradient shard.
+  piece_at_ = placement_.pieces(rank);
+  for (const auto& at : piece_at_) {
+    const Unit& u = *units_[at.unit];
+    auto piece = u.shard_data.narrow(0, at.in_shard, at.numel).detach();
+    piece.set_requires_grad(true);
+    piece.mutable_grad() = u.shard_grad.narrow(0, at.in_shard, at.numel);
+    pieces_.emplace_back(params_[at.param].first, piece);
+  }
   model_->set_block_hooks(this);
   int64_t mine = 0, all = 0;
   for (const auto& [n, p] : pieces_) mine += p.numel();
-  for (const auto& [n, p] : params_) all += p.numel();
+  for (size_t i = 0; i < placement_.num_params(); ++i) all += placement_.numel(i);
   logging::info("ZeRO stage {}: {} blocks and the parameters outside them sharded{}; this rank owns {} of {} elements",
-                stage_, prefixes.size(), keep_ ? " (gradients and optimizer state; parameters kept whole)" : "", mine,
-                all);
+                placement_.stage(), units_.size() - 1,
+                keep_ ? " (gradients and optimizer state; parameters kept whole)" : "", mine, all);
 }
 
 FullyShard::~FullyShard() { model_->set_block_hooks(nullptr); }
@@ -280,8 +236,7 @@ void FullyShard::after_backward() {
     for (size_t i : up->params)
       if (params_[i].second.grad().defined()) late = params_[i].first;
     if (!late.empty() && up->reduced)
-      throw std::logic_error("dist.zero = " + std::to_string(stage_) + ": the gradient of '" + late +
-                             "' arrived after " + up->name +
+      throw std::logic_error(placement_.key() + ": the gradient of '" + late + "' arrived after " + up->name +
                              " was reduced: a block's parameters must be used inside the block only (BlockStructure)");
     if (in_order_ || !late.empty() || up.get() == units_.back().get()) reduce(*up);
     free(*up);
@@ -304,19 +259,14 @@ void FullyShard::hold() {
   held_ = true;
 }
 
-void FullyShard::reshard(bool changed) {
-  if (changed && !keep_) {  // (stage 2's shard is a view of the whole buffer)
-    torch::NoGradGuard ng;
-    for (auto& u : units_)
-      if (u->gathered) u->shard_data.copy_(u->full.narrow(0, coll_->rank() * u->shard, u->shard));
-  }
+void FullyShard::reshard() {
   held_ = false;
   for (auto& u : units_) free(*u);
 }
 
 models::NamedTensors FullyShard::whole_state(const models::NamedTensors& piece_state,
-                                             const std::map<std::string, std::string>& fields,
-                                             const std::vector<int64_t>& owner) {
+                                             const std::map<std::string, std::string>& fields) {
+  const auto& owner = placement_.owners();
   std::map<std::string, torch::Tensor> mine(piece_state.begin(), piece_state.end());
   std::vector<std::string> scalars, tensors;
   for (const auto& [f, kind] : fields) (kind == "scalar" ? scalars : tensors).push_back(f);
@@ -382,12 +332,55 @@ models::NamedTensors FullyShard::piece_state(const models::NamedTensors& whole_s
     }
     const auto& at = piece_at_[it->second];
     if ((t.dim() == 0 && !t.is_floating_point()) ||
-        t.numel() != at.param_numel) {  // a scalar, or a tensor the loader will name
+        t.numel() != placement_.numel(at.param)) {  // a scalar, or a tensor the loader will name
       out.emplace_back(name, t);
       continue;
     }
     out.emplace_back(name, t.reshape({-1}).narrow(0, at.in_param, pieces_[it->second].second.numel()).clone());
   }
+  return out;
+}
+
+models::NamedTensors FullyShard::whole_owned_parameters() {
+  models::NamedTensors out;
+  torch::NoGradGuard ng;
+  for (auto& up : units_) {
+    Unit& u = *up;
+    const bool held = u.gathered;
+    gather(u);
+    for (size_t k = 0; k < u.params.size(); ++k)
+      if (placement_.owner(u.params[k]) == coll_->rank())  // to the host at once: the device keeps one unit
+        out.emplace_back(params_[u.params[k]].first, u.full.narrow(0, u.offsets[k], u.sizes[k])
+                                                         .view(u.shapes[k])
+                                                         .to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    if (!held) free(u);
+  }
+  return out;
+}
+
+void FullyShard::load_pieces(const models::NamedTensors& whole) {
+  // Only the shards are written: a whole copy (stage 2's buffers, a gathered unit) would keep
+  // the old values.
+  for (const auto& u : units_)
+    if (keep_ || (u->gathered && !u->params.empty()))
+      throw std::logic_error("FullyShard::load_pieces: stage 3 with no unit gathered only");
+  std::map<std::string, const torch::Tensor*> by_name;
+  for (const auto& [n, t] : whole) by_name[n] = &t;
+  torch::NoGradGuard ng;
+  for (size_t i = 0; i < pieces_.size(); ++i) {
+    const auto& at = piece_at_[i];
+    const auto it = by_name.find(params_[at.param].first);
+    if (it == by_name.end() || it->second->numel() != placement_.numel(at.param)) continue;
+    pieces_[i].second.copy_(it->second->reshape({-1}).narrow(0, at.in_param, at.numel));
+  }
+}
+
+models::NamedTensors FullyShard::parameter_shapes() const {
+  models::NamedTensors out(params_.size());  // model order
+  for (const auto& up : units_)
+    for (size_t k = 0; k < up->params.size(); ++k)
+      out[up->params[k]] = {params_[up->params[k]].first,
+                            torch::empty(up->shapes[k], up->shard_data.options().device(torch::kMeta))};
   return out;
 }
 

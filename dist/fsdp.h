@@ -3,16 +3,17 @@
 // whole (DeepSpeed's ZeRO-2; FSDP2's SHARD_GRAD_OP): only the gradients and optimizer state are
 // sharded.
 //
-// Owns, for one model: the units (one per block the model names through BlockStructure, and a
-// root unit with every other parameter), each a flat buffer of its parameters in model order
-// (each starting at a multiple of 64 elements), padded to W equal shards of a multiple of 64
-// elements, rank r holding elements [r S, (r + 1) S) (a shard may split a parameter); gathering a unit's parameters
-// before it runs and freeing them after; reduce-scattering its gradients after its backward; the pieces of each
-// parameter this rank owns, on which the optimizer, clipping and the non-finite check work. Does not own: the optimizer
-// (trainer/), the collectives (dist/collectives.h, through which every gather and reduce-scatter goes, validated).
+// Owns, for one model: the tensors of a Placement's units (dist/placement.h: one flat buffer per
+// block and a root unit, cut into W equal shards, rank r holding elements [r S, (r + 1) S), a
+// shard possibly splitting a parameter); gathering a unit's parameters before it runs and freeing
+// them after; reduce-scattering its gradients after its backward; the pieces of each parameter
+// this rank owns (Placement::pieces), on which the optimizer, clipping and the non-finite check
+// work. Does not own: the layout (dist/placement.h), the optimizer (trainer/), the collectives
+// (dist/collectives.h, through which every gather and reduce-scatter goes, validated).
 //
 // One micro-batch:
-//   before_forward()  gathers the root unit (kept until after_backward) and starts block 0's
+//   before_forward()  gathers the root unit (kept until after_backward, or reshard() after an
+//                     evaluation's forwards) and starts block 0's
 //   enter(i)          waits for block i's gather and starts block i + 1's (the prefetch)
 //   leave(i)          frees block i's parameters (their memory; autograd's saved tensors keep
 //                     pointing at it, and it is gathered again before they are read)
@@ -24,7 +25,7 @@
 // Between steps a rank holds its parameter and gradient shards only; the model's parameter
 // tensors are empty (0 elements) then; hold() makes them whole until reshard().
 //
-// Stage 2 (reshard_parameters = false): each unit's flat buffer is always whole, the model's
+// Stage 2 (the placement does not shard parameters): each unit's flat buffer is always whole, the model's
 // parameters are views of it and this rank's shard is its own range of it (so the optimizer's
 // update of a piece is the model's parameter); nothing is gathered or freed around a block.
 // Micro-batches that do not sync accumulate full gradients locally (as DDP's no_sync); on the
@@ -40,6 +41,7 @@
 #include <string>
 #include <vector>
 
+#include "dist/placement.h"
 #include "keel/dist/collectives.h"
 #include "keel/models/model.h"
 
@@ -48,12 +50,12 @@ namespace keel::dist {
 class FullyShard final : public models::BlockHooks {
  public:
   /// Collective in that every rank must make it from the same (already broadcast) parameters.
-  /// `reshard_parameters`: stage 3 (true) or 2. `reduce_in_order` (dist.find_unused_parameters):
+  /// `placement`: stage 2 or 3 over this model and world. `reduce_in_order` (dist.find_unused_parameters):
   /// every unit is reduce-scattered after the backward, in unit order, whether or not this rank
   /// produced gradients for it (so ranks that skip different blocks still pair their
-  /// collectives), instead of each block as its backward completes. Throws InputError for a unit
-  /// whose parameters mix dtypes or devices.
-  FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, bool reshard_parameters = true,
+  /// collectives), instead of each block as its backward completes. Throws InputError when the
+  /// process group cannot move tensors of the parameters' device.
+  FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, Placement placement,
              bool reduce_in_order = false);
   ~FullyShard() override;
 
@@ -67,23 +69,33 @@ class FullyShard final : public models::BlockHooks {
   /// Stage 2, after the optimizer step (collective; a no-op at stage 3): every rank's updated
   /// shard into every rank's whole parameters.
   void sync_parameters();
-  /// Gathers every unit into the model's parameters and keeps them there (evaluation, whose
-  /// ranks run different numbers of batches; a checkpoint; the end of training) until
-  /// reshard(). `changed`: the parameters were written meanwhile (a resume), so each rank first
-  /// takes its shard from them.
+  /// Gathers every unit into the model's parameters and keeps them there (the end of training,
+  /// for Callbacks::on_end) until reshard(), which frees them again (at stage 3 what was written
+  /// into them meanwhile is lost: a resume loads the pieces, load_pieces()).
   void hold();
-  void reshard(bool changed = false);
+  void reshard();
 
   /// Checkpoints (collective). `piece_state`: the optimizer state of this rank's pieces
   /// ("<parameter>.<field>"; `fields` maps each field to "param", shaped like the piece, or
-  /// "scalar", an int64 count); returns the whole-parameter state of the parameters `owner`
-  /// gives this rank (owner[i]: parameter i's rank, model order), one all-gather per unit and
-  /// field, and one all-reduce of the scalars.
+  /// "scalar", an int64 count); returns the whole-parameter state of the parameters this rank
+  /// owns (Placement::owner), one all-gather per unit and field, and one all-reduce of the
+  /// scalars.
   models::NamedTensors whole_state(const models::NamedTensors& piece_state,
-                                   const std::map<std::string, std::string>& fields, const std::vector<int64_t>& owner);
+                                   const std::map<std::string, std::string>& fields);
   /// The reverse, local: whole-parameter state -> this rank's pieces of it (a tensor whose size
   /// is not its parameter's is passed on as it is, for the loader to name).
   models::NamedTensors piece_state(const models::NamedTensors& whole_state) const;
+  /// Stage 3 checkpoints (collective): host copies of the whole parameters this rank owns
+  /// (Placement::owner), gathered one unit at a time and freed again, so that each rank writes
+  /// its own share of the model's files and its device holds at most one unit whole.
+  models::NamedTensors whole_owned_parameters();
+  /// The reverse, local, at stage 3 with no unit gathered (std::logic_error otherwise): this
+  /// rank's pieces from whole parameters (by name; a parameter it has no piece of, or another
+  /// tensor, is ignored).
+  void load_pieces(const models::NamedTensors& whole);
+  /// Every parameter as a tensor of its dtype and shape on the meta device (at stage 3 the
+  /// model's own are empty between steps), for checking a checkpoint against them.
+  models::NamedTensors parameter_shapes() const;
 
   /// The elements of each parameter this rank owns (model order; parameters without any left
   /// out): 1-D leaves over this rank's shard, each with its gradient over the gradient shard.
@@ -92,8 +104,7 @@ class FullyShard final : public models::BlockHooks {
   /// gradient shards.
   int64_t parameter_bytes() const;
   int64_t gradient_bytes() const;
-  /// The layout (units, their parameters and sizes), for the per-step consensus.
-  uint64_t fingerprint() const { return fingerprint_; }
+  const Placement& placement() const { return placement_; }
   size_t num_units() const { return units_.size(); }
 
   // The autograd hooks (public for the autograd functions in fsdp.cpp).
@@ -110,21 +121,15 @@ class FullyShard final : public models::BlockHooks {
 
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
+  Placement placement_;
   models::NamedTensors params_;
   std::vector<std::unique_ptr<Unit>> units_;  // units_[i] = block i; the last = the root
   models::NamedTensors pieces_;
-  struct PieceAt {
-    size_t param, unit;
-    int64_t in_param, in_shard;  // where its first element is in the parameter and in the shard
-    int64_t param_numel;
-  };
-  std::vector<PieceAt> piece_at_;  // parallel to pieces_
-  uint64_t fingerprint_ = 0;
-  bool held_ = false;      // hold(): every unit gathered, the hooks do nothing
-  bool keep_ = false;      // stage 2: the parameters stay whole
-  bool sync_ = true;       // this micro-batch's gradients are reduced
-  bool in_order_ = false;  // every unit reduced after the backward, in order
-  int stage_ = 3;
+  std::vector<Placement::Piece> piece_at_;  // parallel to pieces_
+  bool held_ = false;                       // hold(): every unit gathered, the hooks do nothing
+  bool keep_ = false;                       // stage 2: the parameters stay whole
+  bool sync_ = true;                        // this micro-batch's gradients are reduced
+  bool in_order_ = false;                   // every unit reduced after the backward, in order
 };
 
 }  // namespace keel::dist

@@ -4,22 +4,6 @@
 
 namespace keel::dist {
 
-std::vector<int64_t> zero_partition(const std::vector<uint64_t>& sizes, int64_t world) {
-  uint64_t total = 0;
-  for (auto b : sizes) total += b;
-  std::vector<int64_t> owner(sizes.size(), 0);
-  if (total == 0 || world <= 1) return owner;
-  // Rank of the parameter whose bytes straddle [before, before + b): the share that holds its
-  // midpoint. Monotone in model order, so each rank's parameters are one contiguous range.
-  long double before = 0;
-  for (size_t i = 0; i < sizes.size(); ++i) {
-    const long double mid = before + static_cast<long double>(sizes[i]) / 2;
-    owner[i] = std::min<int64_t>(world - 1, static_cast<int64_t>(mid * world / static_cast<long double>(total)));
-    before += static_cast<long double>(sizes[i]);
-  }
-  return owner;
-}
-
 void zero_broadcast_parameters(const models::NamedTensors& params, const std::vector<int64_t>& owner, Collectives& coll,
                                size_t bucket_bytes) {
   if (coll.size() == 1) return;

@@ -1,6 +1,6 @@
 // dist/zero.h: the pieces of ZeRO (dist.zero, docs/zero.md) that DataParallel (dist/ddp.h) puts
-// together: who owns each parameter (stage 1's update, every stage's checkpoint writer), the
-// global gradient norm over the owners' gradients or over this rank's pieces (stages 2 and 3,
+// together beside the placement (dist/placement.h, which says who owns what): the global
+// gradient norm over the owners' gradients or over this rank's pieces (stages 2 and 3,
 // dist/fsdp.h), and stage 1's broadcast of the updated parameters.
 // Does not own: the optimizer (trainer/), or the checkpoint layout of a partition (checkpoint/).
 // Not installed: DataParallel's and DistributedModel's methods are the public surface.
@@ -16,11 +16,6 @@
 #include "keel/models/model.h"
 
 namespace keel::dist {
-
-/// The owner of each of `sizes` (bytes, model order) among `world` ranks: `world` contiguous
-/// ranges balanced by bytes, a parameter going to the rank whose share of the total holds its
-/// midpoint (so within half the largest parameter of even). Deterministic.
-std::vector<int64_t> zero_partition(const std::vector<uint64_t>& sizes, int64_t world);
 
 /// Collective, after the optimizer step: every rank's updated parameters (`owner[i] == rank`)
 /// reach every rank, one validated broadcast_coalesced per owner in messages of at most

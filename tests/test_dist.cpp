@@ -370,6 +370,26 @@ void check_hook_trains(const char* hook) {
   expect_all_ok(ranks);
 }
 
+// dist.zero = 3 gathers the whole model at the end only for Callbacks::on_end, and then on
+// every rank when any rank set one (the gathers are collective): here rank 0 alone, which sees
+// every parameter whole, while rank 1 leaves with its shards.
+TEST(Ddp, OnEndOnOneRankAtStage3SeesTheWholeModel) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    TempDir rd;
+    keel::Config cfg = equivalence_config(rd.file("run"), 32, 1);
+    keel::apply_override(cfg, "dist.zero", "3");
+    keel::validate(cfg);
+    keel::Callbacks cb;
+    int64_t seen = -1;
+    if (w.rank == 0) cb.on_end = [&](keel::models::Model& m) { seen = m.num_parameters(); };
+    const auto s = keel::Trainer(cfg, w, cb).run();
+    EXPECT_GT(s.num_parameters, 0);
+    if (w.rank == 0) EXPECT_EQ(seen, s.num_parameters);
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
 TEST(Ddp, Bf16CompressionHookTrains) { check_hook_trains("bf16"); }
 
 TEST(Ddp, Fp16CompressionHookTrains) { check_hook_trains("fp16"); }

@@ -15,7 +15,7 @@
 
 #include "checkpoint/io.h"
 #include "checkpoint/safetensors.h"
-#include "dist/zero.h"
+#include "dist/placement.h"
 #include "helpers.h"
 #include "multirank.h"
 
@@ -258,12 +258,14 @@ TEST(Zero, InspectShowsWhoOwnsTheOptimizerState) {
   ASSERT_EQ(r.exit_code, 0) << r.output;
   EXPECT_NE(r.output.find("owned by the rank that wrote them; values {"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("zero: 1"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("placement: {"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("owners: {"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("rank 0: "), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("(owns "), std::string::npos) << r.output;
   const auto meta = nlohmann::json::parse(read_text(d.file("ckpt/step_5/meta.json")));
   const auto& owners = meta["components"]["optimizer"]["values"]["owners"];
   ASSERT_TRUE(owners.is_object()) << meta.dump();
+  EXPECT_EQ(meta["components"]["optimizer"]["values"]["placement"], nlohmann::json({{"stage", 1}, {"world", 2}}));
   std::map<int, int> per_rank;
   for (const auto& [name, owner] : owners.items()) ++per_rank[owner.get<int>()];
   EXPECT_EQ(per_rank.size(), 2u);
@@ -277,7 +279,7 @@ TEST(Zero, InspectShowsWhoOwnsTheOptimizerState) {
 }
 
 TEST(Zero, PartitionIsContiguousAndBalancedByBytes) {
-  using keel::dist::zero_partition;
+  const auto zero_partition = keel::dist::owner_partition;
   EXPECT_EQ(zero_partition({100, 100, 100, 100}, 2), (std::vector<int64_t>{0, 0, 1, 1}));
   EXPECT_EQ(zero_partition({400, 1, 1, 1, 1}, 2), (std::vector<int64_t>{0, 1, 1, 1, 1}));
   EXPECT_EQ(zero_partition({10, 20, 30}, 1), (std::vector<int64_t>{0, 0, 0}));

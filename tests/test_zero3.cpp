@@ -14,11 +14,13 @@
 #include <cstdio>
 #include <cstdlib>
 #include <map>
+#include <set>
 
 #include "checkpoint/io.h"
 #include "checkpoint/safetensors.h"
 #include "dist/fsdp.h"
 #include "helpers.h"
+#include "keel/common/error.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 #include "multirank.h"
@@ -46,6 +48,10 @@ std::shared_ptr<keel::models::Model> small_model(const std::string& name) {
   return keel::models::create_model(c);
 }
 
+keel::dist::Placement placement_of(const std::shared_ptr<keel::models::Model>& m, int64_t stage, int64_t world) {
+  return keel::dist::Placement(stage, m->named_parameters(), m->block_prefixes(), world);
+}
+
 torch::Tensor batch_for(const std::string& name, int64_t seed) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(seed);
   if (name != "mlp") return torch::randint(0, 37, {3, 8}, g, torch::TensorOptions().dtype(torch::kLong));
@@ -57,6 +63,52 @@ torch::Tensor loss_of(const std::string& name, const torch::Tensor& out, int64_t
   return out.log_softmax(1).select(1, 0).mean().neg() * (1.0 + 0.1 * static_cast<double>(seed));
 }
 
+// The placement of each stage over gpt at 1-3 ranks: what the ranks step covers every element of
+// every parameter exactly once (every rank all of it at stage 0), stage 1's pieces are whole
+// parameters of their owner, stages 2 and 3 cut each unit into equal aligned shards (at 3 ranks
+// at least one parameter is split between ranks), and the fingerprint tells stages and worlds
+// apart.
+TEST(Placement, EveryElementSteppedOnceAtEveryStageAndWorld) {
+  using keel::dist::Placement;
+  const auto model = small_model("gpt");
+  const auto params = model->named_parameters();
+  std::set<uint64_t> fingerprints;
+  for (int64_t world = 1; world <= 3; ++world)
+    for (int64_t stage = 0; stage <= 3; ++stage) {
+      const Placement p(stage, params, model->block_prefixes(), world);
+      SCOPED_TRACE("stage " + std::to_string(stage) + ", world " + std::to_string(world));
+      fingerprints.insert(p.fingerprint());
+      EXPECT_EQ(p.describe()["stage"], stage);
+      EXPECT_EQ(p.units().empty(), stage < 2);
+      std::vector<std::vector<int>> stepped(params.size());
+      for (size_t i = 0; i < params.size(); ++i) stepped[i].assign(static_cast<size_t>(params[i].second.numel()), 0);
+      bool split = false;
+      for (int64_t r = 0; r < world; ++r) {
+        size_t last = 0;
+        for (const auto& piece : p.pieces(r)) {
+          EXPECT_GE(piece.param, last) << "model order";
+          last = piece.param;
+          ASSERT_LE(piece.in_param + piece.numel, params[piece.param].second.numel());
+          for (int64_t e = piece.in_param; e < piece.in_param + piece.numel; ++e) ++stepped[piece.param][e];
+          split |= piece.numel < params[piece.param].second.numel();
+          if (stage == 1) EXPECT_EQ(p.owner(piece.param), r) << params[piece.param].first;
+          if (stage >= 2) {
+            const auto& u = p.units()[piece.unit];
+            EXPECT_EQ(u.shard % Placement::kAlign, 0);
+            EXPECT_LE(piece.in_shard + piece.numel, u.shard);
+            EXPECT_EQ((r * u.shard + piece.in_shard - piece.in_param) % Placement::kAlign, 0)
+                << "a parameter starts at an aligned element of its unit";
+          }
+        }
+      }
+      for (size_t i = 0; i < params.size(); ++i)
+        for (int n : stepped[i]) ASSERT_EQ(n, stage == 0 ? world : 1) << params[i].first;
+      if (stage >= 2 && world == 3) EXPECT_TRUE(split) << "3 ranks split some parameter between them";
+    }
+  EXPECT_EQ(fingerprints.size(), 12u);
+  EXPECT_THROW(Placement(4), keel::InputError);
+}
+
 // Two steps of two micro-batches each, plain SGD, on the sharded model and on an unsharded copy
 // whose gradients are averaged over the ranks by an all-reduce: the losses of every forward and
 // the parameters after each step agree (to float32 rounding of sums in another order). Stage 3
@@ -64,7 +116,7 @@ torch::Tensor loss_of(const std::string& name, const torch::Tensor& out, int64_t
 void matches_unsharded(const std::string& name, const keel::dist::World& w, bool stage3) {
   auto coll = collectives(w);
   auto sharded = small_model(name), reference = small_model(name);
-  keel::dist::FullyShard fs(sharded, coll, stage3);
+  keel::dist::FullyShard fs(sharded, coll, placement_of(sharded, stage3 ? 3 : 2, w.size));
   // What a rank holds of the model's parameters between steps: nothing at stage 3, all at 2.
   auto expect_held = [&](const char* when) {
     for (const auto& [n, p] : sharded->named_parameters()) {
@@ -154,6 +206,46 @@ TEST(Zero3, LlamaBlocksGatheredAndReducedAsTheUnshardedModelAtThreeRanks) { in_p
 // mlp's first block eats the data (no gradient): its gradients are reduced after the backward.
 TEST(Zero3, MlpLayersGatheredAndReducedAsTheUnshardedModelAtThreeRanks) { in_process(3, "mlp"); }
 
+// Stage 3's checkpoint path (issue 27, item 6): each rank gets copies of the whole parameters
+// it owns (Placement::owner), equal to the unsharded model's, and its model stays sharded
+// meanwhile; the meta shapes are every parameter's; pieces loaded from whole parameters (here
+// each doubled) are what the rank then holds: gathered, they are the doubled model.
+void owners_write_and_pieces_load(const keel::dist::World& w) {
+  auto coll = collectives(w);
+  auto sharded = small_model("gpt"), reference = small_model("gpt");
+  const auto placement = placement_of(sharded, 3, w.size);
+  keel::dist::FullyShard fs(sharded, coll, placement);
+  const auto ref = reference->named_parameters();
+  std::map<std::string, torch::Tensor> want(ref.begin(), ref.end());
+  std::set<std::string> written;
+  for (const auto& [n, t] : fs.whole_owned_parameters()) {
+    written.insert(n);
+    ASSERT_TRUE(want.count(n)) << n;
+    EXPECT_TRUE(torch::equal(t, want[n])) << n;
+  }
+  for (size_t i = 0; i < ref.size(); ++i)
+    EXPECT_EQ(written.count(ref[i].first) == 1, placement.owner(i) == w.rank) << ref[i].first;
+  for (const auto& [n, p] : sharded->named_parameters()) EXPECT_EQ(p.numel(), 0) << n << " is whole after the save";
+  const auto shapes = fs.parameter_shapes();
+  ASSERT_EQ(shapes.size(), ref.size());
+  for (const auto& [n, t] : shapes) {
+    EXPECT_TRUE(t.is_meta()) << n;
+    EXPECT_EQ(t.sizes(), want[n].sizes()) << n;
+  }
+  keel::models::NamedTensors doubled;
+  for (const auto& [n, t] : ref) doubled.emplace_back(n, t.detach() * 2);
+  fs.load_pieces(doubled);
+  fs.hold();
+  for (const auto& [n, p] : sharded->named_parameters()) EXPECT_TRUE(torch::equal(p, want[n] * 2)) << n;
+  fs.reshard();
+}
+
+TEST(Zero3, OwnersWriteWholeParametersAndRanksLoadTheirPiecesAtThreeRanks) {
+  auto results = run_ranks(3, owners_write_and_pieces_load, 120);
+  if (is_rank_process()) return;
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
 // dist.find_unused_parameters at stage 2: rank 1 runs no forward at all in the first step (no
 // block of it gets a gradient) while rank 0 runs every block. Every unit is reduce-scattered
 // after the backward, in order, on both ranks (rank 1's zeros), so the collectives pair up and
@@ -162,7 +254,7 @@ TEST(Zero3, MlpLayersGatheredAndReducedAsTheUnshardedModelAtThreeRanks) { in_pro
 void skipped_blocks_on_one_rank(const keel::dist::World& w) {
   auto coll = collectives(w);
   auto sharded = small_model("mlp"), reference = small_model("mlp");
-  keel::dist::FullyShard fs(sharded, coll, /*reshard_parameters=*/false, /*reduce_in_order=*/true);
+  keel::dist::FullyShard fs(sharded, coll, placement_of(sharded, 2, w.size), /*reduce_in_order=*/true);
   const auto pieces = fs.pieces();
   for (int step = 0; step < 2; ++step) {
     for (const auto& [n, p] : pieces) p.grad().zero_();
@@ -214,7 +306,9 @@ std::vector<std::string> run_args(const std::string& dir, const std::string& mod
   if (model == "gpt") {
     for (const char* s :
          {"--data.name=text", "--data.path=/usr/share/common-licenses/GPL-3", "--model.width=48", "--model.depth=2",
-          "--model.heads=2", "--model.context=32", "--train.batch_size=4", "--data.eval_samples=64"})
+          "--model.heads=2", "--model.context=32", "--train.batch_size=4", "--data.eval_samples=62",
+          // 3 ranks evaluate 21, 21 and 20 samples: 6, 6 and 5 batches (stage 3 runs 6 forwards on each)
+          "--data.eval_batch_size=4"})
       a.emplace_back(s);
   } else {
     for (const char* s : {"--data.name=synthetic", "--model.width=96", "--model.depth=3", "--train.batch_size=16"})
@@ -263,6 +357,25 @@ std::pair<double, double> parameter_difference(const std::string& a, const std::
   return {std::sqrt(diff) / std::max(std::sqrt(norm), 1e-12), worst};
 }
 
+// A stage-3 step's model files (item 6): each parameter in the file of the rank that owns it
+// (meta.json's optimizer owners), so that each rank wrote its own share, never the whole model.
+void model_written_by_owners(const std::string& step, int ranks) {
+  const auto meta = nlohmann::json::parse(read_text(step + "/meta.json"));
+  const nlohmann::json owners = meta["components"]["optimizer"]["values"]["owners"];
+  const auto index = nlohmann::json::parse(read_text(step + "/model.safetensors.index.json"))["weight_map"];
+  ASSERT_TRUE(owners.is_object()) << meta.dump();
+  std::set<int> writers;
+  for (auto it = owners.begin(); it != owners.end(); ++it) {
+    const int r = it.value().get<int>();
+    writers.insert(r);
+    char file[64];
+    std::snprintf(file, sizeof file, "model-%05d-of-%05d.safetensors", r + 1, ranks);
+    EXPECT_EQ(index.value(it.key(), std::string("(none)")), file) << it.key();
+  }
+  // (A rank may own no parameter: mlp's first layer is most of its bytes.)
+  EXPECT_GE(writers.size(), 2u) << "the ranks share the writing";
+}
+
 // Runs stage 0 and each of `stages`; checks that every step's loss, the final evaluation and the
 // final parameters of each agree with stage 0's within 1e-5 relative; returns the summaries by
 // stage.
@@ -296,6 +409,8 @@ std::map<int, nlohmann::json> against_stage0(int ranks, const std::string& model
     EXPECT_LE(params, 1e-5) << "final parameters";
     EXPECT_LE(worst_tensor, 1e-4) << "final parameters, the worst tensor";
     EXPECT_EQ(out[z]["zero"], z);
+    EXPECT_EQ(out[z]["num_parameters"], out[0]["num_parameters"]) << "the model's, although sharded at the end";
+    if (z == 3) model_written_by_owners(dir(z) + "/ckpt/step_30", ranks);
     std::printf(
         "%s, %d ranks, stage %d: per-step loss max relative diff %.3g, test loss %.8f vs %.8f, final parameters "
         "relative diff %.3g (worst tensor %.3g); held bytes (parameters + gradients + optimizer state) on rank 0: "

@@ -508,20 +508,24 @@ void OptimizerState::save(checkpoint::Component& mine) const {
   }
   const auto fields = optimizer_fields(*opt_, codec_);
   if (resharding_) state = resharding_.whole(state, fields);
-  const auto placement = owners_.empty() ? checkpoint::Placement::Replicated : checkpoint::Placement::Owned;
-  for (auto& [n, t] : state) mine.add(n, t, placement);
+  const bool partitioned = placement_.shards_optimizer_state();
+  for (auto& [n, t] : state)
+    mine.add(n, t, partitioned ? checkpoint::Placement::Owned : checkpoint::Placement::Replicated);
   // Which optimizer wrote the state: two with the same fields (adamw, a registered adam) would
   // otherwise read each other's moments as their own.
   if (!codec_.name.empty()) mine.values["optimizer_name"] = codec_.name;
-  mine.values["zero"] = zero_;
-  mine.values["partitioned"] = !owners_.empty();
+  mine.values["zero"] = placement_.stage();
+  mine.values["placement"] = placement_.describe();
+  mine.values["partitioned"] = partitioned;
   mine.values["fields"] = fields;
   nlohmann::json params = nlohmann::json::array(), owners = nlohmann::json::object();
-  if (owners_.empty())
+  if (!partitioned)
     for (const auto& [n, p] : params_) params.push_back(n);
-  for (const auto& [n, r] : owners_) params.push_back(n), owners[n] = r;
+  else
+    for (size_t i = 0; i < placement_.num_params(); ++i)
+      params.push_back(placement_.name(i)), owners[placement_.name(i)] = placement_.owner(i);
   mine.values["params"] = params;
-  if (!owners_.empty()) mine.values["owners"] = owners;
+  if (partitioned) mine.values["owners"] = owners;
 }
 
 bool OptimizerState::wants(const std::string& name) const {
@@ -564,6 +568,7 @@ std::string values_problem(const nlohmann::json& o, int64_t world) {
     if (!z.is_number_integer() || z.get<int64_t>() < 0 || z.get<int64_t>() > 3)
       return "values.zero must be 0, 1, 2 or 3, got " + z.dump();
   }
+  if (o.contains("placement") && !o["placement"].is_object()) return "values.placement is not an object";
   if (o.contains("fields")) {
     if (!o["fields"].is_object()) return "values.fields is not an object";
     for (auto it = o["fields"].begin(); it != o["fields"].end(); ++it)

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "checkpoint/stateful.h"
+#include "dist/placement.h"
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/trainer.h"  // OptimizerStateFn
 
@@ -136,7 +137,7 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
 /// momentum_buffer; a registered optimizer's from its codec.
 std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt, const OptimizerCodec& codec = {});
 
-/// dist.zero = 3: the optimizer steps this rank's pieces of the parameters (1-D, a parameter's
+/// dist.zero >= 2: the optimizer steps this rank's pieces of the parameters (1-D, a parameter's
 /// elements split between ranks); a checkpoint holds whole parameters' state (dist/fsdp.h).
 struct PieceResharding {
   /// Collective: the pieces' state -> the whole state of the parameters this rank writes.
@@ -147,21 +148,21 @@ struct PieceResharding {
 };
 
 /// The optimizer's part of a checkpoint (the component "optimizer"): one tensor per parameter
-/// and field ("<parameter>.<field>"), replicated, or with dist.zero >= 1 owned by the rank that
-/// steps the parameter; its values record the optimizer's name, dist.zero, the fields and their
-/// kinds, every parameter it updates and (partitioned) each one's owner rank.
+/// and field ("<parameter>.<field>"), replicated, or with a placement that shards the optimizer
+/// state (dist.zero >= 1) owned by the rank that writes the parameter's state
+/// (dist::Placement::owner); its values record the optimizer's name, the placement (its stage as
+/// "zero", and describe()), the fields and their kinds, every parameter it updates and
+/// (partitioned) each one's owner rank.
 class OptimizerState : public checkpoint::Stateful {
  public:
-  /// `opt` must outlive this object; `params` are its parameters with their names. With
-  /// dist.zero >= 1, `params` are this rank's own and `owners` names the owner rank of every
-  /// parameter of the model (recorded in its values); empty: replicated.
-  OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params,
-                 std::vector<std::pair<std::string, int64_t>> owners = {}, int64_t zero = 0, OptimizerCodec codec = {},
-                 PieceResharding resharding = {})
+  /// `opt` must outlive this object; `params` are its parameters with their names: with a
+  /// `placement` that shards the optimizer state, this rank's own (whole parameters at stage 1;
+  /// at stages 2 and 3 pieces, which `resharding` converts to and from whole parameters' state).
+  OptimizerState(torch::optim::Optimizer& opt, NamedTensorList params, dist::Placement placement = dist::Placement(),
+                 OptimizerCodec codec = {}, PieceResharding resharding = {})
       : opt_(&opt),
         params_(std::move(params)),
-        owners_(std::move(owners)),
-        zero_(zero),
+        placement_(std::move(placement)),
         codec_(std::move(codec)),
         resharding_(std::move(resharding)) {
     for (const auto& [n, p] : params_) names_.insert(n);
@@ -186,8 +187,7 @@ class OptimizerState : public checkpoint::Stateful {
  private:
   torch::optim::Optimizer* opt_;
   NamedTensorList params_;
-  std::vector<std::pair<std::string, int64_t>> owners_;
-  int64_t zero_ = 0;
+  dist::Placement placement_;
   std::unordered_set<std::string> names_;
   OptimizerCodec codec_;
   PieceResharding resharding_;

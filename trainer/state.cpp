@@ -1,10 +1,12 @@
 #include "trainer/state.h"
 
 #include <mutex>
+#include <set>
 
 #include "common/file.h"
 #include "common/log.h"
 #include "common/sha256.h"
+#include "dist/fsdp.h"
 #include "keel/common/error.h"
 #include "trainer/compile/inductor.h"
 
@@ -18,13 +20,34 @@ checkpoint::NamedTensors ModelState::tensors() const {
 }
 
 void ModelState::save(checkpoint::Component& mine) const {
-  for (auto& [n, t] : tensors()) mine.add(n, t);
   if (!hf_config_.is_null()) mine.values["hf_config"] = hf_config_;
+  if (!sharded_) {
+    for (auto& [n, t] : tensors()) mine.add(n, t);
+    return;
+  }
+  for (auto& [n, t] : sharded_->whole_owned_parameters()) mine.add(n, t, checkpoint::Placement::Owned);
+  for (const auto& [n, t] : model_->named_buffers()) mine.add(n, t);
 }
 
 void ModelState::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
   try {
-    checkpoint::copy_into(tensors(), mine.tensors, loaded.path);
+    if (!sharded_) return checkpoint::copy_into(tensors(), mine.tensors, loaded.path);
+    // The step against the model's shapes (on the meta device: nothing is copied), then each
+    // rank's pieces from the whole parameters read, and the buffers.
+    checkpoint::NamedTensors shapes = sharded_->parameter_shapes(), saved, buffers, saved_buffers;
+    for (const auto& [n, t] : model_->named_buffers()) {
+      shapes.emplace_back(n, t.to(torch::kMeta));
+      buffers.emplace_back(n, t);
+    }
+    std::set<std::string> is_buffer;
+    for (const auto& [n, t] : buffers) is_buffer.insert(n);
+    for (const auto& [n, t] : mine.tensors) {
+      saved.emplace_back(n, t.to(torch::kMeta));
+      if (is_buffer.count(n)) saved_buffers.emplace_back(n, t);
+    }
+    checkpoint::copy_into(shapes, saved, loaded.path);
+    checkpoint::copy_into(buffers, saved_buffers, loaded.path);
+    sharded_->load_pieces(mine.tensors);
   } catch (const checkpoint::BindError& e) {
     throw InputError(e.what());
   }

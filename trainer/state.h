@@ -2,7 +2,8 @@
 // components (the others are the optimizer's, trainer/optim.h; the GradScaler's,
 // amp/grad_scaler.h; and the sampler's, trainer/data/sampler.h).
 //
-// Owns: the model's tensors (component "model", replicated), this rank's random generators
+// Owns: the model's tensors (component "model", replicated; at dist.zero = 3 each parameter
+// owned by the rank that writes it), this rank's random generators
 // (component "rng", per rank: "rng.<device>"), the traced graph or package (component "graph",
 // checkpoint.save_graph), and the user's own state (component "user",
 // Callbacks::save_state / load_state).
@@ -17,6 +18,10 @@
 #include "checkpoint/stateful.h"
 #include "keel/models/model.h"
 
+namespace keel::dist {
+class FullyShard;
+}
+
 namespace keel {
 
 class InductorStep;
@@ -28,8 +33,13 @@ class ModelState : public checkpoint::Stateful {
   /// `hf_config` (may be null): the Hugging Face config.json of a gpt2 or llama model
   /// (models/hf.h), recorded in its values as hf_config so that `keel export --hf` can
   /// describe the step's weights to transformers.
-  explicit ModelState(std::shared_ptr<models::Model> model, nlohmann::json hf_config = nullptr)
-      : model_(std::move(model)), hf_config_(std::move(hf_config)) {}
+  /// `sharded` (dist.zero = 3, else null): the model's parameters are sharded at rest
+  /// (dist/fsdp.h); each rank then writes the whole parameters it owns (Placement::owner), the
+  /// buffers as usual, and a load takes each rank's pieces from the parameters read, so that no
+  /// rank holds the whole model on its device for a checkpoint.
+  explicit ModelState(std::shared_ptr<models::Model> model, nlohmann::json hf_config = nullptr,
+                      dist::FullyShard* sharded = nullptr)
+      : model_(std::move(model)), hf_config_(std::move(hf_config)), sharded_(sharded) {}
   void save(checkpoint::Component& mine) const override;
   void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
   /// A step without the model's tensors is unusable (a fallback), not another model (exit 2).
@@ -41,6 +51,7 @@ class ModelState : public checkpoint::Stateful {
   checkpoint::NamedTensors tensors() const;
   std::shared_ptr<models::Model> model_;
   nlohmann::json hf_config_;
+  dist::FullyShard* sharded_ = nullptr;
 };
 
 /// The generators a step draws from: the CPU one always, the device's one on CUDA. Saved per

@@ -318,6 +318,7 @@ class Trainer::Loop {
   bool needs_host(int64_t step) const;
   std::optional<EvalResult> maybe_evaluate(int64_t step);
   EvalResult evaluate(int64_t step);
+  int64_t agreed_max(int64_t mine, const char* what);
   void log_step(const StepResult& r, const std::optional<EvalResult>& eval);
   StepRecord step_record(const StepResult& r, const std::optional<EvalResult>& eval) const;
   void maybe_checkpoint(int64_t step);
@@ -346,6 +347,7 @@ class Trainer::Loop {
   std::optional<DistributedModel> dmodel_;
   std::unique_ptr<data::DistributedSampler> sampler_;
   std::vector<torch::Tensor> params_;
+  int64_t num_parameters_ = 0;        // the model's, as built
   std::vector<torch::Tensor> owned_;  // the parameters this rank's optimizer updates (dist.zero)
   models::NamedTensors owned_named_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
@@ -474,6 +476,7 @@ void Trainer::Loop::build_model_and_data() {
   // a model is built.
   const auto data_kind = data::native_input_kind(cfg_.data.name);
   model_ = build_model_on_every_rank(data_kind);
+  num_parameters_ = model_->num_parameters();  // (dist.zero = 3 empties the model's own between steps)
   python_ = std::dynamic_pointer_cast<PythonModel>(model_);
   if (!cfg_.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
     // The Hugging Face families read transformers' files under their older names too.
@@ -571,11 +574,9 @@ void Trainer::Loop::build_optimizer() {
   owned_named_ = dmodel_->owned_parameters();
   for (const auto& [n, t] : owned_named_) owned_.push_back(t);
   optimizer_ = optimizer_choice_->make(owned_);
-  // With dist.zero >= 1 the checkpoint records who owns each parameter's state; else replicated.
-  optimizer_state_ = std::make_unique<OptimizerState>(
-      *optimizer_, owned_named_,
-      dmodel_->zero() >= 1 ? dmodel_->owners() : std::vector<std::pair<std::string, int64_t>>{}, dmodel_->zero(),
-      optimizer_choice_->codec(), piece_resharding());
+  // With a sharded optimizer state the checkpoint records who owns each parameter's state.
+  optimizer_state_ = std::make_unique<OptimizerState>(*optimizer_, owned_named_, dmodel_->placement(),
+                                                      optimizer_choice_->codec(), piece_resharding());
   schedule_.emplace(cfg_.train, progress_.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
@@ -588,14 +589,12 @@ void Trainer::Loop::build_optimizer() {
 }
 
 // dist.zero >= 2: the optimizer state moves between this rank's pieces and whole parameters,
-// written by their owner (the stage-1 partition), so that any world size and stage resumes it.
+// written by their owner (Placement::owner), so that any world size and stage resumes it.
 PieceResharding Trainer::Loop::piece_resharding() const {
   dist::FullyShard* fs = dmodel_->fully_shard();
   if (!fs) return {};
-  std::vector<int64_t> owner;
-  for (const auto& [n, r] : dmodel_->owners()) owner.push_back(r);
-  return {[fs, owner](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
-            return fs->whole_state(s, fields, owner);
+  return {[fs](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
+            return fs->whole_state(s, fields);
           },
           [fs](const NamedTensorList& s) { return fs->piece_state(s); }};
 }
@@ -608,7 +607,8 @@ void Trainer::Loop::build_checkpointing() {
     owned_state_.push_back(std::move(c));
   };
   own("model", std::make_unique<ModelState>(
-                   model_, models::is_hf_family(cfg_.model.name) ? models::hf_shape(cfg_.model).config : nullptr));
+                   model_, models::is_hf_family(cfg_.model.name) ? models::hf_shape(cfg_.model).config : nullptr,
+                   dmodel_->placement().shards_parameters() ? dmodel_->fully_shard() : nullptr));
   state_.add("optimizer", *optimizer_state_);
   state_.add("progress", progress_);
   if (scaler_) state_.add("grad_scaler", *scaler_);
@@ -627,7 +627,7 @@ void Trainer::Loop::build_checkpointing() {
   o.async = cfg_.checkpoint.async;
   o.config_sha256 = sha256_hex(dump_toml(cfg_));
   o.hooks = faults_->checkpoint_hooks();
-  if (dmodel_->zero() >= 1)  // each rank reads only the optimizer files holding its own parameters' state
+  if (dmodel_->placement().shards_optimizer_state())  // each rank reads only its own parameters' state
     o.wants = [s = optimizer_state_.get()](const std::string& component, const std::string& n) {
       return component != "optimizer" || s->wants(n);
     };
@@ -652,9 +652,7 @@ void Trainer::Loop::resume() {
     logging::info("checkpoint: no committed step under {}; starting fresh", cfg_.checkpoint.dir);
     return;
   }
-  dmodel_->hold_parameters();  // dist.zero >= 2: loaded whole, then each rank keeps its shard
-  state_.load(*loaded);
-  dmodel_->release_parameters(/*changed=*/true);
+  state_.load(*loaded);  // dist.zero = 3: each rank takes its pieces of the parameters read (ModelState)
   resumed_from_ = loaded->step;
   logging::info("resumed from {} (step {} of {})", loaded->path, loaded->step, progress_.total_steps);
 }
@@ -684,9 +682,9 @@ void Trainer::Loop::open_outputs() {
   logging::info(
       "model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
       "({} per rank x {} accum x {} ranks), {} batches per epoch",
-      model_->name(), model_->num_parameters(), cfg_.data.name, splits_.train->size(),
-      splits_.test ? splits_.test->size() : 0, progress_.total_steps, progress_.global_batch, cfg_.train.batch_size,
-      cfg_.train.grad_accum, world_.size, sampler_->batches_per_epoch());
+      model_->name(), num_parameters_, cfg_.data.name, splits_.train->size(), splits_.test ? splits_.test->size() : 0,
+      progress_.total_steps, progress_.global_batch, cfg_.train.batch_size, cfg_.train.grad_accum, world_.size,
+      sampler_->batches_per_epoch());
   if (const double flops = model_->train_flops_per_sample(); flops > 0) {
     const bool given = cfg_.run.peak_tflops > 0;
     const double peak = given ? cfg_.run.peak_tflops : measure_peak_tflops(device_, amp_);
@@ -847,7 +845,7 @@ bool Trainer::Loop::needs_host(int64_t step) const {
 // it into *loss_now (the sum in double, as the tensor's) and returns nothing.
 torch::Tensor Trainer::Loop::forward_backward(double* loss_now) {
   zero_grads(params_);
-  if (dmodel_->fully_shard()) zero_grads(owned_);  // dist.zero >= 2: the gradient shards (the full ones are freed)
+  if (dmodel_->placement().shards_gradients()) zero_grads(owned_);  // the gradient shards (the full ones are freed)
   torch::Tensor loss_sum;
   double host_sum = 0;
   for (int64_t micro = 0; micro < cfg_.train.grad_accum; ++micro) {
@@ -962,6 +960,13 @@ std::optional<EvalResult> Trainer::Loop::maybe_evaluate(int64_t step) {
   return last_eval_;
 }
 
+// The largest of every rank's `mine` (collective).
+int64_t Trainer::Loop::agreed_max(int64_t mine, const char* what) {
+  auto t = torch::tensor({mine}, torch::kLong);
+  coll_->all_reduce(t, dist::ReduceOp::Max, what);
+  return t.item<int64_t>();
+}
+
 // Loss (and, with the default loss, top-1 accuracy) over the test split, each rank taking
 // every world-th sample; totals are summed across ranks.
 EvalResult Trainer::Loop::evaluate(int64_t step) {
@@ -970,21 +975,30 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   if (!splits_.test) return r;
   faults_->signal(FaultPhase::Eval, step);
   dmodel_->sync_buffers();  // every rank evaluates rank 0's model
-  // dist.zero = 3: the whole model, once (the ranks run different numbers of batches; a no-op
-  // at stage 2, whose parameters are whole).
-  dmodel_->hold_parameters();
   torch::NoGradGuard no_grad;
   model_->train(false);
   const bool classifier = !cb_.loss && cfg_.train.loss == "cross_entropy";
   double loss_sum = 0, correct = 0, count = 0;
   const int64_t n =
       cfg_.data.eval_samples > 0 ? std::min(splits_.test->size(), cfg_.data.eval_samples) : splits_.test->size();
-  std::vector<int64_t> idx;
+  std::vector<std::vector<int64_t>> batches(1);
   for (int64_t i = world_.rank; i < n; i += world_.size) {
-    idx.push_back(i);
-    if (static_cast<int64_t>(idx.size()) < cfg_.data.eval_batch_size && i + world_.size < n) continue;
-    auto b = splits_.test->get(idx);
-    auto out = model_->forward(b.input.to(device_));
+    batches.back().push_back(i);
+    if (static_cast<int64_t>(batches.back().size()) == cfg_.data.eval_batch_size && i + world_.size < n)
+      batches.emplace_back();
+  }
+  if (batches.back().empty()) batches.pop_back();
+  // dist.zero = 3: each block is gathered around its call, as in training, so every rank runs
+  // as many forwards as the rank with the most batches (one more all-reduce; the extra ones
+  // are discarded), and no rank holds the whole model.
+  const bool per_block = dmodel_->placement().shards_parameters();
+  auto rounds = static_cast<int64_t>(batches.size());
+  if (per_block) rounds = agreed_max(rounds, "evaluation batches");
+  for (int64_t k = 0; k < rounds; ++k) {
+    const bool real = k < static_cast<int64_t>(batches.size());
+    auto b = splits_.test->get(real ? batches[static_cast<size_t>(k)] : std::vector<int64_t>{0});
+    auto out = per_block ? dmodel_->forward(b.input.to(device_), /*sync=*/true) : model_->forward(b.input.to(device_));
+    if (!real) continue;
     auto target = b.target.to(device_);
     if (classifier) {
       auto flat = out.reshape({-1, out.size(-1)});
@@ -999,10 +1013,9 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
       loss_sum += loss_(out, target).item<double>() * rows;
       count += rows;
     }
-    idx.clear();
   }
   model_->train(true);
-  dmodel_->release_parameters();
+  dmodel_->release_parameters();  // dist.zero = 3: the root unit, gathered by the first forward
   auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
   coll_->all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
   loss_sum = totals[0].item<double>();
@@ -1056,11 +1069,10 @@ void Trainer::Loop::maybe_checkpoint(int64_t step) {
 
 void Trainer::Loop::save_checkpoint(int64_t step) {
   dmodel_->sync_buffers();  // the buffers saved are rank 0's, whichever rank writes them
-  // dist.zero = 3: the whole model while the state is taken (each rank writes its share of the
-  // model files, as at stage 0; the optimizer state becomes whole parameters', by owner).
-  dmodel_->hold_parameters();
+  // dist.zero = 3: the model stays sharded; each rank writes the whole parameters it owns
+  // (ModelState, one unit gathered at a time) and their optimizer state (whole parameters', by
+  // owner).
   ckpt_->save(step, state_.save());
-  dmodel_->release_parameters();
   checkpoint_stall_ms_ += ckpt_->last_save_blocking_ms();
   notify_checkpoint();
 }
@@ -1105,8 +1117,11 @@ void Trainer::Loop::finish() {
     notify_checkpoint();
   }
   if (profiler_) profiler_->finish();
-  dmodel_->sync_buffers();     // every rank ends with rank 0's model
-  dmodel_->hold_parameters();  // dist.zero = 3: the whole model, for on_end and the caller (stage 2's is)
+  dmodel_->sync_buffers();  // every rank ends with rank 0's model
+  // dist.zero = 3: the whole model, gathered for on_end only (on every rank when one rank has it:
+  // the gathers are collective; stage 2's parameters are whole).
+  if (dmodel_->placement().shards_parameters() ? agreed_max(cb_.on_end ? 1 : 0, "on_end") > 0 : bool(cb_.on_end))
+    dmodel_->hold_parameters();
   if (cb_.on_end) cb_.on_end(*model_);
   // Every rank leaves with the same verdict: the signal a rank received (the one that stopped
   // the loop, or one that came after the last step's consensus: evaluation, the final save,
@@ -1127,7 +1142,7 @@ Summary Trainer::Loop::summary() const {
   s.torch_version = TORCH_VERSION;
   s.run_name = cfg_.run.name;
   s.model = model_->name();
-  s.num_parameters = model_->num_parameters();
+  s.num_parameters = num_parameters_;
   s.data = cfg_.data.name;
   s.device = device_.str();
   s.world_size = world_.size;
@@ -1160,7 +1175,7 @@ Summary Trainer::Loop::summary() const {
   s.resumed_from_step = resumed_from_;
   if (ckpt_ && ckpt_->last_committed() >= 0) s.checkpoint_step = ckpt_->last_committed();
   s.checkpoint_stall_ms = checkpoint_stall_ms_;
-  s.zero = dmodel_->zero();
+  s.zero = dmodel_->placement().stage();
   s.optimizer_state_bytes = optimizer_state_->state_bytes();
   std::set<const void*> grad_storages;
   for (const auto& [n, p] : model_->named_parameters()) {

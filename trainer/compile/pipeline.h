@@ -101,20 +101,18 @@ class DistributedModel {
   const torch::Device& device() const { return device_; }
   /// The gradient plan and the compiled package, compared across ranks every step.
   uint64_t plan() const { return ddp_->plan() ^ package_fingerprint_; }
-  /// dist.zero: the parameters this rank's optimizer owns (all with zero = 0), the global-norm
-  /// clip over the owners' gradients, and (collective) the owners' updated parameters to every
-  /// rank after the optimizer step (dist/ddp.h).
-  int64_t zero() const { return ddp_->zero(); }
-  std::vector<std::pair<std::string, int64_t>> owners() const { return ddp_->owners(); }
+  /// dist.zero as a placement (dist/placement.h): the parameters or pieces this rank's optimizer
+  /// owns (all with stage 0), the global-norm clip over the owners' gradients, and (collective)
+  /// the owners' updated parameters to every rank after the optimizer step (dist/ddp.h).
+  const dist::Placement& placement() const { return ddp_->placement(); }
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
   torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
   /// dist.zero = 3 (else no-ops): the whole model in its parameters until release_parameters()
-  /// (collective; evaluation and the end of training), and the bytes this rank holds at rest
+  /// (collective; the end of training, for Callbacks::on_end), and the bytes this rank holds at rest
   /// (-1 unless dist.zero >= 2; stage 2's parameters are whole, its gradients a shard).
   void hold_parameters() { ddp_->hold_parameters(); }
-  /// `changed`: the held parameters were written (a resume): each rank keeps its shard of them.
-  void release_parameters(bool changed = false) { ddp_->release_parameters(changed); }
+  void release_parameters() { ddp_->release_parameters(); }
   dist::FullyShard* fully_shard() const { return ddp_->fully_shard(); }
   int64_t sharded_parameter_bytes() const { return ddp_->sharded_parameter_bytes(); }
   int64_t sharded_gradient_bytes() const { return ddp_->sharded_gradient_bytes(); }

@@ -8,6 +8,7 @@
 #include <toml++/toml.h>
 
 #include "dist/network.h"
+#include "dist/placement.h"
 #include "trainer/fault/fault.h"
 
 #include <algorithm>
@@ -404,10 +405,16 @@ void validate_data(const DataConfig& data) {
 
 }  // namespace
 
-// dist.zero = 3 (docs/zero.md): what this version does not serve yet is refused by name.
-static void validate_zero3(const Config& cfg) {
-  if (cfg.dist.zero != 3) return;
-  auto fail = [](const std::string& m) { throw InputError("config: dist.zero = 3 " + m); };
+// The placement of dist.zero (docs/zero.md): what it cannot be combined with is refused by name.
+static void validate_placement(const Config& cfg) {
+  const dist::Placement placement(cfg.dist.zero);
+  if (placement.shards_gradients() && cfg.dist.comm_hook != CommHook::Allreduce)
+    throw InputError("config: " + placement.key() +
+                     " reduce-scatters gradients and cannot be combined with dist.comm_hook = \"" +
+                     choice_name(kCommHooks, cfg.dist.comm_hook) +
+                     "\" (compressed all-reduce); use dist.zero = 1 or comm_hook = \"allreduce\"");
+  if (!placement.shards_parameters()) return;
+  auto fail = [&](const std::string& m) { throw InputError("config: " + placement.key() + " " + m); };
   if (cfg.compile.mode != CompileMode::Off)
     fail(std::string("gathers each block's parameters around it, which compile.mode = \"") +
          choice_name(kCompileModes, cfg.compile.mode) +
@@ -501,12 +508,7 @@ void validate(Config& cfg) {
   if (cfg.checkpoint.save_graph && cfg.checkpoint.dir.empty())
     fail("checkpoint.save_graph = true needs checkpoint.dir");
   parse_profile_steps(cfg.run.profile_steps);
-  if (cfg.dist.zero >= 2 && cfg.dist.comm_hook != CommHook::Allreduce)
-    fail("dist.zero = " + std::to_string(cfg.dist.zero) +
-         " reduce-scatters gradients and cannot be combined with dist.comm_hook = \"" +
-         choice_name(kCommHooks, cfg.dist.comm_hook) +
-         "\" (compressed all-reduce); use dist.zero = 1 or comm_hook = \"allreduce\"");
-  validate_zero3(cfg);
+  validate_placement(cfg);
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
   try {  // the same verdict at every world size (the 2-rank path chooses an interface from it)

@@ -22,6 +22,7 @@
 #include <variant>
 #include <vector>
 
+#include "dist/placement.h"
 #include "keel/common/error.h"
 
 namespace keel {
@@ -164,12 +165,14 @@ ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& sha
     m.S = 2 * m.P, state_name = "the state of optimizer \"" + cfg.train.optimizer + "\" (estimated as AdamW's)";
   else if (cfg.train.momentum > 0)
     m.S = m.P, state_name = "SGD momentum";
-  if (cfg.dist.zero >= 1) m.S /= static_cast<double>(world_size);  // partitioned by parameter
+  const dist::Placement placement(cfg.dist.zero);
+  if (placement.shards_optimizer_state()) m.S /= static_cast<double>(world_size);
   m.P_held = m.P;
   // Stage 2 keeps full gradients through the micro-batches that do not sync (as DDP), stage 3
   // reduce-scatters every micro-batch.
-  if (cfg.dist.zero == 3 || (cfg.dist.zero == 2 && cfg.train.grad_accum == 1)) m.G /= static_cast<double>(world_size);
-  if (cfg.dist.zero == 3) m.P_held /= static_cast<double>(world_size);
+  if (placement.shards_parameters() || (placement.shards_gradients() && cfg.train.grad_accum == 1))
+    m.G /= static_cast<double>(world_size);
+  if (placement.shards_parameters()) m.P_held /= static_cast<double>(world_size);
   const double bytes = m.P_held + m.G + m.S;
   std::vector<KeyUse> keys;
   if (shape.name == "mlp")
