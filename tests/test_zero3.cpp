@@ -468,6 +468,49 @@ TEST(Zero3, MlpAdamWStages1To3MatchStage0AtThreeRanks) {
   memory_targets(3, s);
 }
 
+// Item 6's export: a stage-3 step (each rank wrote the parameters it owns) as one safetensors
+// file holding every model tensor of the step, which PyTorch's safetensors.torch.load_file
+// reads, and as 64 KB shards with an index.
+TEST(Zero3, ExportOfAStage3StepIsOneFilePyTorchLoads) {
+  TempDir d;
+  expect_all_ok(
+      run_keel_ranks(2, {"train", "--model.name=mlp", "--data.name=synthetic", "--dist.zero=3", "--train.steps=4",
+                         "--train.batch_size=8", "--train.eval_interval=0", "--run.threads=1", "--dist.timeout_s=60",
+                         "--checkpoint.dir=" + d.file("ckpt"), "--run.dir=" + d.file("run")}));
+  const std::string step = d.file("ckpt/step_4");
+  std::map<std::string, torch::Tensor> saved;
+  for (const auto& f : keel::checkpoint::list_dir(step))
+    if (f.rfind("model-", 0) == 0)
+      for (auto& [n, t] : keel::checkpoint::read_safetensors(step + "/" + f).tensors) saved[n] = t;
+  ASSERT_FALSE(saved.empty());
+  auto x = run_keel({"export", step, d.file("out")});
+  ASSERT_EQ(x.exit_code, 0) << x.output;
+  EXPECT_FALSE(exists(d.file("out/config.json"))) << "config.json is --hf's";
+  const auto one = keel::checkpoint::read_safetensors(d.file("out/model.safetensors")).tensors;
+  ASSERT_EQ(one.size(), saved.size());
+  for (const auto& [n, t] : one) EXPECT_TRUE(saved.count(n) && torch::equal(t, saved.at(n))) << n;
+  const std::string py =
+      "import json, sys\n"
+      "try:\n    from safetensors.torch import load_file\nexcept ImportError:\n    sys.exit(77)\n"
+      "d = load_file(sys.argv[1])\n"
+      "print(json.dumps({k: [list(v.shape), float(v.double().sum())] for k, v in d.items()}))\n";
+  auto r = run_process({KEEL_PYTHON, "-c", py, d.file("out/model.safetensors")});
+  if (r.exit_code == 77) GTEST_SKIP() << "no safetensors.torch for " << KEEL_PYTHON;
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const size_t last = r.output.rfind("\n{");  // the JSON line, after any warning
+  const auto j = nlohmann::json::parse(last == std::string::npos ? r.output : r.output.substr(last + 1));
+  EXPECT_EQ(j.size(), saved.size());
+  for (const auto& [n, t] : saved) {
+    ASSERT_TRUE(j.contains(n)) << n;
+    EXPECT_EQ(j[n][0].get<std::vector<int64_t>>(), t.sizes().vec()) << n;
+    const double want = t.to(torch::kDouble).sum().item<double>();
+    EXPECT_NEAR(j[n][1].get<double>(), want, 1e-9 * (1 + std::abs(want))) << n;
+  }
+  auto sharded = run_keel({"export", step, d.file("sharded"), "--max-shard-size=64KB"});
+  ASSERT_EQ(sharded.exit_code, 0) << sharded.output;
+  EXPECT_TRUE(exists(d.file("sharded/model.safetensors.index.json"))) << sharded.output;
+}
+
 TEST(Zero3, WhatItDoesNotServeYetIsRefusedByName) {
   TempDir d;
   const std::vector<std::string> base = {"train", "--model.name=mlp", "--data.name=synthetic", "--dist.zero=3",

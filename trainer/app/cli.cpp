@@ -114,8 +114,10 @@ struct ExportArgs {
 
 CLI::App* add_export_command(CLI::App& app, ExportArgs& a) {
   auto* cmd = app.add_subcommand(
-      "export", "a checkpoint step as a Hugging Face model directory (--hf; model.name = gpt2 | llama)");
-  cmd->add_flag("--hf", a.hf, "write config.json and safetensors for transformers' from_pretrained")->required();
+      "export",
+      "a checkpoint step's model as one safetensors file (or shards and an index), or with --hf a Hugging Face "
+      "model directory (model.name = gpt2 | llama)");
+  cmd->add_flag("--hf", a.hf, "write config.json and safetensors under transformers' names, for from_pretrained");
   cmd->add_option("step", a.step, "a checkpoint step directory (checkpoint.dir/step_<N>)")->required();
   cmd->add_option("out", a.out, "the directory to write (new, or empty)")->required();
   cmd->add_option("--max-shard-size", a.max_shard_size,
@@ -126,7 +128,7 @@ CLI::App* add_export_command(CLI::App& app, ExportArgs& a) {
 }
 
 int run_export(const ExportArgs& a) {
-  return print_files([&] { return export_hf(a.step, a.out, parse_shard_size(a.max_shard_size)); });
+  return print_files([&] { return export_model(a.step, a.out, parse_shard_size(a.max_shard_size), a.hf); });
 }
 
 // Exit 0: every committed step verifies; 1: some step is corrupt or uncommitted; 2: no

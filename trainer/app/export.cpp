@@ -17,21 +17,27 @@ namespace {
 
 namespace fs = std::filesystem;
 
-nlohmann::json hf_config_of(const std::string& step_dir) {
+// The step's meta.json, after every checksum of the step verified.
+nlohmann::json verified_meta(const std::string& step_dir, const std::string& who) {
   const std::string meta_path = step_dir + "/meta.json";
   if (!not_a_regular_file(meta_path).empty())
-    throw InputError("keel export --hf: " + step_dir + " is not a committed checkpoint step (no meta.json)");
+    throw InputError(who + ": " + step_dir + " is not a committed checkpoint step (no meta.json)");
   nlohmann::json meta;
   try {
     meta = nlohmann::json::parse(read_regular_file(meta_path, uint64_t{256} << 20));
   } catch (const std::exception& e) {
-    throw std::runtime_error("keel export --hf: " + meta_path + " cannot be read: " + e.what());
+    throw std::runtime_error(who + ": " + meta_path + " cannot be read: " + e.what());
   }
   if (const auto problems = checkpoint::verify_step(step_dir); !problems.empty()) {
     std::string all;
     for (const auto& p : problems) all += "\n  " + p;
-    throw std::runtime_error("keel export --hf: " + step_dir + " does not verify:" + all);
+    throw std::runtime_error(who + ": " + step_dir + " does not verify:" + all);
   }
+  return meta;
+}
+
+// --hf: the Hugging Face config.json the model component recorded.
+nlohmann::json hf_config_of(const nlohmann::json& meta, const std::string& step_dir) {
   // The model component's values (format 2), or format 1's shared state.
   const auto components = meta.value("components", nlohmann::json::object());
   const auto model = components.is_object() ? components.value("model", nlohmann::json::object()) : nlohmann::json();
@@ -41,7 +47,8 @@ nlohmann::json hf_config_of(const std::string& step_dir) {
   if (!state.is_object() || !state.contains("hf_config") || !state["hf_config"].is_object())
     throw InputError("keel export --hf: " + step_dir +
                      " was not saved by a gpt2 or llama run (meta.json records no hf_config of the model); --hf "
-                     "exports the Hugging Face families (model.name = gpt2 | llama)");
+                     "exports the Hugging Face families (model.name = gpt2 | llama); without --hf keel export "
+                     "writes any model's tensors under keel's names");
   nlohmann::json cfg = state["hf_config"];
   cfg.erase("torch_dtype");
   cfg["dtype"] = "float32";  // what keel's checkpoints hold
@@ -49,13 +56,11 @@ nlohmann::json hf_config_of(const std::string& step_dir) {
 }
 
 // The output directory must be new or empty: an export never replaces files.
-void check_out(const std::string& out_dir) {
+void check_out(const std::string& out_dir, const std::string& who) {
   std::error_code ec;
   if (!fs::exists(out_dir, ec)) return;
-  if (!fs::is_directory(out_dir, ec))
-    throw InputError("keel export --hf: " + out_dir + " exists and is not a directory");
-  if (!fs::is_empty(out_dir, ec))
-    throw InputError("keel export --hf: " + out_dir + " is not empty; give a new directory");
+  if (!fs::is_directory(out_dir, ec)) throw InputError(who + ": " + out_dir + " exists and is not a directory");
+  if (!fs::is_empty(out_dir, ec)) throw InputError(who + ": " + out_dir + " is not empty; give a new directory");
 }
 
 using Shard = std::vector<std::pair<std::string, torch::Tensor>>;
@@ -73,7 +78,7 @@ std::vector<Shard> cut_shards(const std::map<std::string, std::pair<torch::Tenso
   return shards;
 }
 
-std::vector<std::string> write_export(const std::vector<Shard>& shards, const nlohmann::json& cfg,
+std::vector<std::string> write_export(const std::vector<Shard>& shards, const nlohmann::json* cfg,
                                       const std::string& dir) {
   std::vector<std::string> files;
   const std::map<std::string, std::string> metadata = {{"format", "pt"}};
@@ -97,8 +102,10 @@ std::vector<std::string> write_export(const std::vector<Shard>& shards, const nl
     write_atomic(dir + "/model.safetensors.index.json", index.dump(2) + "\n");
     files.push_back("model.safetensors.index.json");
   }
-  write_atomic(dir + "/config.json", cfg.dump(2) + "\n");
-  files.push_back("config.json");
+  if (cfg) {
+    write_atomic(dir + "/config.json", cfg->dump(2) + "\n");
+    files.push_back("config.json");
+  }
   fsync_dir(dir);
   return files;
 }
@@ -124,19 +131,22 @@ uint64_t parse_shard_size(const std::string& text) {
   throw InputError("--max-shard-size = \"" + text + "\": give a size such as 5GB, 500MB or 64KiB");
 }
 
-std::vector<std::string> export_hf(const std::string& step_dir, const std::string& out, uint64_t max_shard_bytes) {
+std::vector<std::string> export_model(const std::string& step_dir, const std::string& out, uint64_t max_shard_bytes,
+                                      bool hf) {
+  const std::string who = hf ? "keel export --hf" : "keel export";
   std::string out_dir = out;
   while (out_dir.size() > 1 && out_dir.back() == '/') out_dir.pop_back();
-  const nlohmann::json cfg = hf_config_of(step_dir);
-  check_out(out_dir);
-  const auto tensors = checkpoint::read_weights(step_dir, {}, "keel export --hf");
+  const nlohmann::json meta = verified_meta(step_dir, who);
+  const nlohmann::json cfg = hf ? hf_config_of(meta, step_dir) : nlohmann::json();
+  check_out(out_dir, who);
+  const auto tensors = checkpoint::read_weights(step_dir, {}, who);
   const auto shards = cut_shards(tensors, max_shard_bytes);
   const std::string tmp = out_dir + ".partial." + std::to_string(::getpid());
   std::error_code ec;
   fs::remove_all(tmp, ec);
-  if (const std::string err = make_dirs(tmp); !err.empty()) throw std::runtime_error("keel export --hf: " + err);
+  if (const std::string err = make_dirs(tmp); !err.empty()) throw std::runtime_error(who + ": " + err);
   try {
-    auto files = write_export(shards, cfg, tmp);
+    auto files = write_export(shards, hf ? &cfg : nullptr, tmp);
     if (fs::exists(out_dir, ec)) fs::remove(out_dir);  // the empty directory check_out allowed
     fs::rename(tmp, out_dir);
     const fs::path parent = fs::absolute(out_dir).parent_path();
@@ -145,7 +155,7 @@ std::vector<std::string> export_hf(const std::string& step_dir, const std::strin
     return files;
   } catch (const std::exception& e) {
     fs::remove_all(tmp, ec);
-    throw std::runtime_error("keel export --hf: writing " + out_dir + ": " + e.what());
+    throw std::runtime_error(who + ": writing " + out_dir + ": " + e.what());
   }
 }
 

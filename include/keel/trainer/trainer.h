@@ -176,7 +176,9 @@ std::vector<std::string> registered_schedules();
 struct Callbacks {
   std::function<void(const StepInfo&)> on_step;
   std::function<void(const EvalResult&)> on_eval;
-  /// After the last step (or a stop signal), with the trained model.
+  /// After the last step (or a stop signal), with the trained model. With dist.zero = 3 the
+  /// whole model is gathered for it (on every rank when any rank sets on_end: the gathers are
+  /// collective); without one, the ranks end with their shards only.
   std::function<void(models::Model&)> on_end;
   /// After a checkpoint is committed on every rank: its step and directory.
   std::function<void(int64_t step, const std::string& dir)> on_checkpoint;
@@ -186,7 +188,8 @@ struct Callbacks {
   /// rank) and small values (`values`, the same on every rank; `rank_values`, this rank's).
   /// load_state is called on resume with what was saved (this rank's per-rank part when the
   /// saved job had this rank). A step written by keel 0.1 (format 1) hands you all of its
-  /// shared values (yours under the key you used) and its "extra" tensors.
+  /// shared values (yours under the key you used) and its "extra" tensors. With dist.zero = 3
+  /// the model's parameters are sharded (empty tensors) while save_state and load_state run.
   std::function<void(checkpoint::Component& mine)> save_state;
   std::function<void(const checkpoint::LoadedComponent& mine)> load_state;
   /// The training and evaluation loss, overriding train.loss. Empty: train.loss's (default
