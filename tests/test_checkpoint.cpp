@@ -817,6 +817,30 @@ TEST(CheckpointResume, SavedAtTwoRanksLoadsAtOne) {
   EXPECT_EQ(meta["world_size"], 1);
 }
 
+// A resume on data of another size (here data.synthetic_size; for tokens, data.path's files)
+// loads the newest step and keeps the samples the job consumed in the epoch, clamped to the
+// epoch's end, with a warning naming both sizes: not a refusal of the step (the saved batch
+// index past the smaller epoch) that falls back to an older one.
+TEST(CheckpointResume, AResumeOnDataOfAnotherSizeWarnsNamingBothSizes) {
+  TempDir d;
+  auto first = train_args(d.path(), 10, 5);
+  first.push_back("--data.synthetic_size=512");
+  ASSERT_EQ(run_keel(first).exit_code, 0);
+  auto again = train_args(d.path(), 12, 5);
+  again.push_back("--data.synthetic_size=64");  // 4 batches of 16 per epoch; step 10 was batch 10 of 32
+  const auto r = run_keel(again);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("whose run trained on 512 samples, but the training split now has 64"), std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("remapped from epoch 0 batch 10 to batch 4 (160 samples of the epoch consumed)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(summary_of(d.path())["resumed_from_step"], 10);
+  EXPECT_EQ(summary_of(d.path())["steps"], 12);
+  auto meta = nlohmann::json::parse(read_text(d.file("ckpt/step_10/meta.json")));
+  EXPECT_EQ(meta["components"]["sampler"]["values"]["dataset_size"], 512) << meta["components"]["sampler"].dump();
+}
+
 TEST(CheckpointResume, CorruptNewestStepFallsBackWithAWarningNamingTheFile) {
   TempDir d;
   for (auto& r : run_keel_ranks(2, train_args(d.path(), 10, 5))) ASSERT_EQ(r.exit_code, 0) << r.output;

@@ -1,6 +1,7 @@
 // Data readers: valid IDX files load; truncated, corrupt or mislabelled files give a clear
 // error naming the file; text and synthetic datasets are shaped and deterministic.
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include "helpers.h"
 #include "idx_fixture.h"
@@ -301,6 +302,35 @@ TEST(TokenFiles, BadFilesAreRefusedAtStartNamingThem) {
   write_token_file(d.file("empty.bin"), {}, 2, true);
   EXPECT_NE(error(d.file("empty.bin")).find("holds no tokens"), std::string::npos) << error(d.file("empty.bin"));
   EXPECT_NE(error("").find("needs data.path"), std::string::npos);
+}
+
+// A token file checked at start and truncated under the run (rewritten in place by another job)
+// is a runtime_error naming the file when a window it no longer holds is read: a mapping of
+// the file would have killed the process with SIGBUS.
+TEST(TokenFiles, AFileTruncatedUnderTheRunIsAnErrorNamingItNotASignal) {
+  TempDir d;
+  std::vector<uint32_t> tokens;
+  for (uint32_t i = 0; i < 5000; ++i) tokens.push_back(i % 200);
+  write_token_file(d.file("t.bin"), tokens, 2, true);
+  keel::DataConfig cfg;
+  cfg.name = "tokens";
+  cfg.path = d.file("t.bin");
+  cfg.test_fraction = 0;
+  auto s = keel::data::make_tokens(cfg, token_spec(16));
+  ASSERT_EQ(s.train->size(), (5000 - 1) / 16);
+  EXPECT_EQ(s.train->get({200}).input[0][0].item<int64_t>(), (200 * 16) % 200);
+  ASSERT_EQ(::truncate(d.file("t.bin").c_str(), 1024 + 2 * 100), 0);  // 100 tokens left, in the first page
+  EXPECT_EQ(s.train->get({2}).target[0][15].item<int64_t>(), 48);     // still there
+  try {
+    s.train->get({200});  // bytes 7424-7457: a page wholly past the new end (a mapping's SIGBUS)
+    ADD_FAILURE() << "read a window the file no longer holds";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(d.file("t.bin") + ": cannot read 34 bytes at offset 7424"), std::string::npos) << what;
+    EXPECT_NE(what.find("the file ends at 1224 bytes (truncated or rewritten since the run checked it at start)"),
+              std::string::npos)
+        << what;
+  }
 }
 
 TEST(SyntheticData, DeterministicFromSeedAndShapedForModel) {

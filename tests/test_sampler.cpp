@@ -89,6 +89,51 @@ TEST(Sampler, PositionRestoreContinuesExactly) {
   EXPECT_THROW(b.restore({0, 99}), std::invalid_argument);
 }
 
+// The sampler's checkpoint state carries the dataset's size: a resume on the same data continues
+// at the saved position; on a dataset of another size (the corpus changed) it keeps the samples
+// consumed in the epoch (clamped to the epoch's end when the data shrank) instead of restoring a
+// position that means other samples, or failing on one past the end.
+TEST(Sampler, ResumeOnADatasetOfAnotherSizeKeepsTheSamplesConsumed) {
+  DistributedSampler a(100, 2, 0, 8, true, true, 3);
+  for (int i = 0; i < 4; ++i) a.next();  // epoch 0, 4 of 6 batches: 64 samples of the job
+  keel::checkpoint::Component saved;
+  a.save(saved);
+  EXPECT_EQ(saved.values["dataset_size"], 100);
+  keel::checkpoint::Loaded loaded;
+  loaded.step = 4;
+  loaded.saved_world_size = 2;
+  loaded.has_rank_state = true;
+  keel::checkpoint::LoadedComponent mine;
+  mine.present = true;
+  mine.values = saved.values;
+  mine.rank_values = saved.rank_values;
+
+  DistributedSampler same(100, 2, 0, 8, true, true, 3);
+  EXPECT_EQ(same.check(loaded, mine), "");
+  same.load(loaded, mine);
+  EXPECT_EQ(same.position(), (DistributedSampler::Position{0, 4}));
+  EXPECT_EQ(same.next(), a.next());
+
+  DistributedSampler grown(200, 2, 0, 4, true, true, 3);  // 25 batches of a global 8
+  EXPECT_EQ(grown.check(loaded, mine), "");
+  grown.load(loaded, mine);
+  EXPECT_EQ(grown.position(), (DistributedSampler::Position{0, 8}));  // 64 samples / 8
+
+  DistributedSampler shrunk(40, 2, 0, 4, true, true, 3);  // 5 batches: the saved batch 4 of 8 would not say 64
+  EXPECT_EQ(shrunk.check(loaded, mine), "");
+  shrunk.load(loaded, mine);
+  EXPECT_EQ(shrunk.position(), (DistributedSampler::Position{0, 5}));  // the epoch's end: the next batch opens epoch 1
+
+  DistributedSampler tiny(34, 2, 0, 8, true, true, 3);  // 2 batches per epoch, same world and batch
+  EXPECT_EQ(tiny.check(loaded, mine), "");              // not "past the epoch's 2 batches"
+  tiny.load(loaded, mine);
+  EXPECT_EQ(tiny.position(), (DistributedSampler::Position{0, 2}));
+
+  mine.values["dataset_size"] = -3;
+  EXPECT_NE(same.check(loaded, mine).find("values.dataset_size = -3 is not an integer"), std::string::npos)
+      << same.check(loaded, mine);
+}
+
 TEST(Sampler, TooFewSamplesForOneBatch) {
   EXPECT_THROW(DistributedSampler(10, 2, 0, 8, true, true, 0), std::invalid_argument);
 }

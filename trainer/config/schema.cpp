@@ -193,7 +193,7 @@ void data_keys(SchemaBuilder& b) {
         "dataset: fashion_mnist | text | tokens | synthetic | a registered name");
   b.add("data", &C::data, "path", &DataConfig::path,
         "dataset location; \"\" = default (fashion_mnist: /usr/share/datasets/fashion-mnist); tokens: a token "
-        "file or a glob of shards (data/fineweb_train_*.bin), read memory-mapped");
+        "file or a glob of shards (data/fineweb_train_*.bin), read in place");
   b.add("data", &C::data, "drop_last", &DataConfig::drop_last,
         "drop each epoch's incomplete last batch (keeps shapes static)");
   b.add("data", &C::data, "shuffle", &DataConfig::shuffle,

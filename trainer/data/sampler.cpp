@@ -76,6 +76,7 @@ void DistributedSampler::restore(const Position& p) {
 void DistributedSampler::save(checkpoint::Component& mine) const {
   mine.values["data_position"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
   mine.values["batch_size"] = batch_;
+  mine.values["dataset_size"] = size_;
   mine.rank_values["sampler"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
   mine.rank_values["batch_size"] = batch_;
   mine.rank_values["world_size"] = world_;
@@ -85,13 +86,15 @@ void DistributedSampler::save(checkpoint::Component& mine) const {
 void DistributedSampler::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
   const auto& rs = mine.rank_values;
   const int64_t saved_world = loaded.saved_world_size;
-  if (loaded.has_rank_state && saved_world == world_ && rs.value("batch_size", int64_t{-1}) == batch_) {
+  const int64_t saved_size = mine.values.value("dataset_size", size_);  // absent before 2026-12: assumed unchanged
+  if (loaded.has_rank_state && saved_world == world_ && rs.value("batch_size", int64_t{-1}) == batch_ &&
+      saved_size == size_) {
     restore({rs["sampler"]["epoch"].get<int64_t>(), rs["sampler"]["batch"].get<int64_t>()});
     return;
   }
-  // Another world size (or batch size): keep the position in the data as the number of samples
-  // the whole job has consumed in the current epoch, and start every rank at the first global
-  // batch not fully consumed.
+  // Another world size, batch size or dataset: keep the position in the data as the number of
+  // samples the whole job has consumed in the current epoch, and start every rank at the first
+  // global batch not fully consumed (the end of the epoch when the dataset shrank below it).
   int64_t e = 0, b = 0;  // every rank of the saved job had this position
   if (mine.values.contains("data_position")) {
     e = mine.values["data_position"].value("epoch", int64_t{0});
@@ -102,11 +105,18 @@ void DistributedSampler::load(const checkpoint::Loaded& loaded, const checkpoint
   const int64_t per_global = world_ * batch_;
   const int64_t nb = std::min(consumed / per_global, batches_per_epoch_);
   restore({e, nb});
-  logging::warn(
-      "resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
-      "remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed){}",
-      saved_world, saved_batch, world_, batch_, e, b, nb, consumed,
-      consumed % per_global ? "; the partial global batch is skipped" : "");
+  if (saved_size != size_)
+    logging::warn(
+        "resuming a checkpoint whose run trained on {} samples, but the training split now has {} (data.path, "
+        "its files or data.test_fraction changed since that step): the order of samples differs from the saved "
+        "run's; data position remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed)",
+        saved_size, size_, e, b, nb, consumed);
+  else
+    logging::warn(
+        "resuming a checkpoint saved by {} ranks x batch {} on {} ranks x batch {}: data position "
+        "remapped from epoch {} batch {} to batch {} ({} samples of the epoch consumed){}",
+        saved_world, saved_batch, world_, batch_, e, b, nb, consumed,
+        consumed % per_global ? "; the partial global batch is skipped" : "");
 }
 
 namespace {
@@ -128,8 +138,9 @@ std::string DistributedSampler::check(const checkpoint::Loaded& loaded, const ch
     for (const char* k : {"epoch", "batch"})
       if (auto p = int_in(sh["data_position"], k, 0, kBig, "values.data_position"); !p.empty()) return p;
   }
-  if (sh.contains("batch_size"))
-    if (auto p = int_in(sh, "batch_size", 1, kBig, "values"); !p.empty()) return p;
+  for (const char* k : {"batch_size", "dataset_size"})
+    if (sh.contains(k))
+      if (auto p = int_in(sh, k, 1, kBig, "values"); !p.empty()) return p;
   if (!loaded.has_rank_state) return "";
   const auto& rs = mine.rank_values;
   const std::string where = "rank " + std::to_string(rank_) + "'s state";
@@ -139,7 +150,7 @@ std::string DistributedSampler::check(const checkpoint::Loaded& loaded, const ch
   if (auto p = int_in(rs, "world_size", loaded.saved_world_size, loaded.saved_world_size, where); !p.empty()) return p;
   if (auto p = int_in(rs, "rank", rank_, rank_, where); !p.empty()) return p;
   if (auto p = int_in(rs, "batch_size", 1, kBig, where); !p.empty()) return p;
-  if (loaded.saved_world_size == world_ && rs["batch_size"] == batch_ &&
+  if (loaded.saved_world_size == world_ && rs["batch_size"] == batch_ && sh.value("dataset_size", size_) == size_ &&
       rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
     return where + ".sampler.batch = " + rs["sampler"]["batch"].dump() + " is past the epoch's " +
            std::to_string(batches_per_epoch_) + " batches";

@@ -6,8 +6,9 @@
 // it. Hence N ranks with batch B see, step for step, the same samples as one rank with batch
 // N*B. Its position (epoch, batch) can be reported and restored for exact resume.
 // Its checkpoint state (checkpoint::Stateful): this rank's position in its rank_values, and the
-// job's position in its values (data_position, batch_size), from which a job of another world
-// size or batch size resumes at the first global batch not fully consumed.
+// job's position in its values (data_position, batch_size, dataset_size), from which a job of
+// another world size, batch size or dataset resumes at the first global batch not fully
+// consumed (a changed dataset with a warning naming both sizes).
 // Does not own: loading samples (trainer/data/data.h).
 #pragma once
 
@@ -42,7 +43,7 @@ class DistributedSampler : public checkpoint::Stateful {
   std::vector<int64_t> rank_indices(int64_t epoch) const;
 
   void save(checkpoint::Component& mine) const override;
-  /// The saved position when the saved job had this world size and batch size; otherwise the
+  /// The saved position when the saved job had this world size, batch size and dataset size; otherwise the
   /// samples the whole job consumed in the saved epoch, mapped to this job's global batches
   /// (docs/checkpoints.md), with a warning.
   void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;

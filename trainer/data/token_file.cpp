@@ -1,7 +1,8 @@
 #include "trainer/data/token_file.h"
 
 #include <glob.h>
-#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 #include <limits>
+#include <stdexcept>
 
 #include <ATen/Parallel.h>
 
@@ -51,19 +53,49 @@ Header parse_header(const int32_t* h, uint64_t file_bytes) {
   return r;
 }
 
+// Reads exactly `n` bytes at `offset`, or throws naming the file: a token file that shrinks
+// under a run (truncated or rewritten in place) is an error, never a SIGBUS as a mapping gives.
+void read_exactly(int fd, const std::string& path, uint64_t offset, size_t n, uint8_t* out) {
+  size_t got = 0;
+  while (got < n) {
+    const ssize_t r = ::pread(fd, out + got, n - got, static_cast<off_t>(offset + got));
+    if (r < 0 && errno == EINTR) continue;
+    if (r < 0)
+      throw std::runtime_error(path + ": cannot read " + std::to_string(n) + " bytes at offset " +
+                               std::to_string(offset) + ": " + std::strerror(errno));
+    if (r == 0) {
+      struct stat st {};
+      const std::string now = ::fstat(fd, &st) == 0 ? "the file ends at " + std::to_string(st.st_size) + " bytes"
+                                                    : "the file ends before them";
+      throw std::runtime_error(path + ": cannot read " + std::to_string(n) + " bytes at offset " +
+                               std::to_string(offset) + ": " + now +
+                               " (truncated or rewritten since the run checked it at start)");
+    }
+    got += static_cast<size_t>(r);
+  }
+}
+
+// The first token >= vocab among `count` tokens of `width` bytes from byte `begin` of `fd`: a
+// parallel scan in 1 MiB chunks, or -1.
 template <class T>
-int64_t first_at_or_above_in(const uint8_t* base, int64_t count, int64_t vocab) {
-  const auto* t = reinterpret_cast<const T*>(base);
+int64_t first_at_or_above_in(int fd, const std::string& path, uint64_t begin, int64_t count, int64_t vocab) {
+  constexpr int64_t kChunk = (int64_t{1} << 20) / static_cast<int64_t>(sizeof(T));
   std::atomic<int64_t> first{std::numeric_limits<int64_t>::max()};
-  at::parallel_for(0, count, int64_t{1} << 20, [&](int64_t b, int64_t e) {
-    if (b >= first.load(std::memory_order_relaxed)) return;
-    for (int64_t i = b; i < e; ++i)
-      if (static_cast<int64_t>(t[i]) >= vocab) {
-        int64_t seen = first.load();
-        while (i < seen && !first.compare_exchange_weak(seen, i)) {
+  at::parallel_for(0, (count + kChunk - 1) / kChunk, 1, [&](int64_t cb, int64_t ce) {
+    std::vector<T> buf(static_cast<size_t>(kChunk));
+    for (int64_t c = cb; c < ce; ++c) {
+      const int64_t b = c * kChunk, n = std::min(kChunk, count - b);
+      if (b >= first.load(std::memory_order_relaxed)) return;
+      read_exactly(fd, path, begin + static_cast<uint64_t>(b) * sizeof(T), static_cast<size_t>(n) * sizeof(T),
+                   reinterpret_cast<uint8_t*>(buf.data()));
+      for (int64_t i = 0; i < n; ++i)
+        if (static_cast<int64_t>(buf[static_cast<size_t>(i)]) >= vocab) {
+          int64_t seen = first.load();
+          while (b + i < seen && !first.compare_exchange_weak(seen, b + i)) {
+          }
+          return;
         }
-        return;
-      }
+    }
   });
   const int64_t f = first.load();
   return f == std::numeric_limits<int64_t>::max() ? -1 : f;
@@ -102,6 +134,12 @@ std::vector<std::shared_ptr<TokenFile>> open_corpus(const std::string& pattern, 
   const int64_t T = spec.sample_shape.at(0);
   std::vector<std::shared_ptr<TokenFile>> files;
   offsets = {0};
+  // Every file stays open for the run (read with pread): a corpus of many shards may need more
+  // descriptors than the default soft limit of 1024, so take what the hard limit allows.
+  if (rlimit l{}; ::getrlimit(RLIMIT_NOFILE, &l) == 0 && l.rlim_cur < l.rlim_max) {
+    l.rlim_cur = l.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &l);
+  }
   std::string sizes;
   for (const auto& path : token_paths(pattern, key)) {
     auto f = std::make_shared<TokenFile>(path, cfg.token_dtype);
@@ -154,27 +192,25 @@ TokenFile::TokenFile(const std::string& path, TokenDtype dtype) : path_(path) {
       problem = std::to_string(bytes) + " bytes is not a whole number of " + dtype_name(width_) + " tokens";
   }
   if (problem.empty() && count_ == 0) problem = "holds no tokens";
-  if (problem.empty()) {
-    map_bytes_ = static_cast<size_t>(bytes);
-    void* m = ::mmap(nullptr, map_bytes_, PROT_READ, MAP_SHARED, fd, 0);
-    if (m == MAP_FAILED)
-      problem = std::string("cannot map it: ") + std::strerror(errno);
-    else
-      map_ = static_cast<const uint8_t*>(m);
-  }
-  ::close(fd);
   if (!problem.empty()) {
-    if (map_) ::munmap(const_cast<uint8_t*>(map_), map_bytes_);
+    ::close(fd);
     throw InputError(path + ": " + problem);
   }
+  fd_ = fd;
 }
 
 TokenFile::~TokenFile() {
-  if (map_) ::munmap(const_cast<uint8_t*>(map_), map_bytes_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 void TokenFile::read(int64_t start, int64_t n, int64_t* out) const {
-  const uint8_t* p = map_ + header_ + static_cast<size_t>(start) * width_;
+  if (start < 0 || n < 0 || start + n > count_)
+    throw std::out_of_range(path_ + ": tokens [" + std::to_string(start) + ", " + std::to_string(start + n) +
+                            ") are outside its " + std::to_string(count_));
+  std::vector<uint8_t> bytes(static_cast<size_t>(n) * static_cast<size_t>(width_));
+  read_exactly(fd_, path_, header_ + static_cast<uint64_t>(start) * static_cast<uint64_t>(width_), bytes.size(),
+               bytes.data());
+  const uint8_t* p = bytes.data();
   if (width_ == 2) {
     for (int64_t i = 0; i < n; ++i) {
       uint16_t v;
@@ -191,11 +227,8 @@ void TokenFile::read(int64_t start, int64_t n, int64_t* out) const {
 }
 
 std::pair<int64_t, int64_t> TokenFile::first_at_or_above(int64_t vocab) const {
-  const uint8_t* base = map_ + header_;
-  ::madvise(const_cast<uint8_t*>(map_), map_bytes_, MADV_SEQUENTIAL);
-  const int64_t at = width_ == 2 ? first_at_or_above_in<uint16_t>(base, count_, vocab)
-                                 : first_at_or_above_in<uint32_t>(base, count_, vocab);
-  ::madvise(const_cast<uint8_t*>(map_), map_bytes_, MADV_RANDOM);  // training reads windows anywhere
+  const int64_t at = width_ == 2 ? first_at_or_above_in<uint16_t>(fd_, path_, header_, count_, vocab)
+                                 : first_at_or_above_in<uint32_t>(fd_, path_, header_, count_, vocab);
   int64_t token = -1;
   if (at >= 0) read(at, 1, &token);
   return {at, token};
