@@ -56,7 +56,9 @@ using PostBackward = BlockBoundary<false>;
 }  // namespace
 
 // A unit of the placement with its tensors.
-struct FullyShard::Unit : Placement::Unit {
+// A unit's tensors; its layout is the placement's (placement_.units(), which outlives it).
+struct FullyShard::Unit {
+  const Placement::Unit& layout;
   torch::Tensor full;  // world x shard elements; no memory unless gathered or gathering
   torch::Tensor shard_data, shard_grad;
   torch::Tensor placeholder;  // 0 elements: what each parameter is while not gathered
@@ -73,7 +75,6 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
       coll_(std::move(coll)),
       placement_(std::move(placement)),
       params_(model_->named_parameters()),
-      keep_(!placement_.shards_parameters()),
       in_order_(reduce_in_order) {
   const int64_t world = coll_->size(), rank = coll_->rank();
   if (!placement_.shards_gradients() || placement_.world() != world || placement_.num_params() != params_.size())
@@ -85,26 +86,27 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
                      ": use dist.backend = \"nccl\" for a GPU, or dist.zero <= 1");
   torch::NoGradGuard ng;
   for (const auto& layout : placement_.units()) {
-    units_.push_back(std::make_unique<Unit>());
+    units_.push_back(std::unique_ptr<Unit>(new Unit{layout}));
     Unit& u = *units_.back();
-    static_cast<Placement::Unit&>(u) = layout;
-    if (u.params.empty()) continue;
-    const auto opts = params_[u.params.front()].second.options().requires_grad(false);
-    auto flat = torch::zeros({u.shard * world}, opts);
-    for (size_t k = 0; k < u.params.size(); ++k)
-      flat.narrow(0, u.offsets[k], u.sizes[k]).copy_(params_[u.params[k]].second.detach().reshape({-1}));
-    if (keep_) {  // stage 2: the whole buffer stays; the parameters become views of it
+    if (u.layout.params.empty()) continue;
+    const auto opts = params_[u.layout.params.front()].second.options().requires_grad(false);
+    auto flat = torch::zeros({u.layout.shard * world}, opts);
+    for (size_t k = 0; k < u.layout.params.size(); ++k)
+      flat.narrow(0, u.layout.offsets[k], u.layout.sizes[k])
+          .copy_(params_[u.layout.params[k]].second.detach().reshape({-1}));
+    if (keeps_whole()) {  // stage 2: the whole buffer stays; the parameters become views of it
       u.full = flat;
-      u.shard_data = u.full.narrow(0, rank * u.shard, u.shard);
-      for (size_t k = 0; k < u.params.size(); ++k)
-        params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], u.sizes[k]).view(u.shapes[k]));
+      u.shard_data = u.full.narrow(0, rank * u.layout.shard, u.layout.shard);
+      for (size_t k = 0; k < u.layout.params.size(); ++k)
+        params_[u.layout.params[k]].second.set_data(
+            u.full.narrow(0, u.layout.offsets[k], u.layout.sizes[k]).view(u.layout.shapes[k]));
       u.gathered = true;
     } else {
-      u.shard_data = flat.narrow(0, rank * u.shard, u.shard).clone();
-      u.full = torch::empty({u.shard * world}, opts);
+      u.shard_data = flat.narrow(0, rank * u.layout.shard, u.layout.shard).clone();
+      u.full = torch::empty({u.layout.shard * world}, opts);
       release_storage(u.full);
       u.placeholder = torch::empty({0}, opts);
-      for (size_t i : u.params) params_[i].second.set_data(u.placeholder);  // the replicated copy is freed here
+      for (size_t i : u.layout.params) params_[i].second.set_data(u.placeholder);  // the replicated copy is freed here
     }
     u.shard_grad = torch::zeros_like(u.shard_data);
   }
@@ -123,34 +125,35 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
   for (size_t i = 0; i < placement_.num_params(); ++i) all += placement_.numel(i);
   logging::info("ZeRO stage {}: {} blocks and the parameters outside them sharded{}; this rank owns {} of {} elements",
                 placement_.stage(), units_.size() - 1,
-                keep_ ? " (gradients and optimizer state; parameters kept whole)" : "", mine, all);
+                keeps_whole() ? " (gradients and optimizer state; parameters kept whole)" : "", mine, all);
 }
 
 FullyShard::~FullyShard() { model_->set_block_hooks(nullptr); }
 
 void FullyShard::start_gather(Unit& u) {
-  if (u.gathered || u.gathering || u.params.empty()) return;
+  if (u.gathered || u.gathering || u.layout.params.empty()) return;
   allocate_storage(u.full);
-  u.gathering = coll_->start_all_gather_into(u.full, u.shard_data,
-                                             keep_ ? "ZeRO-2 parameter all-gather" : "ZeRO-3 parameter all-gather");
+  u.gathering = coll_->start_all_gather_into(
+      u.full, u.shard_data, keeps_whole() ? "ZeRO-2 parameter all-gather" : "ZeRO-3 parameter all-gather");
 }
 
 void FullyShard::gather(Unit& u) {
-  if (u.gathered || u.params.empty()) return;
+  if (u.gathered || u.layout.params.empty()) return;
   start_gather(u);
   u.gathering.wait();
   torch::NoGradGuard ng;
-  for (size_t k = 0; k < u.params.size(); ++k) {
-    params_[u.params[k]].second.set_data(u.full.narrow(0, u.offsets[k], u.sizes[k]).view(u.shapes[k]));
+  for (size_t k = 0; k < u.layout.params.size(); ++k) {
+    params_[u.layout.params[k]].second.set_data(
+        u.full.narrow(0, u.layout.offsets[k], u.layout.sizes[k]).view(u.layout.shapes[k]));
   }
   u.gathered = true;
 }
 
 void FullyShard::free(Unit& u) {
-  if (held_ || keep_ || u.params.empty()) return;
+  if (held_ || keeps_whole() || u.layout.params.empty()) return;
   u.gathering.wait();  // a prefetch still writing into it
   torch::NoGradGuard ng;
-  for (size_t i : u.params) params_[i].second.set_data(u.placeholder);
+  for (size_t i : u.layout.params) params_[i].second.set_data(u.placeholder);
   release_storage(u.full);
   u.gathered = false;
 }
@@ -164,37 +167,38 @@ void FullyShard::finish_reduce(Unit& u) {
 }
 
 void FullyShard::reduce(Unit& u) {
-  if (u.reduced || u.params.empty()) return;
+  if (u.reduced || u.layout.params.empty()) return;
   u.reduced = true;
   // One reduce-scatter in flight at a time: the previous block's full gradients are freed
   // before this one's are copied, so a rank never holds more than two blocks' of them.
   for (auto& other : units_) finish_reduce(*other);
   torch::NoGradGuard ng;
   u.grad_full = torch::empty({u.full.numel()}, u.shard_data.options());
-  for (size_t k = 0; k < u.params.size(); ++k) {
-    auto& p = params_[u.params[k]].second;
+  for (size_t k = 0; k < u.layout.params.size(); ++k) {
+    auto& p = params_[u.layout.params[k]].second;
     const auto& g = p.grad();
-    auto to = u.grad_full.narrow(0, u.offsets[k], u.sizes[k]);
+    auto to = u.grad_full.narrow(0, u.layout.offsets[k], u.layout.sizes[k]);
     if (g.defined())
       to.copy_(g.reshape({-1}));
     else
       to.zero_();                        // not used in this micro-batch
     p.mutable_grad() = torch::Tensor();  // the full gradient is freed
     // The alignment gap after it (and the padding after the last).
-    const int64_t gap = u.offsets[k] + u.sizes[k], next = k + 1 < u.params.size() ? u.offsets[k + 1] : u.full.numel();
+    const int64_t gap = u.layout.offsets[k] + u.layout.sizes[k],
+                  next = k + 1 < u.layout.params.size() ? u.layout.offsets[k + 1] : u.full.numel();
     if (next > gap) u.grad_full.narrow(0, gap, next - gap).zero_();
   }
   u.grad_full.div_(static_cast<double>(coll_->size()));  // an average, as DDP's all-reduce
   u.grad_out = torch::empty_like(u.shard_data);
   u.scattering = coll_->start_reduce_scatter(
-      u.grad_out, u.grad_full, keep_ ? "ZeRO-2 gradient reduce-scatter" : "ZeRO-3 gradient reduce-scatter");
+      u.grad_out, u.grad_full, keeps_whole() ? "ZeRO-2 gradient reduce-scatter" : "ZeRO-3 gradient reduce-scatter");
 }
 
 void FullyShard::before_forward(bool sync) {
   if (held_) return;
-  sync_ = sync || !keep_;  // stage 3 does not keep full gradients between micro-batches
+  sync_ = sync || !keeps_whole();  // stage 3 does not keep full gradients between micro-batches
   for (auto& u : units_) u->reduced = false;
-  if (keep_) return;
+  if (keeps_whole()) return;
   gather(*units_.back());
   if (units_.size() > 1) start_gather(*units_.front());
 }
@@ -203,12 +207,12 @@ torch::Tensor FullyShard::enter(size_t block, const torch::Tensor& input) {
   if (held_ || block + 1 >= units_.size()) return input;
   gather(*units_[block]);
   if (block + 2 < units_.size()) start_gather(*units_[block + 1]);
-  if (!sync_ || (keep_ && in_order_) || !torch::GradMode::is_enabled() || !input.requires_grad()) return input;
+  if (!sync_ || (keeps_whole() && in_order_) || !torch::GradMode::is_enabled() || !input.requires_grad()) return input;
   return PostBackward::apply(input, as_int(this), static_cast<int64_t>(block));
 }
 
 torch::Tensor FullyShard::leave(size_t block, const torch::Tensor& output) {
-  if (held_ || keep_ || block + 1 >= units_.size()) return output;
+  if (held_ || keeps_whole() || block + 1 >= units_.size()) return output;
   auto out = torch::GradMode::is_enabled() && output.requires_grad()
                  ? PreBackward::apply(output, as_int(this), static_cast<int64_t>(block))
                  : output;
@@ -233,10 +237,10 @@ void FullyShard::after_backward() {
   // block was reduced would be lost: that is a model whose block is not self-contained.
   for (auto& up : units_) {
     std::string late;
-    for (size_t i : up->params)
+    for (size_t i : up->layout.params)
       if (params_[i].second.grad().defined()) late = params_[i].first;
     if (!late.empty() && up->reduced)
-      throw std::logic_error(placement_.key() + ": the gradient of '" + late + "' arrived after " + up->name +
+      throw std::logic_error(placement_.key() + ": the gradient of '" + late + "' arrived after " + up->layout.name +
                              " was reduced: a block's parameters must be used inside the block only (BlockStructure)");
     if (in_order_ || !late.empty() || up.get() == units_.back().get()) reduce(*up);
     free(*up);
@@ -245,11 +249,11 @@ void FullyShard::after_backward() {
 }
 
 void FullyShard::sync_parameters() {
-  if (!keep_ || coll_->size() == 1) return;
+  if (!keeps_whole() || coll_->size() == 1) return;
   // Each unit's own range is the all-gather's input and part of its output: it goes from a copy.
   std::vector<Collectives::Started> started;
   for (auto& up : units_)
-    if (!up->params.empty())
+    if (!up->layout.params.empty())
       started.push_back(coll_->start_all_gather_into(up->full, up->shard_data.clone(), "ZeRO-2 parameter all-gather"));
   for (auto& s : started) s.wait();
 }
@@ -291,24 +295,25 @@ models::NamedTensors FullyShard::whole_state(const models::NamedTensors& piece_s
   torch::NoGradGuard ng;
   for (const auto& up : units_) {
     const Unit& u = *up;
-    if (u.params.empty()) continue;
+    if (u.layout.params.empty()) continue;
     for (const auto& f : tensors) {
       auto shard = torch::zeros_like(u.shard_data);
       for (size_t i = 0; i < pieces_.size(); ++i)
         if (units_[piece_at_[i].unit].get() == &u)
           if (auto it = mine.find(pieces_[i].first + "." + f); it != mine.end())
             shard.narrow(0, piece_at_[i].in_shard, it->second.numel()).copy_(it->second.reshape({-1}));
-      auto full = torch::empty({u.shard * coll_->size()}, shard.options());
+      auto full = torch::empty({u.layout.shard * coll_->size()}, shard.options());
       coll_->start_all_gather_into(full, shard, "ZeRO checkpoint: optimizer state all-gather").wait();
-      for (size_t k = 0; k < u.params.size(); ++k) {
-        const size_t i = u.params[k];
+      for (size_t k = 0; k < u.layout.params.size(); ++k) {
+        const size_t i = u.layout.params[k];
         if (owner[i] != coll_->rank() || t[i] < 0) continue;
-        const int64_t n = c10::multiply_integers(u.shapes[k]);
-        out.emplace_back(params_[i].first + "." + f, full.narrow(0, u.offsets[k], n).view(u.shapes[k]).clone());
+        const int64_t n = c10::multiply_integers(u.layout.shapes[k]);
+        out.emplace_back(params_[i].first + "." + f,
+                         full.narrow(0, u.layout.offsets[k], n).view(u.layout.shapes[k]).clone());
       }
     }
-    for (size_t k = 0; k < u.params.size(); ++k) {
-      const size_t i = u.params[k];
+    for (size_t k = 0; k < u.layout.params.size(); ++k) {
+      const size_t i = u.layout.params[k];
       if (owner[i] != coll_->rank() || t[i] < 0) continue;
       for (int64_t s = 0; s < S; ++s)
         if (t[P * (1 + s) + static_cast<int64_t>(i)] >= 0)
@@ -348,11 +353,12 @@ models::NamedTensors FullyShard::whole_owned_parameters() {
     Unit& u = *up;
     const bool held = u.gathered;
     gather(u);
-    for (size_t k = 0; k < u.params.size(); ++k)
-      if (placement_.owner(u.params[k]) == coll_->rank())  // to the host at once: the device keeps one unit
-        out.emplace_back(params_[u.params[k]].first, u.full.narrow(0, u.offsets[k], u.sizes[k])
-                                                         .view(u.shapes[k])
-                                                         .to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
+    for (size_t k = 0; k < u.layout.params.size(); ++k)
+      if (placement_.owner(u.layout.params[k]) == coll_->rank())  // to the host at once: the device keeps one unit
+        out.emplace_back(params_[u.layout.params[k]].first,
+                         u.full.narrow(0, u.layout.offsets[k], u.layout.sizes[k])
+                             .view(u.layout.shapes[k])
+                             .to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
     if (!held) free(u);
   }
   return out;
@@ -362,7 +368,7 @@ void FullyShard::load_pieces(const models::NamedTensors& whole) {
   // Only the shards are written: a whole copy (stage 2's buffers, a gathered unit) would keep
   // the old values.
   for (const auto& u : units_)
-    if (keep_ || (u->gathered && !u->params.empty()))
+    if (keeps_whole() || (u->gathered && !u->layout.params.empty()))
       throw std::logic_error("FullyShard::load_pieces: stage 3 with no unit gathered only");
   std::map<std::string, const torch::Tensor*> by_name;
   for (const auto& [n, t] : whole) by_name[n] = &t;
@@ -378,16 +384,16 @@ void FullyShard::load_pieces(const models::NamedTensors& whole) {
 models::NamedTensors FullyShard::parameter_shapes() const {
   models::NamedTensors out(params_.size());  // model order
   for (const auto& up : units_)
-    for (size_t k = 0; k < up->params.size(); ++k)
-      out[up->params[k]] = {params_[up->params[k]].first,
-                            torch::empty(up->shapes[k], up->shard_data.options().device(torch::kMeta))};
+    for (size_t k = 0; k < up->layout.params.size(); ++k)
+      out[up->layout.params[k]] = {params_[up->layout.params[k]].first,
+                                   torch::empty(up->layout.shapes[k], up->shard_data.options().device(torch::kMeta))};
   return out;
 }
 
 int64_t FullyShard::parameter_bytes() const {
   int64_t b = 0;
   for (const auto& u : units_)
-    if (u->shard_data.defined()) b += static_cast<int64_t>(keep_ ? u->full.nbytes() : u->shard_data.nbytes());
+    if (u->shard_data.defined()) b += static_cast<int64_t>(keeps_whole() ? u->full.nbytes() : u->shard_data.nbytes());
   return b;
 }
 

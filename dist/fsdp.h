@@ -118,6 +118,7 @@ class FullyShard final : public models::BlockHooks {
   void free(Unit& u);
   void reduce(Unit& u);
   void finish_reduce(Unit& u);  // waits for its reduce-scatter and adds the sums into its shard
+  bool keeps_whole() const { return !placement_.shards_parameters(); }  // stage 2: parameters stay whole
 
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
@@ -127,7 +128,6 @@ class FullyShard final : public models::BlockHooks {
   models::NamedTensors pieces_;
   std::vector<Placement::Piece> piece_at_;  // parallel to pieces_
   bool held_ = false;                       // hold(): every unit gathered, the hooks do nothing
-  bool keep_ = false;                       // stage 2: the parameters stay whole
   bool sync_ = true;                        // this micro-batch's gradients are reduced
   bool in_order_ = false;                   // every unit reduced after the backward, in order
 };

@@ -35,12 +35,12 @@ void ModelState::load(const checkpoint::Loaded& loaded, const checkpoint::Loaded
     // The step against the model's shapes (on the meta device: nothing is copied), then each
     // rank's pieces from the whole parameters read, and the buffers.
     checkpoint::NamedTensors shapes = sharded_->parameter_shapes(), saved, buffers, saved_buffers;
+    std::set<std::string> is_buffer;
     for (const auto& [n, t] : model_->named_buffers()) {
       shapes.emplace_back(n, t.to(torch::kMeta));
       buffers.emplace_back(n, t);
+      is_buffer.insert(n);
     }
-    std::set<std::string> is_buffer;
-    for (const auto& [n, t] : buffers) is_buffer.insert(n);
     for (const auto& [n, t] : mine.tensors) {
       saved.emplace_back(n, t.to(torch::kMeta));
       if (is_buffer.count(n)) saved_buffers.emplace_back(n, t);
