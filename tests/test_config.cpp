@@ -84,6 +84,26 @@ TEST(ConfigErrors, TokenFileKeysWithAnotherDataset) {
       load_error("[data]\nname = \"tokens\"\npath = \"t.bin\"\ntoken_dtype = \"uint32\"\ntest_path = \"v.bin\"\n"), "");
 }
 
+// The Hugging Face families' keys given to a built-in model that does not read them are refused
+// by name instead of being ignored; each family takes its own.
+TEST(ConfigErrors, HfFamilyKeysWithAModelThatDoesNotReadThem) {
+  auto msg = load_error("[model]\nname = \"gpt2\"\nkv_heads = 2\n");
+  EXPECT_NE(msg.find("model.kv_heads is read only with model.name = \"llama\" (model.name = \"gpt2\")"),
+            std::string::npos)
+      << msg;
+  msg = load_error("[model]\nname = \"gpt2\"\nrope_theta = 500000.0\n");
+  EXPECT_NE(msg.find("model.rope_theta is read only with model.name = \"llama\""), std::string::npos) << msg;
+  msg = load_error("[model]\nname = \"gpt\"\nffn_width = 128\n");
+  EXPECT_NE(msg.find("model.ffn_width is read only with model.name = \"gpt2\" or \"llama\" (model.name = \"gpt\")"),
+            std::string::npos)
+      << msg;
+  msg = load_error("[model]\nname = \"mlp\"\ntie_embeddings = false\n");
+  EXPECT_NE(msg.find("model.tie_embeddings is read only with"), std::string::npos) << msg;
+  EXPECT_EQ(load_error("[model]\nname = \"llama\"\nkv_heads = 2\nrope_theta = 500000.0\nffn_width = 128\n"), "");
+  EXPECT_EQ(load_error("[model]\nname = \"gpt2\"\nffn_width = 128\nnorm_eps = 1e-6\ntie_embeddings = false\n"), "");
+  EXPECT_EQ(load_error("[model]\nname = \"gpt2\"\nkv_heads = 0\n"), "");  // the default: nothing to ignore
+}
+
 TEST(ConfigErrors, KeyOutsideSection) {
   auto msg = load_error("lr = 3\n");
   EXPECT_NE(msg.find("outside any section"), std::string::npos) << msg;

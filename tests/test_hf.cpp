@@ -235,6 +235,15 @@ TEST(HfModels, ExportedStepsLoadInTransformersWithKeelsLogits) {
     if (py.exit_code == kSkip) GTEST_SKIP() << py.output;
     EXPECT_EQ(py.exit_code, 0) << run.label << ": " << py.output;
     std::printf("%s: %s", run.label.c_str(), py.output.c_str());
+    if (run.amp != "bf16") continue;
+    // The bf16 run exported in bf16 (--dtype): config.json says so, and transformers loads it in
+    // bf16 with keel's float32 logits within bf16's rounding.
+    auto x16 = run_keel({"export", "--hf", step, d.file("out16"), "--dtype=bfloat16"});
+    ASSERT_EQ(x16.exit_code, 0) << x16.output;
+    EXPECT_EQ(nlohmann::json::parse(read_text(d.file("out16/config.json")))["dtype"], "bfloat16");
+    auto py16 = hf({"load", d.file("out16"), d.file("keel.safetensors"), "2e-2"});
+    EXPECT_EQ(py16.exit_code, 0) << run.label << " in bfloat16: " << py16.output;
+    std::printf("%s, exported in bfloat16: %s", run.label.c_str(), py16.output.c_str());
   }
 }
 

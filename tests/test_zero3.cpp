@@ -471,7 +471,7 @@ TEST(Zero3, MlpAdamWStages1To3MatchStage0AtThreeRanks) {
 // Item 6's export: a stage-3 step (each rank wrote the parameters it owns) as one safetensors
 // file holding every model tensor of the step, which PyTorch's safetensors.torch.load_file
 // reads, and as 64 KB shards with an index.
-TEST(Zero3, ExportOfAStage3StepIsOneFilePyTorchLoads) {
+TEST(Zero3, ExportOfAStage3StepIsOneFilePyTorchLoadsInTheDtypeAsked) {
   TempDir d;
   expect_all_ok(
       run_keel_ranks(2, {"train", "--model.name=mlp", "--data.name=synthetic", "--dist.zero=3", "--train.steps=4",
@@ -509,6 +509,26 @@ TEST(Zero3, ExportOfAStage3StepIsOneFilePyTorchLoads) {
   auto sharded = run_keel({"export", step, d.file("sharded"), "--max-shard-size=64KB"});
   ASSERT_EQ(sharded.exit_code, 0) << sharded.output;
   EXPECT_TRUE(exists(d.file("sharded/model.safetensors.index.json"))) << sharded.output;
+  // --dtype: every floating-point tensor rounded to it, what PyTorch reads back.
+  auto half = run_keel({"export", step, d.file("bf16"), "--dtype=bfloat16"});
+  ASSERT_EQ(half.exit_code, 0) << half.output;
+  const auto bf16 = keel::checkpoint::read_safetensors(d.file("bf16/model.safetensors")).tensors;
+  ASSERT_EQ(bf16.size(), saved.size());
+  for (const auto& [n, t] : bf16) {
+    EXPECT_EQ(t.scalar_type(), torch::kBFloat16) << n;
+    EXPECT_TRUE(torch::equal(t, saved.at(n).to(torch::kBFloat16))) << n;
+  }
+  auto r16 = run_process({KEEL_PYTHON, "-c",
+                          "import sys\nfrom safetensors.torch import load_file\n"
+                          "print(sorted({str(v.dtype) for v in load_file(sys.argv[1]).values()}))\n",
+                          d.file("bf16/model.safetensors")});
+  ASSERT_EQ(r16.exit_code, 0) << r16.output;
+  EXPECT_NE(r16.output.find("['torch.bfloat16']"), std::string::npos) << r16.output;
+  auto bad = run_keel({"export", step, d.file("f64"), "--dtype=float64"});
+  EXPECT_EQ(bad.exit_code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("--dtype = \"float64\": give float32, bfloat16 or float16"), std::string::npos)
+      << bad.output;
+  EXPECT_FALSE(exists(d.file("f64")));
 }
 
 TEST(Zero3, WhatItDoesNotServeYetIsRefusedByName) {

@@ -108,7 +108,7 @@ int run_plot(const std::string& dir, const std::string& out) {
 }
 
 struct ExportArgs {
-  std::string step, out, max_shard_size = "5GB";
+  std::string step, out, max_shard_size = "5GB", dtype = "float32";
   bool hf = false;
 };
 
@@ -124,11 +124,17 @@ CLI::App* add_export_command(CLI::App& app, ExportArgs& a) {
                   "largest safetensors file, as transformers' max_shard_size (\"5GB\", \"500MB\", \"64KiB\"; whole "
                   "tensors); a larger model is sharded with an index")
       ->capture_default_str();
+  cmd->add_option("--dtype", a.dtype,
+                  "the floating-point tensors' dtype in the files (and config.json's with --hf): float32 (as "
+                  "trained), bfloat16 or float16, rounded to nearest")
+      ->capture_default_str();
   return cmd;
 }
 
 int run_export(const ExportArgs& a) {
-  return print_files([&] { return export_model(a.step, a.out, parse_shard_size(a.max_shard_size), a.hf); });
+  return print_files([&] {
+    return export_model(a.step, a.out, parse_shard_size(a.max_shard_size), a.hf, parse_export_dtype(a.dtype));
+  });
 }
 
 // Exit 0: every committed step verifies; 1: some step is corrupt or uncommitted; 2: no

@@ -51,7 +51,7 @@ nlohmann::json hf_config_of(const nlohmann::json& meta, const std::string& step_
                      "writes any model's tensors under keel's names");
   nlohmann::json cfg = state["hf_config"];
   cfg.erase("torch_dtype");
-  cfg["dtype"] = "float32";  // what keel's checkpoints hold
+  cfg["dtype"] = "float32";  // what keel's checkpoints hold; export_model sets --dtype's
   return cfg;
 }
 
@@ -131,15 +131,28 @@ uint64_t parse_shard_size(const std::string& text) {
   throw InputError("--max-shard-size = \"" + text + "\": give a size such as 5GB, 500MB or 64KiB");
 }
 
+torch::ScalarType parse_export_dtype(const std::string& text) {
+  if (text == "float32") return torch::kFloat;
+  if (text == "bfloat16") return torch::kBFloat16;
+  if (text == "float16") return torch::kHalf;
+  throw InputError("--dtype = \"" + text + "\": give float32, bfloat16 or float16");
+}
+
 std::vector<std::string> export_model(const std::string& step_dir, const std::string& out, uint64_t max_shard_bytes,
-                                      bool hf) {
+                                      bool hf, torch::ScalarType dtype) {
   const std::string who = hf ? "keel export --hf" : "keel export";
   std::string out_dir = out;
   while (out_dir.size() > 1 && out_dir.back() == '/') out_dir.pop_back();
   const nlohmann::json meta = verified_meta(step_dir, who);
-  const nlohmann::json cfg = hf ? hf_config_of(meta, step_dir) : nlohmann::json();
+  nlohmann::json cfg = hf ? hf_config_of(meta, step_dir) : nlohmann::json();
   check_out(out_dir, who);
-  const auto tensors = checkpoint::read_weights(step_dir, {}, who);
+  auto tensors = checkpoint::read_weights(step_dir, {}, who);
+  if (dtype != torch::kFloat) {
+    // Floating-point tensors only (an integer buffer keeps its dtype), rounded to nearest.
+    for (auto& [name, t] : tensors)
+      if (t.first.is_floating_point()) t.first = t.first.to(dtype);
+    if (hf) cfg["dtype"] = dtype == torch::kBFloat16 ? "bfloat16" : "float16";
+  }
   const auto shards = cut_shards(tensors, max_shard_bytes);
   const std::string tmp = out_dir + ".partial." + std::to_string(::getpid());
   std::error_code ec;

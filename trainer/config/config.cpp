@@ -403,6 +403,28 @@ void validate_data(const DataConfig& data) {
   }
 }
 
+// [model]: the Hugging Face families' keys, given to a built-in model that does not read them,
+// would be ignored (a model a user registers gets the whole ModelConfig and may read any).
+void validate_model(const ModelConfig& m) {
+  const ModelConfig d;
+  const bool hf = m.name == "gpt2" || m.name == "llama";
+  const bool builtin =
+      hf || m.name == "mlp" || m.name == "cnn" || m.name == "gpt" || m.name == "torchscript" || m.name == "python";
+  if (!builtin || m.name == "llama") return;
+  struct Key {
+    const char* name;
+    bool set;
+    bool llama_only;
+  };
+  for (const Key& k :
+       {Key{"kv_heads", m.kv_heads != d.kv_heads, true}, Key{"rope_theta", m.rope_theta != d.rope_theta, true},
+        Key{"ffn_width", m.ffn_width != d.ffn_width, false}, Key{"norm_eps", m.norm_eps != d.norm_eps, false},
+        Key{"tie_embeddings", m.tie_embeddings != d.tie_embeddings, false}})
+    if (k.set && (k.llama_only || !hf))
+      throw InputError(std::string("config: model.") + k.name + " is read only with model.name = " +
+                       (k.llama_only ? "\"llama\"" : "\"gpt2\" or \"llama\"") + " (model.name = \"" + m.name + "\")");
+}
+
 }  // namespace
 
 // The placement of dist.zero (docs/zero.md): what it cannot be combined with is refused by name.
@@ -459,6 +481,7 @@ void validate(Config& cfg) {
            choice_name(kCompileModes, cfg.compile.mode) + "\")");
   }
   validate_data(cfg.data);
+  validate_model(cfg.model);
   if (cfg.checkpoint.async && cfg.checkpoint.keep < 2)
     fail("checkpoint.keep must be at least 2 with checkpoint.async = true (got " + std::to_string(cfg.checkpoint.keep) +
          ")");
