@@ -2,13 +2,20 @@
 // (transformer.wte, transformer.wpe, transformer.h.N.{ln_1, attn.c_attn, attn.c_proj, ln_2,
 // mlp.c_fc, mlp.c_proj}, transformer.ln_f; lm_head only when untied). Its linear layers are
 // GPT-2's Conv1D: weight (in, out), y = x W + b. Pre-LayerNorm blocks, causal attention scaled by
-// 1/sqrt(head width), GELU with tanh (gelu_new) or erf, learned positions, no dropout.
+// 1/sqrt(head width), GELU with tanh (gelu_new) or erf, learned positions; dropout while training
+// where transformers has it (embd_pdrop after the embeddings, attn_pdrop on the attention
+// weights, resid_pdrop after each residual branch's projection).
 #include <cmath>
 
 #include "models/hf.h"
 
 namespace keel::models {
 namespace {
+
+// Dropout while training; nothing at all (no op, no random numbers) when p = 0 or evaluating.
+torch::Tensor drop(const torch::Tensor& x, double p, bool training) {
+  return p > 0 && training ? torch::dropout(x, p, true) : x;
+}
 
 struct Conv1DImpl : torch::nn::Module {
   Conv1DImpl(int64_t in, int64_t out)
@@ -25,8 +32,10 @@ struct Conv1DImpl : torch::nn::Module {
 TORCH_MODULE(Conv1D);
 
 struct Gpt2AttentionImpl : torch::nn::Module {
-  Gpt2AttentionImpl(int64_t d, int64_t heads)
+  Gpt2AttentionImpl(int64_t d, int64_t heads, double attn_pdrop, double resid_pdrop)
       : heads(heads),
+        attn_pdrop(attn_pdrop),
+        resid_pdrop(resid_pdrop),
         c_attn(register_module("c_attn", Conv1D(d, 3 * d))),
         c_proj(register_module("c_proj", Conv1D(d, d))) {}
   torch::Tensor forward(const torch::Tensor& x) {
@@ -35,25 +44,29 @@ struct Gpt2AttentionImpl : torch::nn::Module {
     auto q = qkv[0].view({B, T, heads, hd}).transpose(1, 2);
     auto k = qkv[1].view({B, T, heads, hd}).transpose(1, 2);
     auto v = qkv[2].view({B, T, heads, hd}).transpose(1, 2);
-    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true)
+    const double p = is_training() ? attn_pdrop : 0.0;
+    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/p, /*is_causal=*/true)
                  .transpose(1, 2)
                  .reshape({B, T, C});
-    return c_proj->forward(y);
+    return drop(c_proj->forward(y), resid_pdrop, is_training());
   }
   int64_t heads;
+  double attn_pdrop, resid_pdrop;
   Conv1D c_attn, c_proj;
 };
 TORCH_MODULE(Gpt2Attention);
 
 struct Gpt2MlpImpl : torch::nn::Module {
-  Gpt2MlpImpl(int64_t d, int64_t inner, bool tanh)
+  Gpt2MlpImpl(int64_t d, int64_t inner, bool tanh, double resid_pdrop)
       : tanh(tanh),
+        resid_pdrop(resid_pdrop),
         c_fc(register_module("c_fc", Conv1D(d, inner))),
         c_proj(register_module("c_proj", Conv1D(inner, d))) {}
   torch::Tensor forward(const torch::Tensor& x) {
-    return c_proj->forward(torch::gelu(c_fc->forward(x), tanh ? "tanh" : "none"));
+    return drop(c_proj->forward(torch::gelu(c_fc->forward(x), tanh ? "tanh" : "none")), resid_pdrop, is_training());
   }
   bool tanh;
+  double resid_pdrop;
   Conv1D c_fc, c_proj;
 };
 TORCH_MODULE(Gpt2Mlp);
@@ -65,9 +78,9 @@ torch::nn::LayerNorm layer_norm(int64_t d, double eps) {
 struct Gpt2BlockImpl : torch::nn::Module {
   explicit Gpt2BlockImpl(const HfShape& s)
       : ln_1(register_module("ln_1", layer_norm(s.width, s.eps))),
-        attn(register_module("attn", Gpt2Attention(s.width, s.heads))),
+        attn(register_module("attn", Gpt2Attention(s.width, s.heads, s.attn_pdrop, s.resid_pdrop))),
         ln_2(register_module("ln_2", layer_norm(s.width, s.eps))),
-        mlp(register_module("mlp", Gpt2Mlp(s.width, s.ffn, s.tanh_gelu))) {}
+        mlp(register_module("mlp", Gpt2Mlp(s.width, s.ffn, s.tanh_gelu, s.resid_pdrop))) {}
   torch::Tensor forward(torch::Tensor x) {
     x = x + attn->forward(ln_1->forward(x));
     return x + mlp->forward(ln_2->forward(x));
@@ -81,7 +94,8 @@ TORCH_MODULE(Gpt2Block);
 
 struct Gpt2BodyImpl : torch::nn::Module {
   explicit Gpt2BodyImpl(const HfShape& s)
-      : wte(register_module("wte", torch::nn::Embedding(s.vocab, s.width))),
+      : embd_pdrop(s.embd_pdrop),
+        wte(register_module("wte", torch::nn::Embedding(s.vocab, s.width))),
         wpe(register_module("wpe", torch::nn::Embedding(s.positions, s.width))),
         h(register_module("h", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", layer_norm(s.width, s.eps))) {
@@ -89,7 +103,7 @@ struct Gpt2BodyImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    auto x = wte->forward(idx) + wpe->forward(pos);
+    auto x = drop(wte->forward(idx) + wpe->forward(pos), embd_pdrop, is_training());
     for (size_t i = 0; i < h->size(); ++i) {
       const auto in = blocks ? blocks->block_enter(i, x) : x;
       const auto out = h[i]->as<Gpt2Block>()->forward(in);
@@ -97,6 +111,7 @@ struct Gpt2BodyImpl : torch::nn::Module {
     }
     return ln_f->forward(x);
   }
+  double embd_pdrop;
   torch::nn::Embedding wte, wpe;
   torch::nn::ModuleList h;
   torch::nn::LayerNorm ln_f;

@@ -12,6 +12,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -31,8 +32,12 @@ struct HfShape {
   bool tanh_gelu = true;                          // gpt2: gelu_new / gelu_pytorch_tanh; false: gelu (erf)
   bool attention_bias = false, mlp_bias = false;  // llama
   int64_t padding_idx = -1;                       // llama: pad_token_id, whose embedding gets no gradient; -1 none
-  nlohmann::json config;                          // config.json as transformers reads it
-  std::string source;                             // the config.json the shape came from, or ""
+  // Dropout while training (model.dropout, or the file's): gpt2 after the embeddings, on the
+  // attention weights, after each residual branch; llama on the attention weights only.
+  double embd_pdrop = 0, attn_pdrop = 0, resid_pdrop = 0;
+  double max_dropout() const { return std::max({embd_pdrop, attn_pdrop, resid_pdrop}); }
+  nlohmann::json config;  // config.json as transformers reads it
+  std::string source;     // the config.json the shape came from, or ""
 };
 
 /// Whether model.name is a Hugging Face family (gpt2, llama).
@@ -43,6 +48,10 @@ bool is_hf_family(const std::string& name);
 /// value than the file's is an error naming both), else from the [model] keys. Throws
 /// InputError naming the key or the file's field for a shape the family cannot build.
 HfShape hf_shape(const ModelConfig& cfg);
+
+/// The largest dropout probability the model model.name builds applies while training: gpt's
+/// model.dropout, a Hugging Face family's (model.dropout or its config.json's), else 0.
+double model_dropout(const ModelConfig& cfg);
 
 /// Maps a tensor name of a Hugging Face file to the model's: nullopt = not a tensor of the
 /// model that is wanted (a tied lm_head, an old causal-mask or rotary buffer), skipped.

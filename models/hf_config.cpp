@@ -34,6 +34,12 @@ struct ConfigFile {
     if (!j[field].is_number() || !(j[field].get<double>() > 0)) fail(field, "must be a positive number");
     return j[field].get<double>();
   }
+  double probability_or(const std::string& field, double dflt) const {
+    if (!has(field)) return dflt;
+    if (!j[field].is_number() || !(j[field].get<double>() >= 0 && j[field].get<double>() < 1))
+      fail(field, "must be a probability in [0, 1), got " + j[field].dump());
+    return j[field].get<double>();
+  }
   bool flag_or(const std::string& field, bool dflt) const {
     if (!has(field)) return dflt;
     if (!j[field].is_boolean()) fail(field, "must be true or false, got " + j[field].dump());
@@ -71,6 +77,10 @@ void read_gpt2(const ConfigFile& f, HfShape& s) {
   else if (act != "gelu_new" && act != "gelu_pytorch_tanh")
     f.fail("activation_function", "is \"" + act + "\"; keel's gpt2 has gelu_new, gelu_pytorch_tanh and gelu");
   if (!f.flag_or("scale_attn_weights", true)) f.fail("scale_attn_weights", "false is not supported");
+  // transformers' GPT2Config defaults: 0.1 each.
+  s.embd_pdrop = f.probability_or("embd_pdrop", 0.1);
+  s.attn_pdrop = f.probability_or("attn_pdrop", 0.1);
+  s.resid_pdrop = f.probability_or("resid_pdrop", 0.1);
   for (const char* unsupported : {"scale_attn_by_inverse_layer_idx", "reorder_and_upcast_attn", "add_cross_attention"})
     if (f.flag_or(unsupported, false)) f.fail(unsupported, "true is not supported by keel's gpt2");
 }
@@ -88,6 +98,7 @@ void read_llama(const ConfigFile& f, HfShape& s) {
   s.tied = f.flag_or("tie_word_embeddings", false);
   s.attention_bias = f.flag_or("attention_bias", false);
   s.mlp_bias = f.flag_or("mlp_bias", false);
+  s.attn_pdrop = f.probability_or("attention_dropout", 0.0);
   // transformers' Llama embeds with padding_idx = pad_token_id: that row gets no gradient.
   if (f.has("pad_token_id") && f.j["pad_token_id"].is_number_integer()) {
     const int64_t pad = f.j["pad_token_id"].get<int64_t>();
@@ -109,8 +120,18 @@ void read_llama(const ConfigFile& f, HfShape& s) {
   }
 }
 
-// The shape from keel's [model] keys, and the config.json transformers reads it from (dropout
-// 0: keel trains without it).
+// model.dropout (a probability) for the family's dropouts, in the shape and its config.json.
+void set_dropout(double p, HfShape& s) {
+  if (s.family == "gpt2") {
+    s.embd_pdrop = s.attn_pdrop = s.resid_pdrop = p;
+    for (const char* field : {"embd_pdrop", "attn_pdrop", "resid_pdrop"}) s.config[field] = p;
+  } else {
+    s.attn_pdrop = p;
+    s.config["attention_dropout"] = p;
+  }
+}
+
+// The shape from keel's [model] keys, and the config.json transformers reads it from.
 void from_keys(const ModelConfig& cfg, HfShape& s) {
   s.vocab = cfg.vocab;
   s.positions = cfg.context;
@@ -131,10 +152,7 @@ void from_keys(const ModelConfig& cfg, HfShape& s) {
                 {"n_inner", s.ffn},
                 {"activation_function", "gelu_new"},
                 {"layer_norm_epsilon", s.eps},
-                {"tie_word_embeddings", s.tied},
-                {"resid_pdrop", 0.0},
-                {"embd_pdrop", 0.0},
-                {"attn_pdrop", 0.0}};
+                {"tie_word_embeddings", s.tied}};
   } else {
     s.kv_heads = cfg.kv_heads > 0 ? cfg.kv_heads : cfg.heads;
     s.head_dim = s.width / std::max<int64_t>(1, s.heads);
@@ -156,9 +174,9 @@ void from_keys(const ModelConfig& cfg, HfShape& s) {
                 {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", s.rope_theta}}},
                 {"tie_word_embeddings", s.tied},
                 {"attention_bias", false},
-                {"mlp_bias", false},
-                {"attention_dropout", 0.0}};
+                {"mlp_bias", false}};
   }
+  set_dropout(std::max(cfg.dropout, 0.0), s);
   s.config["dtype"] = "float32";
   s.config["bos_token_id"] = nullptr;  // transformers' defaults name tokens a small vocabulary lacks
   s.config["eos_token_id"] = nullptr;
@@ -188,6 +206,7 @@ void from_file(const ModelConfig& cfg, const std::string& path, HfShape& s) {
   if (s.family == "llama") agree(cfg, d, "kv_heads", &ModelConfig::kv_heads, s.kv_heads, "num_key_value_heads", path);
   s.config = j;
   s.source = path;
+  if (cfg.dropout >= 0) set_dropout(cfg.dropout, s);  // the run's choice over the file's
 }
 
 void check(const ModelConfig& cfg, const HfShape& s) {
@@ -237,6 +256,11 @@ HfShape hf_shape(const ModelConfig& cfg) {
     from_keys(cfg, s);
   check(cfg, s);
   return s;
+}
+
+double model_dropout(const ModelConfig& cfg) {
+  if (is_hf_family(cfg.name)) return hf_shape(cfg).max_dropout();
+  return cfg.name == "gpt" ? std::max(cfg.dropout, 0.0) : 0.0;
 }
 
 TensorRename hf_tensor_rename(const HfShape& shape) {

@@ -36,6 +36,7 @@ struct LlamaAttentionImpl : torch::nn::Module {
       : heads(s.heads),
         kv_heads(s.kv_heads),
         hd(s.head_dim),
+        attn_pdrop(s.attn_pdrop),
         q_proj(register_module("q_proj", linear(s.width, s.heads * s.head_dim, s.attention_bias))),
         k_proj(register_module("k_proj", linear(s.width, s.kv_heads * s.head_dim, s.attention_bias))),
         v_proj(register_module("v_proj", linear(s.width, s.kv_heads * s.head_dim, s.attention_bias))),
@@ -52,12 +53,14 @@ struct LlamaAttentionImpl : torch::nn::Module {
       k = k.repeat_interleave(heads / kv_heads, 1);
       v = v.repeat_interleave(heads / kv_heads, 1);
     }
-    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0, /*is_causal=*/true)
+    const double p = is_training() ? attn_pdrop : 0.0;  // attention_dropout, as transformers
+    auto y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/p, /*is_causal=*/true)
                  .transpose(1, 2)
                  .reshape({B, T, heads * hd});
     return o_proj->forward(y);
   }
   int64_t heads, kv_heads, hd;
+  double attn_pdrop;
   torch::nn::Linear q_proj, k_proj, v_proj, o_proj;
 };
 TORCH_MODULE(LlamaAttention);

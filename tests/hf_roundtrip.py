@@ -92,7 +92,7 @@ def steps(path, tokens_file, b, t, lr):
     tokens = torch.from_numpy(tokens.astype(np.int64))
     model = transformers.AutoModelForCausalLM.from_pretrained(path)
     model.train()
-    for m in model.modules():  # keel trains without dropout
+    for m in model.modules():  # the keel run sets model.dropout = 0
         if isinstance(m, torch.nn.Dropout):
             m.p = 0.0
     opt = torch.optim.SGD(model.parameters(), lr=lr)

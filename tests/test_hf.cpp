@@ -139,6 +139,7 @@ TEST(HfModels, AKeelRunFromTransformersWeightsStepsAsTransformersDoes) {
                   "--data.name=tokens", "--data.path=" + d.file("train.bin"), "--data.test_path=" + d.file("test.bin"),
                   "--data.shuffle=false", "--train.steps=2", "--train.batch_size=4", "--train.optimizer=sgd",
                   "--train.momentum=0", "--train.schedule=constant", "--train.lr=0.5", "--train.eval_interval=0",
+                  "--model.dropout=0",  // the file's (gpt2: 0.1 each) draws other numbers than transformers
                   "--run.threads=1", "--run.dir=" + d.file("run")});
     ASSERT_EQ(r.exit_code, 0) << f.label << ": " << r.output;
     const auto keel_losses = metrics_losses(d.file("run"));
@@ -349,6 +350,84 @@ std::vector<std::string> small_run(const std::string& name, int depth, const std
 }
 
 }  // namespace
+
+// Dropout as transformers reads it: gpt2's three probabilities from config.json (0.1 each when
+// absent, as GPT2Config), llama's attention_dropout (0 when absent); model.dropout, when set,
+// replaces them in the model and in the config.json an export writes; a file's value that is not
+// a probability names the field; and a compiled step refuses a model that drops out.
+TEST(HfModels, DropoutComesFromTheFileUnlessModelDropoutIsSet) {
+  TempDir d;
+  std::filesystem::create_directories(d.file("gpt2"));
+  std::filesystem::create_directories(d.file("llama"));
+  write_text(d.file("gpt2/config.json"),
+             R"({"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_embd": 32, "n_layer": 1,
+                 "n_head": 4, "attn_pdrop": 0.25})");
+  write_text(d.file("llama/config.json"),
+             R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+                 "num_attention_heads": 4, "intermediate_size": 64})");
+  keel::ModelConfig g;
+  g.name = "gpt2";
+  g.context = 16;
+  g.init_from = d.file("gpt2");
+  auto s = keel::models::hf_shape(g);
+  EXPECT_EQ(s.embd_pdrop, 0.1);
+  EXPECT_EQ(s.attn_pdrop, 0.25);
+  EXPECT_EQ(s.resid_pdrop, 0.1);
+  EXPECT_EQ(keel::models::model_dropout(g), 0.25);
+  g.dropout = 0;
+  s = keel::models::hf_shape(g);
+  EXPECT_EQ(s.max_dropout(), 0.0);
+  EXPECT_EQ(s.config["attn_pdrop"], 0.0) << s.config.dump();
+  EXPECT_EQ(s.config["n_embd"], 32) << "the file's other fields stay";
+  keel::ModelConfig l;
+  l.name = "llama";
+  l.context = 16;
+  l.init_from = d.file("llama");
+  EXPECT_EQ(keel::models::model_dropout(l), 0.0);
+  l.dropout = 0.3;
+  s = keel::models::hf_shape(l);
+  EXPECT_EQ(s.attn_pdrop, 0.3);
+  EXPECT_EQ(s.embd_pdrop, 0.0) << "llama has attention dropout only";
+  EXPECT_EQ(s.config["attention_dropout"], 0.3);
+  keel::ModelConfig k;  // from the keys alone: what model.dropout says, in the config.json too
+  k.name = "gpt2";
+  k.dropout = 0.2;
+  EXPECT_EQ(keel::models::hf_shape(k).config["resid_pdrop"], 0.2);
+  k.dropout = -1;
+  EXPECT_EQ(keel::models::hf_shape(k).config["resid_pdrop"], 0.0);
+  write_text(d.file("gpt2/config.json"),
+             R"({"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_embd": 32, "n_layer": 1,
+                 "n_head": 4, "resid_pdrop": 1.5})");
+  g.dropout = -1;
+  try {
+    keel::models::hf_shape(g);
+    ADD_FAILURE() << "resid_pdrop 1.5 accepted";
+  } catch (const keel::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"resid_pdrop\" must be a probability in [0, 1), got 1.5"), std::string::npos)
+        << e.what();
+  }
+  // A compiled step has no dropout: refused by name, whether the file or the key asked for it.
+  write_token_file(d.file("train.bin"), random_tokens(400, 64, 3), 2, true);
+  for (const auto& extra : std::vector<std::vector<std::string>>{
+           {"--model.name=gpt", "--model.dropout=0.1", "--compile.mode=trace"},
+           {"--model.name=llama", "--model.dropout=0.1", "--compile.mode=inductor"}}) {
+    std::vector<std::string> args = {"train",
+                                     "--model.context=16",
+                                     "--model.vocab=64",
+                                     "--model.width=32",
+                                     "--model.depth=1",
+                                     "--data.name=tokens",
+                                     "--data.path=" + d.file("train.bin"),
+                                     "--train.steps=1",
+                                     "--train.batch_size=2",
+                                     "--run.dir=" + d.file("run")};
+    args.insert(args.end(), extra.begin(), extra.end());
+    const auto r = run_keel(args);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("model.dropout: the model drops out with probability 0.1"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("set compile.mode = \"off\", or model.dropout = 0"), std::string::npos) << r.output;
+  }
+}
 
 // Item 7: the families train on 2 ranks with ZeRO-2 and bf16 autocast, and a run resumed from
 // its step-2 checkpoint gives the uninterrupted run's losses exactly.

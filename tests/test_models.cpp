@@ -47,6 +47,40 @@ TEST(Models, GptIsCausal) {
   EXPECT_FALSE(torch::allclose(a.narrow(1, 10, 1), b.narrow(1, 10, 1)));
 }
 
+// model.dropout: gpt, gpt2 and llama drop out while training only. With dropout the training
+// forward is random and the evaluation forward equals the same weights' without dropout; with
+// none (the default) training and evaluation give the same logits.
+TEST(Models, DropoutOnlyWhileTrainingAndOnlyWhereAsked) {
+  for (const std::string name : {"gpt", "gpt2", "llama"}) {
+    keel::ModelConfig c = model_cfg(name);
+    c.width = 32;
+    c.depth = 2;
+    c.context = 16;
+    c.vocab = 64;
+    auto plain = create_model(c);
+    c.dropout = 0.5;
+    auto dropped = create_model(c);
+    {
+      torch::NoGradGuard ng;
+      auto from = plain->named_parameters();
+      auto to = dropped->named_parameters();
+      ASSERT_EQ(from.size(), to.size()) << name;
+      for (size_t i = 0; i < from.size(); ++i) to[i].second.copy_(from[i].second);
+    }
+    auto x = torch::randint(0, 64, {2, 16}, torch::kLong);
+    plain->train(true);
+    const auto reference = plain->forward(x);
+    plain->train(false);
+    EXPECT_TRUE(torch::equal(plain->forward(x), reference)) << name << ": no dropout, yet training differs";
+    dropped->train(true);
+    const auto a = dropped->forward(x), b = dropped->forward(x);
+    EXPECT_FALSE(torch::allclose(a, b)) << name << ": two training forwards with dropout 0.5 agree";
+    EXPECT_FALSE(torch::allclose(a, reference)) << name;
+    dropped->train(false);
+    EXPECT_TRUE(torch::allclose(dropped->forward(x), reference, 1e-5, 1e-6)) << name << ": dropout in evaluation";
+  }
+}
+
 TEST(Models, RegistryListsBuiltinsAndAcceptsUserModels) {
   auto names = keel::models::registered_models();
   for (const char* n : {"mlp", "cnn", "gpt", "gpt2", "llama", "torchscript"})

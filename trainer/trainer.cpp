@@ -180,6 +180,23 @@ struct Progress : checkpoint::Stateful {
   }
 };
 
+// Dropout is the eager model's: inductor packages the step from the model's Python twin, which
+// has none, and a trace would fix it on for evaluation too. Refused, never dropped silently;
+// a probability taken from init_from's config.json (not model.dropout) is said once.
+void check_dropout(const Config& cfg) {
+  const double p = models::model_dropout(cfg.model);
+  if (p <= 0) return;
+  const std::string from =
+      cfg.model.dropout < 0 ? " (from " + cfg.model.init_from + "/config.json)" : std::string(" (model.dropout)");
+  if (cfg.compile.mode != CompileMode::Off)
+    throw InputError(
+        fmt::format("model.dropout: the model drops out with probability {}{}, which compile.mode = "
+                    "\"{}\" does not compile; set compile.mode = \"off\", or model.dropout = 0",
+                    p, from, choice_name(kCompileModes, cfg.compile.mode)));
+  if (cfg.model.dropout < 0)
+    logging::info("model: dropout {} while training{}; model.dropout = 0 turns it off", p, from);
+}
+
 // What compile.mode = "inductor" packages for this run: the model at the training batch, with
 // the run's precision, device and threads.
 InductorRequest inductor_request(const Config& cfg, const models::Model& model, const torch::Device& device,
@@ -252,6 +269,7 @@ CompileReport package_training_step(const Config& cfg) {
   const int64_t threads = set_threads(cfg.run, world);
   const torch::Device device = resolve_device(cfg.run, world);
   aot::load_libraries(cfg.compile.libraries);
+  check_dropout(cfg);
   auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
   CompileReport report;
   InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
@@ -515,6 +533,7 @@ void Trainer::Loop::build_model_and_data() {
 void Trainer::Loop::compile_and_distribute() {
   const data::Batch first = splits_.train->get(std::vector<int64_t>(cfg_.train.batch_size, 0));
   const torch::Tensor& example = first.input;
+  check_dropout(cfg_);
   std::optional<InductorRequest> inductor;
   if (cfg_.compile.mode == CompileMode::Inductor) {
     if (cb_.loss || cfg_.train.loss != "cross_entropy") {  // a C++ loss cannot be traced into the package

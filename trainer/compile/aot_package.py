@@ -66,7 +66,7 @@ EXIT_ERROR, EXIT_USAGE, EXIT_GRAPH_BREAK, EXIT_NONDETERMINISTIC, EXIT_CHECK, EXI
 # keel's [model] keys (trainer/config/schema.cpp). Those that do not change the graph
 # (name, path, factory, input, init_from) are accepted and ignored.
 MODEL_KEYS = {"name", "path", "factory", "width", "depth", "heads", "context", "vocab", "input", "num_classes", "init_from",
-              "kv_heads", "ffn_width", "rope_theta", "norm_eps", "tie_embeddings", "hf_config"}
+              "kv_heads", "ffn_width", "rope_theta", "norm_eps", "tie_embeddings", "dropout", "hf_config"}
 MODEL_DEFAULTS = {"width": 0, "depth": 0, "heads": 4, "context": 128, "vocab": 256, "num_classes": 10}
 
 # Random ops: keel's TorchScript list (trainer/compile/compile.cpp nondeterministic_ops()) plus
@@ -255,7 +255,8 @@ def cpp_parameter_names(model: str, cfg: dict) -> list:
 def hf_model(name: str, cfg: dict, batch: int):
     """keel's gpt2 and llama (models/hf.h) are transformers' GPT2LMHeadModel and
     LlamaForCausalLM, same tensor names: packaged from transformers' own model of the run's
-    config.json (keel passes it as hf_config), without dropout (keel trains without)."""
+    config.json (keel passes it as hf_config), without dropout (keel refuses a compiled step for a
+    model that drops out, so its probabilities here are 0 or a file's that model.dropout = 0 overrode)."""
     import torch
     try:
         import transformers

@@ -410,6 +410,14 @@ void validate_model(const ModelConfig& m) {
   const bool hf = m.name == "gpt2" || m.name == "llama";
   const bool builtin =
       hf || m.name == "mlp" || m.name == "cnn" || m.name == "gpt" || m.name == "torchscript" || m.name == "python";
+  if (m.dropout < 0 && m.dropout != -1.0)
+    throw InputError("config: model.dropout = " + std::to_string(m.dropout) +
+                     " is not a probability: give one in [0, 0.95], or -1 for init_from's config.json's (else 0)");
+  if (builtin && !hf && m.name != "gpt" && m.dropout != d.dropout)
+    throw InputError(
+        "config: model.dropout is read only with model.name = \"gpt\", \"gpt2\" or \"llama\" "
+        "(model.name = \"" +
+        m.name + "\")");
   if (!builtin || m.name == "llama") return;
   struct Key {
     const char* name;

@@ -177,6 +177,12 @@ void model_keys(SchemaBuilder& b) {
   range(b.add("model", &C::model, "rope_theta", &ModelConfig::rope_theta,
               "llama: the base of the rotary position embedding (rope_theta)"),
         1.0, 1e12);
+  range(b.add("model", &C::model, "dropout", &ModelConfig::dropout,
+              "gpt, gpt2, llama: dropout probability while training (gpt, gpt2: after the embeddings, on the "
+              "attention weights and after each residual branch; llama: on the attention weights, as "
+              "transformers); -1 = init_from's config.json's (gpt2 embd_pdrop, attn_pdrop, resid_pdrop; llama "
+              "attention_dropout), else 0"),
+        -1.0, 0.95);
   range(b.add("model", &C::model, "norm_eps", &ModelConfig::norm_eps,
               "gpt2, llama: the epsilon of LayerNorm (layer_norm_epsilon) or RMSNorm (rms_norm_eps); 0 = the "
               "family's default (gpt2 1e-5, llama 1e-6)"),

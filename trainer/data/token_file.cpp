@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 
 #include "common/file.h"
+#include "common/log.h"
 
 namespace keel::data {
 namespace {
@@ -136,9 +137,12 @@ std::vector<std::shared_ptr<TokenFile>> open_corpus(const std::string& pattern, 
   offsets = {0};
   // Every file stays open for the run (read with pread): a corpus of many shards may need more
   // descriptors than the default soft limit of 1024, so take what the hard limit allows.
+  // (An unlimited hard limit is not a valid soft one: 2^20, the kernel's usual nr_open, then.
+  // Failing to raise it is not an error; the open of a file past the limit names the file.)
   if (rlimit l{}; ::getrlimit(RLIMIT_NOFILE, &l) == 0 && l.rlim_cur < l.rlim_max) {
-    l.rlim_cur = l.rlim_max;
-    ::setrlimit(RLIMIT_NOFILE, &l);
+    l.rlim_cur = l.rlim_max == RLIM_INFINITY ? std::max<rlim_t>(l.rlim_cur, rlim_t{1} << 20) : l.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &l) != 0)
+      logging::debug("token files: open-file limit not raised: {}", std::strerror(errno));
   }
   std::string sizes;
   for (const auto& path : token_paths(pattern, key)) {

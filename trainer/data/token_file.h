@@ -21,7 +21,8 @@
 namespace keel::data {
 
 /// One token file, open read-only and read with pread (never mapped: a file truncated under a
-/// run is a runtime_error naming it, not a SIGBUS). Throws InputError naming `path` for a file that is not a
+/// run is a runtime_error naming it, not a SIGBUS; one rewritten to a size that still holds
+/// the window is read as it now is). Throws InputError naming `path` for a file that is not a
 /// token file of `dtype` (TokenDtype::Auto: llm.c's header required).
 class TokenFile {
  public:
@@ -35,7 +36,7 @@ class TokenFile {
   int width() const { return width_; }             // bytes per token: 2 or 4
   bool has_header() const { return header_ > 0; }  // an llm.c .bin file
   /// Tokens [start, start + n) as int64 into `out`. Throws runtime_error naming the file when it
-  /// no longer holds them (changed since it was checked).
+  /// no longer holds them (truncated since it was checked).
   void read(int64_t start, int64_t n, int64_t* out) const;
   /// The first token >= `vocab` and where it is, or -1 (a parallel scan of the whole file).
   std::pair<int64_t, int64_t> first_at_or_above(int64_t vocab) const;

@@ -32,7 +32,10 @@ struct ModelConfig {
   double rope_theta = 10000.0;  // llama: the rotary embedding's base
   double norm_eps = 0.0;        // LayerNorm / RMSNorm epsilon; 0 = the family's default
   bool tie_embeddings = true;   // the output projection is the token embedding
-  std::string init_from = "";   // safetensors weights to start from (keel/checkpoint/checkpoint.h load_weights)
+  // gpt, gpt2, llama: the dropout probability while training; -1 = init_from's config.json's
+  // (gpt2: embd_pdrop, resid_pdrop, attn_pdrop; llama: attention_dropout), else 0.
+  double dropout = -1.0;
+  std::string init_from = "";  // safetensors weights to start from (keel/checkpoint/checkpoint.h load_weights)
 };
 
 }  // namespace keel
