@@ -390,13 +390,17 @@ Collectives::Started Collectives::start_all_gather_into(const torch::Tensor& ful
     full.copy_(shard.reshape(full.sizes()));
     return s;
   }
-  TORCH_CHECK(shard.device() == group_->comm_device(), "start_all_gather_into: the shard is on ", shard.device(),
-              ", the process group moves ", group_->comm_device());
   Desc d = Desc::of(OpCode::AllGather, shard);
   d.what = what;
   check(d);
+  // Tensors on another device than the group's (Gloo with CUDA tensors: two ranks sharing one
+  // GPU, which NCCL refuses) travel through copies on the group's device.
+  const torch::Device comm = group_->comm_device();
+  const bool staged = shard.device() != comm;
+  const torch::Tensor io_full = staged ? torch::empty(full.sizes(), full.options().device(comm)) : full;
+  const torch::Tensor io_shard = staged ? shard.to(comm) : shard;
   c10::intrusive_ptr<c10d::Work> work;
-  auto flat_full = full.view({-1}), flat_shard = shard.view({-1});
+  auto flat_full = io_full.view({-1}), flat_shard = io_shard.view({-1});
   if (group_->backend() == "nccl") {
     d.stream_wait = true;
     work = group_->pg()->_allgather_base(flat_full, flat_shard);
@@ -405,7 +409,10 @@ Collectives::Started Collectives::start_all_gather_into(const torch::Tensor& ful
     std::vector<at::Tensor> in{flat_shard};
     work = group_->pg()->allgather(outs, in);
   }
-  s.finish_ = [this, work, d, full, shard] { wait(work, d); };
+  s.finish_ = [this, work, d, full, io_full, io_shard, staged] {
+    wait(work, d);
+    if (staged) full.copy_(io_full);
+  };
   return s;
 }
 
@@ -419,13 +426,15 @@ Collectives::Started Collectives::start_reduce_scatter(const torch::Tensor& shar
     shard.copy_(full.reshape(shard.sizes()));
     return s;
   }
-  TORCH_CHECK(shard.device() == group_->comm_device(), "start_reduce_scatter: the shard is on ", shard.device(),
-              ", the process group moves ", group_->comm_device());
   Desc d = Desc::of(OpCode::ReduceScatter, shard);
   d.what = what;
   check(d);
+  const torch::Device comm = group_->comm_device();  // staged as start_all_gather_into's
+  const bool staged = shard.device() != comm;
+  const torch::Tensor io_full = staged ? full.to(comm) : full;
+  const torch::Tensor io_shard = staged ? torch::empty(shard.sizes(), shard.options().device(comm)) : shard;
   c10::intrusive_ptr<c10d::Work> work;
-  auto flat_full = full.view({-1}), flat_shard = shard.view({-1});
+  auto flat_full = io_full.view({-1}), flat_shard = io_shard.view({-1});
   if (group_->backend() == "nccl") {
     d.stream_wait = true;
     work = group_->pg()->_reduce_scatter_base(flat_shard, flat_full);
@@ -434,7 +443,10 @@ Collectives::Started Collectives::start_reduce_scatter(const torch::Tensor& shar
     std::vector<std::vector<at::Tensor>> ins{flat_full.chunk(size())};
     work = group_->pg()->reduce_scatter(out, ins);
   }
-  s.finish_ = [this, work, d, full, shard] { wait(work, d); };
+  s.finish_ = [this, work, d, shard, io_full, io_shard, staged] {
+    wait(work, d);
+    if (staged) shard.copy_(io_shard);
+  };
   return s;
 }
 

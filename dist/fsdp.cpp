@@ -79,11 +79,6 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
   const int64_t world = coll_->size(), rank = coll_->rank();
   if (!placement_.shards_gradients() || placement_.world() != world || placement_.num_params() != params_.size())
     throw std::logic_error("FullyShard: a placement of stage 2 or 3 over this model and world is needed");
-  if (!params_.empty() && coll_->group()->pg() && params_.front().second.device() != coll_->group()->comm_device())
-    throw InputError(placement_.key() + " gathers and reduce-scatters on the parameters' device (" +
-                     params_.front().second.device().str() + "), and the process group (dist.backend = \"" +
-                     coll_->group()->backend() + "\") moves tensors on " + coll_->group()->comm_device().str() +
-                     ": use dist.backend = \"nccl\" for a GPU, or dist.zero <= 1");
   torch::NoGradGuard ng;
   for (const auto& layout : placement_.units()) {
     units_.push_back(std::unique_ptr<Unit>(new Unit{layout}));

@@ -53,8 +53,9 @@ class FullyShard final : public models::BlockHooks {
   /// `placement`: stage 2 or 3 over this model and world. `reduce_in_order` (dist.find_unused_parameters):
   /// every unit is reduce-scattered after the backward, in unit order, whether or not this rank
   /// produced gradients for it (so ranks that skip different blocks still pair their
-  /// collectives), instead of each block as its backward completes. Throws InputError when the
-  /// process group cannot move tensors of the parameters' device.
+  /// collectives), instead of each block as its backward completes. Parameters on another device
+  /// than the process group's (Gloo with CUDA tensors: two ranks sharing a GPU) are gathered and
+  /// reduce-scattered through copies on the group's device.
   FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, Placement placement,
              bool reduce_in_order = false);
   ~FullyShard() override;

@@ -15,6 +15,9 @@
 #   gpt_nccl   gpt on the GPU, one rank, NCCL
 #   sync_debug gpt, NCCL, dist.consensus = late, run.sync_debug = error: no host sync in steps 6-29
 #   gloo_2r    two ranks on the one GPU, Gloo on CUDA tensors (NCCL refuses two ranks per device)
+#   zero0_gloo_2r, zero3_gloo_2r, zero3_memory
+#              gpt at dist.zero = 0 and 3 on two ranks sharing the GPU (Gloo): held bytes and each
+#              rank's peak device memory, stage 3 over stage 0
 #   fp16       fp16 autocast + GradScaler, initial scale 2^40: real fp16 overflows, steps skipped
 #   bf16       bf16 autocast
 #   resume     checkpoint every 10 steps; rank killed at step 25 under torchrun; the resumed
@@ -143,7 +146,8 @@ try:
 except Exception as e:
     print(json.dumps({"ok": False, "rc": rc, "error": f"no summary.json: {e}"})); sys.exit()
 keep = ["device", "backend", "world_size", "final_loss", "median_step_ms", "samples_per_s", "amp_dtype",
-        "loss_scale", "skipped_steps", "steps", "resumed_from_step", "torch_version", "consensus"]
+        "loss_scale", "skipped_steps", "steps", "resumed_from_step", "torch_version", "consensus",
+        "parameter_bytes", "gradient_bytes", "optimizer_state_bytes", "peak_device_memory_mb"]
 ok = rc == 0 and bool(eval(cond, {"math": math}, {"s": s}))
 print(json.dumps({"ok": ok, "rc": rc, **{k: s.get(k) for k in keep if k in s}}))
 PY
@@ -165,6 +169,31 @@ train_step sync_debug 1 "s['consensus'] == 'late' and s['steps'] == 30 and $fini
   --train.grad_clip=1.0 --run.sync_debug=error
 train_step gloo_2r 2 "s['world_size'] == 2 and s['backend'] == 'gloo' and $finite" \
   --model.name=cnn --train.batch_size=64 --train.steps=60 --dist.backend=gloo
+# ZeRO-3 on the GPU (issue 27, item 7): two ranks share the one GPU, which NCCL refuses, so over
+# Gloo (the gathers and reduce-scatters go through host copies: the step times are Gloo's, not
+# NCCL's); the held bytes and each rank's peak device memory at stage 3 against stage 0.
+zero_args=(--model.name=gpt --train.batch_size=8 --train.steps=20 --dist.backend=gloo)
+train_step zero0_gloo_2r 2 "s['world_size'] == 2 and $finite" "${zero_args[@]}" --dist.zero=0
+train_step zero3_gloo_2r 2 "s['world_size'] == 2 and $finite" "${zero_args[@]}" --dist.zero=3
+if want zero3_gloo_2r; then
+  zero_memory=$("$py" - "$out/zero0_gloo_2r/run/summary.json" "$out/zero3_gloo_2r/run/summary.json" <<'PY'
+import json, sys
+try:
+    a, b = (json.load(open(p)) for p in sys.argv[1:3])
+    held = lambda s: s["parameter_bytes"] + s["gradient_bytes"] + s["optimizer_state_bytes"]
+    peak = lambda s: s.get("peak_device_memory_mb")
+    r = {"held_ratio": held(b) / held(a), "held_zero0": held(a), "held_zero3": held(b),
+         "peak_mb_zero0": peak(a), "peak_mb_zero3": peak(b),
+         "peak_ratio": peak(b) / peak(a) if peak(a) and peak(b) else None,
+         "step_ratio_over_gloo": b["median_step_ms"] / a["median_step_ms"]}
+    r["ok"] = r["held_ratio"] <= 0.55
+except Exception as e:
+    r = {"ok": False, "error": str(e)}
+print(json.dumps(r))
+PY
+)
+  record zero3_memory "$(printf '%s' "$zero_memory" | "$py" -c 'import json,sys; print("true" if json.load(sys.stdin)["ok"] else "false")')" "\"detail\": $zero_memory"
+fi
 # 2^40 overflows fp16 gradients for real: GradScaler skips those steps and backs off.
 [ "$dev" = cpu ] || train_step fp16 1 "s['amp_dtype'] == 'fp16' and s.get('skipped_steps', 0) > 0 and $finite" \
   --model.name=cnn --train.batch_size=64 --train.steps=80 --amp.dtype=fp16 --amp.init_scale=1099511627776
