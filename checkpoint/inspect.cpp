@@ -50,6 +50,13 @@ nlohmann::json components_of(const nlohmann::json& meta, const nlohmann::json& t
           ++n, own += owned.count(t["name"].get<std::string>()), bytes += t["bytes"].get<uint64_t>();
       ranks.push_back({{"rank", r}, {"file", file}, {"tensors", n}, {"owned", own}, {"bytes", bytes}});
     }
+    // Each rank's own tensors of the component, in its rank file as "rank.<r>.<component>.<name>"
+    // (rank 0's counted: every rank saves the same component's).
+    const std::string per_rank_prefix = "rank.0." + c + ".";
+    int64_t per_rank = 0;
+    for (const auto& t : tensors)
+      if (t["file"] == "rank-00000.safetensors" && t["name"].get<std::string>().rfind(per_rank_prefix, 0) == 0)
+        ++per_rank;
     nlohmann::json files = nlohmann::json::array();
     const nlohmann::json values = rec.value("values", nlohmann::json::object());
     for (const auto& f : rec.value("files", nlohmann::json::array())) {
@@ -71,6 +78,7 @@ nlohmann::json components_of(const nlohmann::json& meta, const nlohmann::json& t
                    {"values", values},
                    {"tensors", rec.value("tensors", nlohmann::json::object()).size()},
                    {"owned", owned.size()},
+                   {"per_rank", per_rank},
                    {"ranks", ranks},
                    {"files", files}});
   }
@@ -141,6 +149,8 @@ void format_component(std::ostringstream& os, const nlohmann::json& c) {
   const std::string values = summary_of(c["values"]);
   os << "  component " << name << ": " << c["tensors"].get<size_t>() << " tensor(s)";
   if (c["owned"].get<size_t>() > 0) os << ", " << c["owned"].get<size_t>() << " owned by the rank that wrote them";
+  if (c.value("per_rank", int64_t{0}) > 0)
+    os << ", " << c["per_rank"].get<int64_t>() << " of each rank's own (in its rank-<r>.safetensors)";
   os << "; values " << values << "\n";
   for (const auto& r : c["ranks"]) {
     os << "    rank " << r["rank"].get<int64_t>() << ": " << r["tensors"].get<int64_t>() << " tensor(s)";

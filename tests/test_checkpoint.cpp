@@ -976,6 +976,10 @@ TEST(KeelInspect, ReportsStepsChecksumsAndTensors) {
   EXPECT_NE(ok.output.find("committed, checksums verified"), std::string::npos) << ok.output;
   EXPECT_NE(ok.output.find("fc.0.weight"), std::string::npos) << ok.output;
   EXPECT_NE(ok.output.find("[256, 784]"), std::string::npos) << ok.output;
+  // A component whose tensors are each rank's own (the generators) says so, not "0 tensor(s)".
+  EXPECT_NE(ok.output.find("component rng: 0 tensor(s), 1 of each rank's own (in its rank-<r>.safetensors)"),
+            std::string::npos)
+      << ok.output;
   flip_byte(d.file("ckpt/step_10/rank-00000.safetensors"), 1);
   auto bad = run_keel({"inspect", d.file("ckpt"), "--json"});
   EXPECT_EQ(bad.exit_code, 1) << bad.output;
