@@ -169,12 +169,15 @@ void FullyShard::reduce(Unit& u) {
   for (auto& other : units_) finish_reduce(*other);
   torch::NoGradGuard ng;
   u.grad_full = torch::empty({u.full.numel()}, u.shard_data.options());
+  // Each gradient divided by the world size (an average, as DDP's all-reduce) on its way into the
+  // flat buffer: one pass over it, not a copy and then a division.
+  const c10::Scalar world = static_cast<double>(coll_->size());
   for (size_t k = 0; k < u.layout.params.size(); ++k) {
     auto& p = params_[u.layout.params[k]].second;
     const auto& g = p.grad();
     auto to = u.grad_full.narrow(0, u.layout.offsets[k], u.layout.sizes[k]);
     if (g.defined())
-      to.copy_(g.reshape({-1}));
+      at::div_out(to, g.reshape({-1}), world);
     else
       to.zero_();                        // not used in this micro-batch
     p.mutable_grad() = torch::Tensor();  // the full gradient is freed
@@ -183,7 +186,6 @@ void FullyShard::reduce(Unit& u) {
                   next = k + 1 < u.layout.params.size() ? u.layout.offsets[k + 1] : u.full.numel();
     if (next > gap) u.grad_full.narrow(0, gap, next - gap).zero_();
   }
-  u.grad_full.div_(static_cast<double>(coll_->size()));  // an average, as DDP's all-reduce
   u.grad_out = torch::empty_like(u.shard_data);
   u.scattering = coll_->start_reduce_scatter(
       u.grad_out, u.grad_full, keeps_whole() ? "ZeRO-2 gradient reduce-scatter" : "ZeRO-3 gradient reduce-scatter");
