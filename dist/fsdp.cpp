@@ -210,10 +210,11 @@ torch::Tensor FullyShard::enter(size_t block, const torch::Tensor& input) {
 
 torch::Tensor FullyShard::leave(size_t block, const torch::Tensor& output) {
   if (held_ || keeps_whole() || block + 1 >= units_.size()) return output;
-  auto out = torch::GradMode::is_enabled() && output.requires_grad()
-                 ? PreBackward::apply(output, as_int(this), static_cast<int64_t>(block))
-                 : output;
-  free(*units_[block]);
+  const bool training = torch::GradMode::is_enabled() && output.requires_grad();
+  auto out = training ? PreBackward::apply(output, as_int(this), static_cast<int64_t>(block)) : output;
+  // The last block's backward comes first, right after the loss: it stays gathered for it (as the
+  // root does) instead of being freed and gathered again. after_backward() or reshard() frees it.
+  if (!training || block + 2 < units_.size()) free(*units_[block]);
   return out;
 }
 

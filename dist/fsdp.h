@@ -16,7 +16,8 @@
 //                     evaluation's forwards) and starts block 0's
 //   enter(i)          waits for block i's gather and starts block i + 1's (the prefetch)
 //   leave(i)          frees block i's parameters (their memory; autograd's saved tensors keep
-//                     pointing at it, and it is gathered again before they are read)
+//                     pointing at it, and it is gathered again before they are read); the last
+//                     block's stay while training, for the backward that begins with them
 //   backward of leave(i)   gathers block i again (and starts block i - 1's)
 //   backward of enter(i)   the block's gradients are complete: reduce-scattered (pre-divided by
 //                          the world size, as DDP averages), the full gradients and parameters freed
