@@ -15,7 +15,10 @@
 #include "checkpoint/io.h"
 #include "checkpoint/safetensors.h"
 #include "helpers.h"
+#include "keel/models/model.h"
+#include "keel/trainer/config/config.h"
 #include "multirank.h"
+#include "trainer/compile/inductor.h"
 
 using namespace keel::testing;
 
@@ -305,6 +308,57 @@ TEST(Inductor, Bf16InTheGraphAndAnInfGradientIsSkippedOnEveryRank) {
   // bf16 rounding differs between Inductor's fused kernels and eager's: a loose bound.
   const double a = final_loss(d.file("eager")), b = final_loss(d.file("inductor"));
   EXPECT_LE(std::abs(a - b), 2e-2 * std::abs(a)) << "eager " << a << ", inductor " << b;
+}
+
+// amp.dtype = fp16 scales the loss inside the package (the gradients are computed already
+// scaled, so that small fp16 ones do not flush to zero). fp16 is CUDA only; the mechanism is not,
+// so it is checked here on the CPU in float32: a package that takes the loss scale, with the loss
+// scaled by the same scale outside (GradScaler::scale) and divided by grad_accum, hands autograd
+// eager's gradients of loss x scale / grad_accum, and the unscaled loss.
+TEST(Inductor, APackageTakingTheLossScaleGivesEagersScaledGradients) {
+  keel::Config cfg;
+  cfg.model.name = "mlp";
+  cfg.model.width = 64;
+  cfg.model.depth = 2;
+  cfg.compile.mode = keel::CompileMode::Inductor;
+  cfg.compile.cache_dir = shared_cache();
+  torch::manual_seed(0);
+  auto model = keel::models::create_model(cfg.model);
+  keel::InductorRequest req;
+  req.model = "mlp";
+  req.model_config = keel::model_config_json(cfg);
+  req.batch = 8;
+  req.threads = 1;
+  req.cfg = cfg.compile;
+  req.grad_scale = true;
+  for (const auto& [n, p] : model->named_parameters()) req.param_names.push_back(n);
+  for (const auto& [n, b] : model->named_buffers()) req.buffer_names.push_back(n);
+  keel::CompileReport report;
+  auto step = keel::InductorStep::load_or_compile(req, report);
+  ASSERT_TRUE(step->takes_scale());
+  const auto x = torch::randn({8, 1, 28, 28}), y = torch::randint(0, 10, {8});
+  ASSERT_TRUE(step->fits(x, y));
+  const auto scale = torch::full({1}, 1024.0f);  // as GradScaler::scale_tensor(): float32, one element
+  const double accum = 2;
+  std::vector<torch::Tensor> params = model->parameters(), buffers;
+  for (const auto& [n, b] : model->named_buffers()) buffers.push_back(b);
+  auto compiled = step->loss(params, buffers, x, y, scale);
+  (compiled / accum * scale).sum().backward();
+  std::vector<torch::Tensor> got;
+  for (auto& p : params) got.push_back(p.grad().clone()), p.mutable_grad() = torch::Tensor();
+  auto eager = torch::nn::functional::cross_entropy(model->forward(x), y);
+  (eager / accum * scale).sum().backward();
+  EXPECT_NEAR(compiled.item<double>(), eager.item<double>(), 1e-5 * eager.item<double>());
+  for (size_t i = 0; i < params.size(); ++i) {
+    const auto& want = params[i].grad();
+    const double err = (got[i] - want).abs().max().item<double>(), top = want.abs().max().item<double>();
+    EXPECT_LE(err, 1e-4 * top + 1e-6) << req.param_names[i] << ": largest gradient " << top;
+    EXPECT_GT(top, 1e-3) << req.param_names[i] << ": the gradients are of loss x 1024 / 2";
+  }
+  // A package without the scale input is another cache entry (the key says so).
+  const std::string with_scale = keel::InductorStep::cache_key(req);
+  req.grad_scale = false;
+  EXPECT_NE(keel::InductorStep::cache_key(req), with_scale);
 }
 
 namespace {

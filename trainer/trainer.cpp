@@ -208,6 +208,7 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   if (models::is_hf_family(cfg.model.name)) r.model_config["hf_config"] = models::hf_shape(cfg.model).config;
   r.batch = cfg.train.batch_size;
   r.amp = amp.enabled ? choice_name(kAmpDtypes, cfg.amp.dtype) : "off";
+  r.grad_scale = r.amp == "fp16";  // GradScaler's scale goes into the package: fp16 gradients scaled as computed
   r.device = device;
   r.threads = threads;
   r.cfg = cfg.compile;
@@ -877,7 +878,8 @@ torch::Tensor Trainer::Loop::forward_backward(double* loss_now) {
       // On a GPU through pinned memory, without making the host wait for the copy.
       const torch::Tensor input = to_device(b.input), target = to_device(b.target);
       // compile.mode = "inductor": forward, loss and backward in one compiled package.
-      if (auto compiled = dmodel_->compiled_loss(input, target, sync)) {
+      if (auto compiled =
+              dmodel_->compiled_loss(input, target, sync, scaler_ ? scaler_->scale_tensor() : torch::Tensor())) {
         loss = *compiled;
       } else {
         amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);

@@ -26,26 +26,36 @@ using namespace aot;
 std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shape").get<std::vector<int64_t>>(); }
 
 // The autograd function around one run of the package: forward runs the whole step and keeps
-// the gradients; backward returns them times the gradient of the loss.
+// the gradients; backward returns them times the gradient of the loss. A package that takes the
+// loss scale (`scale` given, by pointer: autograd takes no undefined tensor) returned gradients
+// already times it: backward multiplies by the gradient of the loss over the scale (1/grad_accum
+// when the loss was scaled by the same scale; exact for GradScaler's powers of two).
 struct StepFunction : public torch::autograd::Function<StepFunction> {
   static torch::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList params, InductorStep* step,
                                const std::vector<torch::Tensor>* buffers, const torch::Tensor& input,
-                               const torch::Tensor& target) {
+                               const torch::Tensor& target, const torch::Tensor* scale) {
     std::vector<torch::Tensor> in(params.begin(), params.end());
     in.insert(in.end(), buffers->begin(), buffers->end());
     in.push_back(input);
     in.push_back(target);
+    if (scale) in.push_back(*scale);
     auto out = step->run(std::move(in), *buffers);
     std::vector<torch::Tensor> grads(out.begin() + 1, out.begin() + 1 + static_cast<std::ptrdiff_t>(params.size()));
     ctx->saved_data["grads"] = grads;
+    if (scale) ctx->saved_data["scale"] = *scale;
     return out[0];
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
     std::vector<torch::Tensor> grads = ctx->saved_data["grads"].toTensorVector();
     ctx->saved_data.erase("grads");
-    at::_foreach_mul_(grads, grad_out[0]);  // 1/grad_accum, a loss scale: no host sync
-    grads.resize(grads.size() + 4);         // the step, buffers, input and target get none
+    torch::Tensor factor = grad_out[0];
+    if (ctx->saved_data.count("scale")) {
+      factor = factor / ctx->saved_data["scale"].toTensor();
+      ctx->saved_data.erase("scale");
+    }
+    at::_foreach_mul_(grads, factor);  // 1/grad_accum, a loss scale: no host sync
+    grads.resize(grads.size() + 5);    // the step, buffers, input, target and scale get none
     return grads;
   }
 };
@@ -82,6 +92,7 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
       {"deterministic", req.cfg.deterministic},
       {"max_autotune", req.cfg.max_autotune},
   };
+  if (req.grad_scale && req.amp != "fp16") k["grad_scale"] = true;  // fp16 implies it (packages of before kept)
   if (!req.module.empty()) {  // a Python module: its file's bytes, the batches, the evaluation forward
     k["module"] = req.module;
     k["module_sha256"] = sha256_of_file(req.module.substr(0, req.module.rfind(':')));
@@ -151,6 +162,7 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   if (req.cfg.fullgraph) argv.push_back("--fullgraph");
   if (req.cfg.deterministic) argv.push_back("--deterministic");
   if (req.cfg.max_autotune) argv.push_back("--max-autotune");
+  if (req.grad_scale) argv.push_back("--grad-scale-input");
   for (auto& a : library_args(req.cfg.libraries)) argv.push_back(std::move(a));
   logging::info("compile: packaging the {} training step (batch {}, amp {}) with AOTInductor: {} (log: {})", req.model,
                 req.batch, req.amp, pt2, log);
@@ -178,10 +190,9 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
         "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
         "(model.name = \"python\"); model.name = \"" +
         req.model + "\" is not one (use compile.mode = \"off\")");
-  if (req.amp != "off" && req.amp != "bf16")
-    throw InputError(
-        "compile.mode = \"inductor\" with amp.dtype = \"" + req.amp +
-        "\" is not built yet (fp16 needs the loss scale inside the package); use bf16 or compile.mode = \"off\"");
+  if (req.amp != "off" && req.amp != "bf16" && !(req.amp == "fp16" && req.device.is_cuda()))
+    throw InputError("compile.mode = \"inductor\" with amp.dtype = \"" + req.amp + "\" on " + req.device.str() +
+                     ": packages take off, bf16, and fp16 on CUDA (with the loss scale inside the package)");
   const auto t0 = Clock::now();
   load_libraries(req.cfg.libraries);  // before the key (which hashes them) and the package (which calls their ops)
   const std::string key = cache_key(req);
@@ -275,6 +286,8 @@ void InductorStep::read_signature(const InductorRequest& req) {
       input_shape_ = shape_of(in);
     else if (kind == "target")
       target_shape_ = shape_of(in);
+    else if (kind == "grad_scale")
+      takes_scale_ = true;
     else
       throw std::runtime_error(path_ + ": an input keel does not pass: " + in.dump());
   }
@@ -324,12 +337,18 @@ std::vector<torch::Tensor> InductorStep::run(std::vector<torch::Tensor> inputs,
 }
 
 torch::Tensor InductorStep::loss(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,
-                                 const torch::Tensor& input, const torch::Tensor& target) {
+                                 const torch::Tensor& input, const torch::Tensor& target,
+                                 const torch::Tensor& grad_scale) {
   if (params.size() != num_params_ || buffers.size() != num_buffers_)
     throw std::runtime_error("inductor step: " + std::to_string(params.size()) + " parameters and " +
                              std::to_string(buffers.size()) + " buffers; the package takes " +
                              std::to_string(num_params_) + " and " + std::to_string(num_buffers_));
-  return StepFunction::apply(at::TensorList(params), this, &buffers, input.contiguous(), target.contiguous());
+  torch::Tensor scale;
+  if (takes_scale_)  // 0-dim float32 on the step's device, as the package was traced with
+    scale = grad_scale.defined() ? grad_scale.detach().to(input.device(), torch::kFloat).reshape({})
+                                 : torch::ones({}, input.options().dtype(torch::kFloat));
+  return StepFunction::apply(at::TensorList(params), this, &buffers, input.contiguous(), target.contiguous(),
+                             takes_scale_ ? &scale : nullptr);
 }
 
 torch::Tensor InductorStep::forward(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,

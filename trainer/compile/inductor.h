@@ -38,7 +38,11 @@ struct InductorRequest {
   std::string model;            // a built-in model: mlp | cnn | gpt; or "python" (with `module`)
   nlohmann::json model_config;  // the [model] section
   int64_t batch = 0;            // per-rank micro-batch of the training step
-  std::string amp = "off";      // off | bf16
+  std::string amp = "off";      // off | bf16 | fp16 (CUDA)
+  /// The package takes the loss scale as an input (its gradients are of loss x grad_scale, computed
+  /// under autocast already scaled, so that small fp16 gradients do not flush to zero): what
+  /// amp.dtype = fp16's GradScaler needs. Implied by amp = fp16; settable alone (tests, on the CPU).
+  bool grad_scale = false;
   torch::Device device{torch::kCPU};
   int64_t threads = 1;                    // intra-op threads (Inductor's CPU kernels are compiled for a count)
   CompileConfig cfg;                      // fullgraph, deterministic, max_autotune, cache_dir, python
@@ -72,9 +76,17 @@ class InductorStep {
   /// Runs the step on `params` and `buffers` (the model's, in its order), `input` and `target`:
   /// returns the mean cross-entropy (float32, 0-dim) whose backward gives each parameter its
   /// gradient (times the gradient of the loss: a 1/grad_accum, a loss scale). Buffers the step
-  /// updates (BatchNorm's running statistics) are updated in place.
+  /// updates (BatchNorm's running statistics) are updated in place. `grad_scale` (float32, one
+  /// element, on the device; the GradScaler's scale_tensor()): what a package that takes_scale()
+  /// scales its gradients by inside the graph; the backward then divides it out of the gradient
+  /// of the loss it receives (the same scale, applied to the loss by GradScaler::scale), so the
+  /// gradients come out as in eager mode: of loss x scale / grad_accum. Ignored by other packages;
+  /// undefined = 1.
   torch::Tensor loss(const std::vector<torch::Tensor>& params, const std::vector<torch::Tensor>& buffers,
-                     const torch::Tensor& input, const torch::Tensor& target);
+                     const torch::Tensor& input, const torch::Tensor& target,
+                     const torch::Tensor& grad_scale = torch::Tensor());
+  /// Whether the package takes the loss scale (InductorRequest::grad_scale).
+  bool takes_scale() const { return takes_scale_; }
   /// Whether the package holds the evaluation forward, and at which batch.
   bool has_forward() const { return forward_loader_ != nullptr; }
   int64_t eval_batch() const { return eval_batch_; }
@@ -105,6 +117,7 @@ class InductorStep {
   nlohmann::json manifest_;
   std::vector<int64_t> input_shape_, target_shape_, eval_input_shape_;
   size_t num_params_ = 0, num_buffers_ = 0;
+  bool takes_scale_ = false;
   std::vector<size_t> updated_buffers_;  // the buffer index of each output after the gradients
   int64_t eval_batch_ = 0;
 };

@@ -65,7 +65,7 @@ DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, torch::Devi
 }
 
 std::optional<torch::Tensor> DistributedModel::compiled_loss(const torch::Tensor& input, const torch::Tensor& target,
-                                                             bool sync) {
+                                                             bool sync, const torch::Tensor& grad_scale) {
   if (!step_) return std::nullopt;
   if (!step_->fits(input, target)) {
     if (eager_shapes_.insert(input.sizes().vec()).second) {
@@ -85,7 +85,7 @@ std::optional<torch::Tensor> DistributedModel::compiled_loss(const torch::Tensor
     return std::nullopt;
   }
   ddp_->before_forward(sync);
-  return step_->loss(params_, buffers_, input, target);
+  return step_->loss(params_, buffers_, input, target, grad_scale);
 }
 
 }  // namespace keel

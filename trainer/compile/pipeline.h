@@ -92,8 +92,10 @@ class DistributedModel {
   /// compile.mode = "inductor": the micro-batch's loss from the compiled step (forward, loss
   /// and backward in one package; backward() then hands autograd its gradients), or nullopt
   /// when this batch runs eager (no package, or a batch of another shape: counted against
-  /// compile.max_recompiles, warned once per shape).
-  std::optional<torch::Tensor> compiled_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync);
+  /// compile.max_recompiles, warned once per shape). `grad_scale`: the GradScaler's scale, for a
+  /// package that scales its gradients inside (amp.dtype = fp16; InductorStep::loss).
+  std::optional<torch::Tensor> compiled_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync,
+                                             const torch::Tensor& grad_scale = torch::Tensor());
   void backward(const torch::Tensor& loss, bool sync) { ddp_->backward(loss, sync); }
   /// Collective: rank 0's buffers to every rank (dist.broadcast_buffers; else a no-op).
   void sync_buffers() { ddp_->sync_buffers(); }
