@@ -221,9 +221,9 @@ void DataParallel::sync_buffers() {
   coll_->broadcast_coalesced(buffers_, 0, "DDP buffer broadcast");
 }
 
-void DataParallel::before_forward(bool sync) {
+void DataParallel::before_forward(bool sync, bool step) {
   sync_buffers();
-  if (fsdp_) return fsdp_->before_forward(sync);
+  if (fsdp_) return fsdp_->before_forward(sync, step);
   if (!reducer_ || !sync) return;
   reducer_->rebuild_buckets();  // a no-op except right after the first synced step
   reducer_->prepare_for_forward();

@@ -50,7 +50,8 @@ class DataParallel {
   ~DataParallel();
 
   /// Call before each micro-batch's forward (broadcasts the buffers with dist.broadcast_buffers).
-  void before_forward(bool sync);
+  /// `step`: a training micro-batch of the trainer's loop (FullyShard::before_forward).
+  void before_forward(bool sync, bool step = false);
   /// Collective with dist.broadcast_buffers (else a no-op): rank 0's buffers to every rank, one
   /// coalesced broadcast. The trainer also calls it before evaluating and saving, so that what
   /// is evaluated and checkpointed is rank 0's.

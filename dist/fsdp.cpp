@@ -114,6 +114,7 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     piece.mutable_grad() = u.shard_grad.narrow(0, at.in_shard, at.numel);
     pieces_.emplace_back(params_[at.param].first, piece);
   }
+  raw_ = std::make_shared<Collectives>(coll_->group(), Validate::Off);
   model_->set_block_hooks(this);
   int64_t mine = 0, all = 0;
   for (const auto& [n, p] : pieces_) mine += p.numel();
@@ -125,11 +126,85 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
 
 FullyShard::~FullyShard() { model_->set_block_hooks(nullptr); }
 
+size_t FullyShard::index_of(const Unit& u) const {
+  for (size_t i = 0; i < units_.size(); ++i)
+    if (units_[i].get() == &u) return i;
+  throw std::logic_error("FullyShard: a unit of another instance");
+}
+
+std::string FullyShard::describe_op(uint64_t op) const {
+  const auto unit = static_cast<size_t>(op & 0xffffffffu);
+  const std::string name = unit < units_.size() ? units_[unit]->layout.name : "unit " + std::to_string(unit);
+  return std::string((op >> 32) == 'G' ? "the all-gather of " : "the reduce-scatter of ") + name;
+}
+
+Collectives& FullyShard::via(char kind, size_t unit) {
+  if (!open_) return *coll_;
+  const uint64_t op = (static_cast<uint64_t>(kind) << 32) | unit;
+  if (!replaying_) {  // recording: each validated on its own
+    open_->ops.push_back(op);
+    return *coll_;
+  }
+  if (next_ >= open_->ops.size() || open_->ops[next_] != op) {
+    const std::string expected = next_ < open_->ops.size() ? describe_op(open_->ops[next_]) : "nothing more";
+    open_ = nullptr;
+    throw CollectiveMismatch(
+        "collective mismatch at step " + std::to_string(coll_->step()) + " on rank " + std::to_string(coll_->rank()) +
+        " (ZeRO stage " + std::to_string(placement_.stage()) + "): its collective #" + std::to_string(next_) +
+        " of this micro-batch would be " + describe_op(op) + ", where the schedule every rank validated has " +
+        expected + "; nothing was issued. Every rank must run the same blocks in the same order each micro-batch");
+  }
+  ++next_;
+  return *raw_;
+}
+
+void FullyShard::open_schedule(bool sync) {
+  Schedule& s = schedules_[sync ? 1 : 0];
+  if (!s.recorded) s.ops.clear();
+  replaying_ = s.recorded;
+  if (replaying_) {
+    // Every rank confirms the schedule it is about to replay: (h, -h) all-reduced with MIN agree
+    // iff min(h) == max(h).
+    uint64_t h = 1469598103934665603ull;
+    for (uint64_t op : s.ops) h = (h ^ op) * 1099511628211ull;
+    const auto v = static_cast<int64_t>(h >> 2);
+    auto t =
+        torch::tensor({v, -v, static_cast<int64_t>(s.ops.size()), -static_cast<int64_t>(s.ops.size())}, torch::kLong);
+    coll_->all_reduce(t, ReduceOp::Min, "ZeRO schedule check");
+    if (t[0].item<int64_t>() != -t[1].item<int64_t>() || t[2].item<int64_t>() != -t[3].item<int64_t>())
+      throw CollectiveMismatch("collective mismatch at step " + std::to_string(coll_->step()) + " (ZeRO stage " +
+                               std::to_string(placement_.stage()) +
+                               "): the ranks recorded different schedules of gathers and reduce-scatters for this "
+                               "micro-batch; every rank must run the same blocks in the same order");
+    raw_->set_step(coll_->step());
+  }
+  next_ = 0;
+  open_ = &s;
+}
+
+void FullyShard::close_schedule() {
+  if (!open_) return;
+  Schedule& s = *open_;
+  open_ = nullptr;
+  if (!replaying_) {
+    s.recorded = true;
+    return;
+  }
+  if (next_ != s.ops.size())
+    throw CollectiveMismatch(
+        "collective mismatch at step " + std::to_string(coll_->step()) + " on rank " + std::to_string(coll_->rank()) +
+        " (ZeRO stage " + std::to_string(placement_.stage()) + "): this micro-batch issued " + std::to_string(next_) +
+        " of the " + std::to_string(s.ops.size()) + " collectives of the schedule every rank validated (" +
+        describe_op(s.ops[next_]) + " and after never issued); every rank must run the same blocks each micro-batch");
+}
+
 void FullyShard::start_gather(Unit& u) {
   if (u.gathered || u.gathering || u.layout.params.empty()) return;
   allocate_storage(u.full);
-  u.gathering = coll_->start_all_gather_into(
-      u.full, u.shard_data, keeps_whole() ? "ZeRO-2 parameter all-gather" : "ZeRO-3 parameter all-gather");
+  u.gathering =
+      via('G', index_of(u))
+          .start_all_gather_into(u.full, u.shard_data,
+                                 keeps_whole() ? "ZeRO-2 parameter all-gather" : "ZeRO-3 parameter all-gather");
 }
 
 void FullyShard::gather(Unit& u) {
@@ -187,13 +262,20 @@ void FullyShard::reduce(Unit& u) {
     if (next > gap) u.grad_full.narrow(0, gap, next - gap).zero_();
   }
   u.grad_out = torch::empty_like(u.shard_data);
-  u.scattering = coll_->start_reduce_scatter(
-      u.grad_out, u.grad_full, keeps_whole() ? "ZeRO-2 gradient reduce-scatter" : "ZeRO-3 gradient reduce-scatter");
+  u.scattering =
+      via('R', index_of(u))
+          .start_reduce_scatter(u.grad_out, u.grad_full,
+                                keeps_whole() ? "ZeRO-2 gradient reduce-scatter" : "ZeRO-3 gradient reduce-scatter");
 }
 
-void FullyShard::before_forward(bool sync) {
+void FullyShard::before_forward(bool sync, bool step) {
   if (held_) return;
   sync_ = sync || !keeps_whole();  // stage 3 does not keep full gradients between micro-batches
+  if (open_) {                     // a training micro-batch without after_backward(): complete, or this rank left it
+    if (replaying_ && next_ != open_->ops.size()) close_schedule();  // throws, naming it
+    open_ = nullptr;
+  }
+  if (step && coll_->validating() && coll_->size() > 1) open_schedule(sync_);
   for (auto& u : units_) u->reduced = false;
   if (keeps_whole()) return;
   gather(*units_.back());
@@ -229,7 +311,8 @@ void FullyShard::post_backward(size_t unit) {
 }
 
 void FullyShard::after_backward() {
-  if (held_ || !sync_) return;  // stage 2's gradients accumulate in the parameters until the last micro-batch
+  if (held_) return;
+  if (!sync_) return close_schedule();  // stage 2's gradients accumulate in the parameters until the last micro-batch
   // A block whose input needs no gradient (mlp's first layer: the data) has no autograd node
   // to say that its gradients are complete; they are now. A gradient that arrives after its
   // block was reduced would be lost: that is a model whose block is not self-contained.
@@ -243,6 +326,7 @@ void FullyShard::after_backward() {
     if (in_order_ || !late.empty() || up.get() == units_.back().get()) reduce(*up);
     free(*up);
   }
+  close_schedule();  // before anything else is issued (finishing the reduce-scatters issues nothing)
   for (auto& up : units_) finish_reduce(*up);
 }
 

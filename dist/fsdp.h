@@ -64,8 +64,11 @@ class FullyShard final : public models::BlockHooks {
   torch::Tensor enter(size_t block, const torch::Tensor& input) override;
   torch::Tensor leave(size_t block, const torch::Tensor& output) override;
   /// Before each forward (training or evaluation). `sync`: the step's last micro-batch (stage 3
-  /// reduce-scatters every micro-batch's gradients; stage 2 only the last's, summed).
-  void before_forward(bool sync = true);
+  /// reduce-scatters every micro-batch's gradients; stage 2 only the last's, summed). `step`: a
+  /// training micro-batch of the trainer's loop, whose forward, loss, loss.backward() and
+  /// after_backward() issue no collective but this class's: its collectives may be validated as
+  /// a schedule (below) instead of one by one.
+  void before_forward(bool sync = true, bool step = false);
   /// After each micro-batch's loss.backward().
   void after_backward();
   /// Stage 2, after the optimizer step (collective; a no-op at stage 3): every rank's updated
@@ -99,6 +102,10 @@ class FullyShard final : public models::BlockHooks {
   /// model's own are empty between steps), for checking a checkpoint against them.
   models::NamedTensors parameter_shapes() const;
 
+  /// What the collectives replayed from a validated schedule cost (they go through a second,
+  /// unvalidating Collectives over the same group, so they are not in the first's traffic()).
+  const TrafficStats& replayed_traffic() const { return raw_->traffic(); }
+
   /// The elements of each parameter this rank owns (model order; parameters without any left
   /// out): 1-D leaves over this rank's shard, each with its gradient over the gradient shard.
   const models::NamedTensors& pieces() const { return pieces_; }
@@ -122,6 +129,25 @@ class FullyShard final : public models::BlockHooks {
   void finish_reduce(Unit& u);  // waits for its reduce-scatter and adds the sums into its shard
   bool keeps_whole() const { return !placement_.shards_parameters(); }  // stage 2: parameters stay whole
 
+  // Validation by schedule (dist.validate = always, the trainer's training micro-batches; per
+  // `sync` value): the first such micro-batch's gathers and reduce-scatters are each validated
+  // across ranks (through coll_, as every other collective) and recorded in order. Each later one
+  // starts with one validated all-reduce in which every rank confirms it is about to replay the
+  // same recorded schedule; its collectives then go through raw_ without a probe, each checked
+  // first against the schedule on its own rank: a rank that would leave it (another unit, another
+  // kind, one too many, or one too few at the end) throws CollectiveMismatch before issuing
+  // anything, so collectives that differ never meet (the other ranks' next one fails when its
+  // process exits, a CollectiveError naming it). 14 probes per gpt step become one.
+  struct Schedule {
+    std::vector<uint64_t> ops;  // (kind << 32) | unit, in the order issued
+    bool recorded = false;
+  };
+  Collectives& via(char kind, size_t unit);  // the instance the next collective goes through
+  void open_schedule(bool sync);
+  void close_schedule();  // at after_backward: recorded, or checked complete
+  std::string describe_op(uint64_t op) const;
+  size_t index_of(const Unit& u) const;
+
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
   Placement placement_;
@@ -132,6 +158,11 @@ class FullyShard final : public models::BlockHooks {
   bool held_ = false;                       // hold(): every unit gathered, the hooks do nothing
   bool sync_ = true;                        // this micro-batch's gradients are reduced
   bool in_order_ = false;                   // every unit reduced after the backward, in order
+  std::shared_ptr<Collectives> raw_;        // the same group, dist.validate = off (schedules)
+  Schedule schedules_[2];                   // by `sync`
+  Schedule* open_ = nullptr;                // this training micro-batch's, while it runs
+  bool replaying_ = false;
+  size_t next_ = 0;  // the replayed schedule's next collective
 };
 
 }  // namespace keel::dist

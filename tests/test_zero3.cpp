@@ -29,9 +29,9 @@ using namespace keel::testing;
 
 namespace {
 
-std::shared_ptr<keel::dist::Collectives> collectives(const keel::dist::World& w) {
+std::shared_ptr<keel::dist::Collectives> collectives(const keel::dist::World& w, int64_t timeout_s = 60) {
   keel::DistConfig cfg;
-  cfg.timeout_s = 60;
+  cfg.timeout_s = timeout_s;
   return std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU),
                                                    keel::Validate::Always);
 }
@@ -112,7 +112,9 @@ TEST(Placement, EveryElementSteppedOnceAtEveryStageAndWorld) {
 // Two steps of two micro-batches each, plain SGD, on the sharded model and on an unsharded copy
 // whose gradients are averaged over the ranks by an all-reduce: the losses of every forward and
 // the parameters after each step agree (to float32 rounding of sums in another order). Stage 3
-// (`stage3`) or stage 2 (the parameters whole; the first micro-batch does not sync).
+// (`stage3`) or stage 2 (the parameters whole; the first micro-batch does not sync). The
+// micro-batches are the trainer's (`step`): the first step's collectives are validated one by one
+// and recorded, the second step's replayed from the schedule after one validated check each.
 void matches_unsharded(const std::string& name, const keel::dist::World& w, bool stage3) {
   auto coll = collectives(w);
   auto sharded = small_model(name), reference = small_model(name);
@@ -135,6 +137,7 @@ void matches_unsharded(const std::string& name, const keel::dist::World& w, bool
   EXPECT_GE(fs.num_units(), 3u);
   expect_held("after the start");
   const double lr = 0.1;
+  int64_t recorded[2] = {-1, -1};  // probes of the first micro-batch of each kind: one per collective
   for (int step = 0; step < 2; ++step) {
     for (const auto& [n, p] : pieces) p.grad().zero_();
     for (auto& p : reference->parameters())
@@ -142,13 +145,24 @@ void matches_unsharded(const std::string& name, const keel::dist::World& w, bool
     for (int micro = 0; micro < 2; ++micro) {
       const int64_t seed = 100 * step + 10 * micro + w.rank;
       const auto x = batch_for(name, seed);
-      fs.before_forward(/*sync=*/micro == 1);
+      const auto probes0 = coll->traffic().probes, replayed0 = fs.replayed_traffic().collectives;
+      fs.before_forward(/*sync=*/micro == 1, /*step=*/true);
       const auto loss = loss_of(name, sharded->forward(x), seed);
       const auto ref = loss_of(name, reference->forward(x), seed);
       EXPECT_NEAR(loss.item<double>(), ref.item<double>(), 1e-6 * std::abs(ref.item<double>()))
           << "step " << step << " micro " << micro;
       loss.backward();
       fs.after_backward();
+      const auto probes = coll->traffic().probes - probes0, replayed = fs.replayed_traffic().collectives - replayed0;
+      // One schedule per kind of micro-batch: synced or not (stage 3 syncs every one).
+      const int kind = stage3 || micro == 1 ? 1 : 0;
+      if (recorded[kind] < 0) {
+        EXPECT_EQ(replayed, 0) << "micro " << micro << ": recorded, each collective validated";
+        recorded[kind] = probes;
+      } else {
+        EXPECT_EQ(probes, 1) << "step " << step << " micro " << micro << ": one validated check of the schedule";
+        EXPECT_EQ(replayed, recorded[kind]) << "step " << step << " micro " << micro << ": the recorded ones, replayed";
+      }
       ref.backward();
       if (stage3 || micro == 1) expect_held("after backward");
     }
@@ -242,6 +256,49 @@ void owners_write_and_pieces_load(const keel::dist::World& w) {
 
 TEST(Zero3, OwnersWriteWholeParametersAndRanksLoadTheirPiecesAtThreeRanks) {
   auto results = run_ranks(3, owners_write_and_pieces_load, 120);
+  if (is_rank_process()) return;
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// A rank that leaves the validated schedule (here rank 1 skips the second step's forward and
+// goes straight to after_backward, whose first collective is the root's reduce-scatter where the
+// schedule has block 1's all-gather) throws CollectiveMismatch naming both before it issues
+// anything; rank 0, waiting in block 1's all-gather, fails when rank 1's process is gone, with a
+// CollectiveError naming the collective, not a hang.
+void leaves_the_schedule(const keel::dist::World& w) {
+  auto coll = collectives(w, /*timeout_s=*/20);
+  auto model = small_model("gpt");
+  keel::dist::FullyShard fs(model, coll, placement_of(model, 3, w.size));
+  for (int step = 0; step < 2; ++step) {
+    coll->set_step(step + 1);
+    const auto x = batch_for("gpt", 10 * step + w.rank);
+    fs.before_forward(/*sync=*/true, /*step=*/true);
+    if (step == 1 && w.rank == 1) {
+      try {
+        fs.after_backward();
+        ADD_FAILURE() << "rank 1 left the schedule unnoticed";
+      } catch (const keel::dist::CollectiveMismatch& e) {
+        const std::string what = e.what();
+        EXPECT_NE(what.find("would be the reduce-scatter of"), std::string::npos) << what;
+        EXPECT_NE(what.find("the schedule every rank validated has the all-gather of"), std::string::npos) << what;
+        EXPECT_NE(what.find("nothing was issued"), std::string::npos) << what;
+      }
+      return;  // the process exits: rank 0's pending all-gather fails
+    }
+    try {
+      loss_of("gpt", model->forward(x), 0).backward();
+      fs.after_backward();
+      EXPECT_EQ(step, 0) << "rank 0 finished a step rank 1 left";
+    } catch (const keel::dist::CollectiveError& e) {
+      EXPECT_EQ(step, 1) << e.what();
+      EXPECT_NE(std::string(e.what()).find("ZeRO-3 parameter all-gather"), std::string::npos) << e.what();
+      return;
+    }
+  }
+}
+
+TEST(Zero3, ARankThatLeavesTheValidatedScheduleStopsBeforeIssuingAndItsPeerFailsNamingTheCollective) {
+  auto results = run_ranks(2, leaves_the_schedule, 120);
   if (is_rank_process()) return;
   for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
 }

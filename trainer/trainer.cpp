@@ -383,6 +383,19 @@ class Trainer::Loop {
   std::optional<int64_t> resumed_from_;
   double rendezvous_ms_ = 0;
   dist::TrafficStats traffic_at_loop_;  // the control traffic before the loop (setup, resume)
+  // The control traffic so far: coll_'s, and the ZeRO-2/3 collectives replayed from a validated
+  // schedule (through FullyShard's own unvalidating instance).
+  dist::TrafficStats control_traffic() const {
+    dist::TrafficStats t = coll_->traffic();
+    if (const auto* fs = dmodel_ ? dmodel_->fully_shard() : nullptr) {
+      const auto& r = fs->replayed_traffic();
+      t.collectives += r.collectives;
+      t.bytes_sent += r.bytes_sent;
+      t.bytes_received += r.bytes_received;
+      t.wait_ms += r.wait_ms;
+    }
+    return t;
+  }
   int64_t steps_at_loop_ = 0;
   int64_t notified_step_ = -1;
   double checkpoint_stall_ms_ = 0;
@@ -719,7 +732,7 @@ void Trainer::Loop::open_outputs() {
 // ---------------------------------------------------------------------------------------------
 Summary Trainer::Loop::run() {
   {
-    traffic_at_loop_ = coll_->traffic();
+    traffic_at_loop_ = control_traffic();
     steps_at_loop_ = progress_.steps_done;
     try {
       std::optional<InFlight> late;  // dist.consensus = late: the step the host has not read yet
@@ -883,7 +896,7 @@ torch::Tensor Trainer::Loop::forward_backward(double* loss_now) {
         loss = *compiled;
       } else {
         amp::Autocast ac(device_.type(), amp_.dtype, amp_.enabled);
-        auto out = dmodel_->forward(input, sync);
+        auto out = dmodel_->forward(input, sync, /*step=*/true);
         loss = loss_(out, target).to(torch::kFloat);
       }
     }
@@ -1224,7 +1237,7 @@ Summary Trainer::Loop::summary() const {
   s.eta_s = metrics_.eta_s();
   s.mfu = metrics_.mfu();
   if (metrics_.peak_tflops() > 0) s.peak_tflops = metrics_.peak_tflops();
-  const dist::TrafficStats t = coll_->traffic() - traffic_at_loop_;
+  const dist::TrafficStats t = control_traffic() - traffic_at_loop_;
   const int64_t n = progress_.steps_done - steps_at_loop_;
   if (n > 0)
     s.control_per_step = {static_cast<double>(t.collectives) / n,

@@ -85,8 +85,10 @@ class DistributedModel {
   DistributedModel& operator=(DistributedModel&&) = default;
   DistributedModel(const DistributedModel&) = delete;  // one model, one pipeline
   DistributedModel& operator=(const DistributedModel&) = delete;
-  torch::Tensor forward(const torch::Tensor& input, bool sync) {
-    ddp_->before_forward(sync);
+  /// `step`: a training micro-batch of the trainer's loop (forward, loss, backward and nothing
+  /// else collective between; dist/fsdp.h validates its collectives as a schedule).
+  torch::Tensor forward(const torch::Tensor& input, bool sync, bool step = false) {
+    ddp_->before_forward(sync, step);
     return model_->forward(input);
   }
   /// compile.mode = "inductor": the micro-batch's loss from the compiled step (forward, loss
