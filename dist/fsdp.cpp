@@ -132,6 +132,11 @@ size_t FullyShard::index_of(const Unit& u) const {
   throw std::logic_error("FullyShard: a unit of another instance");
 }
 
+std::string FullyShard::mismatch_at() const {
+  return "collective mismatch at step " + std::to_string(coll_->step()) + " on rank " + std::to_string(coll_->rank()) +
+         " (ZeRO stage " + std::to_string(placement_.stage()) + "): ";
+}
+
 std::string FullyShard::describe_op(uint64_t op) const {
   const auto unit = static_cast<size_t>(op & 0xffffffffu);
   const std::string name = unit < units_.size() ? units_[unit]->layout.name : "unit " + std::to_string(unit);
@@ -141,7 +146,7 @@ std::string FullyShard::describe_op(uint64_t op) const {
 Collectives& FullyShard::via(char kind, size_t unit) {
   if (!open_) return *coll_;
   const uint64_t op = (static_cast<uint64_t>(kind) << 32) | unit;
-  if (!replaying_) {  // recording: each validated on its own
+  if (!open_->recorded) {  // recording: each validated on its own
     open_->ops.push_back(op);
     return *coll_;
   }
@@ -149,10 +154,9 @@ Collectives& FullyShard::via(char kind, size_t unit) {
     const std::string expected = next_ < open_->ops.size() ? describe_op(open_->ops[next_]) : "nothing more";
     open_ = nullptr;
     throw CollectiveMismatch(
-        "collective mismatch at step " + std::to_string(coll_->step()) + " on rank " + std::to_string(coll_->rank()) +
-        " (ZeRO stage " + std::to_string(placement_.stage()) + "): its collective #" + std::to_string(next_) +
-        " of this micro-batch would be " + describe_op(op) + ", where the schedule every rank validated has " +
-        expected + "; nothing was issued. Every rank must run the same blocks in the same order each micro-batch");
+        mismatch_at() + "its collective #" + std::to_string(next_) + " of this micro-batch would be " +
+        describe_op(op) + ", where the schedule every rank validated has " + expected +
+        "; nothing was issued. Every rank must run the same blocks in the same order each micro-batch");
   }
   ++next_;
   return *raw_;
@@ -161,8 +165,7 @@ Collectives& FullyShard::via(char kind, size_t unit) {
 void FullyShard::open_schedule(bool sync) {
   Schedule& s = schedules_[sync ? 1 : 0];
   if (!s.recorded) s.ops.clear();
-  replaying_ = s.recorded;
-  if (replaying_) {
+  if (s.recorded) {
     // Every rank confirms the schedule it is about to replay: (h, -h) all-reduced with MIN agree
     // iff min(h) == max(h).
     uint64_t h = 1469598103934665603ull;
@@ -172,9 +175,8 @@ void FullyShard::open_schedule(bool sync) {
         torch::tensor({v, -v, static_cast<int64_t>(s.ops.size()), -static_cast<int64_t>(s.ops.size())}, torch::kLong);
     coll_->all_reduce(t, ReduceOp::Min, "ZeRO schedule check");
     if (t[0].item<int64_t>() != -t[1].item<int64_t>() || t[2].item<int64_t>() != -t[3].item<int64_t>())
-      throw CollectiveMismatch("collective mismatch at step " + std::to_string(coll_->step()) + " (ZeRO stage " +
-                               std::to_string(placement_.stage()) +
-                               "): the ranks recorded different schedules of gathers and reduce-scatters for this "
+      throw CollectiveMismatch(mismatch_at() +
+                               "the ranks recorded different schedules of gathers and reduce-scatters for this "
                                "micro-batch; every rank must run the same blocks in the same order");
     raw_->set_step(coll_->step());
   }
@@ -186,16 +188,15 @@ void FullyShard::close_schedule() {
   if (!open_) return;
   Schedule& s = *open_;
   open_ = nullptr;
-  if (!replaying_) {
+  if (!s.recorded) {
     s.recorded = true;
     return;
   }
   if (next_ != s.ops.size())
-    throw CollectiveMismatch(
-        "collective mismatch at step " + std::to_string(coll_->step()) + " on rank " + std::to_string(coll_->rank()) +
-        " (ZeRO stage " + std::to_string(placement_.stage()) + "): this micro-batch issued " + std::to_string(next_) +
-        " of the " + std::to_string(s.ops.size()) + " collectives of the schedule every rank validated (" +
-        describe_op(s.ops[next_]) + " and after never issued); every rank must run the same blocks each micro-batch");
+    throw CollectiveMismatch(mismatch_at() + "this micro-batch issued " + std::to_string(next_) + " of the " +
+                             std::to_string(s.ops.size()) + " collectives of the schedule every rank validated (" +
+                             describe_op(s.ops[next_]) +
+                             " and after never issued); every rank must run the same blocks each micro-batch");
 }
 
 void FullyShard::start_gather(Unit& u) {
@@ -272,7 +273,7 @@ void FullyShard::before_forward(bool sync, bool step) {
   if (held_) return;
   sync_ = sync || !keeps_whole();  // stage 3 does not keep full gradients between micro-batches
   if (open_) {                     // a training micro-batch without after_backward(): complete, or this rank left it
-    if (replaying_ && next_ != open_->ops.size()) close_schedule();  // throws, naming it
+    if (open_->recorded && next_ != open_->ops.size()) close_schedule();  // throws, naming it
     open_ = nullptr;
   }
   if (step && coll_->validating() && coll_->size() > 1) open_schedule(sync_);

@@ -146,6 +146,7 @@ class FullyShard final : public models::BlockHooks {
   void open_schedule(bool sync);
   void close_schedule();  // at after_backward: recorded, or checked complete
   std::string describe_op(uint64_t op) const;
+  std::string mismatch_at() const;  // "collective mismatch at step N on rank R (ZeRO stage S): "
   size_t index_of(const Unit& u) const;
 
   std::shared_ptr<models::Model> model_;
@@ -160,9 +161,9 @@ class FullyShard final : public models::BlockHooks {
   bool in_order_ = false;                   // every unit reduced after the backward, in order
   std::shared_ptr<Collectives> raw_;        // the same group, dist.validate = off (schedules)
   Schedule schedules_[2];                   // by `sync`
-  Schedule* open_ = nullptr;                // this training micro-batch's, while it runs
-  bool replaying_ = false;
-  size_t next_ = 0;  // the replayed schedule's next collective
+  Schedule* open_ = nullptr;                // this training micro-batch's, while it runs (replayed
+                                            // if it was recorded before)
+  size_t next_ = 0;                         // the replayed schedule's next collective
 };
 
 }  // namespace keel::dist
