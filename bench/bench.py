@@ -146,7 +146,15 @@ def main():
                          "with PyTorch DDP and ZeroRedundancyOptimizer: optimizer state, peak RSS and step time")
     ap.add_argument("--validate-pairs", type=int, default=0,
                     help="instead: N back-to-back pairs of dist.validate = always and off (mlp, 2 ranks), order alternating")
+    ap.add_argument("--ab", action="append", default=[], metavar="NAME=OVERRIDES",
+                    help="with --ab-rounds: a keel configuration (space-separated overrides, e.g. "
+                         "'one-bucket=--dist.bucket_cap_mb=1000 --dist.first_bucket_mb=1000'); the first is the base")
+    ap.add_argument("--ab-rounds", type=int, default=0,
+                    help="instead: N rounds of the --ab configurations on the first of --models at each of --worlds "
+                         "(order rotating), each step time over the first configuration's")
     args = ap.parse_args()
+    if args.ab_rounds:
+        return ab_bench(args)
     if args.baseline:
         return baseline_bench(args)
     if args.validate_pairs:
@@ -288,12 +296,13 @@ def observe_bench(args):
         emit(summary)
 
 
-def rounds_on_gpt(args, rounds, suffix, configs, finish):
-    """N rounds of `configs` (name -> run(world)) on gpt at each of --worlds, the order rotating
-    within each round. Emits each round's step times over keel zero=0's, then per world a summary
+def rounds_on_gpt(args, rounds, suffix, configs, finish, model="gpt", base="keel-zero0"):
+    """N rounds of `configs` (name -> run(world)) on `model` at each of --worlds, the order rotating
+    within each round. Emits each round's step times over `base`'s, then per world a summary
     (median step time and its ratio per configuration, peak RSS) that `finish(summary, got)`
     completes; got[name] = that configuration's runs."""
     names = list(configs)
+    key = base.replace("-", "_")
     with results(suffix) as emit:
         for world in [int(w) for w in args.worlds.split(",")]:
             got = {n: [] for n in names}
@@ -302,17 +311,49 @@ def rounds_on_gpt(args, rounds, suffix, configs, finish):
                 this = {n: configs[n](world) for n in order}
                 for n in names:
                     got[n].append(this[n])
-                emit({"world": world, "round": i, **{f"{n}_ms": this[n]["median_step_ms"] for n in names},
-                      **{f"{n}_over_keel_zero0": this[n]["median_step_ms"] / this["keel-zero0"]["median_step_ms"]
-                         for n in names}})
-            summary = {"model": "gpt", "world": world, "rounds": rounds, "batch": BATCH["gpt"]}
+                emit({"world": world, "round": i, "time": time.strftime("%H:%M:%S"),
+                      **{f"{n}_ms": this[n]["median_step_ms"] for n in names},
+                      **{f"{n}_over_{key}": this[n]["median_step_ms"] / this[base]["median_step_ms"] for n in names}})
+            summary = {"model": model, "world": world, "rounds": rounds, "batch": BATCH[model]}
             for n in names:
                 summary[f"{n}_median_step_ms"] = middle([r["median_step_ms"] for r in got[n]])
-                summary[f"{n}_step_time_over_keel_zero0"] = middle(
-                    [got[n][k]["median_step_ms"] / got["keel-zero0"][k]["median_step_ms"] for k in range(rounds)])
+                summary[f"{n}_step_time_over_{key}"] = middle(
+                    [got[n][k]["median_step_ms"] / got[base][k]["median_step_ms"] for k in range(rounds)])
                 summary[f"{n}_peak_rss_mb"] = middle([r["peak_rss_mb"] for r in got[n]])
             finish(summary, got)
             emit(summary)
+
+
+def ab_bench(args):
+    """--ab NAME=OVERRIDES, given twice or more: N rounds (--ab-rounds) of keel with each set of
+    overrides on the first of --models at each of --worlds, the order rotating; per round each
+    step time over the first configuration's, and the medians. `--dist.validate=`,
+    `--compile.mode=` and `--amp.dtype=` among the overrides replace bench's defaults."""
+    model = args.models.split(",")[0]
+    steps = max(args.steps // 5, 12) if model == "gpt" else args.steps
+    kwargs_of = {"--dist.validate": "validate", "--compile.mode": "compile_mode", "--amp.dtype": "amp"}
+    configs = {}
+    for spec in args.ab:
+        name, sep, overrides = spec.partition("=")
+        if not sep or not name or name in configs:
+            raise SystemExit(f"--ab {spec!r}: expected a new NAME=OVERRIDES (NAME unique)")
+        kw, extra = {}, []
+        for o in overrides.split():
+            k, _, v = o.partition("=")
+            if k in kwargs_of:
+                kw[kwargs_of[k]] = v
+            else:
+                extra.append(o)
+        configs[name] = lambda w, kw=kw, extra=extra: run_keel(model, BATCH[model], steps, w, args.keel,
+                                                                 extra=extra, **kw)
+    if len(configs) < 2:
+        raise SystemExit("--ab: give two or more configurations")
+
+    def finish(summary, got):
+        summary["steps"] = steps
+        summary["configs"] = args.ab
+
+    rounds_on_gpt(args, args.ab_rounds, "-ab", configs, finish, model=model, base=next(iter(configs)))
 
 
 def zero_bench(args):
