@@ -222,6 +222,9 @@ void DataParallel::sync_buffers() {
 }
 
 void DataParallel::before_forward(bool sync, bool step) {
+  // A replayed ZeRO schedule this rank left unfinished is named before any collective of this
+  // micro-batch (the buffer broadcast's probe would otherwise meet a peer's replayed collective).
+  if (fsdp_) fsdp_->end_open_schedule();
   sync_buffers();
   if (fsdp_) return fsdp_->before_forward(sync, step);
   if (!reducer_ || !sync) return;

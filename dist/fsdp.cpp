@@ -164,6 +164,10 @@ Collectives& FullyShard::via(char kind, size_t unit) {
 
 void FullyShard::open_schedule(bool sync) {
   Schedule& s = schedules_[sync ? 1 : 0];
+  // A recorded schedule without collectives (stage 2's micro-batches that accumulate without
+  // reducing) is not replayed: nothing to confirm, and a rank that would issue one there issues
+  // it through coll_, validated, where it meets the other ranks' next validated collective.
+  if (s.recorded && s.ops.empty()) return;
   if (!s.recorded) s.ops.clear();
   if (s.recorded) {
     // Every rank confirms the schedule it is about to replay: (h, -h) all-reduced with MIN agree
@@ -269,13 +273,16 @@ void FullyShard::reduce(Unit& u) {
                                 keeps_whole() ? "ZeRO-2 gradient reduce-scatter" : "ZeRO-3 gradient reduce-scatter");
 }
 
+void FullyShard::end_open_schedule() {
+  if (!open_) return;  // a training micro-batch without after_backward(): complete, or this rank left it
+  if (open_->recorded && next_ != open_->ops.size()) close_schedule();  // throws, naming it
+  open_ = nullptr;
+}
+
 void FullyShard::before_forward(bool sync, bool step) {
   if (held_) return;
   sync_ = sync || !keeps_whole();  // stage 3 does not keep full gradients between micro-batches
-  if (open_) {                     // a training micro-batch without after_backward(): complete, or this rank left it
-    if (open_->recorded && next_ != open_->ops.size()) close_schedule();  // throws, naming it
-    open_ = nullptr;
-  }
+  end_open_schedule();
   if (step && coll_->validating() && coll_->size() > 1) open_schedule(sync_);
   for (auto& u : units_) u->reduced = false;
   if (keeps_whole()) return;

@@ -9,7 +9,8 @@
 // them after; reduce-scattering its gradients after its backward; the pieces of each parameter
 // this rank owns (Placement::pieces), on which the optimizer, clipping and the non-finite check
 // work. Does not own: the layout (dist/placement.h), the optimizer (trainer/), the collectives
-// (dist/collectives.h, through which every gather and reduce-scatter goes, validated).
+// (dist/collectives.h, through which every gather and reduce-scatter goes: validated one by one,
+// or as a schedule, below).
 //
 // One micro-batch:
 //   before_forward()  gathers the root unit (kept until after_backward, or reshard() after an
@@ -119,6 +120,10 @@ class FullyShard final : public models::BlockHooks {
   // The autograd hooks (public for the autograd functions in fsdp.cpp).
   void pre_backward(size_t unit);
   void post_backward(size_t unit);
+  /// Before a micro-batch issues anything: a training micro-batch whose schedule is still open
+  /// (no after_backward()) ends here; if this rank replayed only part of it, CollectiveMismatch
+  /// naming the collectives it never issued.
+  void end_open_schedule();
 
  private:
   struct Unit;
@@ -129,15 +134,18 @@ class FullyShard final : public models::BlockHooks {
   void finish_reduce(Unit& u);  // waits for its reduce-scatter and adds the sums into its shard
   bool keeps_whole() const { return !placement_.shards_parameters(); }  // stage 2: parameters stay whole
 
-  // Validation by schedule (dist.validate = always, the trainer's training micro-batches; per
-  // `sync` value): the first such micro-batch's gathers and reduce-scatters are each validated
+  // Validation by schedule (whenever coll_ validates: dist.validate = always, and the first
+  // step's micro-batches at first_step; the trainer's training micro-batches; per `sync` value):
+  // the first such micro-batch's gathers and reduce-scatters are each validated
   // across ranks (through coll_, as every other collective) and recorded in order. Each later one
   // starts with one validated all-reduce in which every rank confirms it is about to replay the
   // same recorded schedule; its collectives then go through raw_ without a probe, each checked
   // first against the schedule on its own rank: a rank that would leave it (another unit, another
   // kind, one too many, or one too few at the end) throws CollectiveMismatch before issuing
   // anything, so collectives that differ never meet (the other ranks' next one fails when its
-  // process exits, a CollectiveError naming it). 14 probes per gpt step become one.
+  // process exits, a CollectiveError naming it; on NCCL the peer waits until dist.timeout_s at its
+  // next host wait). 14 probes per gpt micro-batch become one; a recorded schedule with no
+  // collectives (stage 2's accumulating micro-batches) is not replayed at all.
   struct Schedule {
     std::vector<uint64_t> ops;  // (kind << 32) | unit, in the order issued
     bool recorded = false;
@@ -151,6 +159,9 @@ class FullyShard final : public models::BlockHooks {
 
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
+  // The same group, dist.validate = off (schedules). Declared before units_, so that it outlives
+  // their pending collectives.
+  std::shared_ptr<Collectives> raw_;
   Placement placement_;
   models::NamedTensors params_;
   std::vector<std::unique_ptr<Unit>> units_;  // units_[i] = block i; the last = the root
@@ -159,7 +170,6 @@ class FullyShard final : public models::BlockHooks {
   bool held_ = false;                       // hold(): every unit gathered, the hooks do nothing
   bool sync_ = true;                        // this micro-batch's gradients are reduced
   bool in_order_ = false;                   // every unit reduced after the backward, in order
-  std::shared_ptr<Collectives> raw_;        // the same group, dist.validate = off (schedules)
   Schedule schedules_[2];                   // by `sync`
   Schedule* open_ = nullptr;                // this training micro-batch's, while it runs (replayed
                                             // if it was recorded before)

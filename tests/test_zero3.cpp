@@ -13,6 +13,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <functional>
 #include <map>
 #include <set>
 
@@ -159,6 +160,9 @@ void matches_unsharded(const std::string& name, const keel::dist::World& w, bool
       if (recorded[kind] < 0) {
         EXPECT_EQ(replayed, 0) << "micro " << micro << ": recorded, each collective validated";
         recorded[kind] = probes;
+      } else if (recorded[kind] == 0) {  // stage 2's accumulating micro-batches: nothing to confirm
+        EXPECT_EQ(probes, 0) << "step " << step << " micro " << micro << ": an empty schedule is not replayed";
+        EXPECT_EQ(replayed, 0) << "step " << step << " micro " << micro;
       } else {
         EXPECT_EQ(probes, 1) << "step " << step << " micro " << micro << ": one validated check of the schedule";
         EXPECT_EQ(replayed, recorded[kind]) << "step " << step << " micro " << micro << ": the recorded ones, replayed";
@@ -260,12 +264,13 @@ TEST(Zero3, OwnersWriteWholeParametersAndRanksLoadTheirPiecesAtThreeRanks) {
   for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
 }
 
-// A rank that leaves the validated schedule (here rank 1 skips the second step's forward and
-// goes straight to after_backward, whose first collective is the root's reduce-scatter where the
-// schedule has block 1's all-gather) throws CollectiveMismatch naming both before it issues
-// anything; rank 0, waiting in block 1's all-gather, fails when rank 1's process is gone, with a
-// CollectiveError naming the collective, not a hang.
-void leaves_the_schedule(const keel::dist::World& w) {
+// Two steps of gpt at stage 3 on 2 ranks, each a replayable training micro-batch; at the second,
+// rank 1 leaves the schedule: right after before_forward() (`with_forward` false) or after its
+// forward, it calls `leave`, which must throw CollectiveMismatch before anything is issued, and
+// its process exits. Rank 0 must then fail with an error naming `peer_error` (not hang).
+void leave_the_schedule_at_step_2(const keel::dist::World& w, bool with_forward,
+                                  const std::function<void(keel::dist::FullyShard&)>& leave,
+                                  const std::string& peer_error) {
   auto coll = collectives(w, /*timeout_s=*/20);
   auto model = small_model("gpt");
   keel::dist::FullyShard fs(model, coll, placement_of(model, 3, w.size));
@@ -274,31 +279,74 @@ void leaves_the_schedule(const keel::dist::World& w) {
     const auto x = batch_for("gpt", 10 * step + w.rank);
     fs.before_forward(/*sync=*/true, /*step=*/true);
     if (step == 1 && w.rank == 1) {
-      try {
-        fs.after_backward();
-        ADD_FAILURE() << "rank 1 left the schedule unnoticed";
-      } catch (const keel::dist::CollectiveMismatch& e) {
-        const std::string what = e.what();
-        EXPECT_NE(what.find("would be the reduce-scatter of"), std::string::npos) << what;
-        EXPECT_NE(what.find("the schedule every rank validated has the all-gather of"), std::string::npos) << what;
-        EXPECT_NE(what.find("nothing was issued"), std::string::npos) << what;
-      }
-      return;  // the process exits: rank 0's pending all-gather fails
+      torch::Tensor loss;
+      if (with_forward) loss = loss_of("gpt", model->forward(x), 0);
+      const auto probes = coll->traffic().probes;
+      EXPECT_THROW(leave(fs), keel::dist::CollectiveMismatch) << "rank 1 left the schedule unnoticed";
+      EXPECT_EQ(coll->traffic().probes, probes) << "nothing issued once the schedule was left";
+      return;  // the process exits: rank 0's pending collective fails
     }
     try {
       loss_of("gpt", model->forward(x), 0).backward();
       fs.after_backward();
       EXPECT_EQ(step, 0) << "rank 0 finished a step rank 1 left";
-    } catch (const keel::dist::CollectiveError& e) {
+    } catch (const std::exception& e) {  // a CollectiveError, maybe rethrown by autograd's engine
       EXPECT_EQ(step, 1) << e.what();
-      EXPECT_NE(std::string(e.what()).find("ZeRO-3 parameter all-gather"), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(peer_error), std::string::npos) << e.what();
       return;
     }
   }
 }
 
+// Calls `f`, expecting a CollectiveMismatch whose message holds each of `parts`; rethrows it.
+void expect_mismatch(const std::function<void()>& f, const std::vector<std::string>& parts) {
+  try {
+    f();
+  } catch (const keel::dist::CollectiveMismatch& e) {
+    for (const auto& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+    throw;
+  }
+}
+
+// Rank 1 skips the second step's forward and goes straight to after_backward, whose first
+// collective is the root's reduce-scatter where the schedule has block 1's all-gather: it throws
+// naming both before it issues anything; rank 0, waiting in block 1's all-gather, fails when rank
+// 1's process is gone, with a CollectiveError naming the collective, not a hang.
 TEST(Zero3, ARankThatLeavesTheValidatedScheduleStopsBeforeIssuingAndItsPeerFailsNamingTheCollective) {
-  auto results = run_ranks(2, leaves_the_schedule, 120);
+  auto results = run_ranks(
+      2,
+      [](const keel::dist::World& w) {
+        leave_the_schedule_at_step_2(
+            w, /*with_forward=*/false,
+            [](keel::dist::FullyShard& fs) {
+              expect_mismatch([&] { fs.after_backward(); },
+                              {"would be the reduce-scatter of",
+                               "the schedule every rank validated has the all-gather of", "nothing was issued"});
+            },
+            "ZeRO-3 parameter all-gather");
+      },
+      120);
+  if (is_rank_process()) return;
+  for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
+}
+
+// A rank whose replayed micro-batch ends without its backward (rank 1 runs step 2's forward, then
+// starts another micro-batch) is stopped at the start of the next one, naming the collectives of
+// the schedule it never issued, before it issues anything there; rank 0, in the backward, fails
+// when rank 1's process is gone.
+TEST(Zero3, ARankThatAbandonsAReplayedMicroBatchIsStoppedAtItsNextOneAndItsPeerFailsNamingTheCollective) {
+  auto results = run_ranks(
+      2,
+      [](const keel::dist::World& w) {
+        leave_the_schedule_at_step_2(
+            w, /*with_forward=*/true,
+            [](keel::dist::FullyShard& fs) {
+              expect_mismatch([&] { fs.before_forward(/*sync=*/true, /*step=*/true); },
+                              {"on rank 1 (ZeRO stage 3): this micro-batch issued", "and after never issued"});
+            },
+            "ZeRO-3");
+      },
+      120);
   if (is_rank_process()) return;
   for (auto& r : results) EXPECT_EQ(r.exit_code, 0) << r.output;
 }
