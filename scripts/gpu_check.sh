@@ -3,6 +3,10 @@
 #
 #   scripts/gpu_check.sh OUTDIR               # build, then every GPU check; results in OUTDIR
 #   scripts/gpu_check.sh --build-only OUTDIR  # the build half alone (ctest runs it on the CPU)
+#   scripts/gpu_check.sh --deps-only OUTDIR   # .gpu_deps alone: a configure that ignores the
+#       system's packages finds every one there, and the objects that use its partial Boost and its
+#       protobuf compile from it, no header from /usr (ctest runs it; KEEL_GPU_DEPS=DIR for
+#       another folder than .gpu_deps)
 #
 # The machine it is made for: torch 2.11 (CUDA) in its python3 (or KEEL_PYTHON), nvcc, cmake,
 # ninja, no network. keel's other build dependencies travel as Debian packages unpacked into
@@ -44,8 +48,9 @@
 # machine's result folder takes back (docs/gpu.md has the command for the device machine).
 set -uo pipefail
 
-build_only=0
+build_only=0 deps_only=0
 if [ "${1:-}" = --build-only ]; then build_only=1; shift; fi
+if [ "${1:-}" = --deps-only ]; then deps_only=1; shift; fi
 out="${1:?usage: scripts/gpu_check.sh [--build-only] OUTDIR}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
@@ -140,7 +145,8 @@ prefix=$("$py" -c 'import torch; print(torch.utils.cmake_prefix_path)')
 gen=Ninja; command -v ninja >/dev/null || gen="Unix Makefiles"
 cmake_args=(-S "$root" -B "$bdir" -G "$gen" -DCMAKE_BUILD_TYPE=Release -DKEEL_BUILD_TESTS=OFF
             -DTorch_DIR="$prefix/Torch" -DKEEL_PYTHON="$py")
-deps="$root/.gpu_deps/root/usr" logdeps="$root/.gpu_deps/logroot/usr"
+deps_dir="${KEEL_GPU_DEPS:-$root/.gpu_deps}"
+deps="$deps_dir/root/usr" logdeps="$deps_dir/logroot/usr"
 if [ -d "$deps" ]; then
   libs="$deps/lib/x86_64-linux-gnu;$logdeps/lib/x86_64-linux-gnu"
   cmake_args+=(-DCMAKE_PREFIX_PATH="$deps;$logdeps" -DCMAKE_INCLUDE_PATH="$deps/include"
@@ -153,6 +159,33 @@ fi
 if command -v ccache >/dev/null; then
   cmake_args+=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   export CCACHE_BASEDIR="$root"
+fi
+if [ $deps_only = 1 ]; then
+  # As on the GPU machine, which has none of them: the system's prefixes ignored, so that every
+  # package must come from the deps folder; then the objects whose headers come from its partial
+  # Boost and its protobuf (the generated messages too), checked to include nothing from /usr.
+  [ -d "$deps" ] || { log "no $deps (run scripts/gpu_deps.sh)"; exit 1; }
+  [ "$gen" = Ninja ] || { log "--deps-only needs ninja (its dependency log)"; exit 77; }
+  objs=(CMakeFiles/keel_tb_proto.dir/tensorboard_event.pb.cc.o CMakeFiles/keel_tb_proto.dir/trainer/tensorboard_encode.cpp.o
+        CMakeFiles/keel_objects.dir/trainer/tensorboard.cpp.o)
+  # Without ccache: a result cached when a header came from /usr would be reused (with its
+  # dependency list) after the folder gained that header, since ccache does not see shadowing.
+  export CCACHE_DISABLE=1
+  {
+    echo "== configure"; cmake "${cmake_args[@]}" "-DCMAKE_IGNORE_PREFIX_PATH=/usr;/usr/local;/" 2>&1 &&
+    echo "== build" && cmake --build "$bdir" --target "${objs[@]}" 2>&1
+  } > "$out/deps.log"
+  rc=$?
+  found=$(grep -E '^(Protobuf_INCLUDE_DIR|Protobuf_LIBRARY_RELEASE|Protobuf_PROTOC_EXECUTABLE|Boost_DIR|spdlog_DIR|nlohmann_json_DIR|TOMLPP_INCLUDE_DIR|CLI11_DIR|CLI11_INCLUDE_DIR|OPENSSL_CRYPTO_LIBRARY|ZLIB_LIBRARY_RELEASE)[:=]' \
+    "$bdir/CMakeCache.txt" 2>/dev/null)
+  outside=$(printf '%s\n' "$found" | grep -v "=$deps_dir" || true)
+  system_headers=$(cd "$bdir" && ninja -t deps "${objs[@]}" 2>/dev/null | grep -E '^ +/usr/(local/)?include/(boost|google)/' | sort -u || true)
+  ok=true
+  [ $rc -eq 0 ] || { ok=false; tail -30 "$out/deps.log"; }
+  [ -z "$outside" ] || { ok=false; log "found outside $deps_dir:"; printf '%s\n' "$outside"; }
+  [ -z "$system_headers" ] || { ok=false; log "system headers used:"; printf '%s\n' "$system_headers" | head; }
+  record deps "$ok" "\"packages_found\": $(printf '%s\n' "$found" | grep -c .), \"outside\": $(printf '%s' "$outside" | grep -c .), \"system_headers\": $(printf '%s' "$system_headers" | grep -c .)"
+  [ "$ok" = true ]; exit
 fi
 if [ -n "${KEEL_GPU_CHECK_KEEL:-}" ]; then
   keel="$KEEL_GPU_CHECK_KEEL"

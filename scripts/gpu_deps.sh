@@ -3,7 +3,8 @@
 # Python), CUDA, cmake and ninja but no network and none of keel's other build dependencies:
 # Debian's -dev packages keel builds with, downloaded here and unpacked (dpkg -x) into
 # .gpu_deps/ (git-ignored; ~24 MB), which travels with the working tree.
-#   scripts/gpu_deps.sh            # writes .gpu_deps/root/usr/... and .gpu_deps/logroot/usr/...
+#   scripts/gpu_deps.sh [DIR]      # writes DIR/root/usr/... and DIR/logroot/usr/... (DIR: .gpu_deps)
+# Exit 77 when apt cannot download (no network, no apt): nothing to check then.
 # spdlog and Debian's fmt go to logroot/ apart from the rest: an include folder that holds fmt 9
 # must never be on the path of keel's own sources, which use LibTorch's fmt 12 (common/log.h).
 # Protobuf (the TensorBoard event messages: headers, the lite runtime, protoc) comes whole; of
@@ -11,16 +12,23 @@
 # boost/type_traits/ whole (other compilers take other branches there) and Boost's CMake package
 # files: the whole of Boost's headers (~160 MB) would not fit the 64 MiB a device call carries.
 set -euo pipefail
+out=$(realpath -m "${1:-$(dirname "$0")/../.gpu_deps}")
 cd "$(dirname "$0")/.."
-out=.gpu_deps
 pkgs=(libcli11-dev libtomlplusplus-dev nlohmann-json3-dev libgloo-dev libssl-dev libssl3 zlib1g-dev zlib1g
       libprotobuf-dev libprotobuf32 libprotobuf-lite32 libprotoc32 protobuf-compiler)
 logpkgs=(libspdlog-dev libspdlog1.10 libfmt-dev libfmt9)
 boostpkg=libboost1.74-dev
+if [ -n "$(ls -A "$out" 2>/dev/null)" ] && [ ! -d "$out/root" ]; then
+  echo "gpu_deps: $out holds files and is no gpu_deps folder: not replaced"; exit 2
+fi
 rm -rf "$out"; mkdir -p "$out/debs" "$out/logdebs" "$out/boostdeb" "$out/root" "$out/logroot"
-(cd "$out/debs" && apt-get download "${pkgs[@]}" 2>/dev/null)
-(cd "$out/logdebs" && apt-get download "${logpkgs[@]}" 2>/dev/null)
-(cd "$out/boostdeb" && apt-get download "$boostpkg" 2>/dev/null)
+fetch() {  # fetch DIR PACKAGE...
+  local d=$1; shift
+  (cd "$d" && apt-get download "$@" 2>/dev/null) || { echo "gpu_deps: apt-get download $* failed (no network or no apt?)"; exit 77; }
+}
+fetch "$out/debs" "${pkgs[@]}"
+fetch "$out/logdebs" "${logpkgs[@]}"
+fetch "$out/boostdeb" "$boostpkg"
 for f in "$out"/debs/*.deb; do dpkg -x "$f" "$out/root"; done
 for f in "$out"/logdebs/*.deb; do dpkg -x "$f" "$out/logroot"; done
 boost="$out/boostdeb/x"
