@@ -20,8 +20,8 @@
 #   sync_debug gpt, NCCL, dist.consensus = late, run.sync_debug = error: no host sync in steps 6-29
 #   gloo_2r    two ranks on the one GPU, Gloo on CUDA tensors (NCCL refuses two ranks per device)
 #   zero0_gloo_2r, zero3_gloo_2r, zero3_memory
-#              gpt at dist.zero = 0 and 3 on two ranks sharing the GPU (Gloo): held bytes and each
-#              rank's peak device memory, stage 3 over stage 0
+#              gpt at dist.zero = 0 and 3 on two ranks sharing the GPU (Gloo): held bytes and rank
+#              0's peak device memory (the ranks run the same work), stage 3 over stage 0
 #   fp16       fp16 autocast + GradScaler, initial scale 2^40: real fp16 overflows, steps skipped
 #   bf16       bf16 autocast
 #   resume     checkpoint every 10 steps; rank killed at step 25 under torchrun; the resumed
@@ -78,6 +78,9 @@ failures=0
 log() { printf '[gpu_check %4ds] %s\n' "$(( $(date +%s) - t_start ))" "$*"; }
 # At exit, however it comes (the end, a failed build, timeout's SIGTERM): the summary table, then
 # the bundle. Idempotent.
+budget="${KEEL_GPU_CHECK_BUDGET_S:-470}"
+reserve=0  # seconds kept for the steps still to come that matter more (the open issues' steps)
+skipped=0
 # The script's own stdout and stderr, kept: a signal can arrive while a step's output is redirected
 # into its log (launch ... > STEP.log), and the trap runs there.
 exec 3>&1 4>&2
@@ -85,6 +88,7 @@ finished=0
 finish() {
   local rc=$?  # the script's exit status (the last command's, or exit's), kept through the trap
   [ $finished = 1 ] && return; finished=1
+  trap '' TERM INT  # a signal now (the outer timeout's) must not cut the summary and the bundle short
   exec 1>&3 2>&4
   [ -f "$out/env.txt" ] || : > "$out/env.txt"
   "$py" - "$results" "$out/summary.md" "$out/env.txt" <<'PY'
@@ -121,9 +125,6 @@ PY
 }
 trap finish EXIT
 trap 'log "stopped by a signal" >&3; exit 124' TERM INT
-budget="${KEEL_GPU_CHECK_BUDGET_S:-470}"
-reserve=0  # seconds kept for the steps still to come that matter more (the open issues' steps)
-skipped=0
 left() { echo $(( budget - ($(date +%s) - t_start) )); }
 tleft() { local l; l=$(left); echo $(( l > 10 ? l : 10 )); }  # for timeout(1): never 0 (= none)
 skip() {  # skip STEP WHY
@@ -137,6 +138,14 @@ record() {  # record STEP OK(true|false) JSON-OBJECT-BODY
 field() {  # field SUMMARY_JSON KEY
   "$py" -c 'import json,sys; v=json.load(open(sys.argv[1])).get(sys.argv[2]); print(json.dumps(v))' "$1" "$2" 2>/dev/null
 }
+
+# The machine, first (also when the build fails).
+{ if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  else echo "no nvidia-smi"; fi
+  nproc
+  "$py" -c 'import torch; c = torch.cuda.is_available()
+print(torch.__version__, torch.cuda.get_device_name(0) if c else "no CUDA device", torch.cuda.nccl.version() if c else "")'
+  g++ --version | head -1; command -v nvcc >/dev/null && nvcc --version | tail -1; } > "$out/env.txt" 2>&1
 
 # ------------------------------------------------------------------------------------------
 # Build half
@@ -212,19 +221,13 @@ if [ $build_only = 1 ]; then log "build half done"; exit 0; fi
 # ------------------------------------------------------------------------------------------
 # GPU half
 # ------------------------------------------------------------------------------------------
-{ if command -v nvidia-smi >/dev/null; then nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  else echo "no nvidia-smi"; fi
-  nproc
-  "$py" -c 'import torch; c = torch.cuda.is_available()
-print(torch.__version__, torch.cuda.get_device_name(0) if c else "no CUDA device", torch.cuda.nccl.version() if c else "")'
-  g++ --version | head -1; command -v nvcc >/dev/null && nvcc --version | tail -1; } > "$out/env.txt" 2>&1
 port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'; }
 # keel under torchrun (static rendezvous on a free port), N ranks: launch N DIR ARGS...
 launch() {
   local n=$1 dir=$2; shift 2
   mkdir -p "$dir"
   local t; t=$(tleft)
-  timeout $(( t < 240 ? t : 240 )) "$torchrun" --nproc_per_node "$n" --master_port "$(port)" --no_python "$@" \
+  timeout -k 10 $(( t < 240 ? t : 240 )) "$torchrun" --nproc_per_node "$n" --master_port "$(port)" --no_python "$@" \
     --run.dir="$dir/run"
 }
 dev="${KEEL_GPU_CHECK_DEVICE:-cuda}"
@@ -292,6 +295,11 @@ declare -A bg_pid=() bg_t0=()
 # they and the GPU steps share the cores; the steps timed meanwhile (zero*, the regression steps)
 # are timed under that load (their memory figures are not affected).
 bg_threads=2
+# They end at the latest 100 s before the budget does, so that a slow package (the packaging time
+# on CUDA is not known yet) still leaves two bench specs' time; a bench or inductor step whose
+# package was not built does not build it itself (pkg_rc).
+bg_limit() { local l; l=$(tleft); echo $(( l > 130 ? l - 100 : 30 )); }
+declare -A pkg_rc=()
 packages=()
 for spec in "${bench_specs[@]}"; do set -- $spec; packages+=("bench_$1_b$2|--model.name=$1 --train.batch_size=$2"); done
 [ "$dev" = cpu ] || packages+=("inductor_fp16|--model.name=cnn --train.batch_size=64 --amp.dtype=fp16")
@@ -300,15 +308,16 @@ for p in "${packages[@]}"; do
   # Only the packages a wanted step loads (bench_gpt_b8's is inductor_gpt's too).
   want packages || want "$tag" || { [ "$tag" = bench_gpt_b8 ] && want inductor_gpt; } || continue
   bg_t0[$tag]=$(date +%s)
-  TORCHINDUCTOR_COMPILE_THREADS=$bg_threads timeout "$(tleft)" "$keel" compile "${common[@]}" "${args[@]}" --dist.backend=$nccl "${inductor[@]}" \
-    > "$out/package_$tag.log" 2>&1 &
+  TORCHINDUCTOR_COMPILE_THREADS=$bg_threads timeout -k 10 "$(bg_limit)" "$keel" compile "${common[@]}" "${args[@]}" \
+    --dist.backend=$nccl "${inductor[@]}" > "$out/package_$tag.log" 2>&1 3>&- 4>&- &
   bg_pid[$tag]=$!
 done
 for spec in "${bench_specs[@]}"; do
   set -- $spec
   want "bench_$1_b$2" || continue
-  TORCHINDUCTOR_COMPILE_THREADS=$bg_threads timeout "$(tleft)" "$torchrun" --nproc_per_node 1 --master_port "$(port)" "$root/bench/torch_ref.py" \
-    --model "$1" --batch "$2" --steps 3 --threads 4 --device "$dev" --compile > "$out/warm_$1_b$2.log" 2>&1 &
+  TORCHINDUCTOR_COMPILE_THREADS=$bg_threads timeout -k 10 "$(bg_limit)" "$torchrun" --nproc_per_node 1 --master_port "$(port)" \
+    "$root/bench/torch_ref.py" --model "$1" --batch "$2" --steps 3 --threads 4 --device "$dev" --compile \
+    > "$out/warm_$1_b$2.log" 2>&1 3>&- 4>&- &
 done
 
 # ZeRO-3 on the GPU (issue 27, item 7): two ranks share the one GPU, which NCCL refuses, so over
@@ -334,6 +343,7 @@ except Exception as e:
 print(json.dumps(r))
 PY
 )
+  [ -n "$zero_memory" ] || zero_memory='{"ok": false, "error": "no verdict"}'
   record zero3_memory "$(printf '%s' "$zero_memory" | "$py" -c 'import json,sys; print("true" if json.load(sys.stdin)["ok"] else "false")')" "\"detail\": $zero_memory"
 fi
 
@@ -386,6 +396,7 @@ if [ ${#bg_pid[@]} -gt 0 ]; then
   detail="" all_ok=true
   for tag in "${!bg_pid[@]}"; do
     wait "${bg_pid[$tag]}"; rc=$?
+    pkg_rc[$tag]=$rc
     [ $rc -eq 0 ] || all_ok=false
     ms=$(sed -n 's/^keel: .* in \([0-9]*\) ms (sha256.*/\1/p' "$out/package_$tag.log" | tail -1)
     detail+="${detail:+, }\"$tag\": {\"rc\": $rc, \"compile_ms\": ${ms:-null}, \"awaited_after_s\": $(( $(date +%s) - ${bg_t0[$tag]} ))}"
@@ -395,14 +406,22 @@ fi
 wait  # the torch.compile warm-ups
 
 # compile.mode = inductor: the training step packaged with AOTInductor for this device.
-train_step inductor_gpt 1 "s['compile_mode'] == 'inductor' and s['compile_cache'] == 'hit' and $finite" \
-  --model.name=gpt --train.batch_size=8 --train.steps=40 --dist.backend=$nccl "${inductor[@]}"
+package_ok() { [ "${pkg_rc[$1]:-0}" = 0 ]; }  # not failed (or not awaited: a rehearsal's ONLY)
+if package_ok bench_gpt_b8; then
+  train_step inductor_gpt 1 "s['compile_mode'] == 'inductor' and s['compile_cache'] == 'hit' and $finite" \
+    --model.name=gpt --train.batch_size=8 --train.steps=40 --dist.backend=$nccl "${inductor[@]}"
+else
+  want inductor_gpt && record inductor_gpt false "\"error\": \"its package (bench_gpt_b8) was not built\""
+fi
 # fp16 inside the package (issue 24, item 6): the GradScaler's scale is an input of the step, the
 # gradients come out scaled; 2^40 overflows them for real and the steps are skipped.
-[ "$dev" = cpu ] || train_step inductor_fp16 1 \
+if ! package_ok inductor_fp16; then
+  want inductor_fp16 && record inductor_fp16 false "\"error\": \"its package was not built\""
+elif [ "$dev" != cpu ]; then train_step inductor_fp16 1 \
   "s['compile_mode'] == 'inductor' and s['amp_dtype'] == 'fp16' and s.get('skipped_steps', 0) > 0 and s['loss_scale'] < 2**40 and $finite" \
   --model.name=cnn --train.batch_size=64 --train.steps=80 --dist.backend=$nccl --amp.dtype=fp16 \
   --amp.init_scale=1099511627776 "${inductor[@]}"
+fi
 
 # Step time next to PyTorch 2.11 (eager DDP and torch.compile'd DDP) on the same GPU: keel eager
 # and inductor (its package from the cache), then PyTorch eager and compiled.
@@ -416,17 +435,21 @@ for spec in "${bench_specs[@]}"; do
   launch 1 "$out/$tag" "$keel" train "${common[@]}" --model.name="$model" --train.batch_size="$batch" \
     --train.steps="$steps" --dist.backend=$nccl --run.log_level=warn > "$out/$tag.log" 2>&1 || bench_ok=false
   k=$(field "$out/$tag/run/summary.json" median_step_ms)
-  launch 1 "$out/${tag}_inductor" "$keel" train "${common[@]}" --model.name="$model" --train.batch_size="$batch" \
-    --train.steps="$steps" --dist.backend=$nccl --run.log_level=warn "${inductor[@]}" >> "$out/$tag.log" 2>&1 || bench_ok=false
-  ki=$(field "$out/${tag}_inductor/run/summary.json" median_step_ms)
-  # A package that failed to build makes keel train eagerly ("eager-fallback"): that time is not
-  # keel inductor's, and the verdict is withheld.
-  kmode=$(field "$out/${tag}_inductor/run/summary.json" compile_mode)
+  if package_ok "$tag"; then
+    launch 1 "$out/${tag}_inductor" "$keel" train "${common[@]}" --model.name="$model" --train.batch_size="$batch" \
+      --train.steps="$steps" --dist.backend=$nccl --run.log_level=warn "${inductor[@]}" >> "$out/$tag.log" 2>&1 || bench_ok=false
+    ki=$(field "$out/${tag}_inductor/run/summary.json" median_step_ms)
+    # A package that failed to build makes keel train eagerly ("eager-fallback"): that time is not
+    # keel inductor's, and the verdict is withheld.
+    kmode=$(field "$out/${tag}_inductor/run/summary.json" compile_mode)
+  else
+    ki=null kmode='"its package was not built"'
+  fi
   [ "$kmode" = '"inductor"' ] || { bench_ok=false; ki=null; }
   for mode in eager compile; do
     extra=(); [ $mode = compile ] && extra=(--compile)
     tl=$(tleft)
-    line=$(timeout $(( tl < 300 ? tl : 300 )) "$torchrun" --nproc_per_node 1 --master_port "$(port)" "$root/bench/torch_ref.py" \
+    line=$(timeout -k 10 $(( tl < 300 ? tl : 300 )) "$torchrun" --nproc_per_node 1 --master_port "$(port)" "$root/bench/torch_ref.py" \
       --model "$model" --batch "$batch" --steps "$steps" --threads 4 --device "$dev" "${extra[@]}" 2>>"$out/$tag.log" | tail -1)
     printf '%s\n' "$line" >> "$out/$tag.log"
     t=$(printf '%s' "$line" | "$py" -c 'import json,sys; print(json.load(sys.stdin)["median_step_ms"])' 2>/dev/null) || { t=null; bench_ok=false; }
@@ -437,6 +460,7 @@ k, e, c, ki = (None if v in ("", "null") else float(v) for v in sys.argv[1:])
 r = lambda a, b: round(a / b, 3) if a and b else None
 t = r(ki, c)
 print(f"\"keel_ms\": {k}, \"keel_inductor_ms\": {ki}, \"pytorch_eager_ms\": {e}, \"pytorch_compile_ms\": {c}, \"keel_over_eager\": {r(k, e)}, \"keel_over_compile\": {r(k, c)}, \"keel_inductor_over_compile\": {t}, \"target_0_9_met\": {None if t is None else t <= 0.9}".replace("None", "null").replace("True", "true").replace("False", "false"))' "$k" "$t_eager" "$t_compile" "${ki:-null}")
+  [ -n "$ratios" ] || { ratios='"ratios": null'; bench_ok=false; }  # a NaN or odd line from a run
   [ "$k" != null ] && [ -n "$k" ] && [ "$ki" != null ] && [ -n "$ki" ] || bench_ok=false
   record "$tag" "$bench_ok" "\"model\": \"$model\", \"batch\": $batch, \"keel_inductor_mode\": ${kmode:-null}, $ratios"
 done
