@@ -76,14 +76,14 @@ results="$out/results.jsonl"
 failures=0
 
 log() { printf '[gpu_check %4ds] %s\n' "$(( $(date +%s) - t_start ))" "$*"; }
-# At exit, however it comes (the end, a failed build, timeout's SIGTERM): the summary table, then
-# the bundle. Idempotent.
 budget="${KEEL_GPU_CHECK_BUDGET_S:-470}"
 reserve=0  # seconds kept for the steps still to come that matter more (the open issues' steps)
 skipped=0
 # The script's own stdout and stderr, kept: a signal can arrive while a step's output is redirected
 # into its log (launch ... > STEP.log), and the trap runs there.
 exec 3>&1 4>&2
+# At exit, however it comes (the end, a failed build, timeout's SIGTERM): the summary table, then
+# the bundle. Idempotent.
 finished=0
 finish() {
   local rc=$?  # the script's exit status (the last command's, or exit's), kept through the trap
@@ -127,6 +127,7 @@ trap finish EXIT
 trap 'log "stopped by a signal" >&3; exit 124' TERM INT
 left() { echo $(( budget - ($(date +%s) - t_start) )); }
 tleft() { local l; l=$(left); echo $(( l > 10 ? l : 10 )); }  # for timeout(1): never 0 (= none)
+within() { local l; l=$(tleft); echo $(( l < $1 ? l : $1 )); }  # a step's timeout: at most $1 s, never past the budget
 skip() {  # skip STEP WHY
   printf '{"step": "%s", "ok": null, "skipped": "%s"}\n' "$1" "$2" >> "$results"
   log "SKIP $1 ($2)"; skipped=$((skipped + 1))
@@ -134,6 +135,10 @@ skip() {  # skip STEP WHY
 record() {  # record STEP OK(true|false) JSON-OBJECT-BODY
   printf '{"step": "%s", "ok": %s, %s}\n' "$1" "$2" "$3" >> "$results"
   if [ "$2" = true ]; then log "PASS $1"; else log "FAIL $1 (see $out/$1.log)"; failures=$((failures + 1)); fi
+}
+verdict_ok() {  # verdict_ok JSON: true when its "ok" is, else false (also for no JSON at all)
+  printf '%s' "$1" | "$py" -c 'import json,sys; print("true" if json.load(sys.stdin)["ok"] else "false")' 2>/dev/null ||
+    echo false
 }
 field() {  # field SUMMARY_JSON KEY
   "$py" -c 'import json,sys; v=json.load(open(sys.argv[1])).get(sys.argv[2]); print(json.dumps(v))' "$1" "$2" 2>/dev/null
@@ -226,8 +231,7 @@ port() { "$py" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); pr
 launch() {
   local n=$1 dir=$2; shift 2
   mkdir -p "$dir"
-  local t; t=$(tleft)
-  timeout -k 10 $(( t < 240 ? t : 240 )) "$torchrun" --nproc_per_node "$n" --master_port "$(port)" --no_python "$@" \
+  timeout -k 10 "$(within 240)" "$torchrun" --nproc_per_node "$n" --master_port "$(port)" --no_python "$@" \
     --run.dir="$dir/run"
 }
 dev="${KEEL_GPU_CHECK_DEVICE:-cuda}"
@@ -277,10 +281,8 @@ except Exception as e:
 print(json.dumps({"ok": ok, "rc": rc, **out, **{k: s.get(k) for k in keep if k in s}}))
 PY
 )
-  local ok
-  ok=$(printf '%s' "$verdict" | "$py" -c 'import json,sys; print("true" if json.load(sys.stdin)["ok"] else "false")' 2>/dev/null)
-  [ -n "$ok" ] || { ok=false verdict='{"ok": false, "error": "no verdict (see the log)"}'; }
-  record "$name" "$ok" "\"detail\": $verdict"
+  [ -n "$verdict" ] || verdict='{"ok": false, "error": "no verdict (see the log)"}'
+  record "$name" "$(verdict_ok "$verdict")" "\"detail\": $verdict"
 }
 
 finite='math.isfinite(s["final_loss"])'
@@ -344,7 +346,7 @@ print(json.dumps(r))
 PY
 )
   [ -n "$zero_memory" ] || zero_memory='{"ok": false, "error": "no verdict"}'
-  record zero3_memory "$(printf '%s' "$zero_memory" | "$py" -c 'import json,sys; print("true" if json.load(sys.stdin)["ok"] else "false")')" "\"detail\": $zero_memory"
+  record zero3_memory "$(verdict_ok "$zero_memory")" "\"detail\": $zero_memory"
 fi
 
 # The regression steps (they passed on the last GPU run): each only while the inductor steps and
@@ -448,8 +450,7 @@ for spec in "${bench_specs[@]}"; do
   [ "$kmode" = '"inductor"' ] || { bench_ok=false; ki=null; }
   for mode in eager compile; do
     extra=(); [ $mode = compile ] && extra=(--compile)
-    tl=$(tleft)
-    line=$(timeout -k 10 $(( tl < 300 ? tl : 300 )) "$torchrun" --nproc_per_node 1 --master_port "$(port)" "$root/bench/torch_ref.py" \
+    line=$(timeout -k 10 "$(within 300)" "$torchrun" --nproc_per_node 1 --master_port "$(port)" "$root/bench/torch_ref.py" \
       --model "$model" --batch "$batch" --steps "$steps" --threads 4 --device "$dev" "${extra[@]}" 2>>"$out/$tag.log" | tail -1)
     printf '%s\n' "$line" >> "$out/$tag.log"
     t=$(printf '%s' "$line" | "$py" -c 'import json,sys; print(json.load(sys.stdin)["median_step_ms"])' 2>/dev/null) || { t=null; bench_ok=false; }
