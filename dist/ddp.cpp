@@ -156,6 +156,16 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     for (auto i : b) words.push_back(static_cast<int64_t>(i));
   }
   plan_ = fingerprint(words);
+  // The Reducer averages a gradient that is already a view into its bucket with div_(world) and
+  // copies one that is not yet with mul(1/world): at a world size that is not a power of two the
+  // two round differently, so a process's first step (no gradient a view yet) would round unlike
+  // every later one, and a resume at 3 ranks would not be bit-exact against an uninterrupted run
+  // (issue 44). Gradients defined when the Reducer is built become bucket views at once, so every
+  // step divides, as ZeRO-2/3's flat buffers do. (With find_unused_parameters an unused
+  // parameter's gradient stays undefined until it is first used, as in PyTorch.)
+  if (!cfg.find_unused_parameters)
+    for (auto& p : params)
+      if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
   reducer_ = compat::make_reducer(params, buckets, coll_->group()->pg(), static_cast<int64_t>(cap),
                                   cfg.find_unused_parameters, names, static_cast<int64_t>(first));
   if (cfg.comm_hook != CommHook::Allreduce) {

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
@@ -21,6 +22,22 @@
 #include <thread>
 
 namespace keel::testing {
+
+namespace {
+// ATEN_CPU_CAPABILITY (ctest's second numerics pass sets it: tests/CMakeLists.txt) holds MKL and
+// oneDNN to the same kernel set, for this process and the ranks and keel runs it starts: set
+// before any kernel runs (each library reads its variable at its first use).
+const bool kKernelSetMatched = [] {
+  const char* aten = std::getenv("ATEN_CPU_CAPABILITY");
+  if (!aten || !*aten) return false;
+  const std::string isa = aten;
+  const char* mkl = isa == "avx512" ? "AVX512" : isa == "avx2" ? "AVX2" : "SSE4_2";
+  const char* onednn = isa == "avx512" ? "AVX512_CORE" : isa == "avx2" ? "AVX2" : "SSE41";
+  setenv("MKL_ENABLE_INSTRUCTIONS", mkl, /*overwrite=*/0);
+  setenv("ONEDNN_MAX_CPU_ISA", onednn, /*overwrite=*/0);
+  return true;
+}();
+}  // namespace
 
 TempDir::TempDir() {
   const char* base = std::getenv("TMPDIR");
@@ -136,6 +153,18 @@ ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, co
 std::string summary_field(const std::string& run_dir, const std::string& key) {
   auto j = nlohmann::json::parse(read_text(run_dir + "/summary.json"));
   return j.contains(key) ? j[key].dump() : "<absent>";
+}
+
+double adamw_reorder_bound(int steps, double lr, int roundings, double rms) {
+  return steps * lr * roundings * kFloatRounding * kReorderCancellation / rms;
+}
+
+double adamw_element_bound(int steps, double lr, double beta1, double beta2) {
+  return steps * 2 * lr * (1 - beta1) / std::sqrt(1 - beta2);
+}
+
+double sgd_reorder_bound(int steps, double lr, double momentum, double grad_norm, int roundings, double param_norm) {
+  return steps * lr * grad_norm / (1 - momentum) * roundings * kFloatRounding * kReorderCancellation / param_norm;
 }
 
 std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir) {

@@ -59,6 +59,31 @@ ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, co
 std::string summary_field(const std::string& run_dir, const std::string& key);
 std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir);
 
+// How far a run's parameters may drift from a control that differs only in the order in which
+// its gradients are summed (issue 44; docs/building.md): derived from the computation, never a
+// figure measured on one CPU. Each step's gradient element carries up to `roundings` roundings of
+// relative size u = 2^-24 (a sum of N terms in another order: N - 1; the division by the world
+// size and the clip's coefficient: 2 more), amplified by at most kReorderCancellation where the
+// terms cancel.
+inline constexpr double kFloatRounding = 5.9604644775390625e-8;  // u = 2^-24
+inline constexpr double kReorderCancellation = 100;
+// AdamW: the update lr * m/sqrt(v) is invariant to a common scale of the gradients, so a relative
+// gradient error delta moves an element by O(lr * delta) per step; over `steps` steps, relative to
+// the parameters' root mean square, ||a - b|| / ||a|| <= steps * lr * roundings * u * 100 / rms.
+// (Where a gradient is pure rounding noise AdamW can move an element by up to ~lr per step: such
+// elements are few, and in the L2 norm over the model they weigh as little as their count. Each
+// element on its own is bounded by adamw_element_bound.) A resume that lost or misplaced the
+// optimizer state moves every element by O(lr) per step, a relative drift of order
+// steps * lr / rms: four orders of magnitude above this bound.
+double adamw_reorder_bound(int steps, double lr, int roundings, double rms);
+// The largest difference of one element between two AdamW runs over `steps` steps: twice the
+// largest AdamW update, lr * (1 - beta1) / sqrt(1 - beta2), per step.
+double adamw_element_bound(int steps, double lr, double beta1 = 0.9, double beta2 = 0.999);
+// SGD with momentum: a step moves the parameters by lr times the momentum buffer, whose norm is at
+// most grad_norm / (1 - momentum); the same roundings over `steps` steps, relative to the
+// parameters' norm: steps * lr * grad_norm / (1 - momentum) * roundings * u * 100 / ||params||.
+double sgd_reorder_bound(int steps, double lr, double momentum, double grad_norm, int roundings, double param_norm);
+
 void write_text(const std::string& path, const std::string& text);
 
 /// A token file: llm.c's .bin (`header`: 256 int32, magic 20240520 / version 1 for 2-byte
