@@ -93,6 +93,10 @@ void read_llama(const ConfigFile& f, HfShape& s) {
   s.heads = f.integer("num_attention_heads", 1);
   s.kv_heads = f.integer_or("num_key_value_heads", 1, s.heads);
   s.head_dim = f.integer_or("head_dim", 2, s.width / s.heads);
+  // Without head_dim the head width is hidden_size / num_attention_heads, which must be >= 2.
+  if (s.head_dim < 2)
+    f.fail("num_attention_heads", "is " + std::to_string(s.heads) + ", more than hidden_size = " +
+                                      std::to_string(s.width) + " / 2 allows without a head_dim field");
   s.ffn = f.integer("intermediate_size", 1);
   s.eps = f.number_or("rms_norm_eps", 1e-6);
   s.tied = f.flag_or("tie_word_embeddings", false);

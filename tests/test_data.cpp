@@ -175,6 +175,24 @@ TEST(TextData, TooShortFile) {
   EXPECT_NE(error_of([&] { keel::data::make_text(cfg, token_spec(16)); }).find("too short"), std::string::npos);
 }
 
+// An llm.c file cut short (its header announces more tokens than it holds) is refused whatever
+// data.token_dtype says (issue 44, item 5: with an explicit dtype it was read as raw tokens,
+// the header's 1024 bytes first).
+TEST(TokenFiles, ATruncatedLlmcFileIsRefusedAlsoWithAnExplicitDtype) {
+  TempDir d;
+  std::vector<uint32_t> tokens(1000, 7);
+  write_token_file(d.file("cut.bin"), tokens, 2, true, /*count=*/2000);
+  for (const auto dtype : {keel::TokenDtype::Auto, keel::TokenDtype::Uint16}) {
+    keel::DataConfig cfg;
+    cfg.name = "tokens";
+    cfg.path = d.file("cut.bin");
+    cfg.token_dtype = dtype;
+    const auto msg = error_of([&] { keel::data::make_tokens(cfg, token_spec(16)); });
+    EXPECT_NE(msg.find(d.file("cut.bin")), std::string::npos) << msg;
+    EXPECT_NE(msg.find("header announces 2000"), std::string::npos) << msg;
+  }
+}
+
 // Token files (data.name = "tokens"): llm.c's .bin with 2- and 4-byte tokens and raw files of
 // either width give the same windows, T + 1 tokens from i * T, targets shifted by one.
 TEST(TokenFiles, LlmcAndRawFilesGiveTheSameWindows) {

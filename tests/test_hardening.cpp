@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <signal.h>
+#include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
 
@@ -404,4 +405,129 @@ TEST(Hardening, CheckpointMetadataIsReadWithinABoundNamingTheFile) {
     EXPECT_FALSE(contains(r.output, "bad_alloc")) << r.output;
     EXPECT_EQ(summary_of(d.path())["resumed_from_step"], 5);
   }
+}
+
+// model.name = "python": a module whose forward raises (its own exception, or a torch error at its
+// line: a Linear whose in_features do not fit the data), or whose output keel's loss cannot take
+// (a tuple, a 1-D tensor, a last dimension other than model.num_classes, which used to compile and
+// then read out of bounds inside the package), is the user's input: refused at packaging with exit
+// 2 naming the module's file and line (and model.num_classes), never exit 1 or a C++ backtrace.
+TEST(Hardening, APythonModuleThatRaisesOrReturnsTheWrongShapeIsRefusedNamingTheFileAndLine) {
+  TempDir d;
+  // Line 6 is forward's `def`, line 7 its body.
+  auto module = [&](const std::string& name, const std::string& linear, const std::string& body) {
+    const std::string file = d.file(name + ".py");
+    write_text(file,
+               "import torch\n"
+               "class Net(torch.nn.Module):\n"
+               "    def __init__(self):\n"
+               "        super().__init__()\n"
+               "        self.fc = torch.nn.Linear(" +
+                   linear +
+                   ")\n"
+                   "    def forward(self, x):\n"
+                   "        " +
+                   body +
+                   "\n"
+                   "def build_model():\n"
+                   "    return Net()\n");
+    return file;
+  };
+  auto run = [&](const std::string& file, const std::string& sub) {
+    return run_keel({"train", "--model.name=python", "--model.path=" + file, "--compile.mode=inductor",
+                     "--compile.cache_dir=" + d.file("cache"), "--data.name=synthetic", "--data.synthetic_size=512",
+                     "--train.batch_size=8", "--train.steps=2", "--run.threads=1", "--run.dir=" + d.file(sub),
+                     "--dist.timeout_s=300"},
+                    {}, 300);
+  };
+  struct Case {
+    std::string name, linear, body;
+    std::vector<std::string> says;
+  };
+  const std::vector<Case> cases = {
+      {"raises", "784, 10", "raise ValueError(\"boom from forward\")", {":7: ValueError: boom from forward"}},
+      {"wrong_in", "100, 10", "return self.fc(x.flatten(1))", {":7: RuntimeError", "[8, 784] X [100, 10]"}},
+      {"tuple", "784, 10", "return self.fc(x.flatten(1)), x", {":6 (Net.forward)", "returns a tuple"}},
+      {"one_d", "784, 10", "return self.fc(x.flatten(1)).sum(1)", {":6 (Net.forward)", "logits of shape [8]"}},
+      {"five", "784, 5", "return self.fc(x.flatten(1))", {":6 (Net.forward)", "[8, 5]", "model.num_classes = 10"}},
+  };
+  for (const auto& c : cases) {
+    SCOPED_TRACE(c.name);
+    const std::string file = module(c.name, c.linear, c.body);
+    auto r = run(file, c.name);
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_TRUE(contains(r.output, "model.path " + file)) << r.output;
+    for (const auto& s : c.says) EXPECT_TRUE(contains(r.output, s)) << s << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "the packaging step failed")) << r.output;
+    EXPECT_FALSE(contains(r.output, "index out of bounds")) << r.output;
+    EXPECT_FALSE(exists(d.file(c.name + "/summary.json"))) << "no training step ran";
+  }
+}
+
+// An export never lands where a run would remove it (issue 44, item 5): a directory named as a
+// step of a checkpoint directory (step_<N> beside committed steps) would be taken by the next run
+// on that directory for an uncommitted step and deleted. Refused, exit 2, nothing written.
+TEST(Hardening, AnExportNamedAsAStepOfTheCheckpointDirectoryIsRefused) {
+  TempDir d;
+  auto r = run_keel(run_args(d.path(), 5));
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  for (const std::string out : {d.file("ckpt/step_9"), d.file("ckpt/step_9/"), d.file("ckpt/./step_10")}) {
+    auto x = run_keel({"export", d.file("ckpt/step_5"), out});
+    EXPECT_EQ(x.exit_code, 2) << out << "\n" << x.output;
+    EXPECT_TRUE(contains(x.output, "named as a step of the checkpoint directory")) << x.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(d.file("ckpt/step_9")));
+  EXPECT_FALSE(std::filesystem::exists(d.file("ckpt/step_10")));
+  // Beside the checkpoint directory, or under another name in it, the export is made.
+  auto ok = run_keel({"export", d.file("ckpt/step_5"), d.file("ckpt/exported")});
+  EXPECT_EQ(ok.exit_code, 0) << ok.output;
+}
+
+// The packaging step's Python is the user's setting (compile.python): one that does not exist or
+// has no torch is refused naming the key, exit 2 (issue 44, item 5: exit 1, "the packaging step
+// failed (exit 127)", the key unnamed).
+TEST(Hardening, APackagingPythonThatCannotRunTheStepIsRefusedNamingCompilePython) {
+  TempDir d;
+  auto run = [&](const std::string& python, const std::string& sub) {
+    return run_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=1", "--run.threads=1",
+                     "--compile.mode=inductor", "--compile.python=" + python, "--compile.cache_dir=" + d.file("cache"),
+                     "--run.dir=" + d.file(sub)});
+  };
+  auto missing = run(d.file("no/python"), "a");
+  EXPECT_EQ(missing.exit_code, 2) << missing.output;
+  EXPECT_TRUE(contains(missing.output, "compile.python = \"" + d.file("no/python") + "\": not an executable file"))
+      << missing.output;
+  // A real Python that sees no site-packages, so no torch.
+  const std::string bare = d.file("bare-python");
+  write_text(bare, "#!/bin/sh\nexec python3 -I -S \"$@\"\n");
+  ASSERT_EQ(::chmod(bare.c_str(), 0755), 0);
+  auto no_torch = run(bare, "b");
+  EXPECT_EQ(no_torch.exit_code, 2) << no_torch.output;
+  EXPECT_TRUE(contains(no_torch.output, "No module named 'torch'")) << no_torch.output;
+  EXPECT_TRUE(contains(no_torch.output, "set compile.python to a Python with torch")) << no_torch.output;
+}
+
+// SIGTERM while the step is being packaged (a compile of minutes on a large model) is passed on
+// to the packaging step at once and ends the run with 143 (issue 44, item 5: keel waited for the
+// whole compile; SIGINT ended as exit 1, the packager's KeyboardInterrupt).
+TEST(Hardening, SigtermWhileTheStepIsPackagedEndsTheRunAtOnceWith143) {
+  TempDir d;
+  Child run =
+      spawn_keel({"train", "--model.name=mlp", "--data.name=synthetic", "--train.steps=1", "--run.threads=1",
+                  "--compile.mode=inductor", "--compile.cache_dir=" + d.file("cache"), "--run.dir=" + d.file("run")});
+  bool packaging = false;
+  for (int i = 0; i < 6000 && !packaging; ++i) {
+    packaging = contains(read_text(run.output_path), "compile: packaging the mlp training step");
+    if (!packaging) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  ASSERT_TRUE(packaging) << read_text(run.output_path);
+  const auto t0 = std::chrono::steady_clock::now();
+  ::kill(run.pid, SIGTERM);
+  const auto r = wait_process(run, 120);
+  const double waited_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  EXPECT_TRUE(contains(r.output, "stopped by signal 15 while")) << r.output;
+  std::printf("exit %d %.1f s after SIGTERM\n", r.exit_code, waited_s);
 }

@@ -290,3 +290,125 @@ TEST(Interface, AListWithNoNameInItIsRefusedAtOneRankAsAtTwo) {
 }
 
 }  // namespace
+
+// `keel tokenize` (trainer/data/tokenize.py) and the paths it writes: --out, --val-out and the
+// tokenizer.json --train-bpe saves (--save-tokenizer, by default beside --out). A path that would
+// lose the user's data or cannot be written is refused before any work: exit 2 naming the flag
+// (and the other flag or input), nothing written, no temporary file left.
+namespace {
+
+// `n` small text files doc0.txt ... in `d`, one document each; their paths.
+std::vector<std::string> tokenize_docs(const TempDir& d, int n) {
+  const std::vector<std::string> words = {"the", "ranks", "agree", "on", "every", "step", "and", "checkpoint"};
+  std::vector<std::string> docs;
+  for (int k = 0; k < n; ++k) {
+    std::string text;
+    for (int i = 0; i < 1500; ++i) text += words[(i * (k + 3) + i / 7) % words.size()] + (i % 11 ? " " : ".\n");
+    docs.push_back(d.file("doc" + std::to_string(k) + ".txt"));
+    write_text(docs.back(), text);
+  }
+  return docs;
+}
+
+std::vector<std::string> sorted_entries(const std::string& dir) {
+  std::vector<std::string> e = entries(dir);
+  std::sort(e.begin(), e.end());
+  return e;
+}
+
+}  // namespace
+
+// Output = another output (training tokens overwritten by the held-out ones; the tokenizer by the
+// tokens) or = an input (the text replaced by tokens) was exit 0: refused now, exit 2 naming both.
+TEST(Tokenize, AnOutputThatIsAnInputOrAnotherOutputIsRefusedAndNothingIsWritten) {
+  TempDir d;
+  const auto docs = tokenize_docs(d, 2);
+  const std::string text0 = read_text(docs[0]);
+  const auto before = sorted_entries(d.path());
+
+  auto r = run_keel(
+      {"tokenize", "--train-bpe", "300", "--out", d.file("x.bin"), "--val-out", d.file("x.bin"), docs[0], docs[1]}, {},
+      120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out and --val-out are the same file"), std::string::npos) << r.output;
+
+  r = run_keel({"tokenize", "--train-bpe", "300", "--out", docs[0], docs[0]}, {}, 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out " + docs[0] + " is the input file " + docs[0]), std::string::npos) << r.output;
+
+  r = run_keel(
+      {"tokenize", "--train-bpe", "300", "--save-tokenizer", d.file("y.bin"), "--out", d.file("y.bin"), docs[0]}, {},
+      120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out and --save-tokenizer are the same file"), std::string::npos) << r.output;
+
+  // The tokenizer --train-bpe saves by default (x.tokenizer.json beside --out x.bin) is an output too.
+  r = run_keel({"tokenize", "--train-bpe", "300", "--out", d.file("x.bin"), "--val-out", d.file("x.tokenizer.json"),
+                docs[0], docs[1]},
+               {}, 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--val-out and --save-tokenizer"), std::string::npos) << r.output;
+
+  EXPECT_EQ(read_text(docs[0]), text0);
+  EXPECT_EQ(sorted_entries(d.path()), before);  // no token file, tokenizer.json or temporary file
+}
+
+// An existing file keel tokenize did not write (--save-tokenizer onto a text file, --out onto a
+// tokenizer.json) was overwritten silently: refused now. Its own previous outputs (a token file,
+// a tokenizer.json) are still overwritten, as a rerun of the same command needs.
+TEST(Tokenize, AnExistingFileItDidNotWriteIsNeverOverwrittenButItsOwnOutputsAre) {
+  TempDir d;
+  const auto docs = tokenize_docs(d, 2);
+  const std::string other = d.file("notes.txt");
+  write_text(other, "an unrelated file\n");
+  const std::vector<std::string> run = {"tokenize",  "--train-bpe",         "300",   "--out", d.file("out/train.bin"),
+                                        "--val-out", d.file("out/val.bin"), docs[0], docs[1]};
+  auto r = run_keel(run, {}, 120);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  const std::string train = read_text(d.file("out/train.bin"));
+  const std::string tokenizer = read_text(d.file("out/train.tokenizer.json"));
+  r = run_keel(run, {}, 120);  // the rerun replaces its own token files and tokenizer.json
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_EQ(read_text(d.file("out/train.bin")), train);
+  EXPECT_EQ(read_text(d.file("out/train.tokenizer.json")), tokenizer);
+
+  const std::string json_copy = d.file("copy.json");
+  write_text(json_copy, tokenizer);
+  const auto before = sorted_entries(d.path());
+  r = run_keel({"tokenize", "--train-bpe", "300", "--save-tokenizer", other, "--out", d.file("z.bin"), docs[0]}, {},
+               120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--save-tokenizer " + other + ": exists and is not a tokenizer.json"), std::string::npos)
+      << r.output;
+  r = run_keel({"tokenize", "--tokenizer", d.file("out/train.tokenizer.json"), "--out", other, docs[0]}, {}, 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out " + other + ": exists and is not a token file"), std::string::npos) << r.output;
+  r = run_keel({"tokenize", "--tokenizer", d.file("out/train.tokenizer.json"), "--out", json_copy, docs[0]}, {}, 120);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_NE(r.output.find("--out " + json_copy + ": exists and is not a token file"), std::string::npos) << r.output;
+  EXPECT_EQ(read_text(other), "an unrelated file\n");
+  EXPECT_EQ(read_text(json_copy), tokenizer);
+  EXPECT_EQ(sorted_entries(d.path()), before);
+}
+
+// --out DIR for an existing directory was exit 1 (IsADirectoryError), leaving DIR.tmp.PID and a
+// DIR.tokenizer.json behind: exit 2 naming the flag now, with nothing written.
+TEST(Tokenize, AnOutputThatIsADirectoryIsRefusedLeavingNoStrayFile) {
+  TempDir d;
+  const auto docs = tokenize_docs(d, 2);
+  const std::string dir = d.file("DIR");
+  ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  const auto before = sorted_entries(d.path());
+  for (const auto& [flag, args] : std::vector<std::pair<std::string, std::vector<std::string>>>{
+           {"--out", {"--out", dir, docs[0]}},
+           {"--val-out", {"--out", d.file("x.bin"), "--val-out", dir, docs[0], docs[1]}},
+           {"--save-tokenizer", {"--save-tokenizer", dir, "--out", d.file("x.bin"), docs[0]}}}) {
+    std::vector<std::string> argv = {"tokenize", "--train-bpe", "300"};
+    argv.insert(argv.end(), args.begin(), args.end());
+    auto r = run_keel(argv, {}, 120);
+    EXPECT_EQ(r.exit_code, 2) << flag << "\n" << r.output;
+    EXPECT_NE(r.output.find(flag + " " + dir + ": is a directory"), std::string::npos) << r.output;
+    EXPECT_EQ(sorted_entries(d.path()), before) << flag;
+    EXPECT_TRUE(entries(dir).empty()) << flag;
+  }
+}

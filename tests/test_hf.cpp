@@ -248,6 +248,29 @@ TEST(HfModels, ExportedStepsLoadInTransformersWithKeelsLogits) {
   }
 }
 
+// A llama config.json whose heads are narrower than 2 (hidden_size / num_attention_heads, no
+// head_dim field) is refused naming the file and the field (issue 44, item 5: a head width of 0
+// passed and the rotary tables failed later with a C++ backtrace).
+TEST(HfModels, ALlamaConfigWithHeadsNarrowerThanTwoIsRefusedNamingTheField) {
+  TempDir d;
+  std::filesystem::create_directories(d.file("hf"));
+  write_text(d.file("hf/config.json"),
+             R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 1,
+                 "num_attention_heads": 64, "intermediate_size": 64})");
+  keel::ModelConfig mc;
+  mc.name = "llama";
+  mc.context = 16;
+  mc.init_from = d.file("hf");
+  try {
+    keel::models::hf_shape(mc);
+    ADD_FAILURE() << "a head width of 0 was accepted";
+  } catch (const keel::InputError& e) {
+    const std::string what = e.what();
+    EXPECT_NE(what.find(d.file("hf/config.json")), std::string::npos) << what;
+    EXPECT_NE(what.find("\"num_attention_heads\" is 64"), std::string::npos) << what;
+  }
+}
+
 // Bad input names what is wrong and stops before training (exit 2): a config.json of another
 // family or of a shape keel cannot build, a [model] key that disagrees with the file, a tensor
 // of the wrong shape; an export of a step that is not a Hugging Face family's, or into a

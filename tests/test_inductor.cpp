@@ -4,12 +4,19 @@
 // a test needs an empty cache of its own.
 #include <gtest/gtest.h>
 
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <map>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "checkpoint/io.h"
@@ -56,6 +63,27 @@ std::vector<std::string> model_args(const std::string& model, const std::string&
 }
 
 nlohmann::json summary(const std::string& dir) { return nlohmann::json::parse(read_text(dir + "/summary.json")); }
+
+// model_args' mlp (width 64, depth 2, batch 8, one thread) as a Config and as the packaging
+// request the trainer makes of it: the package other tests put in the shared cache.
+keel::Config mlp_config() {
+  keel::Config cfg;
+  cfg.model.name = "mlp";
+  cfg.model.width = 64;
+  cfg.model.depth = 2;
+  cfg.compile.mode = keel::CompileMode::Inductor;
+  cfg.compile.cache_dir = shared_cache();
+  return cfg;
+}
+keel::InductorRequest mlp_request(const keel::Config& cfg) {
+  keel::InductorRequest req;
+  req.model = "mlp";
+  req.model_config = keel::model_config_json(cfg);
+  req.batch = 8;
+  req.threads = 1;
+  req.cfg = cfg.compile;
+  return req;
+}
 
 double final_loss(const std::string& dir) { return summary(dir)["final_loss"].get<double>(); }
 
@@ -249,6 +277,41 @@ TEST(Inductor, KeelCompilePackagesWhatTrainLoads) {
   EXPECT_EQ(summary(d.file("run"))["compile_cache"], "hit");
 }
 
+// The recompile counter (issue 44, item 4): a batch of a shape the package does not take runs
+// eager, is warned once per shape and counted in summary.json's `recompiles`; one shape more
+// than compile.max_recompiles is an error naming the key (exit 2: the batch shapes are the
+// config's, data.drop_last = false). 20 samples at batch 8 on one rank: each epoch ends with a
+// batch of 4, at steps 3 and 6.
+TEST(Inductor, ABatchOfAnotherShapeRunsEagerIsCountedAndPastTheCapIsAnErrorNamingTheKey) {
+  TempDir d;
+  auto args = [&](const std::string& sub, int max_recompiles) {
+    return model_args("mlp", d.file(sub), "inductor", 6,
+                      {"--data.synthetic_size=20", "--data.drop_last=false",
+                       "--compile.max_recompiles=" + std::to_string(max_recompiles)});
+  };
+  auto ok = run_keel(args("one", 1), {}, 900);
+  ASSERT_EQ(ok.exit_code, 0) << ok.output;
+  const auto s = summary(d.file("one"));
+  EXPECT_EQ(s["compile_mode"], "inductor") << ok.output;
+  EXPECT_EQ(s["recompiles"], 1) << "the second epoch's batch of 4 is a shape already seen";
+  EXPECT_EQ(s["steps"], 6);
+  EXPECT_TRUE(contains(ok.output, "a batch of shape [4, ")) << ok.output;
+  EXPECT_TRUE(contains(ok.output, "runs eager (re-specialisation 1 of at most compile.max_recompiles = 1)"))
+      << ok.output;
+  // The warning once per shape: the same shape at step 6 is not warned again.
+  const auto first = ok.output.find("runs eager (re-specialisation");
+  EXPECT_EQ(ok.output.find("runs eager (re-specialisation", first + 1), std::string::npos) << ok.output;
+  // Every step's loss is finite, the eager one's too.
+  const auto losses = metrics_losses(d.file("one"));
+  ASSERT_EQ(losses.size(), 6u);
+  for (const auto& [step, loss] : losses) EXPECT_TRUE(std::isfinite(loss)) << "step " << step;
+
+  auto storm = run_keel(args("none", 0), {}, 900);
+  EXPECT_EQ(storm.exit_code, 2) << storm.output;
+  EXPECT_TRUE(contains(storm.output, "compile.max_recompiles = 0")) << storm.output;
+  EXPECT_TRUE(contains(storm.output, "a batch of shape [4, ")) << storm.output;
+}
+
 // What the packaging step refuses, with the op and the Python source line: a graph break (a
 // branch on a tensor's value), a non-deterministic op under --deterministic (a user's module,
 // packaged by hand with trainer/compile/aot_package.py --module).
@@ -316,20 +379,10 @@ TEST(Inductor, Bf16InTheGraphAndAnInfGradientIsSkippedOnEveryRank) {
 // scaled by the same scale outside (GradScaler::scale) and divided by grad_accum, hands autograd
 // eager's gradients of loss x scale / grad_accum, and the unscaled loss.
 TEST(Inductor, APackageTakingTheLossScaleGivesEagersScaledGradients) {
-  keel::Config cfg;
-  cfg.model.name = "mlp";
-  cfg.model.width = 64;
-  cfg.model.depth = 2;
-  cfg.compile.mode = keel::CompileMode::Inductor;
-  cfg.compile.cache_dir = shared_cache();
+  keel::Config cfg = mlp_config();
   torch::manual_seed(0);
   auto model = keel::models::create_model(cfg.model);
-  keel::InductorRequest req;
-  req.model = "mlp";
-  req.model_config = keel::model_config_json(cfg);
-  req.batch = 8;
-  req.threads = 1;
-  req.cfg = cfg.compile;
+  keel::InductorRequest req = mlp_request(cfg);
   req.grad_scale = true;
   for (const auto& [n, p] : model->named_parameters()) req.param_names.push_back(n);
   for (const auto& [n, b] : model->named_buffers()) req.buffer_names.push_back(n);
@@ -359,6 +412,68 @@ TEST(Inductor, APackageTakingTheLossScaleGivesEagersScaledGradients) {
   const std::string with_scale = keel::InductorStep::cache_key(req);
   req.grad_scale = false;
   EXPECT_NE(keel::InductorStep::cache_key(req), with_scale);
+}
+
+// The package runs on whatever tensors it is given (AOTInductor checks no sizes): one whose
+// parameters have other shapes than the model's, under the same names (a cache entry of another
+// model, a Python module whose imported file changed), is refused before it runs, naming the
+// parameter and both shapes (issue 44, item 5: it read out of bounds and crashed by SIGSEGV).
+TEST(Inductor, APackageWhoseParametersHaveOtherShapesIsRefusedBeforeItRuns) {
+  keel::Config cfg = mlp_config();
+  keel::InductorRequest req = mlp_request(cfg);
+  auto model = keel::models::create_model(cfg.model);
+  for (const auto& [n, p] : model->named_parameters())
+    req.param_names.push_back(n), req.param_specs.push_back(keel::tensor_spec(p));
+  keel::CompileReport report;
+  EXPECT_NO_THROW(keel::InductorStep::load_or_compile(req, report)) << "the model's own shapes";
+  cfg.model.width = 32;  // the same names, other shapes
+  auto other = keel::models::create_model(cfg.model);
+  req.param_specs.clear();
+  for (const auto& [n, p] : other->named_parameters()) req.param_specs.push_back(keel::tensor_spec(p));
+  try {
+    keel::InductorStep::load_or_compile(req, report);
+    ADD_FAILURE() << "a package of width 64 was accepted for a model of width 32";
+  } catch (const std::runtime_error& e) {
+    const std::string what = e.what();
+    EXPECT_TRUE(contains(what, "does not fit the model: parameter ")) << what;
+    EXPECT_TRUE(contains(what, " float32 in the package, [")) << what;
+    EXPECT_TRUE(contains(what, "float32 in the model")) << what;
+  }
+}
+
+// A wait for a compile cache entry's lock (another process packaging it) is logged and ends on
+// SIGTERM with exit 143 (issue 44, item 5: it waited silently, and a signal did nothing until
+// the holder let go).
+TEST(Inductor, AWaitForACacheEntrysLockIsLoggedAndEndsOnSigterm) {
+  TempDir d;
+  auto args = [&](const std::string& sub) {
+    auto a = model_args("mlp", d.file(sub), "inductor", 1);
+    for (auto& x : a)
+      if (x.rfind("--compile.cache_dir=", 0) == 0) x = "--compile.cache_dir=" + d.file("cache");
+    return a;
+  };
+  auto first = run_keel(args("a"), {}, 900);  // makes the entry (and its lock file)
+  ASSERT_EQ(first.exit_code, 0) << first.output;
+  std::string lock;
+  for (const auto& e : std::filesystem::directory_iterator(d.file("cache/inductor")))
+    if (e.path().extension() == ".lock") lock = e.path().string();
+  ASSERT_FALSE(lock.empty());
+  const int fd = ::open(lock.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(fd, 0);
+  ASSERT_EQ(::flock(fd, LOCK_EX | LOCK_NB), 0);
+  keel::testing::Child second = keel::testing::spawn_keel(args("b"));
+  bool waiting = false;
+  for (int i = 0; i < 6000 && !waiting; ++i) {  // the message comes after 5 s of waiting
+    waiting = contains(read_text(second.output_path), "compile cache: waiting");
+    if (!waiting) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  EXPECT_TRUE(waiting) << read_text(second.output_path);
+  ::kill(second.pid, SIGTERM);
+  const auto r = keel::testing::wait_process(second, 60);
+  ::close(fd);
+  EXPECT_FALSE(r.timed_out) << r.output;
+  EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
+  EXPECT_TRUE(contains(r.output, "stopped by signal 15 while waiting for the compile cache")) << r.output;
 }
 
 namespace {

@@ -34,6 +34,7 @@
 #include "common/host_copy.h"
 #include "common/log.h"
 #include "common/registry.h"
+#include "common/stop.h"
 #include "dist/fsdp.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
@@ -58,9 +59,8 @@
 namespace keel {
 namespace {
 
-std::atomic<int> g_stop_signal{0};
-// While the process group forms (the rendezvous) there is nothing to save, and the store's
-// waits do not look at g_stop_signal: a signal then ends the process as its default action does.
+// g_stop_signal: common/stop.h. While the process group forms (the rendezvous) there is nothing to save, and the
+// store's waits do not look at g_stop_signal: a signal then ends the process as its default action does.
 std::atomic<bool> g_at_rendezvous{false};
 
 extern "C" void on_stop_signal(int signo) {
@@ -212,8 +212,10 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   r.device = device;
   r.threads = threads;
   r.cfg = cfg.compile;
-  for (const auto& [n, p] : model.named_parameters()) r.param_names.push_back(n);
-  for (const auto& [n, b] : model.named_buffers()) r.buffer_names.push_back(n);
+  for (const auto& [n, p] : model.named_parameters())
+    r.param_names.push_back(n), r.param_specs.push_back(tensor_spec(p));
+  for (const auto& [n, b] : model.named_buffers())
+    r.buffer_names.push_back(n), r.buffer_specs.push_back(tensor_spec(b));
   if (python) {
     r.model = "python";
     r.module = python->module_spec();
@@ -490,6 +492,8 @@ std::shared_ptr<models::Model> Trainer::Loop::build_model_on_every_rank(std::opt
     model = make_model(cfg_, data_kind);
   } catch (const InputError& e) {
     error = e.what();
+  } catch (const Stopped&) {
+    throw;  // a stop signal ended a wait (the compile cache's lock): every rank got it
   } catch (const std::exception& e) {
     error = e.what();
     input = false;

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 #include <CLI/CLI.hpp>
 #include "common/log.h"
+#include "common/stop.h"
 
 #include <unistd.h>
 
@@ -158,6 +159,10 @@ int run_train(const Config& cfg) {
     Trainer trainer(cfg, world);
     const Summary summary = trainer.run();
     return summary.stop_signal ? 128 + *summary.stop_signal : 0;
+  } catch (const Stopped& e) {  // before training: nothing to save
+    logging::warn("{}", e.what());
+    std::cerr << "keel: " << e.what() << "\n";
+    return 128 + e.signo;
   } catch (const InputError& e) {
     logging::error("{}", e.what());
     std::cerr << "keel: error: " << e.what() << "\n";

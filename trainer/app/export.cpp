@@ -10,6 +10,7 @@
 #include "checkpoint/weights.h"
 #include "common/atomic_file.h"
 #include "common/file.h"
+#include "keel/checkpoint/checkpoint.h"
 #include "keel/common/error.h"
 
 namespace keel {
@@ -55,9 +56,22 @@ nlohmann::json hf_config_of(const nlohmann::json& meta, const std::string& step_
   return cfg;
 }
 
-// The output directory must be new or empty: an export never replaces files.
+// The output directory must be new or empty: an export never replaces files. Nor may it look
+// like a step of a checkpoint directory (step_<N> beside committed steps): the next run on that
+// directory would take it for an uncommitted step and remove it.
 void check_out(const std::string& out_dir, const std::string& who) {
   std::error_code ec;
+  fs::path out = fs::path(out_dir).lexically_normal();
+  if (out.filename().empty()) out = out.parent_path();
+  const std::string name = out.filename().string();
+  if (name.size() > 5 && name.rfind("step_", 0) == 0 && name.find_first_not_of("0123456789", 5) == std::string::npos) {
+    const std::string parent = out.has_parent_path() ? out.parent_path().string() : ".";
+    for (const auto& s : checkpoint::list_steps(parent))
+      if (s.committed)
+        throw InputError(who + ": " + out_dir + " is named as a step of the checkpoint directory " + parent +
+                         ", where the next run would take it for an uncommitted step and remove it; export "
+                         "elsewhere");
+  }
   if (!fs::exists(out_dir, ec)) return;
   if (!fs::is_directory(out_dir, ec)) throw InputError(who + ": " + out_dir + " exists and is not a directory");
   if (!fs::is_empty(out_dir, ec)) throw InputError(who + ": " + out_dir + " is not empty; give a new directory");

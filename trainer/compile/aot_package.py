@@ -35,7 +35,8 @@ and must be rebuilt. --trace-only prints the manifest's signature part (with gra
 a few seconds and writes nothing.
 
 Exit codes (the last line on stderr is the one-line reason):
-  0 ok; 1 any other failure (the compiler, a bug); 2 bad arguments or model config;
+  0 ok; 1 any other failure (the compiler, a bug); 2 bad arguments or model config, or a --module
+    that raises ("model.path FILE:LINE: TYPE: MESSAGE") or returns what keel's loss cannot take;
   3 graph break: "graph break at FILE:LINE: OP (REASON)[ in MODEL: SOURCE LINE]";
   4 --deterministic and a non-deterministic op: "non-deterministic op at FILE:LINE: OP (REASON)";
   5 --check: the package disagrees with eager PyTorch (nothing is written);
@@ -508,6 +509,8 @@ class TrainStep:
         # Indices of the buffers returned (updated) after the gradients: all of them while
         # tracing; then only those the graph mutates (prune_buffer_outputs()).
         self.returned = None
+        # A user's module with keel's loss: what its output must be (expected_logits()).
+        self.expect = None
 
     def __call__(self, *flat):
         import torch
@@ -526,6 +529,8 @@ class TrainStep:
                    else contextlib.nullcontext())
             with amp:  # as keel: forward and loss under autocast, the loss then cast to float32
                 out = torch.func.functional_call(self.module, state, (x,), strict=True, tie_weights=True)
+                if self.expect is not None:
+                    check_logits(out, y, self.expect)
                 loss = self.loss_fn(out, y).to(torch.float32)
             seed = loss * flat[n_p + n_b + 2] if self.grad_scale else loss
             grads = torch.autograd.grad(seed, ps, allow_unused=True, materialize_grads=True)
@@ -548,6 +553,49 @@ class Forward:
         with torch.no_grad():
             out = torch.func.functional_call(self.module, state, (flat[n_p + n_b],), strict=True, tie_weights=True)
         return tuple(torch.utils._pytree.tree_leaves(out))
+
+
+def expected_logits(module, spec: str, classes, x) -> dict:
+    """What TrainStep checks of a user's module's output before keel's loss (cross-entropy over
+    the last dimension, one row per target): a floating-point tensor [*target.shape, classes].
+    Without the check, a last dimension other than keel's class count compiles and then reads out
+    of bounds inside the package at run time."""
+    file = spec.rsplit(":", 1)[0]
+    where = f"model.path {file}" if file.endswith(".py") else f"--module {spec}"
+    name = f"{type(module).__name__}.forward"
+    try:
+        fn = type(module).forward
+        src = inspect.getsourcefile(fn)
+        if src and not _is_torch_file(src):
+            where = f"model.path {src}:{inspect.getsourcelines(fn)[1]}"
+    except (TypeError, OSError, AttributeError):
+        pass
+    # keel gives token models (integer inputs) model.vocab classes, the others model.num_classes
+    key = "model.vocab" if not x.is_floating_point() else "model.num_classes"
+    return {"classes": int(classes) if classes else None, "key": key, "where": f"{where} ({name})"}
+
+
+def check_logits(out, target, expect: dict) -> None:
+    import math
+
+    import torch
+
+    classes, key, where = expect["classes"], expect["key"], expect["where"]
+    loss = "keel's loss is cross-entropy over the last dimension"
+    if not torch.is_tensor(out):
+        raise Refusal(EXIT_USAGE, f"{where}: returns a {type(out).__name__}, not a tensor of logits ({loss}: return "
+                                  f"one tensor of shape {list(target.shape) + [classes or 'classes']})")
+    shape = list(out.shape)
+    want = list(target.shape) + [classes if classes else shape[-1] if shape else "classes"]
+    if out.dim() >= 2 and classes and shape[-1] != classes:
+        raise Refusal(EXIT_USAGE, f"{where}: returns logits of shape {shape}, whose last dimension {shape[-1]} is not "
+                                  f"{key} = {classes} ({loss}, over {key} classes: want {want})")
+    if out.dim() < 2 or math.prod(shape[:-1]) != target.numel():
+        raise Refusal(EXIT_USAGE, f"{where}: returns logits of shape {shape} for targets of shape "
+                                  f"{list(target.shape)} ({loss}, one row per target: want {want})")
+    if not out.is_floating_point():
+        raise Refusal(EXIT_USAGE, f"{where}: returns {str(out.dtype).replace('torch.', '')} logits; {loss}, which "
+                                  "takes floating-point logits")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -581,6 +629,55 @@ def user_frame(tb):
             continue  # prefer model code over this script's wrappers
         best = (i, fr, line)
     return best, entries
+
+
+def _is_library_file(path: str) -> bool:
+    parts = os.path.realpath(path).split(os.sep)
+    return "site-packages" in parts or "dist-packages" in parts
+
+
+def user_refusal(e: BaseException, spec: str, what: str):
+    """A Refusal(EXIT_USAGE) naming the user's FILE:LINE when `e` was raised by (or through) the
+    user's code: the innermost frame of the traceback in the module's file or in another file of
+    the user's (not torch, a library in site-packages, the standard library or this script).
+    None when no frame is the user's: then the failure is keel's own (exit 1)."""
+    module_file = spec.rsplit(":", 1)[0]
+    module_file = os.path.realpath(module_file) if module_file.endswith(".py") else None
+    inner = None
+    tb = e.__traceback__
+    while tb is not None:
+        path = tb.tb_frame.f_code.co_filename
+        ours = not (path.startswith("<") or _is_torch_file(path) or _is_this_file(path) or _is_library_file(path))
+        if ours or (module_file and os.path.realpath(path) == module_file):
+            inner = (path, tb.tb_lineno)
+        tb = tb.tb_next
+    if inner is None:
+        return None
+    file, line = inner
+    if module_file and os.path.realpath(file) == module_file:
+        where = f"model.path {file}:{line}"
+    elif module_file:
+        where = f"model.path {spec.rsplit(':', 1)[0]}: at {file}:{line}"
+    else:
+        where = f"--module {spec}: at {file}:{line}"
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    src = source_text(file, line)
+    return Refusal(EXIT_USAGE, f"{where}: {type(e).__name__}: {msg} (in {what}{': ' + src if src else ''})")
+
+
+@contextlib.contextmanager
+def blaming_user(spec, what: str):
+    """Around code that runs the user's module (spec: --module; None for a built-in model): an
+    exception raised through the user's code becomes Refusal(EXIT_USAGE) naming the file and line."""
+    try:
+        yield
+    except Refusal:
+        raise
+    except Exception as e:
+        r = user_refusal(e, spec, what) if spec else None
+        if r is None:
+            raise
+        raise r from e
 
 
 def describe_break(e: BaseException):
@@ -1015,6 +1112,8 @@ def main(argv=None) -> int:
 
     # --- train_step: trace
     step = TrainStep(module, pnames, bnames, loss_fn, amp_dtype, args.device, args.grad_scale_input)
+    if args.module and loss_fn is None:
+        step.expect = expected_logits(module, args.module, ident.get("num_classes"), x)
     in_specs = ([tensor_spec(n, t, "parameter") for n, t in zip(pnames, params)] +
                 [tensor_spec(n, t, "buffer") for n, t in zip(bnames, buffers)] +
                 [tensor_spec("input", x, "input"), tensor_spec("target", y, "target")])
@@ -1026,7 +1125,8 @@ def main(argv=None) -> int:
     timings = {}
     module.train()
     t0 = time.perf_counter()
-    gm = trace(step, example, "the training step")
+    with blaming_user(args.module, "the training step"):
+        gm = trace(step, example, "the training step")
     timings["trace_s"] = time.perf_counter() - t0
     step.returned = prune_buffer_outputs(gm, example, len(pnames), len(bnames), len(pnames))
     mutated = [bnames[i] for i in step.returned]
@@ -1038,7 +1138,8 @@ def main(argv=None) -> int:
     out_specs += [tensor_spec(f"grad:{n}", v, "grad") for n, v in zip(pnames, out_vals[1:1 + len(pnames)])]
     out_specs += [tensor_spec(f"buffer:{n}", v, "buffer_update") for n, v in zip(mutated, out_vals[1 + len(pnames):])]
     if args.deterministic:
-        deterministic_dry_run(step, example)
+        with blaming_user(args.module, "the training step, run eagerly"):
+            deterministic_dry_run(step, example)
 
     # --- forward (evaluation): trace
     models = {"train_step": {"gm": gm, "example": example, "inputs": in_specs, "outputs": out_specs,
@@ -1058,7 +1159,8 @@ def main(argv=None) -> int:
         f_specs = in_specs[:len(pnames) + len(bnames)] + [tensor_spec("input", xe, "input")]
         t0 = time.perf_counter()
         try:
-            fgm = trace(fwd, f_example, "the evaluation forward")
+            with blaming_user(args.module, "the evaluation forward"):
+                fgm = trace(fwd, f_example, "the evaluation forward")
             name_placeholders(fgm, [s["name"] for s in f_specs])
             check_graph(fgm, args, args.device, "forward")
         except Refusal as r:

@@ -25,6 +25,11 @@ using namespace aot;
 
 std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shape").get<std::vector<int64_t>>(); }
 
+// A manifest input's shape and dtype, as tensor_spec() names a tensor's.
+std::string spec_of(const nlohmann::json& spec) {
+  return c10::str(c10::IntArrayRef(shape_of(spec))) + " " + spec.value("dtype", std::string("?"));
+}
+
 // The autograd function around one run of the package: forward runs the whole step and keeps
 // the gradients; backward returns them times the gradient of the loss. A package that takes the
 // loss scale (`scale` given, by pointer: autograd takes no undefined tensor) returned gradients
@@ -54,6 +59,10 @@ struct StepFunction : public torch::autograd::Function<StepFunction> {
       factor = factor / ctx->saved_data["scale"].toTensor();
       ctx->saved_data.erase("scale");
     }
+    // A package may return a gradient as a broadcast view (stride 0: the gradient of p.sum() is an
+    // expanded scalar), which cannot be written in place: such a one gets memory of its own.
+    for (auto& g : grads)
+      if (g.defined() && !g.is_non_overlapping_and_dense()) g = g.contiguous();
     at::_foreach_mul_(grads, factor);  // 1/grad_accum, a loss scale: no host sync
     grads.resize(grads.size() + 5);    // the step, buffers, input, target and scale get none
     return grads;
@@ -61,6 +70,10 @@ struct StepFunction : public torch::autograd::Function<StepFunction> {
 };
 
 }  // namespace
+
+std::string tensor_spec(const torch::Tensor& t) {
+  return c10::str(t.sizes()) + " " + c10::getDtypeNames(t.scalar_type()).first;  // "float32", as torch prints it
+}
 
 nlohmann::json model_config_json(const Config& cfg) {
   nlohmann::json j = nlohmann::json::object();
@@ -166,10 +179,18 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   for (auto& a : library_args(req.cfg.libraries)) argv.push_back(std::move(a));
   logging::info("compile: packaging the {} training step (batch {}, amp {}) with AOTInductor: {} (log: {})", req.model,
                 req.batch, req.amp, pt2, log);
-  // Inductor's own cache beside keel's: a second key for the same graph reuses its kernels.
-  const int rc = run_logged(argv, log, {"TORCHINDUCTOR_CACHE_DIR=" + dir + "/torchinductor"});
+  // Inductor's own cache beside keel's: a second key for the same graph reuses its kernels. Its
+  // temporary files (precompiled headers, which ignore TORCHINDUCTOR_CACHE_DIR) stay under
+  // compile.cache_dir too.
+  const std::string tmp = dir + "/tmp";
+  if (const std::string err = make_dirs(tmp); !err.empty()) throw InputError("compile.cache_dir: " + err);
+  const int rc = run_logged(argv, log, {"TORCHINDUCTOR_CACHE_DIR=" + dir + "/torchinductor", "TMPDIR=" + tmp});
   if (rc != 0) {
     const std::string why = last_line(log);
+    // A Python without torch (compile.python, $KEEL_PYTHON): the user's setting, named.
+    if (rc == 127 || why.find("No module named 'torch'") != std::string::npos)
+      throw InputError("compile.mode = \"inductor\": the packaging step's Python " + argv[0] + " cannot run it (" +
+                       why + "); set compile.python to a Python with torch " + TORCH_VERSION);
     // A Python module the packaging step refuses (exit 2: its factory fails with the batch or
     // device): the user's input, not recorded (an import may fail for what the user installs next).
     if (rc == 2 && !req.module.empty()) throw CompileError("compile.mode = \"inductor\": " + why);
@@ -275,13 +296,13 @@ std::string first_difference(const char* what, const std::vector<std::string>& p
 // The package takes keel's parameters and buffers by position: the same names in the same order.
 void InductorStep::read_signature(const InductorRequest& req) {
   const auto& sig = manifest_.at("models").at("train_step");
-  std::vector<std::string> params, buffers;
+  std::vector<std::string> params, buffers, param_specs, buffer_specs;
   for (const auto& in : sig.at("inputs")) {
     const std::string kind = in.value("kind", "");
     if (kind == "parameter")
-      params.push_back(in.at("name").get<std::string>());
+      params.push_back(in.at("name").get<std::string>()), param_specs.push_back(spec_of(in));
     else if (kind == "buffer")
-      buffers.push_back(in.at("name").get<std::string>());
+      buffers.push_back(in.at("name").get<std::string>()), buffer_specs.push_back(spec_of(in));
     else if (kind == "input")
       input_shape_ = shape_of(in);
     else if (kind == "target")
@@ -293,7 +314,21 @@ void InductorStep::read_signature(const InductorRequest& req) {
   }
   std::string mismatch = first_difference("parameter", params, req.param_names);
   if (mismatch.empty()) mismatch = first_difference("buffer", buffers, req.buffer_names);
-  if (!mismatch.empty()) throw std::runtime_error(path_ + " does not fit the model: " + mismatch);
+  // The package runs on whatever it is given (AOTInductor checks no sizes): a parameter of
+  // another shape (a cache entry of another model, a Python module whose imported file changed)
+  // would be read out of bounds.
+  for (size_t i = 0; mismatch.empty() && i < req.param_specs.size() && i < param_specs.size(); ++i)
+    if (param_specs[i] != req.param_specs[i])
+      mismatch = "parameter " + params[i] + " is " + param_specs[i] + " in the package, " + req.param_specs[i] +
+                 " in the model";
+  for (size_t i = 0; mismatch.empty() && i < req.buffer_specs.size() && i < buffer_specs.size(); ++i)
+    if (buffer_specs[i] != req.buffer_specs[i])
+      mismatch = "buffer " + buffers[i] + " is " + buffer_specs[i] + " in the package, " + req.buffer_specs[i] +
+                 " in the model";
+  if (!mismatch.empty())
+    throw std::runtime_error(path_ + " does not fit the model: " + mismatch +
+                             " (with model.name = \"python\": did a file the module imports change? it is not "
+                             "part of the cache key; remove the entry or use another compile.cache_dir)");
   for (const auto& out : sig.at("outputs")) {
     if (out.value("kind", "") != "buffer_update") continue;
     const std::string name = out.at("name").get<std::string>().substr(std::string("buffer:").size());

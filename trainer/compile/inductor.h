@@ -48,6 +48,10 @@ struct InductorRequest {
   CompileConfig cfg;                      // fullgraph, deterministic, max_autotune, cache_dir, python
   std::vector<std::string> param_names;   // the model's, in order (the package must take exactly these)
   std::vector<std::string> buffer_names;  // the same for its buffers (passed in; those updated, copied back)
+  /// Each parameter's and buffer's shape and dtype as "[2, 3] float32", in the same order: a
+  /// package whose inputs differ is refused before it runs (it does not check its inputs' sizes).
+  /// Empty: not checked.
+  std::vector<std::string> param_specs, buffer_specs;
   /// model.name = "python": the user's module, FILE.py:FACTORY (model.path, model.factory), and
   /// the shapes and dtypes of the run's batches ({"input": {"shape", "dtype"}, "target": ..., "classes"}).
   std::string module;
@@ -59,6 +63,9 @@ struct InductorRequest {
   /// and both files have the SHA-256 meta.json lists; otherwise the step is packaged anew.
   std::string seed_dir;
 };
+
+/// "[2, 3] float32": a tensor's shape and dtype as InductorRequest and the package's manifest name them.
+std::string tensor_spec(const torch::Tensor& t);
 
 /// A loaded training-step package.
 class InductorStep {

@@ -2,11 +2,13 @@
 
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <signal.h>
 #include <sys/file.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cerrno>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -14,10 +16,14 @@
 
 #include <filesystem>
 #include <mutex>
+#include <optional>
 #include <set>
+#include <thread>
 
 #include "common/file.h"
+#include "common/log.h"
 #include "common/sha256.h"
+#include "common/stop.h"
 #include "keel/common/error.h"
 
 #ifdef KEEL_WITH_CUDA
@@ -44,7 +50,12 @@ std::string cache_root(const CompileConfig& c) {
 
 // The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
 std::string python_for(const CompileConfig& c) {
-  if (!c.python.empty()) return c.python;
+  if (!c.python.empty()) {
+    if (::access(c.python.c_str(), X_OK) != 0 || !is_file(c.python))
+      throw InputError("compile.python = \"" + c.python + "\": not an executable file (the Python, with torch " +
+                       TORCH_VERSION + ", that packages the step)");
+    return c.python;
+  }
   if (const std::string p = env_or("KEEL_PYTHON", ""); !p.empty()) return p;
 #ifdef KEEL_DEFAULT_PYTHON
   if (is_file(KEEL_DEFAULT_PYTHON)) return KEEL_DEFAULT_PYTHON;
@@ -120,13 +131,35 @@ std::string device_identity(const torch::Device& d) {
   return "cuda";
 }
 
-// An exclusive flock held until the object dies (blocking: the other ranks wait while one
-// compiles).
+// An exclusive flock held until the object dies: the other ranks wait while one compiles. Polled
+// (10 ms, then 100 ms), so that the wait is visible and a stop signal ends it.
 EntryLock::EntryLock(const std::string& path) {
   fd_ = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
   if (fd_ < 0) throw std::runtime_error("compile cache: cannot open " + path + ": " + std::strerror(errno));
-  while (::flock(fd_, LOCK_EX) != 0)
-    if (errno != EINTR) throw std::runtime_error("compile cache: cannot lock " + path + ": " + std::strerror(errno));
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t told_s = 0;
+  while (::flock(fd_, LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EINTR) continue;
+    if (errno != EWOULDBLOCK) {
+      const std::string why = std::strerror(errno);
+      ::close(fd_);
+      throw std::runtime_error("compile cache: cannot lock " + path + ": " + why);
+    }
+    if (const int signo = g_stop_signal.load()) {
+      ::close(fd_);
+      throw Stopped(signo, "stopped by signal " + std::to_string(signo) + " while waiting for the compile cache's " +
+                               path + " (held by another process)");
+    }
+    const auto waited = std::chrono::duration_cast<std::chrono::seconds>(std::chrono::steady_clock::now() - t0);
+    if (waited.count() >= 5 && waited.count() >= told_s + (told_s ? 60 : 5)) {
+      told_s = waited.count();
+      logging::info(
+          "compile cache: waiting {} s for {} (another process holds it: a rank or another run "
+          "packaging the same entry)",
+          told_s, path);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(waited.count() < 1 ? 10 : 100));
+  }
 }
 
 EntryLock::~EntryLock() { ::close(fd_); }
@@ -149,9 +182,26 @@ int run_logged(const std::vector<std::string>& argv, const std::string& log, con
     std::fprintf(stderr, "cannot run %s: %s\n", args[0], std::strerror(errno));
     ::_exit(127);
   }
+  // Polled, so that a stop signal (SIGINT, SIGTERM: common/stop.h) is passed on to the packaging
+  // step at once (SIGKILL 10 s later) instead of waiting out a compile of minutes, and ends the
+  // run with 128 + N rather than as the step's failure.
   int status = 0;
-  while (::waitpid(pid, &status, 0) < 0)
-    if (errno != EINTR) throw std::runtime_error(std::string("waitpid: ") + std::strerror(errno));
+  std::optional<std::chrono::steady_clock::time_point> stopped_at;
+  for (;;) {
+    const pid_t r = ::waitpid(pid, &status, WNOHANG);
+    if (r == pid) break;
+    if (r < 0 && errno != EINTR) throw std::runtime_error(std::string("waitpid: ") + std::strerror(errno));
+    if (const int signo = g_stop_signal.load(); signo && !stopped_at) {
+      ::kill(pid, signo);
+      stopped_at = std::chrono::steady_clock::now();
+    } else if (stopped_at && std::chrono::steady_clock::now() - *stopped_at > std::chrono::seconds(10)) {
+      ::kill(pid, SIGKILL);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (const int signo = g_stop_signal.load())
+    throw Stopped(signo, "stopped by signal " + std::to_string(signo) + " while " + argv[0] + " ran " +
+                             (argv.size() > 1 ? argv[1] : std::string()) + " (its log: " + log + ")");
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 

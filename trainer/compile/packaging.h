@@ -46,8 +46,10 @@ void load_libraries(const std::vector<std::string>& paths);
 /// The packaging step's arguments for them: --load-library <absolute path> each.
 std::vector<std::string> library_args(const std::vector<std::string>& paths);
 
-/// An exclusive flock on `path`, held until the object dies: blocks while another process (a
-/// rank on this host, or on another host sharing the directory) holds it.
+/// An exclusive flock on `path`, held until the object dies: waits while another process (a
+/// rank on this host, or on another host sharing the directory) holds it, saying so in the log
+/// after 5 s and every minute, and throws Stopped (common/stop.h) when a stop signal arrives
+/// meanwhile.
 class EntryLock {
  public:
   explicit EntryLock(const std::string& path);

@@ -1,6 +1,7 @@
 #include "trainer/compile/pipeline.h"
 
 #include "common/log.h"
+#include "keel/common/error.h"
 
 namespace keel {
 
@@ -70,13 +71,13 @@ std::optional<torch::Tensor> DistributedModel::compiled_loss(const torch::Tensor
   if (!step_->fits(input, target)) {
     if (eager_shapes_.insert(input.sizes().vec()).second) {
       ++report_->recompiles;
+      // The batch shapes are the config's (data.drop_last, the data's size): exit 2, naming the key.
       if (report_->recompiles > max_recompiles_)
-        throw CompileError("compile: a batch of shape " + c10::str(input.sizes()) + " is the " +
-                           std::to_string(report_->recompiles) +
-                           "th shape the inductor package does not take, more than "
-                           "compile.max_recompiles = " +
-                           std::to_string(max_recompiles_) +
-                           " (a recompilation storm); keep batch shapes static (data.drop_last = true)");
+        throw InputError("compile: a batch of shape " + c10::str(input.sizes()) + " makes " +
+                         std::to_string(report_->recompiles) +
+                         " batch shapes the inductor package does not take, more than compile.max_recompiles = " +
+                         std::to_string(max_recompiles_) +
+                         " (a recompilation storm); keep batch shapes static (data.drop_last = true)");
       logging::warn(
           "compile: a batch of shape {} is not the package's {}: it runs eager (re-specialisation {} of at "
           "most compile.max_recompiles = {})",

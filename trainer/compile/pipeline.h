@@ -6,8 +6,9 @@
 //
 // Each stage is a distinct type that offers only the next step, and each step consumes its
 // stage (&&-qualified), so compiling after DDP, distributing before placement or compiling
-// twice do not compile (tests/test_pipeline.cpp proves it with type traits). This is the
-// guard against the silent failure of wrapping a model for DDP before compiling it.
+// twice do not compile (tests/test_pipeline.cpp proves it with type traits). The compile stage
+// sees one model on one device and no ranks, so a package is built once and shared by every
+// rank, and no collective is ever inside a compiled graph (docs/concepts.md).
 //
 // Runtime checks: place() verifies that every parameter and buffer is on the target device
 // and names the first one that is not.

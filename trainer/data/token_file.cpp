@@ -176,7 +176,10 @@ TokenFile::TokenFile(const std::string& path, TokenDtype dtype) : path_(path) {
                      (h[0] == kMagicUint16 || h[0] == kMagicUint32);
   const Header header = magic ? parse_header(h, bytes) : Header{};
   std::string problem;
-  if (magic && (header.problem.empty() || dtype == TokenDtype::Auto)) {
+  // A file that starts with llm.c's magic number is read as llm.c's, whatever data.token_dtype
+  // says: one whose header does not fit its size (a truncated copy) is refused, never read as
+  // raw tokens from its header bytes on.
+  if (magic) {
     problem = header.problem;
     if (problem.empty() && dtype != TokenDtype::Auto && width_of(dtype) != header.width)
       problem = "data.token_dtype = \"" + dtype_name(width_of(dtype)) + "\" but it is an llm.c file of " +

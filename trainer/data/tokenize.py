@@ -9,14 +9,23 @@ Each input file is one document; the end-of-text token (--eot, GPT-2's "<|endoft
 default, when the vocabulary has it) is put before every document, as llm.c does. The output
 is llm.c's .bin: a header of 256 int32 (magic 20240520, version 1, uint16 tokens when the
 vocabulary fits 16 bits; else magic 20240801, version 7, uint32), then the tokens. Files are
-written whole or not at all (a temporary file renamed into place).
+written whole or not at all (a temporary file renamed into place, removed if the write fails).
+
+Before any work the output paths are checked (check_outputs): no two of --out, --val-out and the
+tokenizer --train-bpe saves may be one file, none may be an input (a text file or --tokenizer)
+or a directory, and an existing file is replaced only when it is what this tool writes there
+(a token file for --out/--val-out, a tokenizer.json for the tokenizer) or empty: a rerun
+overwrites its own previous outputs, never the user's other files.
 
 Exit codes: 0 done; 2 bad usage or input (a missing or unreadable text file, a tokenizer.json
-that does not load, a vocabulary size out of range), naming it; 1 anything else.
+that does not load, a vocabulary size out of range, an output path that is refused), naming it;
+1 anything else.
 """
 
 import argparse
+import json
 import os
+import struct
 import sys
 
 MAGIC_U16, VERSION_U16 = 20240520, 1
@@ -56,6 +65,99 @@ def parse_args(argv):
     return a
 
 
+def tokenizer_path(args):
+    """Where --train-bpe saves its tokenizer.json (None with --tokenizer, which saves nothing)."""
+    if args.train_bpe is None:
+        return None
+    return args.save_tokenizer or os.path.splitext(args.out)[0] + ".tokenizer.json"
+
+
+def is_token_file(path):
+    """An llm.c .bin as write_token_file writes it: the header's magic and version, and a size
+    that holds exactly the header's count of tokens."""
+    size = os.path.getsize(path)
+    if size < 1024:
+        return False
+    with open(path, "rb") as f:
+        magic, version, count = struct.unpack("=3i", f.read(12))
+    width = {(MAGIC_U16, VERSION_U16): 2, (MAGIC_U32, VERSION_U32): 4}.get((magic, version))
+    return width is not None and count >= 0 and size == 1024 + count * width
+
+
+def is_tokenizer_json(path):
+    """A tokenizer.json as Hugging Face tokenizers saves it: a JSON object with "version" and a
+    "model" object."""
+    with open(path, "rb") as f:
+        if f.read(64).lstrip()[:1] != b"{":
+            return False
+        f.seek(0)
+        try:
+            d = json.loads(f.read().decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            return False
+    return isinstance(d, dict) and "version" in d and isinstance(d.get("model"), dict)
+
+
+def same_file(a, b):
+    if os.path.realpath(a) == os.path.realpath(b):
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links, bind mounts
+    except OSError:
+        return False
+
+
+def check_outputs(args):
+    """Refuses (InputError, exit 2, nothing written) output paths that would lose data or could
+    not be written: see the module docstring."""
+    outputs = [("--out", args.out, is_token_file, "a token file (llm.c's .bin, as keel tokenize writes)")]
+    if args.val_out is not None:
+        outputs.append(("--val-out", args.val_out, is_token_file,
+                        "a token file (llm.c's .bin, as keel tokenize writes)"))
+    saved = tokenizer_path(args)
+    if saved is not None:
+        flag = "--save-tokenizer" if args.save_tokenizer else "--save-tokenizer (default: --out with .tokenizer.json)"
+        outputs.append((flag, saved, is_tokenizer_json, "a tokenizer.json"))
+    inputs = ([("--tokenizer", args.tokenizer)] if args.tokenizer is not None else []) + [
+        ("the input file", f) for f in args.files]
+
+    for flag, path, _, _ in outputs:
+        if path == "":
+            raise InputError(f"{flag}: an empty path; give the path of a file")
+        if path.endswith(os.sep) or os.path.isdir(path):
+            raise InputError(f"{flag} {path}: is a directory; give the path of a file")
+        if os.path.exists(path) and not os.path.isfile(path):
+            raise InputError(f"{flag} {path}: exists and is not a regular file; refusing to replace it")
+        parent = os.path.dirname(os.path.abspath(path))
+        while not os.path.exists(parent):
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            raise InputError(f"{flag} {path}: {parent} is not a directory")
+
+    for i, (flag, path, _, _) in enumerate(outputs):
+        for other_flag, other, _, _ in outputs[:i]:
+            if same_file(path, other):
+                raise InputError(f"{other_flag} and {flag} are the same file ({os.path.realpath(path)}): "
+                                 "one would overwrite the other; give them different paths")
+        for in_flag, inp in inputs:
+            if same_file(path, inp):
+                real = os.path.realpath(path)
+                where = f" ({real})" if real not in (path, inp) else ""
+                raise InputError(f"{flag} {path} is {in_flag} {inp}{where}: writing it would destroy that "
+                                 f"input; give {flag} another path")
+
+    for flag, path, is_own, what in outputs:
+        if not os.path.isfile(path) or os.path.getsize(path) == 0:
+            continue
+        try:
+            own = is_own(path)
+        except OSError as e:
+            raise InputError(f"{flag} {path}: exists and cannot be read to check it ({e.strerror})") from None
+        if not own:
+            raise InputError(f"{flag} {path}: exists and is not {what}; refusing to overwrite it: "
+                             "remove it or give another path")
+
+
 def read_documents(paths):
     docs = []
     for path in paths:
@@ -92,10 +194,19 @@ def load_tokenizer(args):
     trainer = trainers.BpeTrainer(vocab_size=args.train_bpe, special_tokens=special,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train(args.files, trainer)
-    saved = args.save_tokenizer or os.path.splitext(args.out)[0] + ".tokenizer.json"
-    os.makedirs(os.path.dirname(os.path.abspath(saved)), exist_ok=True)
-    tok.save(saved)
-    return tok, saved
+    return tok, tokenizer_path(args)
+
+
+def save_tokenizer(tok, path):
+    """tok.save, whole or not at all, as write_token_file writes."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp.{os.getpid()}"
+    try:
+        tok.save(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):
+            os.remove(tmp)
 
 
 def encode(tok, docs, eot):
@@ -108,30 +219,39 @@ def encode(tok, docs, eot):
     return out
 
 
+def check_count(path, tokens):
+    if len(tokens) >= 1 << 31:
+        raise InputError(f"{path}: {len(tokens)} tokens do not fit llm.c's int32 count; split the input")
+
+
 def write_token_file(path, tokens, vocab):
     import numpy as np
 
     wide = vocab > 1 << 16
     header = np.zeros(256, dtype=np.int32)
     header[0], header[1] = (MAGIC_U32, VERSION_U32) if wide else (MAGIC_U16, VERSION_U16)
-    if len(tokens) >= 1 << 31:
-        raise InputError(f"{path}: {len(tokens)} tokens do not fit llm.c's int32 count; split the input")
+    check_count(path, tokens)
     header[2] = len(tokens)
     data = np.asarray(tokens, dtype=np.uint32 if wide else np.uint16)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(header.tobytes())
-        f.write(data.tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(header.tobytes())
+            f.write(data.tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        if os.path.lexists(tmp):  # the write failed: leave no partial file behind
+            os.remove(tmp)
     return "uint32" if wide else "uint16"
 
 
 def main(argv):
     args = parse_args(argv)
     try:
+        check_outputs(args)  # before any work: nothing is written when a path is refused
         docs = read_documents(args.files)
         tok, saved = load_tokenizer(args)
         vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -139,10 +259,14 @@ def main(argv):
         if args.val_out is not None:
             n_val = min(len(docs) - 1, max(1, round(len(docs) * args.val_fraction)))
         train = encode(tok, docs[: len(docs) - n_val], args.eot)
+        check_count(args.out, train)
+        val = encode(tok, docs[len(docs) - n_val:], args.eot) if n_val else []
+        check_count(args.val_out, val)
+        if saved:  # after every check, so a refused run writes nothing
+            save_tokenizer(tok, saved)
         dtype = write_token_file(args.out, train, vocab)
         print(f"{args.out}: {len(train)} {dtype} tokens from {len(docs) - n_val} document(s)")
         if n_val:
-            val = encode(tok, docs[len(docs) - n_val:], args.eot)
             write_token_file(args.val_out, val, vocab)
             print(f"{args.val_out}: {len(val)} {dtype} tokens from {n_val} document(s)")
         if saved:
