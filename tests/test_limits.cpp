@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <filesystem>
 #include <string>
 #include <vector>
 
@@ -147,6 +148,47 @@ TEST(Limits, ParameterEstimateIsWhatTheModelsBuild) {
     EXPECT_EQ(static_cast<int64_t>(*estimate), model->num_parameters())
         << c.name << " width " << c.width << " depth " << c.depth << " classes " << c.classes;
   }
+  // The Hugging Face families (issue 44, item 5: they had no estimate, so a model far larger than
+  // the machine was allocated until the allocator failed): from the [model] keys, grouped-query
+  // attention and an untied head included, and from a config.json with biases.
+  struct HfCase {
+    const char* name;
+    int64_t width, depth, heads, kv_heads, ffn, vocab;
+    bool tied;
+  };
+  for (const auto& c : std::vector<HfCase>{{"gpt2", 32, 2, 4, 0, 0, 96, true},
+                                           {"gpt2", 48, 1, 4, 0, 100, 64, false},
+                                           {"llama", 32, 2, 4, 0, 64, 96, true},
+                                           {"llama", 64, 2, 8, 2, 96, 80, false}}) {
+    keel::ModelConfig m;
+    m.name = c.name;
+    m.width = c.width;
+    m.depth = c.depth;
+    m.heads = c.heads;
+    m.kv_heads = c.kv_heads;
+    m.ffn_width = c.ffn;
+    m.vocab = c.vocab;
+    m.context = 16;
+    m.tie_embeddings = c.tied;
+    const auto estimate = keel::estimate_parameters(m);
+    ASSERT_TRUE(estimate.has_value()) << c.name;
+    EXPECT_EQ(static_cast<int64_t>(*estimate), keel::models::create_model(m)->num_parameters())
+        << c.name << " width " << c.width << " kv_heads " << c.kv_heads << " tied " << c.tied;
+  }
+  keel::testing::TempDir d;
+  std::filesystem::create_directories(d.file("hf"));
+  keel::testing::write_text(d.file("hf/config.json"),
+                            R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                "intermediate_size": 48, "attention_bias": true, "mlp_bias": true,
+                                "tie_word_embeddings": false})");
+  keel::ModelConfig from_file;
+  from_file.name = "llama";
+  from_file.context = 16;
+  from_file.init_from = d.file("hf");
+  EXPECT_EQ(static_cast<int64_t>(*keel::estimate_parameters(from_file)),
+            keel::models::create_model(from_file)->num_parameters())
+      << "llama from a config.json with biases and head_dim";
   keel::ModelConfig mlp, cnn, ts;
   mlp.name = "mlp";
   cnn.name = "cnn";

@@ -1,14 +1,18 @@
-"""Writes tests/golden/optim.pt for tests/test_optim.cpp: 20 steps of PyTorch 2.11's fused
+"""Writes OUT (default tests/golden/optim.pt) for tests/test_optim.cpp: 20 steps of PyTorch 2.11's fused
 optimizers (torch.optim.AdamW(fused=True), torch.optim.SGD(fused=True)) on CPU, from given
 parameters and gradients, with a learning rate that changes every step and one step skipped
 through `found_inf` (as GradScaler hands it to a fused optimizer).
 
-Run from the repository root:  ~/.cache/keel/venv/bin/python tests/golden/make_optim_golden.py
+Run from the repository root:  ~/.cache/keel/venv/bin/python tests/golden/make_optim_golden.py [OUT]
+tests/test_optim.cpp runs it into a folder of its own at test time, so that PyTorch's kernels and
+keel's are the same kernel set (ATEN_CPU_CAPABILITY, which the test process passes on): a fused
+kernel's vector path (FMA) and its scalar one (ATen's `default`) round differently.
 For each case the file holds "<case>/param/<i>" (initial), "<case>/grad/<step>/<i>",
 "<case>/lr" (per step), "<case>/skip" (per step, 1 = found_inf set), "<case>/final/<i>" and the
 state: "<case>/step/<i>", "<case>/exp_avg/<i>", "<case>/exp_avg_sq/<i>", "<case>/momentum_buffer/<i>".
 """
 import os
+import sys
 
 import torch
 
@@ -64,7 +68,7 @@ def main():
     out = {}
     for name, make in CASES.items():
         run(name, make, out)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "optim.pt")
+    path = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(os.path.abspath(__file__)), "optim.pt")
     torch.save(out, path)
     print(f"{path}: {len(out)} tensors")
 

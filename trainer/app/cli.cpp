@@ -35,6 +35,13 @@ constexpr int kExitFailure = 1;
 
 std::string first_line(const std::string& s) { return s.substr(0, s.find('\n')); }
 
+// What the user reads of an error: a c10::Error carries the C++ backtrace of where it was raised,
+// also inside another error's message that wraps its what(); it is cut off there.
+std::string without_backtrace(const std::string& s) {
+  const auto at = s.find("\nException raised from ");
+  return at == std::string::npos ? s : s.substr(0, at);
+}
+
 }  // namespace
 
 std::string version_string() { return std::string("keel ") + KEEL_VERSION + " (LibTorch " + TORCH_VERSION + ")"; }
@@ -96,10 +103,10 @@ int print_files(const std::function<std::vector<std::string>()>& write) {
     for (const auto& f : write()) std::cout << f << "\n";
     return 0;
   } catch (const InputError& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitInput;
   } catch (const std::exception& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitFailure;
   }
 }
@@ -148,7 +155,7 @@ int run_inspect(const std::string& dir, bool json) {
       if (!s["verified"].get<bool>()) return kExitFailure;
     return 0;
   } catch (const std::exception& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitInput;
   }
 }
@@ -161,17 +168,17 @@ int run_train(const Config& cfg) {
     return summary.stop_signal ? 128 + *summary.stop_signal : 0;
   } catch (const Stopped& e) {  // before training: nothing to save
     logging::warn("{}", e.what());
-    std::cerr << "keel: " << e.what() << "\n";
+    std::cerr << "keel: " << without_backtrace(e.what()) << "\n";
     return 128 + e.signo;
   } catch (const InputError& e) {
-    logging::error("{}", e.what());
-    std::cerr << "keel: error: " << e.what() << "\n";
+    logging::error("{}", without_backtrace(e.what()));
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitInput;
   } catch (const c10::Error& e) {
     std::cerr << "keel: error: " << first_line(e.what_without_backtrace()) << "\n";
     return kExitFailure;
   } catch (const std::exception& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitFailure;
   }
 }
@@ -190,13 +197,13 @@ int run_compile(Config cfg) {
               << " in " << static_cast<int64_t>(r.compile_ms) << " ms (sha256 " << r.package_sha256 << ")\n";
     return 0;
   } catch (const InputError& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitInput;
   } catch (const CompileError& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitInput;
   } catch (const std::exception& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitFailure;
   }
 }
@@ -210,7 +217,7 @@ int run_tokenize(int argc, char** argv) {
     py = aot::python_for(CompileConfig{});
     script = aot::keel_script("trainer/data/tokenize.py", "KEEL_TOKENIZE_SCRIPT");
   } catch (const std::runtime_error& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitFailure;
   }
   if (!aot::is_file(py)) {
@@ -338,7 +345,7 @@ int run_cli(int argc, char** argv) {
   try {
     cfg = resolve_config(config_path, *sub, options);
   } catch (const InputError& e) {
-    std::cerr << "keel: error: " << e.what() << "\n";
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitInput;
   }
   if (print_config) {

@@ -24,6 +24,7 @@
 
 #include "dist/placement.h"
 #include "keel/common/error.h"
+#include "models/hf.h"
 
 namespace keel {
 namespace {
@@ -90,15 +91,35 @@ std::string culprit_of(const std::vector<KeyUse>& keys) {
 
 // The shape of a built-in model, defaults applied as the model's factory applies them.
 struct Shape {
-  std::string name;  // mlp | cnn | gpt
+  std::string name;  // mlp | cnn | gpt | gpt2 | llama
   double width = 0, depth = 0;
+  std::optional<models::HfShape> hf;  // gpt2, llama: the family's shape (config.json or the [model] keys)
+  bool sequence() const { return name == "gpt" || hf.has_value(); }
 };
 
 std::optional<Shape> builtin_shape(const ModelConfig& m) {
-  if (m.name == "mlp") return Shape{"mlp", double(m.width > 0 ? m.width : 256), double(m.depth > 0 ? m.depth : 8)};
-  if (m.name == "cnn") return Shape{"cnn", 0, 0};
-  if (m.name == "gpt") return Shape{"gpt", double(m.width > 0 ? m.width : 256), double(m.depth > 0 ? m.depth : 4)};
+  if (m.name == "mlp") return Shape{"mlp", double(m.width > 0 ? m.width : 256), double(m.depth > 0 ? m.depth : 8), {}};
+  if (m.name == "cnn") return Shape{"cnn", 0, 0, {}};
+  if (m.name == "gpt") return Shape{"gpt", double(m.width > 0 ? m.width : 256), double(m.depth > 0 ? m.depth : 4), {}};
+  if (models::is_hf_family(m.name)) {
+    models::HfShape hf = models::hf_shape(m);
+    return Shape{m.name, double(hf.width), double(hf.layers), std::move(hf)};
+  }
   return std::nullopt;
+}
+
+// gpt2 and llama as their families build them (models/gpt2.cpp, models/llama.cpp).
+double hf_parameters(const models::HfShape& s) {
+  const double V = double(s.vocab), d = double(s.width), L = double(s.layers), F = double(s.ffn);
+  const double head = s.tied ? 0 : V * d;
+  if (s.family == "gpt2")  // wte, wpe; per block ln_1, c_attn, c_proj, ln_2, c_fc, c_proj; ln_f
+    return V * d + double(s.positions) * d +
+           L * (2 * d + 3 * d * d + 3 * d + d * d + d + 2 * d + d * F + F + F * d + d) + 2 * d + head;
+  // llama: embed_tokens; per layer two RMS norms, q, k, v, o, gate, up, down (biases if asked); norm
+  const double q = double(s.heads * s.head_dim), kv = double(s.kv_heads * s.head_dim);
+  const double attention = d * q + 2 * d * kv + q * d + (s.attention_bias ? q + 2 * kv + d : 0);
+  const double mlp = 3 * d * F + (s.mlp_bias ? 2 * F + d : 0);
+  return V * d + L * (2 * d + attention + mlp) + d + head;
 }
 
 }  // namespace
@@ -106,6 +127,7 @@ std::optional<Shape> builtin_shape(const ModelConfig& m) {
 std::optional<double> estimate_parameters(const ModelConfig& m) {
   const auto shape = builtin_shape(m);
   if (!shape) return std::nullopt;
+  if (shape->hf) return hf_parameters(*shape->hf);
   const double classes = static_cast<double>(m.num_classes);
   if (shape->name == "mlp") {
     // Linear(784, w), depth - 1 x Linear(w, w), Linear(w, classes); weights and biases.
@@ -137,8 +159,9 @@ EstimateKeys estimate_keys(const Config& cfg, const std::optional<Shape>& shape)
              dflt(default_depth)};
   k.classes = {"model.num_classes", cfg.model.num_classes, cfg.model.num_classes, dflt(defaults.model.num_classes)};
   k.context = {"model.context", cfg.model.context, cfg.model.context, dflt(defaults.model.context)};
-  k.vocab = {"model.vocab", cfg.model.vocab, cfg.model.vocab, dflt(defaults.model.vocab)};
-  k.heads = {"model.heads", cfg.model.heads, cfg.model.heads, dflt(defaults.model.heads)};
+  const bool hf = shape && shape->hf;  // a Hugging Face family: its vocabulary and heads (config.json's)
+  k.vocab = {"model.vocab", cfg.model.vocab, hf ? shape->hf->vocab : cfg.model.vocab, dflt(defaults.model.vocab)};
+  k.heads = {"model.heads", cfg.model.heads, hf ? shape->hf->heads : cfg.model.heads, dflt(defaults.model.heads)};
   k.batch = {"train.batch_size", cfg.train.batch_size, cfg.train.batch_size, dflt(defaults.train.batch_size)};
   k.size = {"data.synthetic_size", cfg.data.synthetic_size, cfg.data.synthetic_size,
             dflt(defaults.data.synthetic_size)};
@@ -205,14 +228,14 @@ MemoryItem activation_memory(const Config& cfg, const std::optional<Shape>& shap
     // pool 2 (64 x 7 x 7), fc1's ReLU (128), the logits and their log-softmax.
     A = batch * (784 + 25088 + 6272 + 12544 + 3136 + 128 + 2 * static_cast<double>(cfg.model.num_classes)) * ab;
     keys = {k.batch, k.classes};
-  } else if (shape && shape->name == "gpt") {
+  } else if (shape && shape->sequence()) {
     // Per block: the attention probabilities (batch x heads x T x T, saved by softmax) and the
     // causal mask (T x T bool, saved by masked_fill), 16 x width values per token (the inputs
     // of the layer norms and linear layers, q/k/v, GELU's input); one more T x T score tensor
     // while the last block's softmax is made; the final layer norm; the logits and their
     // log-softmax (T x vocab per sample).
     const double T = static_cast<double>(cfg.model.context), d = shape->width, L = shape->depth;
-    const double H = static_cast<double>(cfg.model.heads), V = static_cast<double>(cfg.model.vocab);
+    const double H = static_cast<double>(k.heads.effective), V = static_cast<double>(k.vocab.effective);
     A = L * (batch * H * T * T * ab + T * T) + batch * H * T * T * ab + batch * T * (16 * L * d + 2 * d) * ab +
         2 * batch * T * V * ab;
     keys = {k.batch, k.context, k.heads, k.depth, k.width, k.vocab};
@@ -238,7 +261,7 @@ DataMemory synthetic_data_memory(const Config& cfg, const std::optional<Shape>& 
   const double n_test = std::max(1.0, std::floor(n / 4));
   std::vector<KeyUse> keys = {k.size};
   std::string text;
-  if (shape->name == "gpt") {
+  if (shape->sequence()) {
     // A start and a stride per sequence (int64).
     m.kept = (n + n_test) * 16;
     m.build = m.kept;
