@@ -412,3 +412,31 @@ TEST(Tokenize, AnOutputThatIsADirectoryIsRefusedLeavingNoStrayFile) {
     EXPECT_TRUE(entries(dir).empty()) << flag;
   }
 }
+
+// An end-of-text token asked for by name that the tokenizer does not have is exit 2 naming
+// --eot (issue 44, item 5: documents were silently left unseparated); the default one missing is
+// said on stderr; one the vocabulary has separates every document.
+TEST(Tokenize, AnEndOfTextTokenTheVocabularyLacksIsRefusedWhenNamedAndSaidWhenDefault) {
+  TempDir d;
+  const auto docs = tokenize_docs(d, 2);
+  auto trained = run_keel(
+      {"tokenize", "--train-bpe", "300", "--eot", "<|sep|>", "--out", d.file("a.bin"), docs[0], docs[1]}, {}, 120);
+  ASSERT_EQ(trained.exit_code, 0) << trained.output;
+  const std::string tokenizer = d.file("a.tokenizer.json");
+  auto named = run_keel({"tokenize", "--tokenizer", tokenizer, "--eot", "<|other|>", "--out", d.file("b.bin"), docs[0]},
+                        {}, 120);
+  EXPECT_EQ(named.exit_code, 2) << named.output;
+  EXPECT_NE(named.output.find("--eot '<|other|>': not a token of the tokenizer's vocabulary"), std::string::npos)
+      << named.output;
+  EXPECT_FALSE(keel::testing::exists(d.file("b.bin")));
+  auto dflt = run_keel({"tokenize", "--tokenizer", tokenizer, "--out", d.file("c.bin"), docs[0], docs[1]}, {}, 120);
+  EXPECT_EQ(dflt.exit_code, 0) << dflt.output;
+  EXPECT_NE(dflt.output.find("the vocabulary has no '<|endoftext|>': documents are not separated"), std::string::npos)
+      << dflt.output;
+  auto own = run_keel(
+      {"tokenize", "--tokenizer", tokenizer, "--eot", "<|sep|>", "--out", d.file("e.bin"), docs[0], docs[1]}, {}, 120);
+  EXPECT_EQ(own.exit_code, 0) << own.output;
+  // Two separators more than the default run's tokens: one before each document.
+  const auto size = [](const std::string& f) { return static_cast<int64_t>(std::filesystem::file_size(f)); };
+  EXPECT_EQ(size(d.file("e.bin")) - size(d.file("c.bin")), 2 * 2) << "two uint16 separators";
+}

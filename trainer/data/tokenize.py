@@ -52,10 +52,14 @@ def parse_args(argv):
     p.add_argument("--val-out", help="also write a held-out token file (data.test_path)")
     p.add_argument("--val-fraction", type=float, default=0.1,
                    help="with --val-out: the fraction of the documents (the last ones) held out; default 0.1")
-    p.add_argument("--eot", default="<|endoftext|>",
-                   help="the token put before every document, when the vocabulary has it (\"\" for none)")
+    p.add_argument("--eot", default=None,
+                   help="the token put before every document (default: GPT-2's <|endoftext|>, when the "
+                        "vocabulary has it; one given here must be in it; \"\" for none)")
     p.add_argument("files", nargs="+", help="text files (UTF-8), one document each")
     a = p.parse_args(argv)
+    a.eot_given = a.eot is not None
+    if a.eot is None:
+        a.eot = "<|endoftext|>"
     if a.train_bpe is not None and not 257 <= a.train_bpe <= 1 << 24:
         p.error(f"--train-bpe {a.train_bpe}: a byte-level BPE needs 257 to 16777216 tokens")
     if a.val_out is not None and not 0 < a.val_fraction < 1:
@@ -255,6 +259,12 @@ def main(argv):
         docs = read_documents(args.files)
         tok, saved = load_tokenizer(args)
         vocab = tok.get_vocab_size(with_added_tokens=True)
+        if args.eot and tok.token_to_id(args.eot) is None:
+            if args.eot_given:  # asked for by name: never dropped silently
+                raise InputError(f"--eot {args.eot!r}: not a token of the tokenizer's vocabulary "
+                                 "(\"\" writes no separator)")
+            print(f"keel tokenize: the vocabulary has no {args.eot!r}: documents are not separated "
+                  "(--eot names another token)", file=sys.stderr)
         n_val = 0
         if args.val_out is not None:
             n_val = min(len(docs) - 1, max(1, round(len(docs) * args.val_fraction)))
