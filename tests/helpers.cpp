@@ -159,6 +159,10 @@ double adamw_reorder_bound(int steps, double lr, int roundings, double rms) {
   return steps * lr * roundings * kFloatRounding * kReorderCancellation / rms;
 }
 
+double optimizer_state_reorder_bound(int roundings, double model_bound) {
+  return 2 * roundings * kFloatRounding * kReorderCancellation + model_bound;
+}
+
 double adamw_element_bound(int steps, double lr, double beta1, double beta2) {
   return steps * 2 * lr * (1 - beta1) / std::sqrt(1 - beta2);
 }

@@ -76,6 +76,10 @@ inline constexpr double kReorderCancellation = 100;
 // optimizer state moves every element by O(lr) per step, a relative drift of order
 // steps * lr / rms: four orders of magnitude above this bound.
 double adamw_reorder_bound(int steps, double lr, int roundings, double rms);
+// The optimizer's state (AdamW's running averages of the gradients and their squares, SGD's
+// momentum): a running average of gradients each off by `roundings` x u x 100 relative is off by
+// as much (twice for a square), plus what the parameters' own drift (`model_bound`) changes.
+double optimizer_state_reorder_bound(int roundings, double model_bound);
 // The largest difference of one element between two AdamW runs over `steps` steps: twice the
 // largest AdamW update, lr * (1 - beta1) / sqrt(1 - beta2), per step.
 double adamw_element_bound(int steps, double lr, double beta1 = 0.9, double beta2 = 0.999);

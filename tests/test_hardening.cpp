@@ -529,5 +529,9 @@ TEST(Hardening, SigtermWhileTheStepIsPackagedEndsTheRunAtOnceWith143) {
   EXPECT_FALSE(r.timed_out) << r.output;
   EXPECT_EQ(r.exit_code, 128 + SIGTERM) << r.output;
   EXPECT_TRUE(contains(r.output, "stopped by signal 15 while")) << r.output;
+  // The packaging step was stopped, not waited out: it never published its package (by rename,
+  // at its end).
+  for (const auto& e : std::filesystem::directory_iterator(d.file("cache/inductor")))
+    EXPECT_NE(e.path().extension(), ".pt2") << e.path() << ": the compile ran to its end";
   std::printf("exit %d %.1f s after SIGTERM\n", r.exit_code, waited_s);
 }

@@ -113,6 +113,11 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
     k["buffers"] = req.buffer_names;
   }
   if (req.eval_batch > 0) k["eval_batch"] = req.eval_batch;
+  // Inductor picks its CPU vector code from ATEN_CPU_CAPABILITY when it is set (cpu_vec_isa.py):
+  // a package built for AVX-512 is another entry than one held to AVX2 (the CPU's own best is in
+  // the device identity).
+  if (const char* isa = std::getenv("ATEN_CPU_CAPABILITY"); isa && *isa && !req.device.is_cuda())
+    k["aten_cpu_capability"] = isa;
   for (const auto& lib : req.cfg.libraries) k["libraries"].push_back(sha256_of_file(lib));  // the ops' code
   return sha256_hex(k.dump());
 }

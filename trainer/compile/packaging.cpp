@@ -51,7 +51,8 @@ std::string cache_root(const CompileConfig& c) {
 // The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
 std::string python_for(const CompileConfig& c) {
   if (!c.python.empty()) {
-    if (::access(c.python.c_str(), X_OK) != 0 || !is_file(c.python))
+    // A bare name (python3) is looked up on PATH by execvp; not found there, exit 127 (run_packaging).
+    if (c.python.find('/') != std::string::npos && (::access(c.python.c_str(), X_OK) != 0 || !is_file(c.python)))
       throw InputError("compile.python = \"" + c.python + "\": not an executable file (the Python, with torch " +
                        TORCH_VERSION + ", that packages the step)");
     return c.python;

@@ -102,8 +102,14 @@ std::optional<Shape> builtin_shape(const ModelConfig& m) {
   if (m.name == "cnn") return Shape{"cnn", 0, 0, {}};
   if (m.name == "gpt") return Shape{"gpt", double(m.width > 0 ? m.width : 256), double(m.depth > 0 ? m.depth : 4), {}};
   if (models::is_hf_family(m.name)) {
-    models::HfShape hf = models::hf_shape(m);
-    return Shape{m.name, double(hf.width), double(hf.layers), std::move(hf)};
+    // A shape the family cannot build is refused when the model is built, on every rank together
+    // (Trainer's build_model_on_every_rank): no estimate for it here.
+    try {
+      models::HfShape hf = models::hf_shape(m);
+      return Shape{m.name, double(hf.width), double(hf.layers), std::move(hf)};
+    } catch (const InputError&) {
+      return std::nullopt;
+    }
   }
   return std::nullopt;
 }
@@ -236,8 +242,10 @@ MemoryItem activation_memory(const Config& cfg, const std::optional<Shape>& shap
     // log-softmax (T x vocab per sample).
     const double T = static_cast<double>(cfg.model.context), d = shape->width, L = shape->depth;
     const double H = static_cast<double>(k.heads.effective), V = static_cast<double>(k.vocab.effective);
-    A = L * (batch * H * T * T * ab + T * T) + batch * H * T * T * ab + batch * T * (16 * L * d + 2 * d) * ab +
-        2 * batch * T * V * ab;
+    // gpt2 and llama attend with scaled_dot_product_attention, whose fused kernels keep no T x T
+    // probabilities: for them only what every path saves (a lower bound, as the whole estimate).
+    const double scores = shape->hf ? 0 : L * (batch * H * T * T * ab + T * T) + batch * H * T * T * ab;
+    A = scores + batch * T * (16 * L * d + 2 * d) * ab + 2 * batch * T * V * ab;
     keys = {k.batch, k.context, k.heads, k.depth, k.width, k.vocab};
   }
   if (A <= 0) return {};
