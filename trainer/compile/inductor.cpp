@@ -296,6 +296,17 @@ std::string first_difference(const char* what, const std::vector<std::string>& p
   return "";
 }
 
+// The first tensor whose shape and dtype differ between the package and the model ("" when none;
+// the names already agree; an empty `model` list is not checked).
+std::string first_spec_difference(const char* what, const std::vector<std::string>& names,
+                                  const std::vector<std::string>& package, const std::vector<std::string>& model) {
+  for (size_t i = 0; i < std::min(package.size(), model.size()); ++i)
+    if (package[i] != model[i])
+      return std::string(what) + " " + names[i] + " is " + package[i] + " in the package, " + model[i] +
+             " in the model";
+  return "";
+}
+
 }  // namespace
 
 // The package takes keel's parameters and buffers by position: the same names in the same order.
@@ -322,14 +333,8 @@ void InductorStep::read_signature(const InductorRequest& req) {
   // The package runs on whatever it is given (AOTInductor checks no sizes): a parameter of
   // another shape (a cache entry of another model, a Python module whose imported file changed)
   // would be read out of bounds.
-  for (size_t i = 0; mismatch.empty() && i < req.param_specs.size() && i < param_specs.size(); ++i)
-    if (param_specs[i] != req.param_specs[i])
-      mismatch = "parameter " + params[i] + " is " + param_specs[i] + " in the package, " + req.param_specs[i] +
-                 " in the model";
-  for (size_t i = 0; mismatch.empty() && i < req.buffer_specs.size() && i < buffer_specs.size(); ++i)
-    if (buffer_specs[i] != req.buffer_specs[i])
-      mismatch = "buffer " + buffers[i] + " is " + buffer_specs[i] + " in the package, " + req.buffer_specs[i] +
-                 " in the model";
+  if (mismatch.empty()) mismatch = first_spec_difference("parameter", params, param_specs, req.param_specs);
+  if (mismatch.empty()) mismatch = first_spec_difference("buffer", buffers, buffer_specs, req.buffer_specs);
   if (!mismatch.empty())
     throw std::runtime_error(path_ + " does not fit the model: " + mismatch +
                              " (with model.name = \"python\": did a file the module imports change? it is not "
