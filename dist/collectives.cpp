@@ -112,7 +112,8 @@ std::vector<int64_t> Disagreement::differing_from(int64_t rank) const {
 
 std::string Disagreement::by_rank() const {
   std::string out;
-  for (size_t r = 0; r < details.size(); ++r) out += "\n  rank " + std::to_string(r) + ": " + details[r];
+  for (size_t r = 0; r < details.size(); ++r)
+    out += "\n  " + (r < names.size() ? names[r] : "rank " + std::to_string(r)) + ": " + details[r];
   return out;
 }
 
@@ -247,7 +248,7 @@ std::string Collectives::missing_ranks(const std::string& what) {
 }
 
 CollectiveError Collectives::failure(const std::string& what, const std::string& error) {
-  std::string msg = "[rank " + std::to_string(rank()) + "/" + std::to_string(size()) + "] " + what + " at step " +
+  std::string msg = "[" + group_->rank_name(rank()) + "/" + std::to_string(size()) + "] " + what + " at step " +
                     std::to_string(step_) + " failed: " + error.substr(0, error.find('\n'));
   const std::string missing = missing_ranks(msg);
   if (!missing.empty()) msg += "; " + missing;
@@ -312,7 +313,7 @@ void Collectives::check(const Desc& d_in) {
     for (auto& o : out) o = o.cpu();
     return out;
   };
-  const Disagreement dis = run_agreement(
+  Disagreement dis = run_agreement(
       fingerprint(d.words()), [&] { return describe(d); },
       [&](torch::Tensor& pair) {
         auto c = on_comm_device(pair);
@@ -324,6 +325,7 @@ void Collectives::check(const Desc& d_in) {
       },
       [&](const std::string& mine) { return gather_strings(mine, raw_gather); });
   if (!dis) return;
+  for (int64_t r = 0; r < size(); ++r) dis.names.push_back(group_->rank_name(r));
   throw CollectiveMismatch("collective mismatch at step " + std::to_string(step_) + " (" + d.what +
                            "):" + dis.by_rank() +
                            "\nevery rank must issue the same collectives in the same order with the same dtypes "
@@ -631,7 +633,7 @@ StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int
     os << "ranks disagree at the end of step " << step << "'s backward; no update was applied:";
     for (int64_t r = 0; r < n; ++r) {
       const int64_t* w = all[r].data_ptr<int64_t>();
-      os << "\n  rank " << r << ": step " << w[1] << ", gradient plan " << std::hex << w[2] << std::dec;
+      os << "\n  " << group_->rank_name(r) << ": step " << w[1] << ", gradient plan " << std::hex << w[2] << std::dec;
     }
     os << "\nall ranks must run the same number of micro-batches per step over the same parameters";
     throw CollectiveMismatch(os.str());
@@ -646,9 +648,12 @@ std::vector<std::string> all_gather_strings(Collectives& coll, const std::string
 
 Disagreement agree(Collectives& coll, uint64_t fingerprint, const std::function<std::string()>& describe,
                    const char* what) {
-  return run_agreement(
+  Disagreement d = run_agreement(
       fingerprint, describe, [&](torch::Tensor& pair) { coll.all_reduce(pair, ReduceOp::Min, what); },
       [&](const std::string& mine) { return all_gather_strings(coll, mine, what); });
+  if (d)
+    for (int64_t r = 0; r < coll.size(); ++r) d.names.push_back(coll.group()->rank_name(r));
+  return d;
 }
 
 std::vector<RankError> errors_on_every_rank(Collectives& coll, const std::string& mine, const char* what) {

@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <stdexcept>
+
 #include "common/log.h"
 #include "keel/common/error.h"
 
@@ -140,9 +143,10 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
     // rendezvous, else the local address that routes to the store's host (the hostname's
     // address is often not one this host has: containers, network namespaces), else Gloo's
     // default (the hostname's).
-    const std::string gloo_host = is_loopback(host) ? "127.0.0.1" : local_address_toward(host);
+    g->gloo_host_ = is_loopback(host) ? "127.0.0.1" : local_address_toward(host);
+    g->interfaces_ = iface.names;
     g->pg_ = compat::make_gloo_group(g->store_, static_cast<int>(world.rank), static_cast<int>(world.size), g->timeout_,
-                                     gloo_host, iface.names);
+                                     g->gloo_host_, iface.names);
   }
 #ifdef KEEL_WITH_CUDA
   else {
@@ -157,6 +161,39 @@ std::shared_ptr<Group> Group::create(const World& world, const DistConfig& cfg, 
                 launcher_name(world.launcher), where, via.empty() ? "by route" : via + " (" + iface.source + ")",
                 cfg.timeout_s);
   return g;
+}
+
+std::shared_ptr<Group> Group::subgroup(const std::vector<int64_t>& ranks, const std::string& name,
+                                       std::vector<std::string> rank_names) const {
+  const auto me = std::find(ranks.begin(), ranks.end(), world_.rank);
+  if (me == ranks.end() || !std::is_sorted(ranks.begin(), ranks.end()))
+    throw std::invalid_argument("process group " + name + ": rank " + std::to_string(world_.rank) +
+                                " is not among its ranks, or they are not ascending");
+  std::shared_ptr<Group> g(new Group());
+  *g = *this;
+  g->mpi_initialized_here_ = false;  // the world's group finalises MPI
+  g->world_.rank = me - ranks.begin();
+  g->world_.size = static_cast<int64_t>(ranks.size());
+  g->rank_names_ = std::move(rank_names);
+  if (ranks.size() == 1 || !pg_) {
+    g->pg_.reset();
+    g->store_.reset();
+    g->backend_ = "none";
+    return g;
+  }
+  g->store_ = compat::prefix_store("keel/group/" + name, store_);
+  const int rank = static_cast<int>(g->world_.rank), size = static_cast<int>(g->world_.size);
+  if (backend_ == "gloo") g->pg_ = compat::make_gloo_group(g->store_, rank, size, timeout_, gloo_host_, interfaces_);
+#ifdef KEEL_WITH_CUDA
+  else
+    g->pg_ = compat::make_nccl_group(g->store_, rank, size, timeout_);
+#endif
+  return g;
+}
+
+std::string Group::rank_name(int64_t r) const {
+  if (r >= 0 && r < static_cast<int64_t>(rank_names_.size())) return rank_names_[static_cast<size_t>(r)];
+  return "rank " + std::to_string(r);
 }
 
 bool Group::store_reachable(std::chrono::milliseconds timeout) const {

@@ -3,6 +3,7 @@
 
 #include "common/registry.h"
 #include "models/hf.h"
+#include "models/transformer.h"
 
 namespace keel::models {
 
@@ -36,9 +37,8 @@ Registry<ModelFactory>& registry() {
   static Registry<ModelFactory> r("model", "model.name", [](Registry<ModelFactory>& t) {
     t.add_builtin("mlp", [](const ModelConfig& c, std::optional<InputKind>) { return make_mlp(c); });
     t.add_builtin("cnn", [](const ModelConfig& c, std::optional<InputKind>) { return make_cnn(c); });
-    t.add_builtin("gpt", [](const ModelConfig& c, std::optional<InputKind>) { return make_gpt(c); });
-    t.add_builtin("gpt2", [](const ModelConfig& c, std::optional<InputKind>) { return make_gpt2(c); });
-    t.add_builtin("llama", [](const ModelConfig& c, std::optional<InputKind>) { return make_llama(c); });
+    for (const auto* f : {&gpt_family(), &gpt2_family(), &llama_family()})
+      t.add_builtin(f->name, [make = f->factory](const ModelConfig& c, std::optional<InputKind>) { return make(c); });
     t.add_builtin("torchscript", make_torchscript);
   });
   return r;

@@ -12,6 +12,7 @@
 
 #include "checkpoint/safetensors.h"
 #include "dist/ddp.h"
+#include "dist/mesh.h"
 #include "dist/network.h"
 #include "helpers.h"
 #include "keel/dist/collectives.h"
@@ -53,6 +54,63 @@ TEST(Collectives, AllReduceBroadcastAllGatherBarrier) {
     ASSERT_EQ(g.size(), 2u);
     EXPECT_EQ(g[1].item<int64_t>(), 7);
     c->barrier();
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
+// The mesh lays ranks out with tp innermost; every axis's group is the ranks that differ in it alone.
+TEST(Mesh, CoordinatesGroupsAndNames) {
+  World w;
+  w.size = 8, w.rank = 5;  // pp 2 x dp 2 x tp 2: rank 5 = (1, 0, 1)
+  const auto m = keel::dist::Mesh::build(w, {2, 0, 2});
+  EXPECT_EQ(m.dp(), 2);
+  EXPECT_EQ(m.coordinate(keel::dist::Axis::Pp), 1);
+  EXPECT_EQ(m.dp_rank(), 0);
+  EXPECT_EQ(m.coordinate(keel::dist::Axis::Tp), 1);
+  EXPECT_EQ(m.group_ranks(keel::dist::Axis::Tp), (std::vector<int64_t>{4, 5}));
+  EXPECT_EQ(m.group_ranks(keel::dist::Axis::Dp), (std::vector<int64_t>{5, 7}));
+  EXPECT_EQ(m.group_ranks(keel::dist::Axis::Pp), (std::vector<int64_t>{1, 5}));
+  EXPECT_EQ(m.name_of(6), "rank 6 (pp 1, dp 1, tp 0)");
+  EXPECT_EQ(m.describe(), "pp 2 x dp 2 x tp 2");
+  // Data parallel alone (every run today): dp is the world, ranks keep their plain names.
+  w.size = 3, w.rank = 2;
+  const auto d = keel::dist::Mesh::build(w);
+  EXPECT_EQ(d.dp(), 3);
+  EXPECT_EQ(d.dp_rank(), 2);
+  EXPECT_EQ(d.name_of(1), "rank 1");
+  try {
+    keel::dist::Mesh::build(w, {1, 0, 2});
+    ADD_FAILURE() << "a tp of 2 over 3 ranks was accepted";
+  } catch (const keel::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("needs 2 ranks; the world has 3"), std::string::npos) << e.what();
+  }
+}
+
+// Four ranks as dp 2 x tp 2: each axis's Collectives reduces over its own group (c10d subgroups
+// on the world's store), and a mismatch inside a tp group names the ranks by their coordinates.
+TEST(Mesh, EachAxisReducesOverItsOwnGroupAndNamesCoordinates) {
+  auto ranks = run_ranks(4, [](const World& w) {
+    auto world = make_collectives(w);
+    auto mesh = keel::dist::Mesh::build(w, {1, 0, 2});
+    mesh.connect(world, keel::Validate::Always);
+    auto t = torch::tensor({double(w.rank)});
+    mesh.on(keel::dist::Axis::Tp).all_reduce(t);
+    EXPECT_EQ(t.item<double>(), w.rank < 2 ? 1.0 : 5.0);  // {0, 1} and {2, 3}
+    auto d = torch::tensor({double(w.rank)});
+    mesh.on(keel::dist::Axis::Dp).all_reduce(d);
+    EXPECT_EQ(d.item<double>(), w.rank % 2 == 0 ? 2.0 : 4.0);  // {0, 2} and {1, 3}
+    EXPECT_EQ(&mesh.on(keel::dist::Axis::Pp), &mesh.on(keel::dist::Axis::Pp));
+    EXPECT_EQ(mesh.on(keel::dist::Axis::Pp).size(), 1);
+    auto bad = torch::zeros({w.rank == 3 ? 3 : 2});
+    try {
+      mesh.on(keel::dist::Axis::Tp).all_reduce(bad, keel::dist::ReduceOp::Sum, "tp probe");
+      EXPECT_LT(w.rank, 2) << "rank " << w.rank << " was not told of rank 3's other shape";
+    } catch (const keel::dist::CollectiveMismatch& e) {
+      EXPECT_GE(w.rank, 2);
+      EXPECT_NE(std::string(e.what()).find("rank 3 (pp 0, dp 1, tp 1)"), std::string::npos) << e.what();
+    }
+    world->barrier();
   });
   if (is_rank_process()) return;
   expect_all_ok(ranks);

@@ -4,8 +4,13 @@
 #include <torch/script.h>
 #include <torch/serialize.h>
 
+#include <nlohmann/json.hpp>
+#include <set>
+
 #include "helpers.h"
 #include "keel/models/model.h"
+#include "models/hf.h"
+#include "models/transformer.h"
 
 using keel::models::create_model;
 
@@ -181,6 +186,80 @@ void check_golden(keel::models::Model& m, const std::string& file) {
   EXPECT_NEAR(loss.item<double>(), entry(g, "loss").item<double>(), 1e-5);
   loss.backward();
   for (auto& [name, p] : m.named_parameters()) expect_close(p.grad(), entry(g, "grad/" + name), "grad of " + name);
+}
+
+// Each transformer family's tensor-parallel plan (issue 45 applies it) names every matrix of its
+// blocks exactly once, and each rule matches a parameter of the family (tied or untied).
+TEST(Models, EachTransformerFamilysParallelPlanCoversEveryBlockMatrixOnce) {
+  using keel::models::TransformerFamily;
+  for (const TransformerFamily* f :
+       {&keel::models::gpt_family(), &keel::models::gpt2_family(), &keel::models::llama_family()}) {
+    std::set<std::string> used;
+    for (const bool tied : {true, false}) {
+      if (f->name == "gpt" && !tied) continue;
+      auto c = model_cfg(f->name);
+      c.depth = 2, c.width = 32, c.heads = 4, c.context = 8, c.vocab = 64, c.tie_embeddings = tied;
+      keel::testing::TempDir dir;
+      if (f->name == "llama") {  // with every bias transformers' Llama can have
+        c = model_cfg("llama");
+        c.init_from = dir.path();
+        keel::testing::write_text(dir.file("config.json"), nlohmann::json{{"model_type", "llama"},
+                                                                          {"vocab_size", 64},
+                                                                          {"hidden_size", 32},
+                                                                          {"num_hidden_layers", 2},
+                                                                          {"num_attention_heads", 4},
+                                                                          {"num_key_value_heads", 2},
+                                                                          {"intermediate_size", 48},
+                                                                          {"max_position_embeddings", 8},
+                                                                          {"attention_bias", true},
+                                                                          {"mlp_bias", true},
+                                                                          {"tie_word_embeddings", tied}}
+                                                               .dump());
+      }
+      auto model = f->factory(c);
+      const auto blocks = model->block_prefixes();
+      ASSERT_EQ(blocks.size(), 2u) << f->name;
+      EXPECT_EQ(blocks[1], f->block_prefix + "1.") << f->name;
+      for (const auto& [name, t] : model->named_parameters()) {
+        int matches = 0;
+        for (const auto& r : f->tp_plan)
+          if (name.size() >= r.suffix.size() &&
+              name.compare(name.size() - r.suffix.size(), r.suffix.size(), r.suffix) == 0)
+            ++matches, used.insert(r.suffix);
+        const bool in_block = name.rfind(f->block_prefix, 0) == 0;
+        if (in_block && t.dim() == 2) EXPECT_EQ(matches, 1) << f->name << ": " << name;
+        EXPECT_LE(matches, 1) << f->name << ": " << name;
+      }
+    }
+    for (const auto& r : f->tp_plan)
+      EXPECT_TRUE(used.count(r.suffix)) << f->name << ": rule " << r.suffix << " matches nothing";
+  }
+}
+
+// The shared block keeps each family's parameter names and order (their checkpoint layout).
+TEST(Models, TheSharedBlockKeepsEachFamilysParameterNamesInOrder) {
+  auto names = [](const std::string& family) {
+    auto c = model_cfg(family);
+    c.depth = 1, c.width = 32, c.heads = 4, c.context = 8, c.vocab = 64;
+    std::vector<std::string> out;
+    for (const auto& [name, t] : create_model(c)->named_parameters()) out.push_back(name);
+    return out;
+  };
+  EXPECT_EQ(names("gpt"), (std::vector<std::string>{
+                              "wte.weight", "wpe.weight", "h.0.ln_1.weight", "h.0.ln_1.bias", "h.0.attn.c_attn.weight",
+                              "h.0.attn.c_attn.bias", "h.0.attn.c_proj.weight", "h.0.attn.c_proj.bias",
+                              "h.0.ln_2.weight", "h.0.ln_2.bias", "h.0.mlp.c_fc.weight", "h.0.mlp.c_fc.bias",
+                              "h.0.mlp.c_proj.weight", "h.0.mlp.c_proj.bias", "ln_f.weight", "ln_f.bias"}));
+  const auto llama = names("llama");
+  EXPECT_EQ(
+      std::vector<std::string>(llama.begin() + 1, llama.begin() + 10),
+      (std::vector<std::string>{"model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+                                "model.layers.0.self_attn.v_proj.weight", "model.layers.0.self_attn.o_proj.weight",
+                                "model.layers.0.mlp.gate_proj.weight", "model.layers.0.mlp.up_proj.weight",
+                                "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
+                                "model.layers.0.post_attention_layernorm.weight"}));
+  const auto gpt2 = names("gpt2");
+  EXPECT_EQ(gpt2[4], "transformer.h.0.attn.c_attn.weight");
 }
 
 TEST(Golden, CnnMatchesPyTorch) {

@@ -36,6 +36,7 @@
 #include "common/registry.h"
 #include "common/stop.h"
 #include "dist/fsdp.h"
+#include "dist/mesh.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 #include "keel/trainer/data/data.h"
@@ -358,7 +359,8 @@ class Trainer::Loop {
   int64_t threads_ = 1;
   torch::Device device_{torch::kCPU};
   std::shared_ptr<dist::Group> group_;
-  std::shared_ptr<dist::Collectives> coll_;
+  std::shared_ptr<dist::Collectives> coll_;  // the world's
+  dist::Mesh mesh_;                          // the parallel axes: who is a data-parallel peer
   std::unique_ptr<FaultInjector> faults_;
   AmpContext amp_;
   std::shared_ptr<models::Model> model_;  // the eager model (evaluation, checkpoints)
@@ -429,6 +431,8 @@ Trainer::Loop::Loop(const Config& cfg, const dist::World& world, const Callbacks
   }
   rendezvous_ms_ = ms_since(t_rdzv);
   coll_ = std::make_shared<dist::Collectives>(group_, cfg.dist.validate);
+  mesh_ = dist::Mesh::build(world);
+  mesh_.connect(coll_, cfg.dist.validate);
   optimizer_choice_.emplace(resolve_optimizer(cfg.train));  // an unknown or unusable one stops the run here
   lock_directories();
   check_memory_needs();
@@ -474,7 +478,7 @@ void Trainer::Loop::lock_directories() {
 void Trainer::Loop::check_memory_needs() {
   std::string problem;
   if (const auto host = available_memory_bytes())
-    problem = memory_problem(cfg_, world_.size, world_.local_size, device_.is_cuda(), *host,
+    problem = memory_problem(cfg_, mesh_.dp(), world_.local_size, device_.is_cuda(), *host,
                              device_.is_cuda() ? device_free_bytes(device_.index()) : std::nullopt);
   if (const dist::RankError e = dist::first_error(*coll_, problem, "memory estimate"))
     throw InputError(e.rank == world_.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
@@ -531,7 +535,7 @@ void Trainer::Loop::build_model_and_data() {
   model_ = faults_->wrap_model(model_);
   if (amp::loss_scaling_enabled(cfg_.amp)) scaler_ = std::make_unique<amp::GradScaler>(cfg_.amp);
   try {
-    sampler_ = std::make_unique<data::DistributedSampler>(splits_.train->size(), world_.size, world_.rank,
+    sampler_ = std::make_unique<data::DistributedSampler>(splits_.train->size(), mesh_.dp(), mesh_.dp_rank(),
                                                           cfg_.train.batch_size, cfg_.data.shuffle, cfg_.data.drop_last,
                                                           static_cast<uint64_t>(cfg_.run.seed));
   } catch (const std::invalid_argument& e) {
@@ -580,11 +584,11 @@ void Trainer::Loop::compile_and_distribute() {
     });
   };
   if (!inductor) {
-    dmodel_.emplace(compile().distribute(coll_, cfg_.dist));
+    dmodel_.emplace(compile().distribute(mesh_.shared(dist::Axis::Dp), cfg_.dist));
     return;
   }
   try {
-    dmodel_.emplace(compile().distribute(coll_, cfg_.dist));
+    dmodel_.emplace(compile().distribute(mesh_.shared(dist::Axis::Dp), cfg_.dist));
     if (python_) python_->attach(dmodel_->inductor_step(), /*evaluates=*/inductor->eval_batch > 0);
   } catch (const CompileError& e) {
     // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
@@ -606,7 +610,7 @@ void Trainer::Loop::build_optimizer() {
                        " batches per epoch); lower it or use train.steps");
     progress_.total_steps = std::max<int64_t>(1, batches / cfg_.train.grad_accum);
   }
-  progress_.global_batch = cfg_.train.batch_size * cfg_.train.grad_accum * world_.size;
+  progress_.global_batch = cfg_.train.batch_size * cfg_.train.grad_accum * mesh_.dp();
   params_ = model_->parameters();
   owned_named_ = dmodel_->owned_parameters();
   for (const auto& [n, t] : owned_named_) owned_.push_back(t);
@@ -1020,9 +1024,9 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   const int64_t n =
       cfg_.data.eval_samples > 0 ? std::min(splits_.test->size(), cfg_.data.eval_samples) : splits_.test->size();
   std::vector<std::vector<int64_t>> batches(1);
-  for (int64_t i = world_.rank; i < n; i += world_.size) {
+  for (int64_t i = mesh_.dp_rank(); i < n; i += mesh_.dp()) {
     batches.back().push_back(i);
-    if (static_cast<int64_t>(batches.back().size()) == cfg_.data.eval_batch_size && i + world_.size < n)
+    if (static_cast<int64_t>(batches.back().size()) == cfg_.data.eval_batch_size && i + mesh_.dp() < n)
       batches.emplace_back();
   }
   if (batches.back().empty()) batches.pop_back();
@@ -1055,7 +1059,7 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   model_->train(true);
   dmodel_->release_parameters();  // dist.zero = 3: the root unit, gathered by the first forward
   auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
-  coll_->all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
+  mesh_.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
   loss_sum = totals[0].item<double>();
   correct = totals[1].item<double>();
   count = totals[2].item<double>();

@@ -16,6 +16,7 @@
 #include <map>
 #include <optional>
 #include <set>
+#include <vector>
 
 #include "checkpoint/inspect.h"
 #include "keel/dist/world.h"
@@ -111,20 +112,49 @@ int print_files(const std::function<std::vector<std::string>()>& write) {
   }
 }
 
-int run_plot(const std::string& dir, const std::string& out) {
-  return print_files([&] { return plot_run(dir, out); });
-}
-
 struct ExportArgs {
   std::string step, out, max_shard_size = "5GB", dtype = "float32";
   bool hf = false;
 };
 
-CLI::App* add_export_command(CLI::App& app, ExportArgs& a) {
-  auto* cmd = app.add_subcommand(
-      "export",
-      "a checkpoint step's model as one safetensors file (or shards and an index), or with --hf a Hugging Face "
-      "model directory (model.name = gpt2 | llama)");
+// What the subcommands' options parse into (CLI11 writes into these while it parses).
+struct CliArgs {
+  std::string plot_dir, plot_out;
+  std::string inspect_dir;
+  bool inspect_json = false;
+  ExportArgs export_args;
+  std::string config_path, compile_config_path;  // train's and compile's --config
+  bool print_config = false;                     // train's --print-config
+  // The config keys given to train and to compile, as text (add_config_options).
+  std::map<std::string, std::vector<std::string>> given, given_compile;
+};
+
+int print_config_reference(const CLI::App&, CliArgs&) {
+  std::cout << config_reference_markdown();
+  return 0;
+}
+
+int print_summary_reference(const CLI::App&, CliArgs&) {
+  std::cout << Summary::reference_markdown();
+  return 0;
+}
+
+void add_plot_options(CLI::App* cmd, CliArgs& a) {
+  cmd->add_option("run_dir", a.plot_dir, "a run directory (run.dir)")->required();
+  cmd->add_option("--out", a.plot_out, "where to write the PNGs (default RUN_DIR/plots)");
+}
+
+int run_plot(const CLI::App&, CliArgs& a) {
+  return print_files([&] { return plot_run(a.plot_dir, a.plot_out); });
+}
+
+void add_inspect_options(CLI::App* cmd, CliArgs& a) {
+  cmd->add_option("dir", a.inspect_dir, "checkpoint.dir, or one step_<N> directory")->required();
+  cmd->add_flag("--json", a.inspect_json, "print the report as JSON");
+}
+
+void add_export_options(CLI::App* cmd, CliArgs& args) {
+  ExportArgs& a = args.export_args;
   cmd->add_flag("--hf", a.hf, "write config.json and safetensors under transformers' names, for from_pretrained");
   cmd->add_option("step", a.step, "a checkpoint step directory (checkpoint.dir/step_<N>)")->required();
   cmd->add_option("out", a.out, "the directory to write (new, or empty)")->required();
@@ -136,10 +166,10 @@ CLI::App* add_export_command(CLI::App& app, ExportArgs& a) {
                   "the floating-point tensors' dtype in the files (and config.json's with --hf): float32 (as "
                   "trained), bfloat16 or float16, rounded to nearest")
       ->capture_default_str();
-  return cmd;
 }
 
-int run_export(const ExportArgs& a) {
+int run_export(const CLI::App&, CliArgs& args) {
+  const ExportArgs& a = args.export_args;
   return print_files([&] {
     return export_model(a.step, a.out, parse_shard_size(a.max_shard_size), a.hf, parse_export_dtype(a.dtype));
   });
@@ -147,10 +177,10 @@ int run_export(const ExportArgs& a) {
 
 // Exit 0: every committed step verifies; 1: some step is corrupt or uncommitted; 2: no
 // checkpoint there.
-int run_inspect(const std::string& dir, bool json) {
+int run_inspect(const CLI::App&, CliArgs& a) {
   try {
-    const nlohmann::json r = checkpoint::inspect(dir);
-    std::cout << (json ? r.dump(2) + "\n" : checkpoint::format_inspect(r));
+    const nlohmann::json r = checkpoint::inspect(a.inspect_dir);
+    std::cout << (a.inspect_json ? r.dump(2) + "\n" : checkpoint::format_inspect(r));
     for (const auto& s : r["steps"])
       if (!s["verified"].get<bool>()) return kExitFailure;
     return 0;
@@ -260,6 +290,81 @@ Config resolve_config(const std::string& config_path, const CLI::App& sub,
   return cfg;
 }
 
+// resolve_config, or nothing once an InputError is printed (the command then exits kExitInput).
+std::optional<Config> resolved_config(const std::string& config_path, const CLI::App& sub,
+                                      std::map<std::string, std::vector<std::string>>& options) {
+  try {
+    return resolve_config(config_path, sub, options);
+  } catch (const InputError& e) {
+    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
+    return std::nullopt;
+  }
+}
+
+void add_train_options(CLI::App* cmd, CliArgs& a) {
+  cmd->add_option("--config,-c", a.config_path, "TOML experiment file (configs/*.toml); keys below override it");
+  cmd->add_flag("--print-config", a.print_config, "print the resolved config as TOML and exit");
+  add_config_options(*cmd, a.given);
+}
+
+int train_command(const CLI::App& cmd, CliArgs& a) {
+  const std::optional<Config> cfg = resolved_config(a.config_path, cmd, a.given);
+  if (!cfg) return kExitInput;
+  if (a.print_config) {
+    std::cout << dump_toml(*cfg);
+    return 0;
+  }
+  return run_train(*cfg);
+}
+
+// `keel compile`: the packaging step of compile.mode = "inductor" by hand, for the run the
+// same options describe (the package lands in the compile cache, where `keel train` finds it).
+void add_compile_options(CLI::App* cmd, CliArgs& a) {
+  cmd->add_option("--config,-c", a.compile_config_path, "TOML experiment file; keys below override it");
+  add_config_options(*cmd, a.given_compile);
+}
+
+int compile_command(const CLI::App& cmd, CliArgs& a) {
+  const std::optional<Config> cfg = resolved_config(a.compile_config_path, cmd, a.given_compile);
+  if (!cfg) return kExitInput;
+  return run_compile(*cfg);
+}
+
+// A subcommand of `keel`: its name and description (`keel --help`), the function that adds its
+// options bound to CliArgs (nullptr: none), and its entry, run once CLI11 has parsed the command
+// line. A command that parses its own arguments has `raw` instead: run_cli calls it with the
+// whole command line, before CLI11, when the command is the first argument.
+struct Command {
+  const char* name;
+  const char* description;
+  void (*add_options)(CLI::App* cmd, CliArgs& args);
+  int (*run)(const CLI::App& cmd, CliArgs& args);
+  int (*raw)(int argc, char** argv);
+};
+
+// keel's subcommands, in `keel --help`'s order: a new command is one row here.
+constexpr Command kCommands[] = {
+    {"config-reference", "print every config key as Markdown (docs/config.md)", nullptr, print_config_reference,
+     nullptr},
+    {"summary-reference", "print every key of summary.json as Markdown (docs/summary.md)", nullptr,
+     print_summary_reference, nullptr},
+    {"train", "train a model described by a TOML config", add_train_options, train_command, nullptr},
+    {"tokenize", "text files -> a token file for data.name = \"tokens\" (keel's venv Python; keel tokenize --help)",
+     nullptr, nullptr, run_tokenize},
+    {"plot", "PNG curves of a run (loss, throughput, loss scale) from its metrics.jsonl", add_plot_options, run_plot,
+     nullptr},
+    {"inspect", "list checkpoint steps: committed, checksums verified, tensors", add_inspect_options, run_inspect,
+     nullptr},
+    {"export",
+     "a checkpoint step's model as one safetensors file (or shards and an index), or with --hf a Hugging Face "
+     "model directory (model.name = gpt2 | llama)",
+     add_export_options, run_export, nullptr},
+    {"compile",
+     "package the training step with AOTInductor (compile.mode = \"inductor\") "
+     "into the compile cache, without training",
+     add_compile_options, compile_command, nullptr},
+};
+
 }  // namespace
 
 int run_cli(int argc, char** argv) {
@@ -268,43 +373,17 @@ int run_cli(int argc, char** argv) {
   // error handling, not kill the rank silently. Set here, in the binary's entry: a library
   // user's own process keeps its own disposition (docs/getting-started.md).
   std::signal(SIGPIPE, SIG_IGN);
-  if (argc >= 2 && std::string(argv[1]) == "tokenize") return run_tokenize(argc, argv);
+  for (const Command& c : kCommands)
+    if (c.raw && argc >= 2 && std::string(argv[1]) == c.name) return c.raw(argc, argv);
   CLI::App app{"keel: data-parallel training on LibTorch, from C++", "keel"};
   app.set_version_flag("--version", version_string());
   app.require_subcommand(1);
-
-  auto* reference = app.add_subcommand("config-reference", "print every config key as Markdown (docs/config.md)");
-  auto* summary_reference =
-      app.add_subcommand("summary-reference", "print every key of summary.json as Markdown (docs/summary.md)");
-  auto* train = app.add_subcommand("train", "train a model described by a TOML config");
-  app.add_subcommand(
-      "tokenize", "text files -> a token file for data.name = \"tokens\" (keel's venv Python; keel tokenize --help)");
-  auto* plot = app.add_subcommand("plot", "PNG curves of a run (loss, throughput, loss scale) from its metrics.jsonl");
-  std::string plot_dir, plot_out;
-  plot->add_option("run_dir", plot_dir, "a run directory (run.dir)")->required();
-  plot->add_option("--out", plot_out, "where to write the PNGs (default RUN_DIR/plots)");
-  auto* inspect = app.add_subcommand("inspect", "list checkpoint steps: committed, checksums verified, tensors");
-  std::string inspect_dir;
-  bool inspect_json = false;
-  inspect->add_option("dir", inspect_dir, "checkpoint.dir, or one step_<N> directory")->required();
-  inspect->add_flag("--json", inspect_json, "print the report as JSON");
-  ExportArgs export_args;
-  auto* export_cmd = add_export_command(app, export_args);
-  std::string config_path;
-  bool print_config = false;
-  train->add_option("--config,-c", config_path, "TOML experiment file (configs/*.toml); keys below override it");
-  train->add_flag("--print-config", print_config, "print the resolved config as TOML and exit");
-
-  std::map<std::string, std::vector<std::string>> given, given_compile;
-  add_config_options(*train, given);
-  // `keel compile`: the packaging step of compile.mode = "inductor" by hand, for the run the
-  // same options describe (the package lands in the compile cache, where `keel train` finds it).
-  auto* compile = app.add_subcommand("compile",
-                                     "package the training step with AOTInductor (compile.mode = \"inductor\") "
-                                     "into the compile cache, without training");
-  std::string compile_config_path;
-  compile->add_option("--config,-c", compile_config_path, "TOML experiment file; keys below override it");
-  add_config_options(*compile, given_compile);
+  CliArgs args;
+  std::vector<CLI::App*> subs;
+  for (const Command& c : kCommands) {
+    subs.push_back(app.add_subcommand(c.name, c.description));
+    if (c.add_options) c.add_options(subs.back(), args);
+  }
 
   if (const auto stray = stray_train_argument(argc, argv)) {
     std::cerr << "keel: error: unexpected argument '" << *stray
@@ -324,37 +403,11 @@ int run_cli(int argc, char** argv) {
     app.exit(e);  // prints the message and a hint
     return kExitInput;
   }
-
-  if (summary_reference->parsed()) {
-    std::cout << Summary::reference_markdown();
-    return 0;
-  }
-  if (reference->parsed()) {
-    std::cout << config_reference_markdown();
-    return 0;
-  }
-  if (plot->parsed()) return run_plot(plot_dir, plot_out);
-  if (inspect->parsed()) return run_inspect(inspect_dir, inspect_json);
-  if (export_cmd->parsed()) return run_export(export_args);
-  const bool compiling = compile->parsed();
-  if (!train->parsed() && !compiling) return kExitInput;
-  CLI::App* sub = compiling ? compile : train;
-  auto& options = compiling ? given_compile : given;
-  if (compiling) config_path = compile_config_path;
-  Config cfg;
-  try {
-    cfg = resolve_config(config_path, *sub, options);
-  } catch (const InputError& e) {
-    std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
-    return kExitInput;
-  }
-  if (print_config) {
-    std::cout << dump_toml(cfg);
-    return 0;
-  }
-  if (compiling) return run_compile(cfg);
-
-  return run_train(cfg);
+  // Exactly one subcommand is parsed (require_subcommand(1)). CLI11 parses `tokenize` only when
+  // it is not the first argument: it has no entry there, and that exits kExitInput.
+  for (size_t i = 0; i < subs.size(); ++i)
+    if (kCommands[i].run && subs[i]->parsed()) return kCommands[i].run(*subs[i], args);
+  return kExitInput;
 }
 
 }  // namespace keel

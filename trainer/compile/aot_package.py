@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import hashlib
 import importlib
 import importlib.util
@@ -1081,9 +1082,37 @@ def run_check(path, models, rtol, atol, device):
 # ---------------------------------------------------------------------------------------------
 
 
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    t_start = time.perf_counter()
+@dataclasses.dataclass
+class Job:
+    """What main()'s phases share: the arguments, the model on its device, and what each phase
+    adds (the traced models, their findings, the timings)."""
+
+    args: argparse.Namespace
+    threads: int
+    device: object  # torch.device
+    module: object
+    x: object
+    y: object
+    loss_fn: object
+    ident: dict
+    batch: int = 0
+    eval_batch: int = 0
+    pnames: list = dataclasses.field(default_factory=list)
+    bnames: list = dataclasses.field(default_factory=list)
+    params: list = dataclasses.field(default_factory=list)
+    buffers: list = dataclasses.field(default_factory=list)
+    step: object = None  # TrainStep
+    in_specs: list = dataclasses.field(default_factory=list)
+    example: list = dataclasses.field(default_factory=list)
+    mutated: list = dataclasses.field(default_factory=list)
+    findings: object = None
+    models: dict = dataclasses.field(default_factory=dict)
+    forward_skipped: str | None = None
+    timings: dict = dataclasses.field(default_factory=dict)
+
+
+def set_up_torch(args):
+    """Custom op libraries, the device, the threads, the seed: (threads, torch.device)."""
     import torch
 
     for lib in args.load_library:
@@ -1095,48 +1124,60 @@ def main(argv=None) -> int:
         torch.set_num_threads(threads)
     device = torch.device(args.device)
     torch.manual_seed(args.seed)
+    return threads, device
 
+
+def load_model(args):
+    """(module, x, y, loss_fn, ident) of --model or --module; None once --init-out is written."""
+    cfg = read_model_config(args.model_config)
     if args.model:
-        cfg = read_model_config(args.model_config)
         module, x, y, loss_fn, ident = builtin_model(args.model, cfg, args.batch)
     else:
-        cfg = read_model_config(args.model_config)
         module, x, y, loss_fn, ident = user_model(args.module, args.batch, args.device, args.example, cfg)
         if args.init_out:
             write_init(module, args.init_out, args.module)
-            return 0
-    batch = x.shape[0]
-    eval_batch = args.eval_batch or batch
-    module = module.to(device)
-    x, y = x.to(device), y.to(device)
-    pnames = [n for n, _ in module.named_parameters()]
-    bnames = [n for n, _ in module.named_buffers()]
-    params = [p.detach() for _, p in module.named_parameters()]
-    buffers = [b.detach() for _, b in module.named_buffers()]
-    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+            return None
+    return module, x, y, loss_fn, ident
 
-    # --- train_step: trace
-    step = TrainStep(module, pnames, bnames, loss_fn, amp_dtype, args.device, args.grad_scale_input)
-    if args.module and loss_fn is None:
-        step.expect = expected_logits(module, args.module, ident.get("num_classes"), x)
-    in_specs = ([tensor_spec(n, t, "parameter") for n, t in zip(pnames, params)] +
-                [tensor_spec(n, t, "buffer") for n, t in zip(bnames, buffers)] +
+
+def place_on_device(job: Job) -> None:
+    """The module and the example batch on the device; the parameters' and buffers' names."""
+    job.batch = job.x.shape[0]
+    job.eval_batch = job.args.eval_batch or job.batch
+    job.module = job.module.to(job.device)
+    job.x, job.y = job.x.to(job.device), job.y.to(job.device)
+    job.pnames = [n for n, _ in job.module.named_parameters()]
+    job.bnames = [n for n, _ in job.module.named_buffers()]
+    job.params = [p.detach() for _, p in job.module.named_parameters()]
+    job.buffers = [b.detach() for _, b in job.module.named_buffers()]
+
+
+def trace_train_step(job: Job) -> None:
+    """Traces the training step into job.models["train_step"] (its specs, findings, timing)."""
+    import torch
+
+    args, module, pnames, bnames, x, y = job.args, job.module, job.pnames, job.bnames, job.x, job.y
+    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    step = TrainStep(module, pnames, bnames, job.loss_fn, amp_dtype, args.device, args.grad_scale_input)
+    if args.module and job.loss_fn is None:
+        step.expect = expected_logits(module, args.module, job.ident.get("num_classes"), x)
+    in_specs = ([tensor_spec(n, t, "parameter") for n, t in zip(pnames, job.params)] +
+                [tensor_spec(n, t, "buffer") for n, t in zip(bnames, job.buffers)] +
                 [tensor_spec("input", x, "input"), tensor_spec("target", y, "target")])
-    example = [*params, *buffers, x, y]
+    example = [*job.params, *job.buffers, x, y]
     if args.grad_scale_input:
-        gs = torch.ones((), dtype=torch.float32, device=device)
+        gs = torch.ones((), dtype=torch.float32, device=job.device)
         example.append(gs)
         in_specs.append(tensor_spec("grad_scale", gs, "grad_scale"))
-    timings = {}
     module.train()
     t0 = time.perf_counter()
     with blaming_user(args.module, "the training step"):
         gm = trace(step, example, "the training step")
-    timings["trace_s"] = time.perf_counter() - t0
+    job.timings["trace_s"] = time.perf_counter() - t0
     step.returned = prune_buffer_outputs(gm, example, len(pnames), len(bnames), len(pnames))
     mutated = [bnames[i] for i in step.returned]
     name_placeholders(gm, [s["name"] for s in in_specs])
-    findings = check_graph(gm, args, args.device, "train_step")
+    job.findings = check_graph(gm, args, args.device, "train_step")
     fake_out = [n for n in gm.graph.nodes if n.op == "output"][0].args[0]
     out_vals = [o.meta["val"] for o in fake_out]
     out_specs = [tensor_spec("loss", out_vals[0], "loss")]
@@ -1145,89 +1186,108 @@ def main(argv=None) -> int:
     if args.deterministic:
         with blaming_user(args.module, "the training step, run eagerly"):
             deterministic_dry_run(step, example)
+    job.step, job.in_specs, job.example, job.mutated = step, in_specs, example, mutated
+    job.models = {"train_step": {"gm": gm, "example": example, "inputs": in_specs, "outputs": out_specs,
+                                 "batch": job.batch, "amp": args.amp, "mode": "train"}}
 
-    # --- forward (evaluation): trace
-    models = {"train_step": {"gm": gm, "example": example, "inputs": in_specs, "outputs": out_specs,
-                             "batch": batch, "amp": args.amp, "mode": "train"}}
-    forward_skipped = "--no-forward" if args.no_forward else None
-    if not args.no_forward:
-        module.eval()
-        if eval_batch == batch:
-            xe = x
-        elif x.is_floating_point():
-            xe = torch.randn(eval_batch, *x.shape[1:], device=device, dtype=x.dtype)
-        else:
-            hi = ident.get("num_classes") or int(x.max().item()) + 1
-            xe = torch.randint(0, hi, (eval_batch, *x.shape[1:]), device=device, dtype=x.dtype)
-        fwd = Forward(module, pnames, bnames)
-        f_example = [*params, *buffers, xe]
-        f_specs = in_specs[:len(pnames) + len(bnames)] + [tensor_spec("input", xe, "input")]
-        t0 = time.perf_counter()
-        try:
-            with blaming_user(args.module, "the evaluation forward"):
-                fgm = trace(fwd, f_example, "the evaluation forward")
-            name_placeholders(fgm, [s["name"] for s in f_specs])
-            check_graph(fgm, args, args.device, "forward")
-        except Refusal as r:
-            # The training step is what matters: without --fullgraph an evaluation forward that
-            # cannot be captured is left out (keel evaluates eagerly), with a warning.
-            if args.fullgraph or r.code != EXIT_GRAPH_BREAK:
-                raise
-            log(f"warning: no 'forward' model: {r.line}")
-            forward_skipped = r.line
-        timings["trace_s"] += time.perf_counter() - t0
-        module.train()
-        if forward_skipped is None:
-            fout = [n for n in fgm.graph.nodes if n.op == "output"][0].args[0]
-            fvals = [o.meta["val"] for o in fout]
-            f_outs = ([tensor_spec("logits", fvals[0], "logits")] if len(fvals) == 1 else
-                      [tensor_spec(f"output:{i}", v, "output") for i, v in enumerate(fvals)])
-            models["forward"] = {"gm": fgm, "example": f_example, "inputs": f_specs, "outputs": f_outs,
+
+def trace_forward(job: Job) -> None:
+    """Traces the evaluation forward into job.models["forward"], or says in job.forward_skipped
+    why there is none (--no-forward, or a graph break without --fullgraph)."""
+    import torch
+
+    args, module, x, device, eval_batch = job.args, job.module, job.x, job.device, job.eval_batch
+    job.forward_skipped = "--no-forward" if args.no_forward else None
+    if args.no_forward:
+        return
+    module.eval()
+    if eval_batch == job.batch:
+        xe = x
+    elif x.is_floating_point():
+        xe = torch.randn(eval_batch, *x.shape[1:], device=device, dtype=x.dtype)
+    else:
+        hi = job.ident.get("num_classes") or int(x.max().item()) + 1
+        xe = torch.randint(0, hi, (eval_batch, *x.shape[1:]), device=device, dtype=x.dtype)
+    fwd = Forward(module, job.pnames, job.bnames)
+    f_example = [*job.params, *job.buffers, xe]
+    f_specs = job.in_specs[:len(job.pnames) + len(job.bnames)] + [tensor_spec("input", xe, "input")]
+    t0 = time.perf_counter()
+    try:
+        with blaming_user(args.module, "the evaluation forward"):
+            fgm = trace(fwd, f_example, "the evaluation forward")
+        name_placeholders(fgm, [s["name"] for s in f_specs])
+        check_graph(fgm, args, args.device, "forward")
+    except Refusal as r:
+        # The training step is what matters: without --fullgraph an evaluation forward that
+        # cannot be captured is left out (keel evaluates eagerly), with a warning.
+        if args.fullgraph or r.code != EXIT_GRAPH_BREAK:
+            raise
+        log(f"warning: no 'forward' model: {r.line}")
+        job.forward_skipped = r.line
+    job.timings["trace_s"] += time.perf_counter() - t0
+    module.train()
+    if job.forward_skipped is None:
+        fout = [n for n in fgm.graph.nodes if n.op == "output"][0].args[0]
+        fvals = [o.meta["val"] for o in fout]
+        f_outs = ([tensor_spec("logits", fvals[0], "logits")] if len(fvals) == 1 else
+                  [tensor_spec(f"output:{i}", v, "output") for i, v in enumerate(fvals)])
+        job.models["forward"] = {"gm": fgm, "example": f_example, "inputs": f_specs, "outputs": f_outs,
                                  "batch": eval_batch, "amp": "off", "mode": "eval"}
 
-    # --- export
+
+def export_models(job: Job) -> None:
+    """torch.export of every traced model (m["ep"]), each checked to take the inputs it lists."""
+    import torch
+
     t0 = time.perf_counter()
-    for name, m in models.items():
+    for name, m in job.models.items():
         m["ep"] = torch.export.export(m["gm"], tuple(m["example"]), strict=False)
         # Tensor constants of the traced graph (a module's plain tensor attributes) come back
         # lifted as buffers or constants: they are baked into the package (listed in findings).
         n_in = sum(1 for s in m["ep"].graph_signature.input_specs if str(s.kind) == "InputKind.USER_INPUT")
         if n_in != len(m["inputs"]):
             raise Refusal(EXIT_ERROR, f"{name}: exported graph has {n_in} inputs, expected {len(m['inputs'])}")
-    timings["export_s"] = time.perf_counter() - t0
+    job.timings["export_s"] = time.perf_counter() - t0
 
+
+def describe_models(job: Job):
+    """(Inductor options, environment, signature): the signature is the manifest's part that
+    --trace-only prints, each model's graph_sha256 included."""
+    args = job.args
     options = {"fallback_random": True}  # random ops draw from ATen's generators, as eager does
     if args.device == "cpu":
-        options["cpp.threads"] = threads
+        options["cpp.threads"] = job.threads
     if args.max_autotune:
         options["max_autotune"] = True
     if args.deterministic:
         options["deterministic"] = True
-    env = environment(args.device, threads)
+    env = environment(args.device, job.threads)
     # graph_sha256: SHA-256 of the exported graph's code (ATen ops, shapes, dtypes in its
     # annotations), the same for the same model, shapes and torch version. --trace-only gives it
     # in seconds, so a compile cache can be keyed on it before anything is compiled.
-    for m in models.values():
+    for m in job.models.values():
         m["graph_sha256"] = graph_fingerprint(m["ep"].graph_module)
-    signature = {"format": FORMAT, **ident, "device": args.device, "amp": args.amp,
+    signature = {"format": FORMAT, **job.ident, "device": args.device, "amp": args.amp,
                  "models": {n: {"batch": m["batch"], "mode": m["mode"], "amp": m["amp"],
                                 "graph_sha256": m["graph_sha256"], "inputs": m["inputs"], "outputs": m["outputs"]}
-                            for n, m in models.items()}}
+                            for n, m in job.models.items()}}
+    return options, env, signature
 
-    if args.trace_only:
-        print(json.dumps({**signature, "findings": findings, "forward_skipped": forward_skipped,
-                          "timings_s": timings}, indent=1))
-        return 0
 
-    # --- compile (deterministic algorithms on: Inductor then avoids atomic-add scatters)
+def compile_models(job: Job, options: dict, signature: dict) -> dict:
+    """AOTInductor's files for each model (deterministic algorithms on with --deterministic:
+    Inductor then avoids atomic-add scatters)."""
+    import torch
+
+    timings = job.timings
     det = contextlib.ExitStack()
-    if args.deterministic:
+    if job.args.deterministic:
         prev = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True)
         det.callback(torch.use_deterministic_algorithms, prev)
     files = {}
     with det:
-        for name, m in models.items():
+        for name, m in job.models.items():
             t0 = time.perf_counter()
             opts = dict(options)
             opts["aot_inductor.package"] = True
@@ -1237,72 +1297,92 @@ def main(argv=None) -> int:
             timings[f"compile_{name}_s"] = time.perf_counter() - t0
             log(f"compiled {name} in {timings[f'compile_{name}_s']:.1f} s")
     timings["compile_s"] = sum(v for k, v in timings.items() if k.startswith("compile_") and k != "compile_s")
+    return files
 
-    # --- package (staged beside --out), check the staged package, then publish: the package,
-    # then the manifest, each by rename. A package that fails --check is never published.
+
+def check_package(job: Job, staged: str) -> dict:
+    """--check: the staged package against eager PyTorch on fresh inputs; a Refusal (EXIT_CHECK)
+    when they disagree."""
+    import torch
+
+    args, module, pnames, bnames = job.args, job.module, job.pnames, job.bnames
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed + 1)
+    amp = args.amp != "off"
+    rtol = args.check_rtol if args.check_rtol is not None else (3e-2 if amp else 1e-5)
+    atol = args.check_atol if args.check_atol is not None else (1e-5 if amp else 1e-7)
+    chk = {}
+    for name, m in job.models.items():
+        fresh = []
+        for t, spec in zip(m["example"], m["inputs"]):
+            if spec["kind"] == "input" and t.is_floating_point():
+                fresh.append(torch.randn_like(t))
+            elif spec["kind"] == "grad_scale":
+                fresh.append(torch.full_like(t, 256.0))  # a GradScaler-like scale
+            elif spec["kind"] in ("input", "target") and not t.is_floating_point():
+                hi = job.ident.get("num_classes") or int(t.max().item()) + 1
+                fresh.append(torch.randint_like(t, 0, max(hi, 1)))
+            else:
+                fresh.append(t.clone())
+        fn = job.step if name == "train_step" else Forward(module, pnames, bnames)
+        scale = fresh[-1].item() if name == "train_step" and args.grad_scale_input else 1.0
+        chk[name] = (wrap_mode(module, name, fn), fresh, [o["name"] for o in m["outputs"]],
+                     [scale if o["kind"] == "grad" else 1.0 for o in m["outputs"]])
+    check = run_check(staged, chk, rtol, atol, args.device)
+    job.timings["check_s"] = time.perf_counter() - t0
+    if not check["passed"]:
+        worst = max(m["max_rel"] for m in check["models"].values())
+        raise Refusal(EXIT_CHECK, f"check failed: the package disagrees with eager PyTorch (max rel "
+                                  f"{worst:.2e}, tolerance rtol {rtol:g} + atol {atol:g}); nothing written")
+    return check
+
+
+def make_manifest(job: Job, out: str, staged: str, digest: str, options: dict, env: dict, signature: dict,
+                  check) -> dict:
+    args, timings = job.args, job.timings
+    return {
+        **signature,
+        "package": os.path.basename(out),
+        "sha256": digest,
+        "bytes": os.path.getsize(staged),
+        "compile_seconds": round(timings["compile_s"] + timings["trace_s"] + timings["export_s"], 3),
+        "timings_s": {k: round(v, 3) for k, v in timings.items()},
+        "environment": env,
+        "inductor_options": options,
+        "deterministic": args.deterministic,
+        "fullgraph": args.fullgraph,
+        "max_autotune": args.max_autotune,
+        "grad_scale_input": args.grad_scale_input,
+        "loss": "custom" if job.loss_fn else "cross_entropy over the last dimension, mean over all rows, float32",
+        "runtime": {
+            "threads": job.threads if args.device == "cpu" else None,
+            "deterministic_algorithms": args.deterministic,
+            "buffers_updated": job.mutated,
+        },
+        "forward_skipped": job.forward_skipped,
+        "check": check,
+    }
+
+
+def package_and_publish(job: Job, files: dict, options: dict, env: dict, signature: dict, t_start: float):
+    """The package staged beside --out, checked (--check), then published: the package, then the
+    manifest, each by rename. A package that fails --check is never published. Returns (out,
+    manifest path, manifest, package SHA-256)."""
     from torch._inductor.package import package_aoti
 
-    out = os.path.abspath(args.out)
+    out = os.path.abspath(job.args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
     tmpdir, staged = stage(out)
     try:
         t0 = time.perf_counter()
         package_aoti(staged, files)
         digest = sha256_file(staged)
-        timings["package_s"] = time.perf_counter() - t0
+        job.timings["package_s"] = time.perf_counter() - t0
         check = None
-        if args.check:
-            t0 = time.perf_counter()
-            torch.manual_seed(args.seed + 1)
-            amp = args.amp != "off"
-            rtol = args.check_rtol if args.check_rtol is not None else (3e-2 if amp else 1e-5)
-            atol = args.check_atol if args.check_atol is not None else (1e-5 if amp else 1e-7)
-            chk = {}
-            for name, m in models.items():
-                fresh = []
-                for t, spec in zip(m["example"], m["inputs"]):
-                    if spec["kind"] == "input" and t.is_floating_point():
-                        fresh.append(torch.randn_like(t))
-                    elif spec["kind"] == "grad_scale":
-                        fresh.append(torch.full_like(t, 256.0))  # a GradScaler-like scale
-                    elif spec["kind"] in ("input", "target") and not t.is_floating_point():
-                        hi = ident.get("num_classes") or int(t.max().item()) + 1
-                        fresh.append(torch.randint_like(t, 0, max(hi, 1)))
-                    else:
-                        fresh.append(t.clone())
-                fn = step if name == "train_step" else Forward(module, pnames, bnames)
-                scale = fresh[-1].item() if name == "train_step" and args.grad_scale_input else 1.0
-                chk[name] = (wrap_mode(module, name, fn), fresh, [o["name"] for o in m["outputs"]],
-                             [scale if o["kind"] == "grad" else 1.0 for o in m["outputs"]])
-            check = run_check(staged, chk, rtol, atol, args.device)
-            timings["check_s"] = time.perf_counter() - t0
-            if not check["passed"]:
-                worst = max(m["max_rel"] for m in check["models"].values())
-                raise Refusal(EXIT_CHECK, f"check failed: the package disagrees with eager PyTorch (max rel "
-                                          f"{worst:.2e}, tolerance rtol {rtol:g} + atol {atol:g}); nothing written")
-        timings["total_s"] = time.perf_counter() - t_start
-        manifest = {
-            **signature,
-            "package": os.path.basename(out),
-            "sha256": digest,
-            "bytes": os.path.getsize(staged),
-            "compile_seconds": round(timings["compile_s"] + timings["trace_s"] + timings["export_s"], 3),
-            "timings_s": {k: round(v, 3) for k, v in timings.items()},
-            "environment": env,
-            "inductor_options": options,
-            "deterministic": args.deterministic,
-            "fullgraph": args.fullgraph,
-            "max_autotune": args.max_autotune,
-            "grad_scale_input": args.grad_scale_input,
-            "loss": "custom" if loss_fn else "cross_entropy over the last dimension, mean over all rows, float32",
-            "runtime": {
-                "threads": threads if args.device == "cpu" else None,
-                "deterministic_algorithms": args.deterministic,
-                "buffers_updated": mutated,
-            },
-            "forward_skipped": forward_skipped,
-            "check": check,
-        }
+        if job.args.check:
+            check = check_package(job, staged)
+        job.timings["total_s"] = time.perf_counter() - t_start
+        manifest = make_manifest(job, out, staged, digest, options, env, signature, check)
         manifest_path = os.path.splitext(out)[0] + ".json"
         staged_manifest = os.path.join(tmpdir, os.path.basename(manifest_path))
         with open(staged_manifest, "w") as f:
@@ -1312,6 +1392,29 @@ def main(argv=None) -> int:
         publish(staged_manifest, manifest_path)
     finally:
         discard(tmpdir)
+    return out, manifest_path, manifest, digest
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    t_start = time.perf_counter()
+    threads, device = set_up_torch(args)
+    loaded = load_model(args)
+    if loaded is None:  # --init-out: the initial weights are written, nothing is traced
+        return 0
+    job = Job(args, threads, device, *loaded)
+    place_on_device(job)
+    trace_train_step(job)
+    trace_forward(job)
+    export_models(job)
+    options, env, signature = describe_models(job)
+    timings = job.timings
+    if args.trace_only:
+        print(json.dumps({**signature, "findings": job.findings, "forward_skipped": job.forward_skipped,
+                          "timings_s": timings}, indent=1))
+        return 0
+    files = compile_models(job, options, signature)
+    out, manifest_path, manifest, digest = package_and_publish(job, files, options, env, signature, t_start)
     print(f"wrote {out} ({manifest['bytes']} bytes, sha256 {digest[:16]}...) and {manifest_path}; trace "
           f"{timings['trace_s']:.1f} s, export {timings['export_s']:.1f} s, compile {timings['compile_s']:.1f} s",
           flush=True)

@@ -182,8 +182,7 @@ struct ModelMemory {
   MemoryItem item, host_item;  // all of it; on a GPU, the parameters built on the CPU
 };
 
-ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& shape, double params,
-                         const EstimateKeys& k) {
+ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape, double params, const EstimateKeys& k) {
   ModelMemory m;
   std::string state_name = "no optimizer state";
   m.P = 4 * params;
@@ -195,13 +194,13 @@ ModelMemory model_memory(const Config& cfg, int64_t world_size, const Shape& sha
   else if (cfg.train.momentum > 0)
     m.S = m.P, state_name = "SGD momentum";
   const dist::Placement placement(cfg.dist.zero);
-  if (placement.shards_optimizer_state()) m.S /= static_cast<double>(world_size);
+  if (placement.shards_optimizer_state()) m.S /= static_cast<double>(dp_size);
   m.P_held = m.P;
   // Stage 2 keeps full gradients through the micro-batches that do not sync (as DDP), stage 3
   // reduce-scatters every micro-batch.
   if (placement.shards_parameters() || (placement.shards_gradients() && cfg.train.grad_accum == 1))
-    m.G /= static_cast<double>(world_size);
-  if (placement.shards_parameters()) m.P_held /= static_cast<double>(world_size);
+    m.G /= static_cast<double>(dp_size);
+  if (placement.shards_parameters()) m.P_held /= static_cast<double>(dp_size);
   const double bytes = m.P_held + m.G + m.S;
   std::vector<KeyUse> keys;
   if (shape.name == "mlp")
@@ -294,16 +293,16 @@ DataMemory synthetic_data_memory(const Config& cfg, const std::optional<Shape>& 
   return m;
 }
 
-MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cuda) {
+MemoryEstimate estimate_memory(const Config& cfg, int64_t dp_size, bool on_cuda) {
   MemoryEstimate e;
   const auto shape = builtin_shape(cfg.model);
   const auto params = estimate_parameters(cfg.model);
-  world_size = std::max<int64_t>(1, world_size);
+  dp_size = std::max<int64_t>(1, dp_size);
   const EstimateKeys k = estimate_keys(cfg, shape);
   ModelMemory model;
   if (params) {
     e.parameters = *params;
-    model = model_memory(cfg, world_size, *shape, *params, k);
+    model = model_memory(cfg, dp_size, *shape, *params, k);
     e.model_bytes = model.P_held + model.G + model.S;
   }
   // Samples in a micro-batch: the whole batch with drop_last (the sampler refuses fewer
@@ -313,7 +312,7 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cu
   if (!cfg.data.drop_last)
     batch =
         cfg.data.name == "synthetic"
-            ? std::min(batch, std::ceil(static_cast<double>(cfg.data.synthetic_size) / static_cast<double>(world_size)))
+            ? std::min(batch, std::ceil(static_cast<double>(cfg.data.synthetic_size) / static_cast<double>(dp_size)))
             : 1;
   const MemoryItem act = activation_memory(cfg, shape, batch, k);
   const double A = act.bytes;
@@ -415,9 +414,9 @@ std::string compose(const std::vector<MemoryItem>& items, double need, const std
 
 }  // namespace
 
-std::string memory_problem(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda,
+std::string memory_problem(const Config& cfg, int64_t dp_size, int64_t ranks_on_host, bool on_cuda,
                            double available_bytes, std::optional<double> device_available_bytes) {
-  const MemoryEstimate e = estimate_memory(cfg, world_size, on_cuda);
+  const MemoryEstimate e = estimate_memory(cfg, dp_size, on_cuda);
   ranks_on_host = std::max<int64_t>(1, ranks_on_host);
   const double need = e.host_bytes * static_cast<double>(ranks_on_host);
   if (!e.items.empty() && need > available_bytes) {
@@ -434,11 +433,11 @@ std::string memory_problem(const Config& cfg, int64_t world_size, int64_t ranks_
   return "";
 }
 
-void check_memory(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda, int device_index) {
+void check_memory(const Config& cfg, int64_t dp_size, int64_t ranks_on_host, bool on_cuda, int device_index) {
   const auto available = available_memory_bytes();
   if (!available) return;
   const std::optional<double> device = on_cuda ? device_free_bytes(device_index) : std::nullopt;
-  const std::string problem = memory_problem(cfg, world_size, ranks_on_host, on_cuda, *available, device);
+  const std::string problem = memory_problem(cfg, dp_size, ranks_on_host, on_cuda, *available, device);
   if (!problem.empty()) throw InputError(problem);
 }
 

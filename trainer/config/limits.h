@@ -44,10 +44,10 @@ struct MemoryEstimate {
   std::vector<MemoryItem> device_items;  // what is in GPU memory, largest first (on a GPU)
 };
 
-/// `world_size`: ranks in the job (ZeRO partitions the optimizer state across them);
+/// `dp_size`: the data-parallel degree (dist::Mesh::dp(); ZeRO partitions over it, the data is split by it);
 /// `on_cuda`: the rank trains on a GPU (then only the parameters, built on the CPU first, and
 /// the data are in host memory; the rest is in device_bytes).
-MemoryEstimate estimate_memory(const Config& cfg, int64_t world_size, bool on_cuda);
+MemoryEstimate estimate_memory(const Config& cfg, int64_t dp_size, bool on_cuda);
 
 /// Bytes this process can still get: /proc/meminfo's MemAvailable (else the physical memory),
 /// at most the cgroup's memory limit, plus SwapFree. nullopt when nothing can be read.
@@ -61,12 +61,12 @@ std::optional<double> device_free_bytes(int index);
 /// GPU with `device_available_bytes` known, one rank in that), else the message naming the
 /// keys and the sizes ("... needs at least 207.0 GB of memory but 20.0 GB is available ...;
 /// lower model.width"). At most about 1 KiB.
-std::string memory_problem(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda,
+std::string memory_problem(const Config& cfg, int64_t dp_size, int64_t ranks_on_host, bool on_cuda,
                            double available_bytes, std::optional<double> device_available_bytes = std::nullopt);
 
 /// memory_problem() against available_memory_bytes() and, with `device_index` >= 0 on a GPU,
 /// device_free_bytes(device_index); throws InputError (exit 2) with it. Call once per rank
 /// before the model and the data are built. Nothing is checked where the memory is unknown.
-void check_memory(const Config& cfg, int64_t world_size, int64_t ranks_on_host, bool on_cuda, int device_index = -1);
+void check_memory(const Config& cfg, int64_t dp_size, int64_t ranks_on_host, bool on_cuda, int device_index = -1);
 
 }  // namespace keel

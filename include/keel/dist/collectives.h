@@ -203,10 +203,11 @@ std::vector<std::string> all_gather_strings(Collectives& coll, const std::string
 struct Disagreement {
   std::vector<uint64_t> fingerprints;
   std::vector<std::string> details;
+  std::vector<std::string> names;  // how messages name each rank (the group's rank_name); empty: "rank r"
   explicit operator bool() const { return !fingerprints.empty(); }
   /// The ranks whose fingerprint differs from `rank`'s.
   std::vector<int64_t> differing_from(int64_t rank) const;
-  /// "\n  rank r: <its detail>" for every rank.
+  /// "\n  rank r: <its detail>" for every rank (its name, for a mesh axis's group).
   std::string by_rank() const;
 };
 

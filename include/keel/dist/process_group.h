@@ -13,6 +13,7 @@
 #include <chrono>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "keel/dist/config.h"
 #include "keel/dist/world.h"
@@ -57,6 +58,16 @@ class Group {
   /// Whether rank 0's process serves the store (else torchrun's agent does).
   bool store_on_rank0() const { return !world_.agent_store; }
 
+  /// A group of some of this group's ranks: `ranks` (ascending, this rank among them), made by
+  /// each of its members (and by no other rank) on a prefix `name` of this group's store, with
+  /// the same backend; its own rank() and size() count its members. `rank_names` name each member
+  /// in messages (empty: "rank r"). One rank alone gets a group without a c10d group (local
+  /// no-ops). Throws std::invalid_argument when this rank is not in `ranks`.
+  std::shared_ptr<Group> subgroup(const std::vector<int64_t>& ranks, const std::string& name,
+                                  std::vector<std::string> rank_names = {}) const;
+  /// How messages name member `r` of this group: "rank r", or the name subgroup() was given.
+  std::string rank_name(int64_t r) const;
+
  private:
   Group() = default;
   World world_;
@@ -68,6 +79,9 @@ class Group {
   bool mpi_initialized_here_ = false;
   std::string store_host_;
   uint16_t store_port_ = 0;
+  std::string gloo_host_;                // the address Gloo binds (subgroups bind the same)
+  std::vector<std::string> interfaces_;  // dist.interface's, for Gloo
+  std::vector<std::string> rank_names_;  // subgroup(): each member's name in messages
 };
 
 /// "gloo" or "nccl" for `backend` on `device`. Throws InputError

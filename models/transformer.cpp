@@ -1,0 +1,203 @@
+#include "models/transformer.h"
+
+#include <cmath>
+
+namespace keel::models {
+
+torch::Tensor drop(const torch::Tensor& x, double p, bool training) {
+  return p > 0 && training ? torch::dropout(x, p, true) : x;
+}
+
+RmsNormImpl::RmsNormImpl(int64_t d, double eps) : eps(eps), weight(register_parameter("weight", torch::ones({d}))) {}
+
+torch::Tensor RmsNormImpl::forward(const torch::Tensor& x) {
+  auto h = x.to(torch::kFloat);
+  h = h * torch::rsqrt(h.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return weight * h.to(x.scalar_type());
+}
+
+Conv1DImpl::Conv1DImpl(int64_t in, int64_t out)
+    : weight(register_parameter("weight", torch::empty({in, out}))),
+      bias(register_parameter("bias", torch::zeros({out}))) {}
+
+// As transformers' Conv1D: addmm over the flattened leading dimensions.
+torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
+  auto shape = x.sizes().vec();
+  shape.back() = weight.size(1);
+  return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
+}
+
+namespace {
+
+// (x1, x2) -> (-x2, x1) over the two halves of the last dimension.
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  auto halves = x.chunk(2, -1);
+  return torch::cat({-halves[1], halves[0]}, -1);
+}
+
+// A dense layer of the family's layout. torch::nn::Linear draws its default initialisation from
+// the generator as it is built (the family overwrites it, but the draws happen): the order in
+// which a block builds its layers is what keeps a family's initialisation bit for bit.
+torch::nn::AnyModule dense(const BlockOptions& o, int64_t in, int64_t out, bool bias) {
+  if (o.dense == BlockOptions::Dense::Conv1D) return torch::nn::AnyModule(Conv1D(in, out));
+  return torch::nn::AnyModule(torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(bias)));
+}
+
+torch::nn::AnyModule norm(const BlockOptions& o) {
+  if (o.norm == BlockOptions::Norm::Rms) return torch::nn::AnyModule(RmsNorm(o.width, o.eps));
+  return torch::nn::AnyModule(torch::nn::LayerNorm(torch::nn::LayerNormOptions({o.width}).eps(o.eps)));
+}
+
+// A child module that registers under `name` in `parent` and keeps its holder for forward.
+torch::nn::AnyModule child(torch::nn::Module& parent, const std::string& name, torch::nn::AnyModule m) {
+  parent.register_module(name, m.ptr());
+  return m;
+}
+
+// The attention and MLP parts live in sub-modules named by the family ("attn" / "self_attn", "mlp")
+// so that parameter names read <attn>.<proj>.weight; the block calls them directly.
+struct Part : torch::nn::Module {};
+
+}  // namespace
+
+TransformerBlockImpl::TransformerBlockImpl(const BlockOptions& options) : o(options) {
+  const auto& n = o.names;
+  auto attn = std::make_shared<Part>();
+  auto mlp = std::make_shared<Part>();
+  if (!n.norms_last) norm_1 = child(*this, n.norm_1, norm(o));
+  register_module(n.attn, attn);
+  if (o.fused_qkv) {
+    qkv = child(*attn, n.qkv, dense(o, o.width, 3 * o.heads * o.head_dim, o.attention_bias));
+  } else {
+    q = child(*attn, n.q, dense(o, o.width, o.heads * o.head_dim, o.attention_bias));
+    k = child(*attn, n.k, dense(o, o.width, o.kv_heads * o.head_dim, o.attention_bias));
+    v = child(*attn, n.v, dense(o, o.width, o.kv_heads * o.head_dim, o.attention_bias));
+  }
+  out = child(*attn, n.out, dense(o, o.heads * o.head_dim, o.width, o.attention_bias));
+  if (!n.norms_last) norm_2 = child(*this, n.norm_2, norm(o));
+  register_module(n.mlp, mlp);
+  if (o.mlp == BlockOptions::Mlp::SwiGlu) {
+    gate = child(*mlp, n.gate, dense(o, o.width, o.ffn, o.mlp_bias));
+    up = child(*mlp, n.up, dense(o, o.width, o.ffn, o.mlp_bias));
+  } else {
+    fc = child(*mlp, n.fc, dense(o, o.width, o.ffn, o.mlp_bias));
+  }
+  down = child(*mlp, n.down, dense(o, o.ffn, o.width, o.mlp_bias));
+  if (n.norms_last) {
+    norm_1 = child(*this, n.norm_1, norm(o));
+    norm_2 = child(*this, n.norm_2, norm(o));
+  }
+}
+
+torch::Tensor TransformerBlockImpl::forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
+  x = x + attention(norm_1.forward(x), cos, sin);
+  return x + mlp_forward(norm_2.forward(x));
+}
+
+torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x, const torch::Tensor& cos,
+                                              const torch::Tensor& sin) {
+  const int64_t B = x.size(0), T = x.size(1), H = o.heads, KV = o.kv_heads, hd = o.head_dim;
+  torch::Tensor qt, kt, vt;  // (B, T, H x hd), (B, T, KV x hd) twice
+  if (o.fused_qkv) {
+    auto parts = qkv.forward(x).split(H * hd, /*dim=*/2);
+    qt = parts[0], kt = parts[1], vt = parts[2];
+  } else {
+    qt = q.forward(x), kt = k.forward(x), vt = v.forward(x);
+  }
+  auto qh = qt.view({B, T, H, hd}).transpose(1, 2);  // (B, H, T, hd)
+  auto kh = kt.view({B, T, KV, hd}).transpose(1, 2);  // (B, KV, T, hd)
+  auto vh = vt.view({B, T, KV, hd}).transpose(1, 2);
+  if (o.rotary) {
+    qh = qh * cos + rotate_half(qh) * sin;
+    kh = kh * cos + rotate_half(kh) * sin;
+  }
+  if (KV != H) {
+    kh = kh.repeat_interleave(H / KV, 1);
+    vh = vh.repeat_interleave(H / KV, 1);
+  }
+  // Fused causal attention (flash or cuDNN kernels on the GPU, a flash kernel on the CPU), scale
+  // 1/sqrt(hd): equal to the explicit masked softmax within float32 rounding (tests/test_models.cpp
+  // checks it against PyTorch's masked softmax).
+  const double p = is_training() ? o.attn_pdrop : 0.0;
+  auto y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/p, /*is_causal=*/true)
+               .transpose(1, 2)
+               .reshape({B, T, H * hd});
+  return drop(out.forward(y), o.resid_pdrop, is_training());
+}
+
+torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x) {
+  torch::Tensor h;
+  switch (o.mlp) {
+    case BlockOptions::Mlp::SwiGlu:
+      h = torch::silu(gate.forward(x)) * up.forward(x);
+      break;
+    case BlockOptions::Mlp::GeluTanh:
+      h = torch::gelu(fc.forward(x), "tanh");
+      break;
+    case BlockOptions::Mlp::Gelu:
+      h = torch::gelu(fc.forward(x), "none");
+      break;
+  }
+  return drop(down.forward(h), o.resid_pdrop, is_training());
+}
+
+torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,
+                         const torch::Tensor& cos, const torch::Tensor& sin) {
+  for (size_t i = 0; i < blocks->size(); ++i) {
+    const auto in = structure ? structure->block_enter(i, x) : x;
+    const auto out = blocks[i]->as<TransformerBlock>()->forward(in, cos, sin);
+    x = structure ? structure->block_leave(i, out) : out;
+  }
+  return x;
+}
+
+torch::Tensor rotary_angles(int64_t T, int64_t head_dim, double theta, const torch::Device& device) {
+  const auto f32 = torch::TensorOptions().dtype(torch::kFloat).device(device);
+  auto inv_freq = 1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::TensorOptions().dtype(torch::kLong))
+                                              .to(torch::kFloat)
+                                              .div(static_cast<double>(head_dim)));
+  auto freqs = torch::outer(torch::arange(T, f32), inv_freq.to(device));
+  return torch::cat({freqs, freqs}, -1);
+}
+
+std::vector<TpRule> tensor_parallel_plan(const BlockOptions& o, const std::vector<std::string>& vocab_parameters) {
+  const auto& n = o.names;
+  std::vector<TpRule> plan;
+  auto column = [&](const std::string& part, const std::string& proj) {
+    plan.push_back({part + "." + proj + ".weight", TpSplit::Column});
+    plan.push_back({part + "." + proj + ".bias", TpSplit::Column});
+  };
+  if (o.fused_qkv) {
+    column(n.attn, n.qkv);
+  } else {
+    for (const auto* p : {&n.q, &n.k, &n.v}) column(n.attn, *p);
+  }
+  plan.push_back({n.attn + "." + n.out + ".weight", TpSplit::Row});
+  if (o.mlp == BlockOptions::Mlp::SwiGlu) {
+    column(n.mlp, n.gate);
+    column(n.mlp, n.up);
+  } else {
+    column(n.mlp, n.fc);
+  }
+  plan.push_back({n.mlp + "." + n.down + ".weight", TpSplit::Row});
+  for (const auto& v : vocab_parameters) plan.push_back({v, TpSplit::Vocab});
+  return plan;
+}
+
+void init_gpt2_style(torch::nn::Module& model, int64_t layers) {
+  torch::NoGradGuard ng;
+  for (auto& p : model.named_parameters()) {
+    const auto& name = p.key();
+    auto& t = p.value();
+    if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0)
+      t.zero_();
+    else if (name.find("ln_") != std::string::npos)
+      t.fill_(1.0);
+    else if (name.find("c_proj.weight") != std::string::npos)
+      t.normal_(0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(layers)));
+    else
+      t.normal_(0.0, 0.02);
+  }
+}
+
+}  // namespace keel::models

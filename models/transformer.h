@@ -1,0 +1,137 @@
+// models/transformer.h: the one decoder block of keel's transformer families (gpt, gpt2,
+// llama), and the parts they share around it (norms, GPT-2's Conv1D, rotary angles, dropout,
+// the block loop that reports to dist.zero = 3, GPT-2's initialisation).
+//
+// Owns: TransformerBlock, configured by BlockOptions (norm, positional encoding, MLP kind, key/value
+// heads, biases, the dense layer's layout, dropout) and BlockNames (each family's parameter names,
+// so that its checkpoints and Hugging Face files keep their layout bit for bit); the family spec
+// (TransformerFamily: factory, block prefix, tensor-parallel plan) that each family file defines
+// in one place. Does not own: embeddings, the output head, a family's top-level names (the family
+// files), the tensor-parallel layers themselves (dist/, issue 45).
+//
+// Construction order is part of the contract: a block builds its attention before its MLP and
+// each projection in the order given by its family, so that the random initialisation draws the
+// same numbers in the same order as the family always has.
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "keel/models/model.h"
+
+namespace keel::models {
+
+/// Dropout while training; nothing at all (no op, no random numbers) when p = 0 or evaluating.
+torch::Tensor drop(const torch::Tensor& x, double p, bool training);
+
+/// Root-mean-square norm in float32 (transformers' LlamaRMSNorm): weight * x / rms(x).
+struct RmsNormImpl : torch::nn::Module {
+  RmsNormImpl(int64_t d, double eps);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., d) -> (..., d), in x's dtype
+  double eps;
+  torch::Tensor weight;  // (d)
+};
+TORCH_MODULE(RmsNorm);
+
+/// transformers' GPT-2 Conv1D: weight (in, out), y = x W + b; uninitialised weight, zero bias (the
+/// family initialises it).
+struct Conv1DImpl : torch::nn::Module {
+  Conv1DImpl(int64_t in, int64_t out);
+  torch::Tensor forward(const torch::Tensor& x);  // (..., in) -> (..., out)
+  torch::Tensor weight, bias;                     // (in, out), (out)
+};
+TORCH_MODULE(Conv1D);
+
+/// Each family's parameter names inside a block (its checkpoint keys).
+struct BlockNames {
+  std::string norm_1 = "ln_1", attn = "attn", norm_2 = "ln_2", mlp = "mlp";
+  std::string qkv = "c_attn";                                // fused projection (fused_qkv)
+  std::string q = "q_proj", k = "k_proj", v = "v_proj";      // separate projections
+  std::string out = "c_proj";                                // attention's output projection
+  std::string fc = "c_fc";                                   // GELU MLP's input projection
+  std::string gate = "gate_proj", up = "up_proj";            // SwiGLU's input projections
+  std::string down = "c_proj";                               // the MLP's output projection
+  bool norms_last = false;  // register the two norms after attention and MLP (llama's order)
+};
+
+struct BlockOptions {
+  int64_t width = 0;     // C, the residual stream
+  int64_t heads = 0;     // query heads
+  int64_t kv_heads = 0;  // key/value heads; heads / kv_heads query heads share one (grouped-query attention)
+  int64_t head_dim = 0;  // per head; heads x head_dim need not be C (llama)
+  int64_t ffn = 0;       // the MLP's inner width
+  enum class Norm { Layer, Rms } norm = Norm::Layer;
+  double eps = 1e-5;
+  enum class Dense { Linear, Conv1D } dense = Dense::Linear;  // torch::nn::Linear, or GPT-2's Conv1D layout
+  enum class Mlp { Gelu, GeluTanh, SwiGlu } mlp = Mlp::Gelu;
+  bool fused_qkv = true;  // one projection to q, k and v (kv_heads = heads), else three
+  bool rotary = false;    // rotary position embeddings on q and k (forward's cos, sin)
+  bool attention_bias = true, mlp_bias = true;
+  double attn_pdrop = 0;   // on the attention weights, while training
+  double resid_pdrop = 0;  // after each residual branch's projection, while training
+  BlockNames names;
+};
+
+/// Pre-norm decoder block: x + attn(norm_1(x)), then + mlp(norm_2(x)); causal
+/// scaled_dot_product_attention scaled by 1/sqrt(head_dim).
+struct TransformerBlockImpl : torch::nn::Module {
+  explicit TransformerBlockImpl(const BlockOptions& o);
+  // x (B, T, C); cos, sin (T, head_dim) when o.rotary, else undefined -> (B, T, C)
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos = {}, const torch::Tensor& sin = {});
+
+  torch::Tensor attention(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
+  torch::Tensor mlp_forward(const torch::Tensor& x);
+
+  BlockOptions o;
+  torch::nn::AnyModule norm_1, norm_2;
+  torch::nn::AnyModule qkv, q, k, v, out;  // qkv when fused, else q, k, v
+  torch::nn::AnyModule fc, gate, up, down;  // fc for GELU, gate and up for SwiGLU
+};
+TORCH_MODULE(TransformerBlock);
+
+/// Runs blocks[0..n) in order, each between the model's BlockStructure hooks (dist.zero = 3
+/// gathers a block's parameters there); `structure` may be null.
+torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,
+                         const torch::Tensor& cos = {}, const torch::Tensor& sin = {});
+
+/// The rotary angles of positions 0..T-1 in float32, as transformers' LlamaRotaryEmbedding:
+/// position x theta^(-2i / head_dim), each frequency twice (the two halves). (T, head_dim)
+torch::Tensor rotary_angles(int64_t T, int64_t head_dim, double theta, const torch::Device& device);
+
+/// GPT-2's initialisation (nanoGPT and transformers alike): biases zero, LayerNorms ("ln_") one,
+/// residual projections ("c_proj.weight") N(0, 0.02 / sqrt(2 x layers)), the rest N(0, 0.02), in
+/// parameter order.
+void init_gpt2_style(torch::nn::Module& model, int64_t layers);
+
+/// How one parameter is split over the tensor-parallel axis (issue 45): by output rows
+/// (column-parallel linear), by input columns (row-parallel), by vocabulary rows, or replicated.
+enum class TpSplit { Column, Row, Vocab, Replicate };
+struct TpRule {
+  std::string suffix;  // the end of a parameter name ("attn.c_attn.weight" matches every block's)
+  TpSplit split;
+};
+
+/// A transformer family in one place: its factory, where its blocks are named, and the plan by
+/// which tensor parallelism will shard it (data only; dist/ applies it, issue 45).
+struct TransformerFamily {
+  std::string name;                                                // model.name
+  std::shared_ptr<Model> (*factory)(const ModelConfig&) = nullptr;  // builds it
+  std::string block_prefix;                                        // "h." -> blocks "h.0.", "h.1.", ...
+  std::vector<TpRule> tp_plan;                                     // Megatron-style column / row pairs
+};
+
+/// The plan of a block built from `o`, Megatron's pairing: the projections into attention and the
+/// MLP (qkv or q, k, v; fc or gate, up) split by output, weight and bias (column); the projections
+/// out of them (out, down) split by input (row; their bias replicated), so that each branch
+/// needs one reduction; and `vocab_parameters` (embeddings, an untied head) split by vocabulary.
+std::vector<TpRule> tensor_parallel_plan(const BlockOptions& o, const std::vector<std::string>& vocab_parameters);
+
+const TransformerFamily& gpt_family();
+const TransformerFamily& gpt2_family();
+const TransformerFamily& llama_family();
+
+}  // namespace keel::models
