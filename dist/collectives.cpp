@@ -52,6 +52,7 @@ struct Collectives::Desc {
   // NCCL, a collective whose result stays on the device (start_*): wait() makes the current
   // stream wait for it instead of blocking the host (failures: the NCCL watchdog's timeout).
   bool stream_wait = false;
+  std::chrono::steady_clock::time_point issued;  // when it passed check() (for an observer)
 
   std::vector<int64_t> words() const {
     std::vector<int64_t> w = {op, reduce, dtype, ndim};
@@ -168,7 +169,104 @@ Disagreement run_agreement(uint64_t fingerprint, const std::function<std::string
 
 }  // namespace
 
-Collectives::Collectives(std::shared_ptr<Group> group, Validate validate) : group_(std::move(group)), mode_(validate) {}
+struct Collectives::Door {
+  mutable std::mutex mu;
+  TrafficStats traffic;
+  std::shared_ptr<OpObserver> observer;
+  uint64_t buckets = 0;  // DDP buckets issued (their sequence numbers)
+};
+
+Collectives::Collectives(std::shared_ptr<Group> group, Validate validate)
+    : group_(std::move(group)), mode_(validate), door_(std::make_shared<Door>()) {}
+
+Collectives::~Collectives() = default;
+
+TrafficStats Collectives::traffic() const {
+  std::lock_guard<std::mutex> lock(door_->mu);
+  return door_->traffic;
+}
+
+void Collectives::set_observer(std::shared_ptr<OpObserver> observer) {
+  std::lock_guard<std::mutex> lock(door_->mu);
+  door_->observer = std::move(observer);
+}
+
+Collectives& Collectives::replay_lane() {
+  if (replaying_) return *this;
+  if (!replay_) {
+    replay_ = std::make_unique<Collectives>(group_, Validate::Off);
+    replay_->door_ = door_;
+    replay_->replaying_ = true;
+  }
+  replay_->step_ = step_;
+  return *replay_;
+}
+
+OpRecord Collectives::record_of(const Desc& d) const {
+  OpRecord r;
+  r.kind = d.validation ? OpRecord::Kind::Probe : replaying_ ? OpRecord::Kind::Replayed : OpRecord::Kind::Collective;
+  r.group = group_->name();
+  r.seq = static_cast<uint64_t>(d.seq);
+  r.op = op_name(d.op);
+  r.what = d.what;
+  if (d.validation) {
+    r.shape = {2};
+    r.dtype = torch::kLong;
+  } else if (d.dtype >= 0) {
+    r.shape.assign(d.dims, d.dims + std::min<int64_t>(d.ndim, Desc::kDims));
+    r.dtype = static_cast<c10::ScalarType>(d.dtype);
+  }
+  r.step = step_;
+  r.start = d.issued;
+  return r;
+}
+
+void Collectives::observe_start(const Desc& d) {
+  std::shared_ptr<OpObserver> observer;
+  {
+    std::lock_guard<std::mutex> lock(door_->mu);
+    observer = door_->observer;
+  }
+  if (observer) observer->on_start(record_of(d));
+}
+
+c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(const torch::Tensor& buffer) {
+  OpRecord r;
+  std::shared_ptr<OpObserver> observer;
+  {
+    std::lock_guard<std::mutex> lock(door_->mu);
+    observer = door_->observer;
+    r.seq = door_->buckets++;
+  }
+  const int64_t bytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
+  if (observer) {
+    r.kind = OpRecord::Kind::Bucket;
+    r.group = group_->name();
+    r.op = "all_reduce";
+    r.what = "DDP gradient bucket";
+    r.shape = buffer.sizes().vec();
+    r.dtype = buffer.scalar_type();
+    r.bytes = bytes;
+    r.step = step_;
+    r.start = std::chrono::steady_clock::now();
+    observer->on_start(r);
+  }
+  std::vector<at::Tensor> v{buffer};
+  auto future = group_->pg()->allreduce(v)->getFuture();
+  future->addCallback([door = door_, observer, r, bytes](c10::ivalue::Future& f) mutable {
+    if (f.hasError()) return;  // the Reducer's wait raises it (DataParallel::backward names it)
+    {
+      std::lock_guard<std::mutex> lock(door->mu);
+      door->traffic.gradient_buckets += 1;
+      door->traffic.gradient_bytes += bytes;
+    }
+    if (observer) {
+      r.end = std::chrono::steady_clock::now();
+      observer->on_end(r);
+    }
+  });
+  return future;
+}
 
 // NCCL moves only CUDA tensors: host tensors (validation probes, the per-step record,
 // checkpoint coordination, metric totals) travel through a copy on the group's device.
@@ -293,17 +391,35 @@ void Collectives::count(const Desc& d, double wait_ms) {
                             : 0;
   const bool gather = !d.validation && (d.op == static_cast<int64_t>(OpCode::AllGather) ||
                                         d.op == static_cast<int64_t>(OpCode::StepSync));
-  traffic_.collectives += 1;
-  traffic_.probes += d.validation ? 1 : 0;
-  traffic_.bytes_sent += bytes;
-  traffic_.bytes_received += gather ? bytes * size() : bytes;
-  traffic_.wait_ms += wait_ms;
+  std::shared_ptr<OpObserver> observer;
+  {
+    std::lock_guard<std::mutex> lock(door_->mu);
+    TrafficStats& t = door_->traffic;
+    t.collectives += 1;
+    t.probes += d.validation ? 1 : 0;
+    t.replayed += replaying_ ? 1 : 0;
+    t.bytes_sent += bytes;
+    t.bytes_received += gather ? bytes * size() : bytes;
+    t.wait_ms += wait_ms;
+    observer = door_->observer;
+  }
+  if (observer) {
+    OpRecord r = record_of(d);
+    r.bytes = bytes;
+    r.end = std::chrono::steady_clock::now();
+    if (d.validation) r.start = r.end - std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
+    observer->on_end(r);
+  }
 }
 
-void Collectives::check(const Desc& d_in) {
-  Desc d = d_in;
+void Collectives::check(Desc& d) {
   d.seq = static_cast<int64_t>(seq_++);
-  if (!validating()) return;
+  d.issued = std::chrono::steady_clock::now();
+  if (validating()) validate(d);
+  observe_start(d);
+}
+
+void Collectives::validate(const Desc& d) {
   Desc probe = d;  // a failure here names the collective it guards ("checkpoint load verdict")
   probe.validation = true;
   // The agreement on the raw group (this is the validation): a probe is counted per exchange.
@@ -492,10 +608,21 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
   }
   int64_t bytes = 0;
   for (const auto& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
-  traffic_.collectives += 1;
-  traffic_.bytes_sent += rank() == root ? bytes : 0;
-  traffic_.bytes_received += rank() == root ? 0 : bytes;
-  traffic_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  std::shared_ptr<OpObserver> observer;
+  {
+    std::lock_guard<std::mutex> lock(door_->mu);
+    door_->traffic.collectives += 1;
+    door_->traffic.bytes_sent += rank() == root ? bytes : 0;
+    door_->traffic.bytes_received += rank() == root ? 0 : bytes;
+    door_->traffic.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    observer = door_->observer;
+  }
+  if (observer) {
+    OpRecord r = record_of(d);
+    r.bytes = bytes;
+    r.end = std::chrono::steady_clock::now();
+    observer->on_end(r);
+  }
 }
 
 struct PendingStep::Impl {
@@ -602,7 +729,11 @@ StepConsensus Collectives::resolve(PendingStep& pending, double* local_loss) {
       step_ = im.step;  // the failure names the step whose record it is
       throw failure(std::string(d.what) + ": " + describe(d), e.what());
     }
-    traffic_.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    {
+      std::lock_guard<std::mutex> lock(door_->mu);
+      door_->traffic.wait_ms +=
+          std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
     im.work.reset();
   }
   return read_step(im.record.get(), im.fingerprint, im.step, local_loss);

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <optional>
 #include <sstream>
 #include <unordered_map>
 
@@ -33,25 +34,39 @@ std::string shape_str(const int64_t* r) {
   return os.str();
 }
 
-// A gradient compression hook: the bucket is cast to `dtype`, pre-divided by the world size,
-// all-reduced and cast back. Equivalent to PyTorch's fp16_compress_hook / bf16_compress_hook.
-class CompressHook : public c10d::CommHookInterface {
+// The Reducer's comm hook: every gradient bucket goes through the collectives' one door
+// (Collectives::start_bucket_all_reduce: counted, and seen by an observer), pre-divided by the
+// world size. `wire`: the bucket's own dtype (dist.comm_hook = "allreduce"), or bf16 / fp16 to
+// compress it on the wire (PyTorch's bf16_compress_hook / fp16_compress_hook) and cast back.
+//
+// Without a hook the Reducer divides each gradient by the world size as it lands in its bucket
+// view (div_, or mul by 1/world while copying one that is not yet a view); with one it copies and
+// leaves the division to the hook. Every gradient is a bucket view from the start (DataParallel's
+// constructor), so div_ of the whole bucket here gives each element the very same division.
+class BucketHook : public c10d::CommHookInterface {
  public:
-  CompressHook(c10::intrusive_ptr<c10d::ProcessGroup> pg, at::ScalarType dtype, int64_t world)
-      : pg_(std::move(pg)), dtype_(dtype), world_(world) {}
+  BucketHook(std::shared_ptr<Collectives> coll, std::optional<at::ScalarType> wire)
+      : coll_(std::move(coll)), wire_(wire) {}
   c10::intrusive_ptr<c10::ivalue::Future> runHook(c10d::GradBucket& bucket) override {
-    auto compressed = bucket.getBufferRef().to(dtype_).div_(static_cast<double>(world_));
-    std::vector<at::Tensor> v{compressed};
-    auto fut = pg_->allreduce(v)->getFuture();
+    const double world = static_cast<double>(coll_->size());
+    if (!wire_) {
+      auto& buffer = bucket.getBufferRef();
+      buffer.div_(world);
+      return coll_->start_bucket_all_reduce(buffer);
+    }
+    auto compressed = bucket.getBufferRef().to(*wire_).div_(world);
+    auto fut = coll_->start_bucket_all_reduce(compressed);
     return fut->then([compressed](c10::ivalue::Future&) -> c10::IValue { return c10::IValue(compressed); },
                      c10::TensorType::get());
   }
-  at::Tensor parseHookResult(const c10::IValue& result) override { return result.toTensor().to(at::kFloat); }
+  at::Tensor parseHookResult(const c10::IValue& result) override {
+    const at::Tensor t = result.isTensor() ? result.toTensor() : result.toTensorVector()[0];
+    return wire_ ? t.to(at::kFloat) : t;
+  }
 
  private:
-  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
-  at::ScalarType dtype_;
-  int64_t world_;
+  std::shared_ptr<Collectives> coll_;
+  std::optional<at::ScalarType> wire_;
 };
 
 }  // namespace
@@ -168,10 +183,9 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
   reducer_ = compat::make_reducer(params, buckets, coll_->group()->pg(), static_cast<int64_t>(cap),
                                   cfg.find_unused_parameters, names, static_cast<int64_t>(first));
-  if (cfg.comm_hook != CommHook::Allreduce) {
-    reducer_->register_comm_hook(std::make_unique<CompressHook>(
-        coll_->group()->pg(), cfg.comm_hook == CommHook::Fp16 ? at::kHalf : at::kBFloat16, coll_->size()));
-  }
+  std::optional<at::ScalarType> wire;
+  if (cfg.comm_hook != CommHook::Allreduce) wire = cfg.comm_hook == CommHook::Fp16 ? at::kHalf : at::kBFloat16;
+  reducer_->register_comm_hook(std::make_unique<BucketHook>(coll_, wire));
   logging::info("DDP: {} parameters in {} buckets (cap {} MiB, first {} MiB), comm hook {}", params.size(),
                 num_buckets_, cfg.bucket_cap_mb, cfg.first_bucket_mb, choice_name(kCommHooks, cfg.comm_hook));
   if (placement_.shards_optimizer_state()) {

@@ -114,7 +114,6 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     piece.mutable_grad() = u.shard_grad.narrow(0, at.in_shard, at.numel);
     pieces_.emplace_back(params_[at.param].first, piece);
   }
-  raw_ = std::make_shared<Collectives>(coll_->group(), Validate::Off);
   model_->set_block_hooks(this);
   int64_t mine = 0, all = 0;
   for (const auto& [n, p] : pieces_) mine += p.numel();
@@ -159,7 +158,7 @@ Collectives& FullyShard::via(char kind, size_t unit) {
         "; nothing was issued. Every rank must run the same blocks in the same order each micro-batch");
   }
   ++next_;
-  return *raw_;
+  return coll_->replay_lane();
 }
 
 void FullyShard::open_schedule(bool sync) {
@@ -182,7 +181,6 @@ void FullyShard::open_schedule(bool sync) {
       throw CollectiveMismatch(mismatch_at() +
                                "the ranks recorded different schedules of gathers and reduce-scatters for this "
                                "micro-batch; every rank must run the same blocks in the same order");
-    raw_->set_step(coll_->step());
   }
   next_ = 0;
   open_ = &s;

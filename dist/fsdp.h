@@ -103,10 +103,6 @@ class FullyShard final : public models::BlockHooks {
   /// model's own are empty between steps), for checking a checkpoint against them.
   models::NamedTensors parameter_shapes() const;
 
-  /// What the collectives replayed from a validated schedule cost (they go through a second,
-  /// unvalidating Collectives over the same group, so they are not in the first's traffic()).
-  const TrafficStats& replayed_traffic() const { return raw_->traffic(); }
-
   /// The elements of each parameter this rank owns (model order; parameters without any left
   /// out): 1-D leaves over this rank's shard, each with its gradient over the gradient shard.
   const models::NamedTensors& pieces() const { return pieces_; }
@@ -139,13 +135,12 @@ class FullyShard final : public models::BlockHooks {
   // the first such micro-batch's gathers and reduce-scatters are each validated
   // across ranks (through coll_, as every other collective) and recorded in order. Each later one
   // starts with one validated all-reduce in which every rank confirms it is about to replay the
-  // same recorded schedule; its collectives then go through raw_ without a probe, each checked
-  // first against the schedule on its own rank: a rank that would leave it (another unit, another
-  // kind, one too many, or one too few at the end) throws CollectiveMismatch before issuing
-  // anything, so collectives that differ never meet (the other ranks' next one fails when its
-  // process exits, a CollectiveError naming it; on NCCL the peer waits until dist.timeout_s at its
-  // next host wait). 14 probes per gpt micro-batch become one; a recorded schedule with no
-  // collectives (stage 2's accumulating micro-batches) is not replayed at all.
+  // same recorded schedule; its collectives then go through the replay lane (Collectives::replay_lane) without a probe,
+  // each checked first against the schedule on its own rank: a rank that would leave it (another unit, another kind,
+  // one too many, or one too few at the end) throws CollectiveMismatch before issuing anything, so collectives that
+  // differ never meet (the other ranks' next one fails when its process exits, a CollectiveError naming it; on NCCL the
+  // peer waits until dist.timeout_s at its next host wait). 14 probes per gpt micro-batch become one; a recorded
+  // schedule with no collectives (stage 2's accumulating micro-batches) is not replayed at all.
   struct Schedule {
     std::vector<uint64_t> ops;  // (kind << 32) | unit, in the order issued
     bool recorded = false;
@@ -161,7 +156,6 @@ class FullyShard final : public models::BlockHooks {
   std::shared_ptr<Collectives> coll_;
   // The same group, dist.validate = off (schedules). Declared before units_, so that it outlives
   // their pending collectives.
-  std::shared_ptr<Collectives> raw_;
   Placement placement_;
   models::NamedTensors params_;
   std::vector<std::unique_ptr<Unit>> units_;  // units_[i] = block i; the last = the root

@@ -175,6 +175,7 @@ std::shared_ptr<Group> Group::subgroup(const std::vector<int64_t>& ranks, const 
   g->world_.rank = me - ranks.begin();
   g->world_.size = static_cast<int64_t>(ranks.size());
   g->rank_names_ = std::move(rank_names);
+  g->name_ = name;
   if (ranks.size() == 1 || !pg_) {
     g->pg_.reset();
     g->store_.reset();

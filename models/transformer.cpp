@@ -104,7 +104,7 @@ torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x, const torc
   } else {
     qt = q.forward(x), kt = k.forward(x), vt = v.forward(x);
   }
-  auto qh = qt.view({B, T, H, hd}).transpose(1, 2);  // (B, H, T, hd)
+  auto qh = qt.view({B, T, H, hd}).transpose(1, 2);   // (B, H, T, hd)
   auto kh = kt.view({B, T, KV, hd}).transpose(1, 2);  // (B, KV, T, hd)
   auto vh = vt.view({B, T, KV, hd}).transpose(1, 2);
   if (o.rotary) {

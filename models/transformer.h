@@ -49,12 +49,12 @@ TORCH_MODULE(Conv1D);
 /// Each family's parameter names inside a block (its checkpoint keys).
 struct BlockNames {
   std::string norm_1 = "ln_1", attn = "attn", norm_2 = "ln_2", mlp = "mlp";
-  std::string qkv = "c_attn";                                // fused projection (fused_qkv)
-  std::string q = "q_proj", k = "k_proj", v = "v_proj";      // separate projections
-  std::string out = "c_proj";                                // attention's output projection
-  std::string fc = "c_fc";                                   // GELU MLP's input projection
-  std::string gate = "gate_proj", up = "up_proj";            // SwiGLU's input projections
-  std::string down = "c_proj";                               // the MLP's output projection
+  std::string qkv = "c_attn";                            // fused projection (fused_qkv)
+  std::string q = "q_proj", k = "k_proj", v = "v_proj";  // separate projections
+  std::string out = "c_proj";                            // attention's output projection
+  std::string fc = "c_fc";                               // GELU MLP's input projection
+  std::string gate = "gate_proj", up = "up_proj";        // SwiGLU's input projections
+  std::string down = "c_proj";                           // the MLP's output projection
   bool norms_last = false;  // register the two norms after attention and MLP (llama's order)
 };
 
@@ -88,7 +88,7 @@ struct TransformerBlockImpl : torch::nn::Module {
 
   BlockOptions o;
   torch::nn::AnyModule norm_1, norm_2;
-  torch::nn::AnyModule qkv, q, k, v, out;  // qkv when fused, else q, k, v
+  torch::nn::AnyModule qkv, q, k, v, out;   // qkv when fused, else q, k, v
   torch::nn::AnyModule fc, gate, up, down;  // fc for GELU, gate and up for SwiGLU
 };
 TORCH_MODULE(TransformerBlock);
@@ -118,10 +118,10 @@ struct TpRule {
 /// A transformer family in one place: its factory, where its blocks are named, and the plan by
 /// which tensor parallelism will shard it (data only; dist/ applies it, issue 45).
 struct TransformerFamily {
-  std::string name;                                                // model.name
+  std::string name;                                                 // model.name
   std::shared_ptr<Model> (*factory)(const ModelConfig&) = nullptr;  // builds it
-  std::string block_prefix;                                        // "h." -> blocks "h.0.", "h.1.", ...
-  std::vector<TpRule> tp_plan;                                     // Megatron-style column / row pairs
+  std::string block_prefix;                                         // "h." -> blocks "h.0.", "h.1.", ...
+  std::vector<TpRule> tp_plan;                                      // Megatron-style column / row pairs
 };
 
 /// The plan of a block built from `o`, Megatron's pairing: the projections into attention and the

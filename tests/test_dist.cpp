@@ -4,9 +4,11 @@
 
 #include <csignal>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <mutex>
 
 #include <nlohmann/json.hpp>
 
@@ -317,6 +319,74 @@ TEST(Ddp, StartsFromRankZerosParameters) {
 // A peer that dies before its backward leaves the other rank in the DDP Reducer's gradient
 // all-reduce (not keel's own collectives): that failure too is a CollectiveError naming the
 // dead rank, not Gloo's bare message.
+// The one door (issue 51, item 4): an observer on the world's Collectives sees DDP's gradient
+// buckets (the Reducer's comm hook), ZeRO-3's replayed gathers and reduce-scatters and the control
+// collectives; each started operation ends, and the door's one counter counts the buckets.
+class Recorder : public keel::dist::OpObserver {
+ public:
+  void on_start(const keel::dist::OpRecord& op) override {
+    std::lock_guard<std::mutex> lock(mu);
+    started.push_back(op);
+  }
+  void on_end(const keel::dist::OpRecord& op) override {
+    std::lock_guard<std::mutex> lock(mu);
+    ended.push_back(op);
+  }
+  int64_t count(const std::vector<keel::dist::OpRecord>& v, keel::dist::OpRecord::Kind k) {
+    std::lock_guard<std::mutex> lock(mu);
+    return std::count_if(v.begin(), v.end(), [&](const auto& r) { return r.kind == k; });
+  }
+  std::mutex mu;
+  std::vector<keel::dist::OpRecord> started, ended;
+};
+
+TEST(Collectives, OneDoorSeesGradientBucketsReplayedScheduleAndControlOps) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    using Kind = keel::dist::OpRecord::Kind;
+    for (const int64_t zero : {0, 3}) {
+      auto c = make_collectives(w);
+      auto rec = std::make_shared<Recorder>();
+      c->set_observer(rec);
+      keel::ModelConfig mc;
+      mc.name = "gpt", mc.width = 16, mc.depth = 2, mc.heads = 2, mc.context = 8, mc.vocab = 32;
+      auto model = keel::models::create_model(mc);
+      keel::DistConfig dc;
+      dc.zero = zero;
+      keel::dist::DataParallel ddp(model, c, dc);
+      for (int step = 1; step <= 3; ++step) {
+        c->set_step(step);
+        ddp.before_forward(true, true);
+        ddp.backward(model->forward(torch::randint(32, {2, 8})).sum(), true);
+      }
+      const auto t = c->traffic();
+      if (zero == 0) {
+        EXPECT_EQ(rec->count(rec->ended, Kind::Bucket), 3 * ddp.num_buckets());
+        EXPECT_EQ(t.gradient_buckets, 3 * ddp.num_buckets());
+        int64_t params = 0;
+        for (const auto& p : model->parameters()) params += p.numel();
+        EXPECT_EQ(t.gradient_bytes, 3 * params * 4);
+      } else {
+        EXPECT_EQ(t.gradient_buckets, 0);
+        EXPECT_GT(rec->count(rec->ended, Kind::Replayed), 0) << "steps 2 and 3 replay step 1's schedule";
+        EXPECT_EQ(rec->count(rec->ended, Kind::Replayed), t.replayed);
+      }
+      EXPECT_GT(rec->count(rec->ended, Kind::Collective), 0) << "the initial broadcast at least";
+      EXPECT_EQ(rec->count(rec->ended, Kind::Probe), t.probes);
+      for (const Kind k : {Kind::Collective, Kind::Replayed, Kind::Bucket})
+        EXPECT_EQ(rec->count(rec->started, k), rec->count(rec->ended, k)) << "zero " << zero;
+      std::lock_guard<std::mutex> lock(rec->mu);
+      for (const auto& r : rec->ended) {
+        EXPECT_EQ(r.group, "world");
+        EXPECT_LE(r.start, r.end) << r.what;
+        if (r.kind == Kind::Bucket) EXPECT_EQ(r.bytes, r.shape.at(0) * 4);
+      }
+      c->set_observer(nullptr);
+    }
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
 TEST(Ddp, APeerLostDuringTheGradientAllReduceIsNamed) {
   auto ranks = run_ranks(2, [](const World& w) {
     auto c = make_collectives(w, /*timeout_s=*/20);

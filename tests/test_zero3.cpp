@@ -146,7 +146,7 @@ void matches_unsharded(const std::string& name, const keel::dist::World& w, bool
     for (int micro = 0; micro < 2; ++micro) {
       const int64_t seed = 100 * step + 10 * micro + w.rank;
       const auto x = batch_for(name, seed);
-      const auto probes0 = coll->traffic().probes, replayed0 = fs.replayed_traffic().collectives;
+      const auto probes0 = coll->traffic().probes, replayed0 = coll->traffic().replayed;
       fs.before_forward(/*sync=*/micro == 1, /*step=*/true);
       const auto loss = loss_of(name, sharded->forward(x), seed);
       const auto ref = loss_of(name, reference->forward(x), seed);
@@ -154,7 +154,7 @@ void matches_unsharded(const std::string& name, const keel::dist::World& w, bool
           << "step " << step << " micro " << micro;
       loss.backward();
       fs.after_backward();
-      const auto probes = coll->traffic().probes - probes0, replayed = fs.replayed_traffic().collectives - replayed0;
+      const auto probes = coll->traffic().probes - probes0, replayed = coll->traffic().replayed - replayed0;
       // One schedule per kind of micro-batch: synced or not (stage 3 syncs every one).
       const int kind = stage3 || micro == 1 ? 1 : 0;
       if (recorded[kind] < 0) {

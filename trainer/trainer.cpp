@@ -387,19 +387,9 @@ class Trainer::Loop {
   std::optional<int64_t> resumed_from_;
   double rendezvous_ms_ = 0;
   dist::TrafficStats traffic_at_loop_;  // the control traffic before the loop (setup, resume)
-  // The control traffic so far: coll_'s, and the ZeRO-2/3 collectives replayed from a validated
-  // schedule (through FullyShard's own unvalidating instance).
-  dist::TrafficStats control_traffic() const {
-    dist::TrafficStats t = coll_->traffic();
-    if (const auto* fs = dmodel_ ? dmodel_->fully_shard() : nullptr) {
-      const auto& r = fs->replayed_traffic();
-      t.collectives += r.collectives;
-      t.bytes_sent += r.bytes_sent;
-      t.bytes_received += r.bytes_received;
-      t.wait_ms += r.wait_ms;
-    }
-    return t;
-  }
+  // The control traffic so far: everything through the world's door (ZeRO's replayed
+  // collectives included; DDP's buckets counted apart).
+  dist::TrafficStats control_traffic() const { return coll_->traffic(); }
   int64_t steps_at_loop_ = 0;
   int64_t notified_step_ = -1;
   double checkpoint_stall_ms_ = 0;

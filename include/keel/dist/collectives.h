@@ -25,6 +25,7 @@
 #include <chrono>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <stdexcept>
 #include <string>
@@ -78,25 +79,63 @@ class PendingStep {
   std::shared_ptr<Impl> impl_;
 };
 
-/// What keel's control collectives cost this rank so far: every call through this class (the
-/// per-step consensus, validation probes, checkpoint coordination, evaluation totals, buffer
-/// broadcasts, user collectives), not DDP's gradient all-reduce (the Reducer's own).
+/// What the collectives through one group's door cost this rank so far. The first five count the
+/// control traffic: every call but DDP's gradient buckets (the per-step consensus, validation
+/// probes, checkpoint coordination, evaluation totals, buffer broadcasts, ZeRO's gathers and
+/// reduce-scatters, replayed ones included, user collectives); the last two DDP's buckets, which
+/// the Reducer issues through the door from its comm hook.
 struct TrafficStats {
-  int64_t collectives = 0;     // calls, probes included
-  int64_t probes = 0;          // of which validation probes (dist.validate)
-  int64_t bytes_sent = 0;      // payload this rank contributed
-  int64_t bytes_received = 0;  // payload it got back (world x its input for an all-gather)
-  double wait_ms = 0;          // time spent waiting for them (latency, and other ranks' lateness)
+  int64_t collectives = 0;       // calls, probes included
+  int64_t probes = 0;            // of which validation probes (dist.validate)
+  int64_t bytes_sent = 0;        // payload this rank contributed
+  int64_t bytes_received = 0;    // payload it got back (world x its input for an all-gather)
+  double wait_ms = 0;            // time spent waiting for them (latency, and other ranks' lateness)
+  int64_t replayed = 0;          // of the calls, those replayed from a validated ZeRO schedule (no probe)
+  int64_t gradient_buckets = 0;  // DDP's gradient bucket all-reduces completed
+  int64_t gradient_bytes = 0;    // their payload (in the dtype on the wire)
   TrafficStats operator-(const TrafficStats& o) const {
-    return {collectives - o.collectives, probes - o.probes, bytes_sent - o.bytes_sent,
-            bytes_received - o.bytes_received, wait_ms - o.wait_ms};
+    return {collectives - o.collectives,
+            probes - o.probes,
+            bytes_sent - o.bytes_sent,
+            bytes_received - o.bytes_received,
+            wait_ms - o.wait_ms,
+            replayed - o.replayed,
+            gradient_buckets - o.gradient_buckets,
+            gradient_bytes - o.gradient_bytes};
   }
+};
+
+/// One operation through a group's door, as an OpObserver sees it.
+struct OpRecord {
+  enum class Kind { Collective, Probe, Replayed, Bucket };
+  Kind kind = Kind::Collective;
+  std::string group;      // the group's name: "world", or a mesh axis's subgroup ("tp/2")
+  uint64_t seq = 0;       // per group and kind of call: the validated sequence, replayed, buckets
+  const char* op = "";    // "all_reduce", "all_gather", "reduce_scatter", ...
+  const char* what = "";  // the caller's label: "DDP buffer broadcast", "DDP gradient bucket", ...
+  std::vector<int64_t> shape;
+  c10::ScalarType dtype = c10::ScalarType::Undefined;
+  int64_t bytes = 0;                                 // payload this rank contributed
+  int64_t step = 0;                                  // the optimizer step (Collectives::step())
+  std::chrono::steady_clock::time_point start, end;  // end: in on_end only
+};
+
+/// Sees every operation that passes a group's door (Collectives::set_observer): on_start just
+/// before it is issued (after its validation), on_end once it completed. Called on the issuing
+/// thread, except on_end of a DDP bucket: the backend's thread that completes it, so an
+/// implementation is thread-safe. It must not issue collectives. The flight recorder's seam.
+class OpObserver {
+ public:
+  virtual ~OpObserver() = default;
+  virtual void on_start(const OpRecord& /*op*/) {}
+  virtual void on_end(const OpRecord& /*op*/) {}
 };
 
 class Collectives {
  public:
   /// `validate`: dist.validate.
   Collectives(std::shared_ptr<Group> group, Validate validate);
+  ~Collectives();
 
   int64_t rank() const { return group_->rank(); }
   int64_t size() const { return group_->size(); }
@@ -159,8 +198,23 @@ class Collectives {
   /// while none has. Does not block. "" for one rank without a store.
   std::optional<std::string> peer_failure() const;
 
-  /// Counters of the control traffic issued through this object (see TrafficStats).
-  const TrafficStats& traffic() const { return traffic_; }
+  /// The counters of everything through this group's door (see TrafficStats): this object's
+  /// calls, its replay lane's and the DDP buckets'.
+  TrafficStats traffic() const;
+
+  /// Every operation through this door (this object, its replay lane, DDP's buckets) is reported
+  /// to `observer` (null: none; the default, which costs nothing).
+  void set_observer(std::shared_ptr<OpObserver> observer);
+
+  /// The lane for collectives replayed from a schedule every rank has validated (ZeRO-2/3's
+  /// per-block gathers and reduce-scatters, dist/fsdp.h): the same group and door (counters,
+  /// observer), without a probe, with its own sequence numbers; its step follows this one's.
+  Collectives& replay_lane();
+
+  /// DDP's gradient bucket all-reduce (sum, in place), issued by the Reducer's comm hook
+  /// (dist/ddp.cpp) through the door: counted and observed, not validated (the per-step
+  /// consensus checks the bucket plan). The future completes with the reduced `buffer`.
+  c10::intrusive_ptr<c10::ivalue::Future> start_bucket_all_reduce(const torch::Tensor& buffer);
 
   /// The error for a collective `what` that failed with `error` outside this class (the DDP
   /// Reducer's gradient all-reduce): records the failure in the store and names the ranks that
@@ -170,7 +224,11 @@ class Collectives {
 
  private:
   struct Desc;
-  void check(const Desc& d);
+  struct Door;          // shared by this object, its replay lane and the DDP buckets: counters and observer
+  void check(Desc& d);  // numbers the call, validates it (dist.validate), tells the observer
+  void validate(const Desc& d);
+  void observe_start(const Desc& d);
+  OpRecord record_of(const Desc& d) const;
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
   void count(const Desc& d, double wait_ms);  // the traffic counters, for a call that finished
   static Desc step_desc(int64_t step, uint64_t plan, int64_t seq);
@@ -187,7 +245,9 @@ class Collectives {
   Validate mode_;
   int64_t step_ = 0;
   uint64_t seq_ = 0;
-  TrafficStats traffic_;
+  std::shared_ptr<Door> door_;
+  std::unique_ptr<Collectives> replay_;  // replay_lane(), made on first use
+  bool replaying_ = false;               // this object is a replay lane
 };
 
 // Cross-rank agreement, failing together and strings across ranks: one way each, used by

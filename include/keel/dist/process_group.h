@@ -67,6 +67,8 @@ class Group {
                                   std::vector<std::string> rank_names = {}) const;
   /// How messages name member `r` of this group: "rank r", or the name subgroup() was given.
   std::string rank_name(int64_t r) const;
+  /// "world", or the name subgroup() was given (a mesh axis's: "tp/2").
+  const std::string& name() const { return name_; }
 
  private:
   Group() = default;
@@ -82,6 +84,7 @@ class Group {
   std::string gloo_host_;                // the address Gloo binds (subgroups bind the same)
   std::vector<std::string> interfaces_;  // dist.interface's, for Gloo
   std::vector<std::string> rank_names_;  // subgroup(): each member's name in messages
+  std::string name_ = "world";
 };
 
 /// "gloo" or "nccl" for `backend` on `device`. Throws InputError
