@@ -8,7 +8,7 @@
 namespace keel {
 
 /// The signal (SIGINT, SIGTERM) that asked this process to stop; 0 while none did. Set by the
-/// trainer's handlers (trainer/trainer.cpp; a lock-free atomic, async-signal-safe), read by the
+/// trainer's handlers (trainer/signals.cpp; a lock-free atomic, async-signal-safe), read by the
 /// loop after each step and by long waits before it (the compile cache's entry lock).
 inline std::atomic<int> g_stop_signal{0};
 

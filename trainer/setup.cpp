@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <filesystem>
 #include <limits>
 
 #ifdef __GLIBC__
@@ -11,10 +12,14 @@
 #include <optional>
 #include <thread>
 
+#include "checkpoint/checkpointer.h"
 #include "common/log.h"
 #include "keel/common/error.h"
 #include "keel/trainer/config/config.h"
+#include "keel/trainer/data/data.h"
+#include "models/hf.h"
 #include "trainer/compile/compile_cache.h"
+#include "trainer/compile/packaging.h"
 
 namespace keel {
 
@@ -117,6 +122,99 @@ double measure_peak_tflops(const torch::Device& device, const AmpContext& amp) {
     fastest = std::min(fastest, std::chrono::duration<double>(std::chrono::steady_clock::now() - r0).count());
   }
   return 2.0 * static_cast<double>(n) * n * n / fastest / 1e12;
+}
+
+// Dropout is the eager model's: inductor packages the step from the model's Python twin, which
+// has none, and a trace would fix it on for evaluation too. Refused, never dropped silently;
+// a probability taken from init_from's config.json (not model.dropout) is said once.
+void check_dropout(const Config& cfg) {
+  const double p = models::model_dropout(cfg.model);
+  if (p <= 0) return;
+  const std::string from =
+      cfg.model.dropout < 0 ? " (from " + cfg.model.init_from + "/config.json)" : std::string(" (model.dropout)");
+  if (cfg.compile.mode != CompileMode::Off)
+    throw InputError(
+        fmt::format("model.dropout: the model drops out with probability {}{}, which compile.mode = "
+                    "\"{}\" does not compile; set compile.mode = \"off\", or model.dropout = 0",
+                    p, from, choice_name(kCompileModes, cfg.compile.mode)));
+  if (cfg.model.dropout < 0)
+    logging::info("model: dropout {} while training{}; model.dropout = 0 turns it off", p, from);
+}
+
+// What compile.mode = "inductor" packages for this run: the model at the training batch, with
+// the run's precision, device and threads.
+InductorRequest inductor_request(const Config& cfg, const models::Model& model, const torch::Device& device,
+                                 const AmpContext& amp, int64_t threads, const PythonModel* python) {
+  InductorRequest r;
+  r.model = cfg.model.name;
+  r.model_config = model_config_json(cfg);
+  // The Hugging Face families are packaged from transformers' own model of this config.json.
+  if (models::is_hf_family(cfg.model.name)) r.model_config["hf_config"] = models::hf_shape(cfg.model).config;
+  r.batch = cfg.train.batch_size;
+  r.amp = amp.enabled ? choice_name(kAmpDtypes, cfg.amp.dtype) : "off";
+  r.grad_scale = r.amp == "fp16";  // GradScaler's scale goes into the package: fp16 gradients scaled as computed
+  r.device = device;
+  r.threads = threads;
+  r.cfg = cfg.compile;
+  for (const auto& [n, p] : model.named_parameters())
+    r.param_names.push_back(n), r.param_specs.push_back(tensor_spec(p));
+  for (const auto& [n, b] : model.named_buffers())
+    r.buffer_names.push_back(n), r.buffer_specs.push_back(tensor_spec(b));
+  if (python) {
+    r.model = "python";
+    r.module = python->module_spec();
+    r.example = python->example(r.batch);
+    // The module has no C++ code: evaluation (train.eval_interval > 0) runs in the package, and
+    // whatever cannot be captured whole is an error, as compile.fullgraph = true makes it.
+    r.eval_batch = cfg.train.eval_interval > 0 ? cfg.data.eval_batch_size : 0;
+    r.cfg.fullgraph = true;
+  }
+  return r;
+}
+
+// The model cfg.model names: model.name = "python" is a user's PyTorch module (trainer/compile/
+// python_model.h), anything else comes from the model registry.
+std::shared_ptr<models::Model> make_model(const Config& cfg, std::optional<models::InputKind> data_kind) {
+  if (cfg.model.name == "python") return PythonModel::create(cfg, data_kind);
+  return models::create_model(cfg.model, data_kind);
+}
+
+// The checkpoint step whose stored package (checkpoint.save_graph) may serve compile.mode =
+// "inductor" when the compile cache has none: the step checkpoint.resume_from names, else the
+// newest committed one; only a step of this run's own checkpoint.dir (a package is native code:
+// keel loads one only from where this run writes its own). A seed only: the cache checks its
+// key and checksums before using it.
+std::string package_seed_dir(const CheckpointConfig& c) {
+  if (c.dir.empty()) return "";
+  if (!c.resume_from.empty()) {
+    std::string d;
+    try {
+      d = checkpoint::resume_from_dir(c.dir, c.resume_from);
+    } catch (const std::exception&) {
+      return "";  // the checkpointer reports it
+    }
+    std::error_code ec;
+    const auto parent = std::filesystem::path(d).lexically_normal().parent_path();
+    return std::filesystem::equivalent(parent, c.dir, ec) && !ec ? d : "";
+  }
+  std::string newest;
+  for (const auto& s : checkpoint::list_steps(c.dir))
+    if (s.committed) newest = s.path;
+  return newest;
+}
+
+CompileReport package_training_step(const Config& cfg) {
+  const dist::World world = dist::detect_world(dist::current_env());
+  const int64_t threads = set_threads(cfg.run, world);
+  const torch::Device device = resolve_device(cfg.run, world);
+  aot::load_libraries(cfg.compile.libraries);
+  check_dropout(cfg);
+  auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
+  CompileReport report;
+  InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
+                                                 dynamic_cast<const PythonModel*>(model.get())),
+                                report);
+  return report;
 }
 
 }  // namespace keel

@@ -50,59 +50,18 @@
 #include "trainer/config/limits.h"
 #include "trainer/data/sampler.h"
 #include "trainer/fault/injector.h"
+#include "trainer/loss.h"
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 #include "trainer/profiler.h"
+#include "trainer/progress.h"
 #include "trainer/rank_agreement.h"
 #include "trainer/setup.h"
+#include "trainer/signals.h"
 #include "trainer/state.h"
 
 namespace keel {
 namespace {
-
-// g_stop_signal: common/stop.h. While the process group forms (the rendezvous) there is nothing to save, and the
-// store's waits do not look at g_stop_signal: a signal then ends the process as its default action does.
-std::atomic<bool> g_at_rendezvous{false};
-
-extern "C" void on_stop_signal(int signo) {
-  if (g_at_rendezvous.load()) {
-    ::signal(signo, SIG_DFL);  // async-signal-safe
-    ::raise(signo);
-    return;
-  }
-  g_stop_signal.store(signo);
-}
-
-// Marks the rendezvous for the signal handler (see above).
-struct AtRendezvous {
-  AtRendezvous() { g_at_rendezvous.store(true); }
-  ~AtRendezvous() { g_at_rendezvous.store(false); }
-};
-
-// Installs SIGINT/SIGTERM handlers for the whole of Trainer::run(): start, compile, the steps,
-// evaluation, every save and the final one, up to summary.json (the rendezvous excepted, see
-// above). A signal (a first or a second one) only asks the loop to stop after its current step;
-// the final checkpoint is always committed (or its failure reported) before the handlers go.
-class StopSignals {
- public:
-  StopSignals() {
-    struct sigaction sa {};
-    sa.sa_handler = on_stop_signal;
-    sa.sa_flags = SA_RESTART;  // a write or a socket read in flight goes on, never fails with EINTR
-    sigemptyset(&sa.sa_mask);
-    sigaction(SIGINT, &sa, &old_int_);
-    sigaction(SIGTERM, &sa, &old_term_);
-    g_stop_signal.store(0);
-  }
-  ~StopSignals() {
-    sigaction(SIGINT, &old_int_, nullptr);
-    sigaction(SIGTERM, &old_term_, nullptr);
-  }
-
- private:
-  struct sigaction old_int_ = {};
-  struct sigaction old_term_ = {};
-};
 
 // train.steps' documented maximum (trainer/config/schema.cpp).
 constexpr int64_t kMaxPlannedSteps = 1'000'000'000'000;
@@ -137,150 +96,7 @@ class SyncDebugScope {
   int prev_ = -1;
 };
 
-// Cross-entropy over the last dimension: logits (..., C), target (...) int64.
-torch::Tensor cross_entropy(const torch::Tensor& logits, const torch::Tensor& target) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), target.reshape({-1}));
-}
-
-Registry<LossFn>& losses() {
-  static Registry<LossFn> r("loss", "train.loss",
-                            [](Registry<LossFn>& t) { t.add_builtin("cross_entropy", LossFn(cross_entropy)); });
-  return r;
-}
-
-// The loop's counters in a checkpoint (component "progress": step, skipped_steps, loss,
-// total_steps, global_batch).
-struct Progress : checkpoint::Stateful {
-  int64_t steps_done = 0;
-  int64_t skipped_steps = 0;
-  double last_loss = std::nan("");
-  int64_t total_steps = 0, global_batch = 0;
-
-  void save(checkpoint::Component& mine) const override {
-    mine.values["step"] = steps_done;
-    mine.values["skipped_steps"] = skipped_steps;
-    mine.values["loss"] = std::isfinite(last_loss) ? nlohmann::json(last_loss) : nlohmann::json(nullptr);
-    mine.values["total_steps"] = total_steps;
-    mine.values["global_batch"] = global_batch;
-  }
-  std::string check(const checkpoint::Loaded& l, const checkpoint::LoadedComponent& mine) const override {
-    const auto& sh = mine.values;
-    if (sh.contains("step") && sh["step"] != l.step)
-      return "values.step = " + sh["step"].dump() + " but the step is " + std::to_string(l.step);
-    const auto skipped = sh.value("skipped_steps", nlohmann::json(0));
-    if (!skipped.is_number_integer() || skipped.get<int64_t>() < 0 || skipped.get<int64_t>() > l.step)
-      return "values.skipped_steps = " + skipped.dump() + " is not an integer in [0, step]";
-    if (sh.contains("loss") && !sh["loss"].is_null() && !sh["loss"].is_number())
-      return "values.loss = " + sh["loss"].dump() + " is not a number";
-    return "";
-  }
-  void load(const checkpoint::Loaded& l, const checkpoint::LoadedComponent& mine) override {
-    steps_done = l.step;
-    skipped_steps = mine.values.value("skipped_steps", int64_t{0});
-    if (mine.values.contains("loss") && mine.values["loss"].is_number()) last_loss = mine.values["loss"].get<double>();
-  }
-};
-
-// Dropout is the eager model's: inductor packages the step from the model's Python twin, which
-// has none, and a trace would fix it on for evaluation too. Refused, never dropped silently;
-// a probability taken from init_from's config.json (not model.dropout) is said once.
-void check_dropout(const Config& cfg) {
-  const double p = models::model_dropout(cfg.model);
-  if (p <= 0) return;
-  const std::string from =
-      cfg.model.dropout < 0 ? " (from " + cfg.model.init_from + "/config.json)" : std::string(" (model.dropout)");
-  if (cfg.compile.mode != CompileMode::Off)
-    throw InputError(
-        fmt::format("model.dropout: the model drops out with probability {}{}, which compile.mode = "
-                    "\"{}\" does not compile; set compile.mode = \"off\", or model.dropout = 0",
-                    p, from, choice_name(kCompileModes, cfg.compile.mode)));
-  if (cfg.model.dropout < 0)
-    logging::info("model: dropout {} while training{}; model.dropout = 0 turns it off", p, from);
-}
-
-// What compile.mode = "inductor" packages for this run: the model at the training batch, with
-// the run's precision, device and threads.
-InductorRequest inductor_request(const Config& cfg, const models::Model& model, const torch::Device& device,
-                                 const AmpContext& amp, int64_t threads, const PythonModel* python = nullptr) {
-  InductorRequest r;
-  r.model = cfg.model.name;
-  r.model_config = model_config_json(cfg);
-  // The Hugging Face families are packaged from transformers' own model of this config.json.
-  if (models::is_hf_family(cfg.model.name)) r.model_config["hf_config"] = models::hf_shape(cfg.model).config;
-  r.batch = cfg.train.batch_size;
-  r.amp = amp.enabled ? choice_name(kAmpDtypes, cfg.amp.dtype) : "off";
-  r.grad_scale = r.amp == "fp16";  // GradScaler's scale goes into the package: fp16 gradients scaled as computed
-  r.device = device;
-  r.threads = threads;
-  r.cfg = cfg.compile;
-  for (const auto& [n, p] : model.named_parameters())
-    r.param_names.push_back(n), r.param_specs.push_back(tensor_spec(p));
-  for (const auto& [n, b] : model.named_buffers())
-    r.buffer_names.push_back(n), r.buffer_specs.push_back(tensor_spec(b));
-  if (python) {
-    r.model = "python";
-    r.module = python->module_spec();
-    r.example = python->example(r.batch);
-    // The module has no C++ code: evaluation (train.eval_interval > 0) runs in the package, and
-    // whatever cannot be captured whole is an error, as compile.fullgraph = true makes it.
-    r.eval_batch = cfg.train.eval_interval > 0 ? cfg.data.eval_batch_size : 0;
-    r.cfg.fullgraph = true;
-  }
-  return r;
-}
-
-// The model cfg.model names: model.name = "python" is a user's PyTorch module (trainer/compile/
-// python_model.h), anything else comes from the model registry.
-std::shared_ptr<models::Model> make_model(const Config& cfg, std::optional<models::InputKind> data_kind) {
-  if (cfg.model.name == "python") return PythonModel::create(cfg, data_kind);
-  return models::create_model(cfg.model, data_kind);
-}
-
-// The checkpoint step whose stored package (checkpoint.save_graph) may serve compile.mode =
-// "inductor" when the compile cache has none: the step checkpoint.resume_from names, else the
-// newest committed one; only a step of this run's own checkpoint.dir (a package is native code:
-// keel loads one only from where this run writes its own). A seed only: the cache checks its
-// key and checksums before using it.
-std::string package_seed_dir(const CheckpointConfig& c) {
-  if (c.dir.empty()) return "";
-  if (!c.resume_from.empty()) {
-    std::string d;
-    try {
-      d = checkpoint::resume_from_dir(c.dir, c.resume_from);
-    } catch (const std::exception&) {
-      return "";  // the checkpointer reports it
-    }
-    std::error_code ec;
-    const auto parent = std::filesystem::path(d).lexically_normal().parent_path();
-    return std::filesystem::equivalent(parent, c.dir, ec) && !ec ? d : "";
-  }
-  std::string newest;
-  for (const auto& s : checkpoint::list_steps(c.dir))
-    if (s.committed) newest = s.path;
-  return newest;
-}
-
 }  // namespace
-
-void request_stop(int signo) { g_stop_signal.store(signo); }
-
-void register_loss(const std::string& name, LossFn loss) { losses().add(name, std::move(loss)); }
-
-std::vector<std::string> registered_losses() { return losses().names(); }
-
-CompileReport package_training_step(const Config& cfg) {
-  const dist::World world = dist::detect_world(dist::current_env());
-  const int64_t threads = set_threads(cfg.run, world);
-  const torch::Device device = resolve_device(cfg.run, world);
-  aot::load_libraries(cfg.compile.libraries);
-  check_dropout(cfg);
-  auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
-  CompileReport report;
-  InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
-                                                 dynamic_cast<const PythonModel*>(model.get())),
-                                report);
-  return report;
-}
 
 // What one optimizer step produced.
 struct StepResult {

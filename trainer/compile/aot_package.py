@@ -15,7 +15,7 @@ hand:
 What is compiled: step(*params, *buffers, input, target[, grad_scale]) -> (loss, *grads[,
 *updated buffers]): the model's forward (under bf16/fp16 autocast with --amp), keel's default
 loss (cross-entropy over the last dimension, mean over every sample or token, cast to float32,
-exactly as trainer/trainer.cpp computes it) and the gradient of every parameter
+exactly as trainer/loss.cpp computes it) and the gradient of every parameter
 (torch.autograd.grad), traced by make_fx into one flat ATen graph, exported with
 torch.export.export(strict=False) and compiled by AOTInductor. Parameters, buffers and data are
 graph INPUTS (no weights are baked in), so keel's optimizer, GradScaler, ZeRO, checkpoints and
@@ -490,7 +490,7 @@ def write_init(module, path: str, spec: str) -> None:
 
 
 def keel_cross_entropy(logits, target):
-    """trainer/trainer.cpp cross_entropy(): over the last dimension, mean over all rows."""
+    """trainer/loss.cpp cross_entropy(): over the last dimension, mean over all rows."""
     import torch.nn.functional as F
 
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
