@@ -222,6 +222,23 @@ void DataParallel::hold_parameters() {
 void DataParallel::release_parameters() {
   if (fsdp_) fsdp_->reshard();
 }
+namespace {
+// The largest of every rank's `mine` (collective).
+int64_t agreed_max(Collectives& coll, int64_t mine, const char* what) {
+  auto t = torch::tensor({mine}, torch::kLong);
+  coll.all_reduce(t, ReduceOp::Max, what);
+  return t.item<int64_t>();
+}
+}  // namespace
+
+int64_t DataParallel::evaluation_rounds(int64_t batches) {
+  return placement_.shards_parameters() ? agreed_max(*coll_, batches, "evaluation batches") : batches;
+}
+
+void DataParallel::hold_whole_model(bool wanted) {
+  if (placement_.shards_parameters() ? agreed_max(*coll_, wanted ? 1 : 0, "on_end") > 0 : wanted) hold_parameters();
+}
+
 int64_t DataParallel::sharded_parameter_bytes() const { return fsdp_ ? fsdp_->parameter_bytes() : -1; }
 int64_t DataParallel::sharded_gradient_bytes() const { return fsdp_ ? fsdp_->gradient_bytes() : -1; }
 

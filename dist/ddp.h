@@ -77,6 +77,12 @@ class DataParallel {
   /// bytes this rank holds at rest (dist.zero >= 2).
   void hold_parameters();
   void release_parameters();
+  /// Evaluation's forwards for this rank's `batches`: as many at stages 0-2; at stage 3 as many as
+  /// the rank with the most (collective: one all-reduce), each block being gathered around its call.
+  int64_t evaluation_rounds(int64_t batches);
+  /// The whole model in its parameters for Callbacks::on_end, when `wanted` on this rank, or at
+  /// stage 3 on any rank (collective: one all-reduce; every rank gathers).
+  void hold_whole_model(bool wanted);
   /// dist.zero >= 2: FullyShard's conversions of optimizer state between this rank's pieces and
   /// whole parameters (null otherwise; see dist/fsdp.h).
   FullyShard* fully_shard() const { return fsdp_.get(); }

@@ -173,6 +173,8 @@ class OptimizerState : public checkpoint::Stateful {
   bool wants(const std::string& name) const;
   /// Bytes of the optimizer state this rank holds.
   int64_t state_bytes() const;
+  /// Whether each rank holds (and loads) only its own parameters' state (dist.zero >= 1).
+  bool partitioned() const { return placement_.shards_optimizer_state(); }
   /// A saved state that does not fit this optimizer (another train.optimizer, other
   /// parameters) is the user's choice of checkpoint: InputError, like a model that does not bind.
   void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;

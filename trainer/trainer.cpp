@@ -137,7 +137,6 @@ class Trainer::Loop {
   std::shared_ptr<models::Model> build_model_on_every_rank(std::optional<models::InputKind> data_kind);
   void compile_and_distribute();
   void build_optimizer();
-  PieceResharding piece_resharding() const;
   void build_checkpointing();
   void resume();
   void open_outputs();
@@ -156,7 +155,6 @@ class Trainer::Loop {
   bool needs_host(int64_t step) const;
   std::optional<EvalResult> maybe_evaluate(int64_t step);
   EvalResult evaluate(int64_t step);
-  int64_t agreed_max(int64_t mine, const char* what);
   void log_step(const StepResult& r, const std::optional<EvalResult>& eval);
   StepRecord step_record(const StepResult& r, const std::optional<EvalResult>& eval) const;
   void maybe_checkpoint(int64_t step);
@@ -188,7 +186,6 @@ class Trainer::Loop {
   std::vector<torch::Tensor> params_;
   int64_t num_parameters_ = 0;        // the model's, as built
   std::vector<torch::Tensor> owned_;  // the parameters this rank's optimizer updates (dist.zero)
-  models::NamedTensors owned_named_;
   std::unique_ptr<torch::optim::Optimizer> optimizer_;
   std::unique_ptr<OptimizerState> optimizer_state_;  // its checkpoint part (partitioned with dist.zero)
   std::optional<LrSchedule> schedule_;
@@ -418,12 +415,10 @@ void Trainer::Loop::build_optimizer() {
   }
   progress_.global_batch = cfg_.train.batch_size * cfg_.train.grad_accum * mesh_.dp();
   params_ = model_->parameters();
-  owned_named_ = dmodel_->owned_parameters();
-  for (const auto& [n, t] : owned_named_) owned_.push_back(t);
+  for (const auto& [n, t] : dmodel_->owned_parameters()) owned_.push_back(t);
   optimizer_ = optimizer_choice_->make(owned_);
   // With a sharded optimizer state the checkpoint records who owns each parameter's state.
-  optimizer_state_ = std::make_unique<OptimizerState>(*optimizer_, owned_named_, dmodel_->placement(),
-                                                      optimizer_choice_->codec(), piece_resharding());
+  optimizer_state_ = dmodel_->optimizer_state(*optimizer_, optimizer_choice_->codec());
   schedule_.emplace(cfg_.train, progress_.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
@@ -435,17 +430,6 @@ void Trainer::Loop::build_optimizer() {
           (mode == Consensus::Late || (mode == Consensus::Auto && device_.is_cuda() && group_->backend() == "nccl"));
 }
 
-// dist.zero >= 2: the optimizer state moves between this rank's pieces and whole parameters,
-// written by their owner (Placement::owner), so that any world size and stage resumes it.
-PieceResharding Trainer::Loop::piece_resharding() const {
-  dist::FullyShard* fs = dmodel_->fully_shard();
-  if (!fs) return {};
-  return {[fs](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
-            return fs->whole_state(s, fields);
-          },
-          [fs](const NamedTensorList& s) { return fs->piece_state(s); }};
-}
-
 // Every component registers its own part of a checkpoint (checkpoint/stateful.h).
 void Trainer::Loop::build_checkpointing() {
   if (cfg_.checkpoint.dir.empty()) return;
@@ -453,9 +437,8 @@ void Trainer::Loop::build_checkpointing() {
     state_.add(name, *c);
     owned_state_.push_back(std::move(c));
   };
-  own("model", std::make_unique<ModelState>(
-                   model_, models::is_hf_family(cfg_.model.name) ? models::hf_shape(cfg_.model).config : nullptr,
-                   dmodel_->placement().shards_parameters() ? dmodel_->fully_shard() : nullptr));
+  own("model", dmodel_->model_state(
+                   model_, models::is_hf_family(cfg_.model.name) ? models::hf_shape(cfg_.model).config : nullptr));
   state_.add("optimizer", *optimizer_state_);
   state_.add("progress", progress_);
   if (scaler_) state_.add("grad_scaler", *scaler_);
@@ -474,7 +457,7 @@ void Trainer::Loop::build_checkpointing() {
   o.async = cfg_.checkpoint.async;
   o.config_sha256 = sha256_hex(dump_toml(cfg_));
   o.hooks = faults_->checkpoint_hooks();
-  if (dmodel_->placement().shards_optimizer_state())  // each rank reads only its own parameters' state
+  if (optimizer_state_->partitioned())  // each rank reads only its own parameters' state
     o.wants = [s = optimizer_state_.get()](const std::string& component, const std::string& n) {
       return component != "optimizer" || s->wants(n);
     };
@@ -692,7 +675,7 @@ bool Trainer::Loop::needs_host(int64_t step) const {
 // it into *loss_now (the sum in double, as the tensor's) and returns nothing.
 torch::Tensor Trainer::Loop::forward_backward(double* loss_now) {
   zero_grads(params_);
-  if (dmodel_->placement().shards_gradients()) zero_grads(owned_);  // the gradient shards (the full ones are freed)
+  dmodel_->zero_gradient_shards();
   torch::Tensor loss_sum;
   double host_sum = 0;
   for (int64_t micro = 0; micro < cfg_.train.grad_accum; ++micro) {
@@ -808,15 +791,8 @@ std::optional<EvalResult> Trainer::Loop::maybe_evaluate(int64_t step) {
   return last_eval_;
 }
 
-// The largest of every rank's `mine` (collective).
-int64_t Trainer::Loop::agreed_max(int64_t mine, const char* what) {
-  auto t = torch::tensor({mine}, torch::kLong);
-  coll_->all_reduce(t, dist::ReduceOp::Max, what);
-  return t.item<int64_t>();
-}
-
-// Loss (and, with the default loss, top-1 accuracy) over the test split, each rank taking
-// every world-th sample; totals are summed across ranks.
+// Loss (and, with the default loss, top-1 accuracy) over the test split, each data-parallel rank
+// taking every dp-th sample; totals are summed over the dp axis.
 EvalResult Trainer::Loop::evaluate(int64_t step) {
   EvalResult r;
   r.step = step;
@@ -839,13 +815,11 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
   // dist.zero = 3: each block is gathered around its call, as in training, so every rank runs
   // as many forwards as the rank with the most batches (one more all-reduce; the extra ones
   // are discarded), and no rank holds the whole model.
-  const bool per_block = dmodel_->placement().shards_parameters();
-  auto rounds = static_cast<int64_t>(batches.size());
-  if (per_block) rounds = agreed_max(rounds, "evaluation batches");
+  const int64_t rounds = dmodel_->evaluation_rounds(static_cast<int64_t>(batches.size()));
   for (int64_t k = 0; k < rounds; ++k) {
     const bool real = k < static_cast<int64_t>(batches.size());
     auto b = splits_.test->get(real ? batches[static_cast<size_t>(k)] : std::vector<int64_t>{0});
-    auto out = per_block ? dmodel_->forward(b.input.to(device_), /*sync=*/true) : model_->forward(b.input.to(device_));
+    auto out = dmodel_->evaluation_forward(b.input.to(device_), *model_);
     if (!real) continue;
     auto target = b.target.to(device_);
     if (classifier) {
@@ -863,7 +837,7 @@ EvalResult Trainer::Loop::evaluate(int64_t step) {
     }
   }
   model_->train(true);
-  dmodel_->release_parameters();  // dist.zero = 3: the root unit, gathered by the first forward
+  dmodel_->end_evaluation();
   auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
   mesh_.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
   loss_sum = totals[0].item<double>();
@@ -968,8 +942,7 @@ void Trainer::Loop::finish() {
   dmodel_->sync_buffers();  // every rank ends with rank 0's model
   // dist.zero = 3: the whole model, gathered for on_end only (on every rank when one rank has it:
   // the gathers are collective; stage 2's parameters are whole).
-  if (dmodel_->placement().shards_parameters() ? agreed_max(cb_.on_end ? 1 : 0, "on_end") > 0 : bool(cb_.on_end))
-    dmodel_->hold_parameters();
+  dmodel_->hold_whole_model(bool(cb_.on_end));
   if (cb_.on_end) cb_.on_end(*model_);
   // Every rank leaves with the same verdict: the signal a rank received (the one that stopped
   // the loop, or one that came after the last step's consensus: evaluation, the final save,
@@ -1023,19 +996,11 @@ Summary Trainer::Loop::summary() const {
   s.resumed_from_step = resumed_from_;
   if (ckpt_ && ckpt_->last_committed() >= 0) s.checkpoint_step = ckpt_->last_committed();
   s.checkpoint_stall_ms = checkpoint_stall_ms_;
-  s.zero = dmodel_->placement().stage();
+  const auto held = dmodel_->residency(*model_);
+  s.zero = held.zero;
+  s.parameter_bytes = held.parameter_bytes;
+  s.gradient_bytes = held.gradient_bytes;
   s.optimizer_state_bytes = optimizer_state_->state_bytes();
-  std::set<const void*> grad_storages;
-  for (const auto& [n, p] : model_->named_parameters()) {
-    s.parameter_bytes += static_cast<int64_t>(p.nbytes());
-    const auto& g = p.grad();
-    if (g.defined() && grad_storages.insert(g.storage().data()).second)
-      s.gradient_bytes += static_cast<int64_t>(g.storage().nbytes());
-  }
-  if (dmodel_->fully_shard()) {  // dist.zero >= 2: what a rank holds between steps (its shards)
-    s.parameter_bytes = dmodel_->sharded_parameter_bytes();
-    s.gradient_bytes = dmodel_->sharded_gradient_bytes();
-  }
 #ifdef KEEL_WITH_CUDA
   if (device_.is_cuda()) {
     const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(device_.index());

@@ -1,7 +1,10 @@
 #include "trainer/compile/pipeline.h"
 
 #include "common/log.h"
+#include "dist/fsdp.h"
 #include "keel/common/error.h"
+#include "trainer/optim.h"
+#include "trainer/state.h"
 
 namespace keel {
 
@@ -87,6 +90,51 @@ std::optional<torch::Tensor> DistributedModel::compiled_loss(const torch::Tensor
   }
   ddp_->before_forward(sync);
   return step_->loss(params_, buffers_, input, target, grad_scale);
+}
+
+void DistributedModel::zero_gradient_shards() {
+  if (!ddp_->placement().shards_gradients()) return;
+  if (owned_.empty())
+    for (const auto& [n, t] : ddp_->owned_parameters()) owned_.push_back(t);
+  zero_grads(owned_);
+}
+
+torch::Tensor DistributedModel::evaluation_forward(const torch::Tensor& input, models::Model& eager) {
+  return ddp_->placement().shards_parameters() ? forward(input, /*sync=*/true) : eager.forward(input);
+}
+
+std::unique_ptr<OptimizerState> DistributedModel::optimizer_state(torch::optim::Optimizer& opt,
+                                                                  const OptimizerCodec& codec) const {
+  PieceResharding resharding;
+  if (dist::FullyShard* fs = ddp_->fully_shard())
+    resharding = {[fs](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
+                    return fs->whole_state(s, fields);
+                  },
+                  [fs](const NamedTensorList& s) { return fs->piece_state(s); }};
+  return std::make_unique<OptimizerState>(opt, ddp_->owned_parameters(), ddp_->placement(), codec, resharding);
+}
+
+std::unique_ptr<checkpoint::Stateful> DistributedModel::model_state(std::shared_ptr<models::Model> eager,
+                                                                    nlohmann::json hf_config) const {
+  return std::make_unique<ModelState>(std::move(eager), std::move(hf_config),
+                                      ddp_->placement().shards_parameters() ? ddp_->fully_shard() : nullptr);
+}
+
+DistributedModel::Residency DistributedModel::residency(const models::Model& eager) const {
+  Residency r;
+  r.zero = ddp_->placement().stage();
+  std::set<const void*> grad_storages;
+  for (const auto& [n, p] : eager.named_parameters()) {
+    r.parameter_bytes += static_cast<int64_t>(p.nbytes());
+    const auto& g = p.grad();
+    if (g.defined() && grad_storages.insert(g.storage().data()).second)
+      r.gradient_bytes += static_cast<int64_t>(g.storage().nbytes());
+  }
+  if (ddp_->fully_shard()) {  // dist.zero >= 2: what a rank holds between steps (its shards)
+    r.parameter_bytes = ddp_->sharded_parameter_bytes();
+    r.gradient_bytes = ddp_->sharded_gradient_bytes();
+  }
+  return r;
 }
 
 }  // namespace keel

@@ -27,6 +27,7 @@
 #include "keel/trainer/config/config.h"
 #include "trainer/compile/compile.h"
 #include "trainer/compile/inductor.h"
+#include "trainer/optim.h"
 
 namespace keel {
 
@@ -121,6 +122,32 @@ class DistributedModel {
   dist::FullyShard* fully_shard() const { return ddp_->fully_shard(); }
   int64_t sharded_parameter_bytes() const { return ddp_->sharded_parameter_bytes(); }
   int64_t sharded_gradient_bytes() const { return ddp_->sharded_gradient_bytes(); }
+  /// The gradient shards this rank keeps (dist.zero >= 2; the full gradients are freed), zeroed
+  /// before a step's micro-batches, after the model's own.
+  void zero_gradient_shards();
+  /// Evaluation: the forwards this rank runs for its `batches` (collective at dist.zero = 3, see
+  /// DataParallel::evaluation_rounds), each one's logits (the eager model's, or at dist.zero = 3
+  /// the model run block by block as it gathers them), and the end (dist.zero = 3 frees the root
+  /// unit the first forward gathered; local).
+  int64_t evaluation_rounds(int64_t batches) { return ddp_->evaluation_rounds(batches); }
+  torch::Tensor evaluation_forward(const torch::Tensor& input, models::Model& eager);
+  void end_evaluation() { ddp_->release_parameters(); }
+  /// Collective at dist.zero = 3: the whole model in its parameters for Callbacks::on_end when
+  /// `wanted` on some rank (DataParallel::hold_whole_model).
+  void hold_whole_model(bool wanted) { ddp_->hold_whole_model(wanted); }
+  /// The optimizer's part of a checkpoint: `opt`'s state over the parameters this rank's
+  /// optimizer steps (owned_parameters()), with the owner map and, at dist.zero >= 2, the
+  /// resharding between this rank's pieces and whole parameters' state (dist/fsdp.h).
+  std::unique_ptr<OptimizerState> optimizer_state(torch::optim::Optimizer& opt, const OptimizerCodec& codec) const;
+  /// The model's part: `eager`'s tensors (at dist.zero = 3 read and written through the shards).
+  std::unique_ptr<checkpoint::Stateful> model_state(std::shared_ptr<models::Model> eager,
+                                                    nlohmann::json hf_config) const;
+  /// What this rank holds at rest, for the summary: dist.zero, and the bytes of parameters and
+  /// gradients (the eager model's, distinct gradient storages once; its shards at dist.zero >= 2).
+  struct Residency {
+    int64_t zero = 0, parameter_bytes = 0, gradient_bytes = 0;
+  };
+  Residency residency(const models::Model& eager) const;
   /// compile.mode = "inductor": the loaded package (null when the step runs eager).
   const std::shared_ptr<InductorStep>& inductor_step() const { return step_; }
   /// Compile results; recompiles keep counting while training.
@@ -136,6 +163,7 @@ class DistributedModel {
   std::unique_ptr<dist::DataParallel> ddp_;
   std::shared_ptr<InductorStep> step_;
   std::vector<torch::Tensor> params_, buffers_;  // the model's, in the package's order
+  std::vector<torch::Tensor> owned_;             // zero_gradient_shards(): this rank's pieces
   std::set<std::vector<int64_t>> eager_shapes_;  // batch shapes seen that the package does not take
   int64_t max_recompiles_ = 0;
   uint64_t package_fingerprint_ = 0;
