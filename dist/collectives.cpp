@@ -253,19 +253,24 @@ c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(con
   }
   std::vector<at::Tensor> v{buffer};
   auto future = group_->pg()->allreduce(v)->getFuture();
-  future->addCallback([door = door_, observer, r, bytes](c10::ivalue::Future& f) mutable {
-    if (f.hasError()) return;  // the Reducer's wait raises it (DataParallel::backward names it)
-    {
-      std::lock_guard<std::mutex> lock(door->mu);
-      door->traffic.gradient_buckets += 1;
-      door->traffic.gradient_bytes += bytes;
-    }
-    if (observer) {
-      r.end = std::chrono::steady_clock::now();
-      observer->on_end(r);
-    }
-  });
-  return future;
+  // Counted in a then(), not a callback: the Reducer waits on the future returned, which
+  // completes only after this ran (a Future wakes its waiters before it runs its callbacks).
+  // An error passes through then() untouched (DataParallel::backward names it).
+  return future->then(
+      [door = door_, observer, r, bytes](c10::ivalue::Future& f) -> c10::IValue {
+        {
+          std::lock_guard<std::mutex> lock(door->mu);
+          door->traffic.gradient_buckets += 1;
+          door->traffic.gradient_bytes += bytes;
+        }
+        if (observer) {
+          OpRecord done = r;
+          done.end = std::chrono::steady_clock::now();
+          observer->on_end(done);
+        }
+        return f.value();
+      },
+      future->elementType());
 }
 
 // NCCL moves only CUDA tensors: host tensors (validation probes, the per-step record,
@@ -660,7 +665,9 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
     c.any_flags = c.all_flags = flags;
     return c;
   }
-  const Desc d = step_desc(step, plan, static_cast<int64_t>(seq_++));
+  Desc d = step_desc(step, plan, static_cast<int64_t>(seq_++));
+  d.issued = std::chrono::steady_clock::now();
+  observe_start(d);
   const int64_t f = static_cast<int64_t>(fingerprint(d.words())), p = d.extra;
   int64_t loss_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
@@ -681,7 +688,9 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
   auto& im = *p.impl_;
   im.step = step;
   im.seq = group_->pg() ? static_cast<int64_t>(seq_++) : 0;
-  const Desc d = step_desc(step, plan, im.seq);
+  Desc d = step_desc(step, plan, im.seq);
+  d.issued = std::chrono::steady_clock::now();
+  if (group_->pg()) observe_start(d);
   im.plan = d.extra;
   im.fingerprint = static_cast<int64_t>(fingerprint(d.words()));
   const torch::Device dev = group_->pg() ? group_->comm_device() : loss.device();

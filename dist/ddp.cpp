@@ -171,13 +171,13 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
     for (auto i : b) words.push_back(static_cast<int64_t>(i));
   }
   plan_ = fingerprint(words);
-  // The Reducer averages a gradient that is already a view into its bucket with div_(world) and
-  // copies one that is not yet with mul(1/world): at a world size that is not a power of two the
-  // two round differently, so a process's first step (no gradient a view yet) would round unlike
-  // every later one, and a resume at 3 ranks would not be bit-exact against an uninterrupted run
-  // (issue 44). Gradients defined when the Reducer is built become bucket views at once, so every
-  // step divides, as ZeRO-2/3's flat buffers do. (With find_unused_parameters an unused
-  // parameter's gradient stays undefined until it is first used, as in PyTorch.)
+  // Gradients defined when the Reducer is built become bucket views at once (issue 44: without a
+  // comm hook the Reducer divided a view with div_(world) and copied a gradient not yet one with
+  // mul(1/world), so a first step rounded unlike the later ones at a world size that is not a
+  // power of two). BucketHook now divides the whole bucket, views or copies alike, so this keeps
+  // the copy out of the first step only. (With find_unused_parameters an unused parameter's
+  // gradient stays undefined until it is first used, as in PyTorch; its first step's copy is now
+  // divided as every later step is, where the Reducer used to multiply by 1/world.)
   if (!cfg.find_unused_parameters)
     for (auto& p : params)
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);

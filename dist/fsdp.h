@@ -153,9 +153,8 @@ class FullyShard final : public models::BlockHooks {
   size_t index_of(const Unit& u) const;
 
   std::shared_ptr<models::Model> model_;
-  std::shared_ptr<Collectives> coll_;
-  // The same group, dist.validate = off (schedules). Declared before units_, so that it outlives
-  // their pending collectives.
+  std::shared_ptr<Collectives> coll_;  // and its replay lane: declared before units_, so that both
+                                       // outlive their pending collectives
   Placement placement_;
   models::NamedTensors params_;
   std::vector<std::unique_ptr<Unit>> units_;  // units_[i] = block i; the last = the root

@@ -78,6 +78,11 @@ void Mesh::connect(const std::shared_ptr<Collectives>& world_coll, Validate vali
 
 Collectives& Mesh::on(Axis a) const { return *shared(a); }
 
+void Mesh::set_step(int64_t step) {
+  for (const auto& c : colls_)
+    if (c) c->set_step(step);
+}
+
 const std::shared_ptr<Collectives>& Mesh::shared(Axis a) const {
   const auto& c = colls_[index(a)];
   if (!c) throw std::logic_error(std::string("dist::Mesh: the ") + axis_name(a) + " axis is not connected");

@@ -66,6 +66,8 @@ class Mesh {
   void connect(const std::shared_ptr<Collectives>& world_coll, Validate validate);
   /// The Collectives of `a` (connect() first). Its ranks are the axis's coordinates.
   Collectives& on(Axis a) const;
+  /// The optimizer step, on every axis's Collectives (messages, dist.validate = first_step).
+  void set_step(int64_t step);
   const std::shared_ptr<Collectives>& shared(Axis a) const;
 
  private:

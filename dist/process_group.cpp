@@ -176,13 +176,14 @@ std::shared_ptr<Group> Group::subgroup(const std::vector<int64_t>& ranks, const 
   g->world_.size = static_cast<int64_t>(ranks.size());
   g->rank_names_ = std::move(rank_names);
   g->name_ = name;
-  if (ranks.size() == 1 || !pg_) {
+  g->subgroups_made_ = 0;
+  if (ranks.size() == 1 || !pg_ || (backend_ != "gloo" && backend_ != "nccl")) {
     g->pg_.reset();
     g->store_.reset();
     g->backend_ = "none";
     return g;
   }
-  g->store_ = compat::prefix_store("keel/group/" + name, store_);
+  g->store_ = compat::prefix_store("keel/group/" + std::to_string(subgroups_made_++) + "/" + name, store_);
   const int rank = static_cast<int>(g->world_.rank), size = static_cast<int>(g->world_.size);
   if (backend_ == "gloo") g->pg_ = compat::make_gloo_group(g->store_, rank, size, timeout_, gloo_host_, interfaces_);
 #ifdef KEEL_WITH_CUDA

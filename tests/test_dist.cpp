@@ -343,8 +343,9 @@ class Recorder : public keel::dist::OpObserver {
 TEST(Collectives, OneDoorSeesGradientBucketsReplayedScheduleAndControlOps) {
   auto ranks = run_ranks(2, [](const World& w) {
     using Kind = keel::dist::OpRecord::Kind;
+    const auto world = make_collectives(w);  // one rendezvous; a fresh door over its group per stage
     for (const int64_t zero : {0, 3}) {
-      auto c = make_collectives(w);
+      auto c = std::make_shared<Collectives>(world->group(), keel::Validate::Always);
       auto rec = std::make_shared<Recorder>();
       c->set_observer(rec);
       keel::ModelConfig mc;

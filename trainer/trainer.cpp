@@ -580,6 +580,7 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
   r.step = current_step_ = step;
   if (profiler_) profiler_->before_step(r.step);
   coll_->set_step(r.step);
+  mesh_.set_step(r.step);
   r.lr = schedule_->at(r.step - 1);
   set_lr(*optimizer_, r.lr);
   const torch::Tensor loss = forward_backward(late_ ? nullptr : &r.local_loss);

@@ -79,7 +79,7 @@ class PendingStep {
   std::shared_ptr<Impl> impl_;
 };
 
-/// What the collectives through one group's door cost this rank so far. The first five count the
+/// What the collectives through one group's door cost this rank so far. The first six count the
 /// control traffic: every call but DDP's gradient buckets (the per-step consensus, validation
 /// probes, checkpoint coordination, evaluation totals, buffer broadcasts, ZeRO's gathers and
 /// reduce-scatters, replayed ones included, user collectives); the last two DDP's buckets, which
@@ -121,9 +121,11 @@ struct OpRecord {
 };
 
 /// Sees every operation that passes a group's door (Collectives::set_observer): on_start just
-/// before it is issued (after its validation), on_end once it completed. Called on the issuing
-/// thread, except on_end of a DDP bucket: the backend's thread that completes it, so an
-/// implementation is thread-safe. It must not issue collectives. The flight recorder's seam.
+/// before it is issued (after its validation; a validation probe is reported by on_end alone),
+/// on_end once the host saw it complete. Called on the issuing thread, except on_end of a DDP
+/// bucket: the backend's thread that completes it, so an implementation is thread-safe. With
+/// NCCL a bucket and a collective whose result stays on the device complete when enqueued (the
+/// stream waits, not the host). It must not throw or issue collectives. The flight recorder's seam.
 class OpObserver {
  public:
   virtual ~OpObserver() = default;

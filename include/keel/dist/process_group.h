@@ -85,6 +85,7 @@ class Group {
   std::vector<std::string> interfaces_;  // dist.interface's, for Gloo
   std::vector<std::string> rank_names_;  // subgroup(): each member's name in messages
   std::string name_ = "world";
+  mutable int64_t subgroups_made_ = 0;  // in each subgroup's store prefix: a name made twice meets no stale keys
 };
 
 /// "gloo" or "nccl" for `backend` on `device`. Throws InputError
