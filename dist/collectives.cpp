@@ -396,6 +396,10 @@ void Collectives::count(const Desc& d, double wait_ms) {
                             : 0;
   const bool gather = !d.validation && (d.op == static_cast<int64_t>(OpCode::AllGather) ||
                                         d.op == static_cast<int64_t>(OpCode::StepSync));
+  tally(d, bytes, bytes, gather ? bytes * size() : bytes, wait_ms);
+}
+
+void Collectives::tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms) {
   std::shared_ptr<OpObserver> observer;
   {
     std::lock_guard<std::mutex> lock(door_->mu);
@@ -403,18 +407,17 @@ void Collectives::count(const Desc& d, double wait_ms) {
     t.collectives += 1;
     t.probes += d.validation ? 1 : 0;
     t.replayed += replaying_ ? 1 : 0;
-    t.bytes_sent += bytes;
-    t.bytes_received += gather ? bytes * size() : bytes;
+    t.bytes_sent += sent;
+    t.bytes_received += received;
     t.wait_ms += wait_ms;
     observer = door_->observer;
   }
-  if (observer) {
-    OpRecord r = record_of(d);
-    r.bytes = bytes;
-    r.end = std::chrono::steady_clock::now();
-    if (d.validation) r.start = r.end - std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
-    observer->on_end(r);
-  }
+  if (!observer) return;
+  OpRecord r = record_of(d);
+  r.bytes = payload;
+  r.end = std::chrono::steady_clock::now();
+  if (d.validation) r.start = r.end - std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
+  observer->on_end(r);
 }
 
 void Collectives::check(Desc& d) {
@@ -613,21 +616,8 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
   }
   int64_t bytes = 0;
   for (const auto& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
-  std::shared_ptr<OpObserver> observer;
-  {
-    std::lock_guard<std::mutex> lock(door_->mu);
-    door_->traffic.collectives += 1;
-    door_->traffic.bytes_sent += rank() == root ? bytes : 0;
-    door_->traffic.bytes_received += rank() == root ? 0 : bytes;
-    door_->traffic.wait_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    observer = door_->observer;
-  }
-  if (observer) {
-    OpRecord r = record_of(d);
-    r.bytes = bytes;
-    r.end = std::chrono::steady_clock::now();
-    observer->on_end(r);
-  }
+  tally(d, bytes, rank() == root ? bytes : 0, rank() == root ? 0 : bytes,
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
 
 struct PendingStep::Impl {

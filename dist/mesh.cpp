@@ -29,8 +29,12 @@ Mesh Mesh::build(const World& world, const MeshShape& shape) {
   Mesh m;
   m.world_ = world;
   m.sizes_ = {pp, dp, tp};
-  m.coords_ = {world.rank / (dp * tp), world.rank / tp % dp, world.rank % tp};
+  m.coords_ = m.coordinates_of(world.rank);
   return m;
+}
+
+std::array<int64_t, 3> Mesh::coordinates_of(int64_t world_rank) const {
+  return {world_rank / (dp() * tp()), world_rank / tp() % dp(), world_rank % tp()};
 }
 
 int64_t Mesh::rank_at(int64_t pp_index, int64_t dp_index, int64_t tp_index) const {
@@ -52,7 +56,7 @@ std::string Mesh::name_of(int64_t world_rank) const {
   int axes_in_use = 0;
   for (const Axis a : kAxes) axes_in_use += size(a) > 1;
   if (axes_in_use <= 1) return name;
-  const int64_t c[3] = {world_rank / (dp() * tp()), world_rank / tp() % dp(), world_rank % tp()};
+  const auto c = coordinates_of(world_rank);
   return name + " (pp " + std::to_string(c[0]) + ", dp " + std::to_string(c[1]) + ", tp " + std::to_string(c[2]) + ")";
 }
 

@@ -50,6 +50,8 @@ class Mesh {
   int64_t tp() const { return size(Axis::Tp); }
   int64_t pp() const { return size(Axis::Pp); }
 
+  /// The coordinates (pp, dp, tp) of `world_rank`; rank_at() inverts it.
+  std::array<int64_t, 3> coordinates_of(int64_t world_rank) const;
   /// The world rank at coordinates (pp, dp, tp).
   int64_t rank_at(int64_t pp_index, int64_t dp_index, int64_t tp_index) const;
   /// The world ranks of this rank's group along `a` (those that differ from it in `a` alone), in

@@ -233,6 +233,9 @@ class Collectives {
   OpRecord record_of(const Desc& d) const;
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
   void count(const Desc& d, double wait_ms);  // the traffic counters, for a call that finished
+  // One finished call into the door's counters (`sent`, `received` bytes), then the observer's
+  // on_end with `payload` (this rank's contribution).
+  void tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms);
   static Desc step_desc(int64_t step, uint64_t plan, int64_t seq);
   StepConsensus read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const;
   std::string describe(const Desc& d) const;
