@@ -3,6 +3,8 @@
 
 #include <type_traits>
 
+#include "dist/mesh.h"
+#include "dist/transform_plan.h"
 #include "trainer/compile/pipeline.h"
 
 using keel::CompiledModel;
@@ -64,6 +66,71 @@ TEST(Pipeline, RunsEndToEndOnOneProcess) {
   auto loss = dm.forward(torch::randn({4, 1, 28, 28}), true).sum();
   dm.backward(loss, true);
   for (auto& p : dm.model().parameters()) EXPECT_TRUE(p.grad().defined());
+}
+
+// place -> compile -> distribute are the five transforms in their one order, each recording what
+// it did to the model.
+TEST(Pipeline, TheTransformsRunInTheirOneOrderAndSayWhatEachDid) {
+  keel::ModelConfig mc;
+  mc.name = "mlp";
+  auto coll = std::make_shared<keel::dist::Collectives>(
+      keel::dist::Group::create(keel::dist::World{}, keel::DistConfig{}, torch::kCPU), keel::Validate::Always);
+  keel::DistConfig dc;
+  dc.zero = 1;
+  keel::CompileConfig cc;
+  cc.mode = keel::CompileMode::Trace;
+  DistributedModel dm = keel::place(keel::models::create_model(mc), torch::kCPU)
+                            .compile(cc, torch::randn({4, 1, 28, 28}))
+                            .distribute(coll, dc);
+  const auto& steps = dm.transforms().steps();
+  ASSERT_TRUE(dm.transforms().complete());
+  ASSERT_EQ(steps.size(), keel::dist::kTransformOrder.size());
+  for (size_t i = 0; i < steps.size(); ++i) EXPECT_EQ(steps[i].first, keel::dist::kTransformOrder[i]) << i;
+  EXPECT_EQ(dm.transforms().describe(),
+            "stages: whole model (pp 1) -> tensor parallel: none (tp 1) -> recompute: off -> compile: trace -> "
+            "data parallel: zero 1 over 1 rank");
+}
+
+// The record refuses a transform out of its place: a second line behind the types.
+TEST(Pipeline, ATransformOutOfOrderIsRefusedNamingBoth) {
+  using keel::dist::Transform;
+  auto refused = [](keel::dist::TransformPlan& p, Transform t) -> std::string {
+    try {
+      p.applied(t, "x");
+    } catch (const std::logic_error& e) {
+      return e.what();
+    }
+    return "";
+  };
+  keel::dist::TransformPlan plan;
+  EXPECT_NE(refused(plan, Transform::Compile).find("compile applied where stages comes next"), std::string::npos);
+  plan.applied(Transform::Stages, "whole model");
+  EXPECT_NE(refused(plan, Transform::Stages).find("stages applied where tensor parallel comes next"),
+            std::string::npos);
+  EXPECT_NE(refused(plan, Transform::DataParallel).find("data parallel applied where tensor parallel comes next"),
+            std::string::npos);
+  for (Transform t : {Transform::TensorParallel, Transform::Recompute, Transform::Compile, Transform::DataParallel})
+    plan.applied(t, "x");
+  EXPECT_TRUE(plan.complete());
+  EXPECT_NE(refused(plan, Transform::DataParallel).find("after the last transform"), std::string::npos);
+}
+
+// A mesh whose tp or pp axis is larger than 1 reaches a transform that is not there yet: placing
+// on it fails naming the axis, instead of training the whole model on every rank unnoticed.
+TEST(Pipeline, PlacingOnAMeshWithTensorOrPipelineParallelismIsRefusedUntilThoseTransformsExist) {
+  keel::ModelConfig mc;
+  mc.name = "mlp";
+  keel::dist::World world;
+  world.size = 4;
+  for (const auto& [shape, axis] : {std::pair{keel::dist::MeshShape{1, 0, 2}, std::string("tp = 2")},
+                                    std::pair{keel::dist::MeshShape{2, 0, 1}, std::string("pp = 2")}}) {
+    try {
+      keel::place(keel::models::create_model(mc), torch::kCPU, keel::dist::Mesh::build(world, shape));
+      ADD_FAILURE() << "expected an error for " << axis;
+    } catch (const std::logic_error& e) {
+      EXPECT_NE(std::string(e.what()).find(axis), std::string::npos) << e.what();
+    }
+  }
 }
 
 // A model that ignores to(): its tensors stay where they are.

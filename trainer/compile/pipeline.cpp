@@ -2,13 +2,20 @@
 
 #include "common/log.h"
 #include "dist/fsdp.h"
+#include "dist/recompute.h"
+#include "dist/stages.h"
+#include "dist/tensor_parallel.h"
 #include "keel/common/error.h"
 #include "trainer/optim.h"
 #include "trainer/state.h"
 
 namespace keel {
 
-PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device) {
+PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device, const dist::Mesh& mesh) {
+  dist::TransformPlan plan;
+  model = dist::split_into_stages(std::move(model), mesh, plan);
+  dist::shard_tensor_parallel(*model, mesh, plan);
+  dist::wrap_recompute(*model, /*enabled=*/false, plan);
   model->to(device);
   auto check = [&](const models::NamedTensors& tensors, const char* kind) {
     for (const auto& [name, t] : tensors)
@@ -19,7 +26,7 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
   };
   check(model->named_parameters(), "parameter");
   check(model->named_buffers(), "buffer");
-  return PlacedModel(std::move(model), device);
+  return PlacedModel(std::move(model), device, std::move(plan));
 }
 
 CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor& example, const std::string& identity,
@@ -37,29 +44,35 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
       report->warnings.push_back(e.what());
       logging::warn("{}; training the eager model instead (compile.fullgraph = true makes this an error)", e.what());
     }
-    CompiledModel m(std::move(model_), device_, std::move(report), std::move(step));
+    plan_.applied(dist::Transform::Compile, report->mode);
+    CompiledModel m(std::move(model_), device_, std::move(report), std::move(plan_), std::move(step));
     m.max_recompiles = cfg.max_recompiles;
     return m;
   }
   auto compiled = compile_model(std::move(model_), cfg, example.to(device_), *report, identity);
-  return CompiledModel(std::move(compiled), device_, std::move(report));
+  plan_.applied(dist::Transform::Compile, report->mode);
+  return CompiledModel(std::move(compiled), device_, std::move(report), std::move(plan_));
 }
 
 DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) && {
+  const int64_t ranks = coll->size();
   auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg);
+  plan_.applied(dist::Transform::DataParallel, "zero " + std::to_string(ddp->placement().stage()) + " over " +
+                                                   std::to_string(ranks) + (ranks == 1 ? " rank" : " ranks"));
   return DistributedModel(std::move(model_), device_, std::move(report_), std::move(ddp), std::move(step_),
-                          max_recompiles);
+                          max_recompiles, std::move(plan_));
 }
 
 DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
                                    std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step,
-                                   int64_t max_recompiles)
+                                   int64_t max_recompiles, dist::TransformPlan plan)
     : model_(std::move(m)),
       device_(d),
       report_(std::move(r)),
       ddp_(std::move(ddp)),
       step_(std::move(step)),
-      max_recompiles_(max_recompiles) {
+      max_recompiles_(max_recompiles),
+      plan_(std::move(plan)) {
   if (step_) {
     params_ = model_->parameters();
     for (const auto& [name, b] : model_->named_buffers()) buffers_.push_back(b);

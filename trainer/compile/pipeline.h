@@ -1,8 +1,13 @@
 // trainer/compile/pipeline.h: the only way to get a trainable distributed model:
 //
-//   auto dm = keel::place(model, device)      // PlacedModel:   every tensor on `device`
-//                 .compile(cfg.compile)       // CompiledModel: the static-graph stage
-//                 .distribute(coll, cfg.dist);// DistributedModel: DDP over the group
+//   auto dm = keel::place(model, device, mesh) // PlacedModel:   this rank's stage, its tp shard,
+//                                              //   recompute wrapped, every tensor on `device`
+//                 .compile(cfg.compile)        // CompiledModel: the static-graph stage
+//                 .distribute(coll, cfg.dist); // DistributedModel: DDP / ZeRO over the dp axis
+//
+// These are dist/transform_plan.h's five transforms in their fixed order (stages, tensor
+// parallel, recompute, compile, data parallel); each stage's model carries the plan's record
+// (DistributedModel::transforms()).
 //
 // Each stage is a distinct type that offers only the next step, and each step consumes its
 // stage (&&-qualified), so compiling after DDP, distributing before placement or compiling
@@ -22,6 +27,8 @@
 #include <vector>
 
 #include "dist/ddp.h"
+#include "dist/mesh.h"
+#include "dist/transform_plan.h"
 #include "keel/dist/collectives.h"
 #include "keel/models/model.h"
 #include "keel/trainer/config/config.h"
@@ -48,12 +55,15 @@ class PlacedModel {
                         const InductorRequest* inductor = nullptr) &&;
   models::Model& model() { return *model_; }
   const torch::Device& device() const { return device_; }
+  const dist::TransformPlan& transforms() const { return plan_; }
 
  private:
-  friend PlacedModel place(std::shared_ptr<models::Model>, const torch::Device&);
-  PlacedModel(std::shared_ptr<models::Model> m, torch::Device d) : model_(std::move(m)), device_(d) {}
+  friend PlacedModel place(std::shared_ptr<models::Model>, const torch::Device&, const dist::Mesh&);
+  PlacedModel(std::shared_ptr<models::Model> m, torch::Device d, dist::TransformPlan plan)
+      : model_(std::move(m)), device_(d), plan_(std::move(plan)) {}
   std::shared_ptr<models::Model> model_;
   torch::Device device_;
+  dist::TransformPlan plan_;
 };
 
 /// Stage 2: the model as it will run (compile.mode = off: the eager module).
@@ -63,19 +73,22 @@ class CompiledModel {
   CompiledModel& operator=(CompiledModel&&) = default;
   CompiledModel(const CompiledModel&) = delete;  // one model, one pipeline
   CompiledModel& operator=(const CompiledModel&) = delete;
+  /// The data-parallel transform over `coll`'s ranks (the mesh's dp axis).
   DistributedModel distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) &&;
   const CompileReport& report() const { return *report_; }
+  const dist::TransformPlan& transforms() const { return plan_; }
   /// compile.max_recompiles, for the batches of other shapes (set by compile()).
   int64_t max_recompiles = 8;
 
  private:
   friend class PlacedModel;
   CompiledModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
-                std::shared_ptr<InductorStep> step = nullptr)
-      : model_(std::move(m)), device_(d), report_(std::move(r)), step_(std::move(step)) {}
+                dist::TransformPlan plan, std::shared_ptr<InductorStep> step = nullptr)
+      : model_(std::move(m)), device_(d), report_(std::move(r)), plan_(std::move(plan)), step_(std::move(step)) {}
   std::shared_ptr<models::Model> model_;
   torch::Device device_;
   std::shared_ptr<CompileReport> report_;
+  dist::TransformPlan plan_;
   std::shared_ptr<InductorStep> step_;  // compile.mode = "inductor"
 };
 
@@ -152,11 +165,14 @@ class DistributedModel {
   const std::shared_ptr<InductorStep>& inductor_step() const { return step_; }
   /// Compile results; recompiles keep counting while training.
   const CompileReport& compile_report() const { return *report_; }
+  /// What each of the five transforms did to this model, in order.
+  const dist::TransformPlan& transforms() const { return plan_; }
 
  private:
   friend class CompiledModel;
   DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
-                   std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step, int64_t max_recompiles);
+                   std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step, int64_t max_recompiles,
+                   dist::TransformPlan plan);
   std::shared_ptr<models::Model> model_;
   torch::Device device_;
   std::shared_ptr<CompileReport> report_;
@@ -167,10 +183,14 @@ class DistributedModel {
   std::set<std::vector<int64_t>> eager_shapes_;  // batch shapes seen that the package does not take
   int64_t max_recompiles_ = 0;
   uint64_t package_fingerprint_ = 0;
+  dist::TransformPlan plan_;
 };
 
-/// Stage 0 -> 1: moves the model to `device` and checks that every parameter and buffer is
-/// there. Throws std::runtime_error naming the first tensor that is not.
-PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device);
+/// Stage 0 -> 1: the transforms before compile, on `mesh` (default: one rank), in their order:
+/// this rank's pipeline stage (dist/stages.h), its tensor-parallel shard (dist/tensor_parallel.h),
+/// the recompute wrapping (dist/recompute.h); then moves the model to `device` and checks that
+/// every parameter and buffer is there. Throws std::runtime_error naming the first tensor that is not.
+PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device,
+                  const dist::Mesh& mesh = dist::Mesh());
 
 }  // namespace keel

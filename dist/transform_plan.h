@@ -1,0 +1,43 @@
+// dist/transform_plan.h: the fixed order in which a model's parts are transformed for training,
+// and the record of one model's way through it.
+//
+//   stages -> tensor parallel -> recompute -> compile -> data parallel
+//
+// (torchtitan's order, with pipeline stages first: each stage is then sharded, wrapped, compiled
+// and replicated on its own.) The types of trainer/compile/pipeline.h enforce the order:
+// place() runs the first three (dist/stages.h, dist/tensor_parallel.h, dist/recompute.h), compile()
+// the fourth, distribute() the fifth (dist/ddp.h). TransformPlan checks it a second time at run
+// time and says what each transform did, for the log and for tests.
+// Owns: the order, the record. Does not own: the transforms themselves.
+#pragma once
+
+#include <array>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace keel::dist {
+
+enum class Transform { Stages, TensorParallel, Recompute, Compile, DataParallel };
+inline constexpr std::array<Transform, 5> kTransformOrder{
+    Transform::Stages, Transform::TensorParallel, Transform::Recompute, Transform::Compile, Transform::DataParallel};
+/// "stages", "tensor parallel", "recompute", "compile", "data parallel".
+const char* transform_name(Transform t);
+
+class TransformPlan {
+ public:
+  /// Records that `t` was applied, with what it did ("none (tp 1)", "inductor", ...). Throws
+  /// std::logic_error naming both transforms when `t` is not the next in kTransformOrder (one
+  /// skipped, repeated, or out of order): a programming error, never the user's.
+  void applied(Transform t, std::string what);
+  /// Whether every transform has been applied.
+  bool complete() const { return steps_.size() == kTransformOrder.size(); }
+  const std::vector<std::pair<Transform, std::string>>& steps() const { return steps_; }
+  /// "stages: whole model (pp 1) -> tensor parallel: none (tp 1) -> ...".
+  std::string describe() const;
+
+ private:
+  std::vector<std::pair<Transform, std::string>> steps_;
+};
+
+}  // namespace keel::dist

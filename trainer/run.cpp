@@ -1,0 +1,236 @@
+#include "trainer/run.h"
+
+#include <unistd.h>
+
+#include <filesystem>
+#include <string>
+
+#include "amp/autocast.h"
+#include "checkpoint/weights.h"
+#include "common/clock.h"
+#include "common/log.h"
+#include "common/stop.h"
+#include "keel/common/error.h"
+#include "models/hf.h"
+#include "trainer/app/log.h"
+#include "trainer/compile/inductor.h"
+#include "trainer/compile/packaging.h"
+#include "trainer/config/limits.h"
+#include "trainer/rank_agreement.h"
+#include "trainer/signals.h"
+
+namespace keel {
+namespace {
+
+// train.steps' documented maximum (trainer/config/schema.cpp).
+constexpr int64_t kMaxPlannedSteps = 1'000'000'000'000;
+
+}  // namespace
+
+Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
+    : cfg(cfg), world(world), cb(cb), loss(cb.loss ? cb.loss : losses().get(cfg.train.loss)) {
+  init_logging(cfg.run, world.rank, world.size);
+  tune_allocator();
+  threads = set_threads(cfg.run, world);
+  torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
+  device = resolve_device(cfg.run, world);
+  const auto t_rdzv = Clock::now();
+  {
+    AtRendezvous at_rendezvous;
+    group = dist::Group::create(world, cfg.dist, device);
+    agree_on_config(group, cfg);  // before the first collective
+  }
+  rendezvous_ms = ms_since(t_rdzv);
+  coll = std::make_shared<dist::Collectives>(group, cfg.dist.validate);
+  mesh = dist::Mesh::build(world);
+  mesh.connect(coll, cfg.dist.validate);
+  optimizer_choice.emplace(resolve_optimizer(cfg.train));  // an unknown or unusable one stops the run here
+  lock_directories();
+  check_memory_needs();
+  build_model_and_data();
+  compile_and_distribute();
+  build_optimizer();
+}
+
+void Run::lock_directories() {
+  std::string error;
+  if (world.is_main()) {
+    char host[256] = {0};
+    ::gethostname(host, sizeof host - 1);
+    const std::string who = "keel run \"" + cfg.run.name + "\" (pid " + std::to_string(::getpid()) + " on " + host +
+                            ", " + std::to_string(world.size) + " rank(s))";
+    auto take = [&](DirLock& lock, const std::string& key, const std::string& dir) {
+      if (!error.empty() || dir.empty()) return;
+      const std::string why = lock.try_lock(dir, who);
+      if (why.rfind("held by ", 0) == 0)
+        error = key + " = \"" + dir + "\" is in use by another run: its lock (" + dir + "/.keel.lock) is " + why +
+                "; wait for it to end, or give this run another " + key;
+      else if (!why.empty())
+        error = key + ": " + why;
+    };
+    take(run_dir_lock, "run.dir", cfg.run.dir);
+    std::error_code ec1;
+    const bool same =
+        !cfg.checkpoint.dir.empty() && std::filesystem::equivalent(cfg.run.dir, cfg.checkpoint.dir, ec1) && !ec1;
+    if (!same) take(checkpoint_dir_lock, "checkpoint.dir", cfg.checkpoint.dir);
+  }
+  if (const dist::RankError e = dist::first_error(*coll, error, "directory locks"))
+    throw InputError(e.rank == world.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
+}
+
+// What the model, one micro-batch and the data need, from the config alone (trainer/config/limits.h):
+// exit 2 on every rank naming the keys and the sizes, before any of it is allocated.
+void Run::check_memory_needs() {
+  std::string problem;
+  if (const auto host = available_memory_bytes())
+    problem = memory_problem(cfg, mesh.dp(), world.local_size, device.is_cuda(), *host,
+                             device.is_cuda() ? device_free_bytes(device.index()) : std::nullopt);
+  if (const dist::RankError e = dist::first_error(*coll, problem, "memory estimate"))
+    throw InputError(e.rank == world.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
+}
+
+// The model (and compile.libraries, which a Python module's packaging needs), agreed: a rank that
+// cannot build it (a file or library missing on its host, another Python there) fails every rank
+// together, each naming that rank and its reason, instead of leaving the others to a lost peer.
+std::shared_ptr<models::Model> Run::build_model_on_every_rank(std::optional<models::InputKind> data_kind) {
+  std::shared_ptr<models::Model> built;
+  std::string error;
+  bool input = true;  // the user's input (exit 2) or not (exit 1)
+  try {
+    aot::load_libraries(cfg.compile.libraries);
+    built = make_model(cfg, data_kind);
+  } catch (const InputError& e) {
+    error = e.what();
+  } catch (const Stopped&) {
+    throw;  // a stop signal ended a wait (the compile cache's lock): every rank got it
+  } catch (const std::exception& e) {
+    error = e.what();
+    input = false;
+  }
+  if (const dist::RankError e = dist::first_error(*coll, error.empty() ? "" : (input ? "2" : "1") + error, "model")) {
+    const std::string why = (e.rank == world.rank ? "" : "rank " + std::to_string(e.rank) + ": ") + e.message.substr(1);
+    if (e.message[0] == '2') throw InputError(why);
+    throw std::runtime_error(why);
+  }
+  return built;
+}
+
+void Run::build_model_and_data() {
+  // The data's native input kind is asked first so that an unknown dataset is reported before
+  // a model is built.
+  const auto data_kind = data::native_input_kind(cfg.data.name);
+  model = build_model_on_every_rank(data_kind);
+  num_parameters = model->num_parameters();  // (dist.zero = 3 empties the model's own between steps)
+  python = std::dynamic_pointer_cast<PythonModel>(model);
+  if (!cfg.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
+    // The Hugging Face families read transformers' files under their older names too.
+    const int64_t n = checkpoint::load_weights(*model, cfg.model.init_from,
+                                               models::is_hf_family(cfg.model.name)
+                                                   ? models::hf_tensor_rename(models::hf_shape(cfg.model))
+                                                   : checkpoint::TensorRename{});
+    logging::info("model: {} tensors from {} (model.init_from)", n, cfg.model.init_from);
+  }
+  spec = model->input_spec();
+  splits = data::create_dataset(cfg.data, spec, cfg.run.seed);
+  model->train(true);
+  amp = AmpContext::resolve(cfg.amp, device);
+  faults = std::make_unique<FaultInjector>(cfg.fault, world, device, std::chrono::seconds(cfg.dist.timeout_s));
+  faults->signal(FaultPhase::Start, 0);
+  model = faults->wrap_model(model);
+  if (amp::loss_scaling_enabled(cfg.amp)) scaler = std::make_unique<amp::GradScaler>(cfg.amp);
+  try {
+    sampler = std::make_unique<data::DistributedSampler>(splits.train->size(), mesh.dp(), mesh.dp_rank(),
+                                                         cfg.train.batch_size, cfg.data.shuffle, cfg.data.drop_last,
+                                                         static_cast<uint64_t>(cfg.run.seed));
+  } catch (const std::invalid_argument& e) {
+    throw InputError(std::string("data: ") + e.what());
+  }
+  // A Python module runs only its compiled step, at one batch shape (every rank alike).
+  if (const int64_t tail = static_cast<int64_t>(sampler->rank_indices(0).size()) % cfg.train.batch_size;
+      python && tail != 0)
+    throw InputError("model.name = \"python\" runs only its compiled step, at train.batch_size = " +
+                     std::to_string(cfg.train.batch_size) + ": data.drop_last = false leaves a last batch of " +
+                     std::to_string(tail) +
+                     " samples per rank and epoch, which it cannot run; set data.drop_last = true");
+}
+
+// The fixed init pipeline, place -> compile -> distribute (trainer/compile/pipeline.h), with
+// autocast around tracing so that the casts are part of the graph.
+void Run::compile_and_distribute() {
+  const data::Batch first = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0));
+  const torch::Tensor& example = first.input;
+  check_dropout(cfg);
+  std::optional<InductorRequest> inductor;
+  if (cfg.compile.mode == CompileMode::Inductor) {
+    if (cb.loss || cfg.train.loss != "cross_entropy") {  // a C++ loss cannot be traced into the package
+      if (cfg.compile.fullgraph || python)
+        throw InputError(
+            "compile.mode = \"inductor\" compiles keel's cross-entropy into the step; a custom loss "
+            "(Callbacks::loss, train.loss) cannot be, and " +
+            std::string(python ? "model.name = \"python\" runs only compiled"
+                               : "compile.fullgraph = true makes that an error"));
+      logging::warn(
+          "compile.mode = \"inductor\": a custom loss (Callbacks::loss, train.loss) cannot be compiled into the step; "
+          "training eager");
+    } else {
+      inductor = inductor_request(cfg, *model, device, amp, threads, python.get());
+      inductor->seed_dir = package_seed_dir(cfg.checkpoint);
+    }
+  }
+  auto compile = [&] {
+    return compile_on_every_rank(*coll, [&] {
+      faults->signal(FaultPhase::Compile, 0);
+      amp::Autocast ac(device.type(), amp.dtype, amp.enabled);
+      // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
+      const std::string identity =
+          cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg.model, cfg.amp);
+      return place(model, device, mesh).compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);
+    });
+  };
+  if (!inductor) {
+    dmodel.emplace(compile().distribute(mesh.shared(dist::Axis::Dp), cfg.dist));
+    logging::info("model transforms: {}", dmodel->transforms().describe());
+    return;
+  }
+  try {
+    dmodel.emplace(compile().distribute(mesh.shared(dist::Axis::Dp), cfg.dist));
+    if (python) python->attach(dmodel->inductor_step(), /*evaluates=*/inductor->eval_batch > 0);
+    logging::info("model transforms: {}", dmodel->transforms().describe());
+  } catch (const CompileError& e) {
+    // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
+    // that cannot be captured whole is the user's model: exit 2.
+    throw InputError(std::string(e.what()) +
+                     (python ? " (model.name = \"python\" runs only compiled)" : " (compile.fullgraph = true)"));
+  }
+}
+
+void Run::build_optimizer() {
+  progress.total_steps = cfg.train.steps;
+  if (cfg.train.epochs > 0) {
+    // train.steps' documented bound holds for the steps that epochs make, too.
+    int64_t batches = 0;
+    if (__builtin_mul_overflow(cfg.train.epochs, sampler->batches_per_epoch(), &batches) ||
+        batches / cfg.train.grad_accum > kMaxPlannedSteps)
+      throw InputError("train.epochs = " + std::to_string(cfg.train.epochs) + " makes more than " +
+                       std::to_string(kMaxPlannedSteps) + " steps (" + std::to_string(sampler->batches_per_epoch()) +
+                       " batches per epoch); lower it or use train.steps");
+    progress.total_steps = std::max<int64_t>(1, batches / cfg.train.grad_accum);
+  }
+  progress.global_batch = cfg.train.batch_size * cfg.train.grad_accum * mesh.dp();
+  params = model->parameters();
+  for (const auto& [n, t] : dmodel->owned_parameters()) owned.push_back(t);
+  optimizer = optimizer_choice->make(owned);
+  // With a sharded optimizer state the checkpoint records who owns each parameter's state.
+  optimizer_state = dmodel->optimizer_state(*optimizer, optimizer_choice->codec());
+  schedule.emplace(cfg.train, progress.total_steps);
+  // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
+  // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
+  fused = dynamic_cast<FusedOptimizer*>(optimizer.get());
+  const Consensus mode = cfg.dist.consensus;
+  if (mode == Consensus::Late && !fused)
+    throw InputError("dist.consensus = \"late\" needs a fused optimizer (train.fused_optimizer = true)");
+  late =
+      fused && (mode == Consensus::Late || (mode == Consensus::Auto && device.is_cuda() && group->backend() == "nccl"));
+}
+
+}  // namespace keel

@@ -1,0 +1,217 @@
+#include "trainer/step/step.h"
+
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "amp/autocast.h"
+#include "amp/grad_scaler.h"
+#include "trainer/run.h"
+#include "trainer/step/compiled.h"
+#include "trainer/step/eager.h"
+
+namespace keel {
+
+std::unique_ptr<Step> make_step(Run& run) {
+  if (run.dmodel->inductor_step()) return std::make_unique<CompiledStep>(run);
+  return std::make_unique<EagerStep>(run);
+}
+
+Launched Step::launch(StepResult& r) {
+  r.lr = run_.schedule->at(r.step - 1);
+  set_lr(*run_.optimizer, r.lr);
+  Launched l;
+  l.loss = forward_backward(run_.late ? nullptr : &r.local_loss);
+  r.epoch = run_.sampler->position().epoch;
+  run_.faults->after_backward(r.step, run_.owned);
+  // The verdict on the device (late), or read now (step: the host decides, as cheaply as it can).
+  if (run_.late) {
+    l.nonfinite = local_nonfinite(l.loss);
+  } else {
+    l.nonfinite_now = local_nonfinite_now(r.local_loss);
+  }
+  return l;
+}
+
+torch::Tensor Step::eager_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync) {
+  amp::Autocast ac(run_.device.type(), run_.amp.dtype, run_.amp.enabled);
+  auto out = run_.dmodel->forward(input, sync, /*step=*/true);
+  return run_.loss(out, target).to(torch::kFloat);
+}
+
+// Forward and backward over the step's micro-batches; returns this rank's mean loss, a float64
+// tensor of one element on the device (nothing is read by the host), or, given `loss_now`, reads
+// it into *loss_now (the sum in double, as the tensor's) and returns nothing.
+torch::Tensor Step::forward_backward(double* loss_now) {
+  const int64_t accum = run_.cfg.train.grad_accum;
+  zero_grads(run_.params);
+  run_.dmodel->zero_gradient_shards();
+  torch::Tensor loss_sum;
+  double host_sum = 0;
+  for (int64_t micro = 0; micro < accum; ++micro) {
+    // Gradients are all-reduced only on the last micro-batch of the step.
+    const bool sync = micro + 1 == accum;
+    data::Batch b = run_.splits.train->get(run_.sampler->next());
+    torch::Tensor loss;
+    {
+      RECORD_USER_SCOPE("keel::forward");
+      // On a GPU through pinned memory, without making the host wait for the copy.
+      const torch::Tensor input = to_device(b.input), target = to_device(b.target);
+      loss = micro_batch_loss(input, target, sync);
+    }
+    auto scaled = loss / static_cast<double>(accum);
+    {
+      RECORD_USER_SCOPE("keel::backward");  // with the Reducer's gradient all-reduces on the last micro-batch
+      run_.dmodel->backward(run_.scaler ? run_.scaler->scale(scaled) : scaled, sync);
+    }
+    if (loss_now) {
+      host_sum += loss.item<double>();
+    } else {
+      const torch::Tensor l = loss.detach().to(torch::kDouble).reshape({1});
+      loss_sum = loss_sum.defined() ? loss_sum + l : l;
+    }
+  }
+  if (loss_now) {
+    *loss_now = host_sum / static_cast<double>(accum);
+    return {};
+  }
+  return loss_sum / static_cast<double>(accum);
+}
+
+torch::Tensor Step::to_device(const torch::Tensor& t) const {
+  const torch::Device& device = run_.device;
+  if (device.is_cpu() || !t.device().is_cpu()) return t.to(device);
+  return (t.is_pinned() ? t : t.pin_memory()).to(torch::TensorOptions().device(device), /*non_blocking=*/true);
+}
+
+// This rank's verdict on its gradients, after unscaling (before clipping): a float32 tensor of one
+// element on their device, 1 = inf/NaN; undefined when nothing asks to look (no loss scaling,
+// train.skip_nonfinite off, no fault watching them). With dist.zero >= 1 a rank reads only the
+// gradients it owns; the consensus ORs the verdicts.
+torch::Tensor Step::grad_verdict() {
+  if (run_.scaler) return run_.scaler->unscale_on_device(run_.owned);
+  if (run_.cfg.train.skip_nonfinite || run_.faults->watches_gradients()) return amp::nonfinite(run_.owned);
+  return {};
+}
+
+// The verdict on the loss and the gradients, on the device (dist.consensus = late).
+torch::Tensor Step::local_nonfinite(const torch::Tensor& local_loss) {
+  const torch::Tensor bad = local_loss.isfinite().logical_not().to(torch::kFloat).reshape({1});
+  const torch::Tensor grads = grad_verdict();
+  return grads.defined() ? torch::maximum(grads.to(bad.device()), bad) : bad;
+}
+
+// The same verdict, read by the host (dist.consensus = step).
+bool Step::local_nonfinite_now(double local_loss) {
+  const torch::Tensor grads = grad_verdict();
+  return (grads.defined() && grads.item<float>() != 0) || !std::isfinite(local_loss);
+}
+
+// Clip and step, or skip on every rank. With dist.consensus = late the skip is decided on the
+// device (the consensus' found_inf feeds the fused kernel and the GradScaler) and the step's
+// grad norm and loss scales are copied to the host behind an event, read when the step
+// finishes; otherwise the host has read the consensus already and decides.
+void Step::update(InFlight& f) {
+  RECORD_USER_SCOPE("keel::optimizer");
+  if (run_.late) {
+    device_decided_update(f);
+  } else {
+    host_decided_update(f.r);
+  }
+}
+
+void Step::host_decided_update(StepResult& r) {
+  amp::GradScaler* scaler = run_.scaler.get();
+  if (!r.skipped) {
+    if (run_.cfg.train.grad_clip > 0)
+      r.grad_norm = run_.dmodel->clip_grad_norm(run_.cfg.train.grad_clip).item<double>();
+    run_.optimizer->step();
+    run_.dmodel->sync_parameters();  // dist.zero >= 1: each owner's update to every rank
+  }
+  if (scaler) {
+    if (r.skipped) r.loss_scale_before = scaler->scale_value();  // for the skip's warning only
+    scaler->update(r.skipped);
+    r.loss_scale = scaler->scale_value();
+  }
+}
+
+void Step::device_decided_update(InFlight& f) {
+  amp::GradScaler* scaler = run_.scaler.get();
+  const torch::Device dev = run_.params.front().device();
+  const auto nan = torch::full({1}, std::nan(""), torch::TensorOptions().dtype(torch::kDouble).device(dev));
+  const torch::Tensor found = f.record.found_inf().to(dev);
+  torch::Tensor norm = nan;
+  if (run_.cfg.train.grad_clip > 0)  // NaN on a skipped step, as when the host decides
+    norm = torch::where(found.ne(0), nan,
+                        run_.dmodel->clip_grad_norm(run_.cfg.train.grad_clip).to(torch::kDouble).reshape({1}));
+  const torch::Tensor scale_before = scaler ? scaler->scale_tensor().to(dev, torch::kDouble).reshape({1}) : nan;
+  run_.fused->step_unless(found);
+  run_.dmodel->sync_parameters();  // dist.zero >= 1: each owner's update (or its old values) to every rank
+  if (scaler) scaler->update(found);
+  const torch::Tensor scale_after = scaler ? scaler->scale_tensor().to(dev, torch::kDouble).reshape({1}) : nan;
+  f.extras = HostCopy::start(torch::cat({norm, scale_before, scale_after}));
+}
+
+EvalResult Step::evaluate(int64_t step) {
+  EvalResult r;
+  r.step = step;
+  const data::Splits& splits = run_.splits;
+  if (!splits.test) return r;
+  run_.faults->signal(FaultPhase::Eval, step);
+  run_.dmodel->sync_buffers();  // every rank evaluates rank 0's model
+  torch::NoGradGuard no_grad;
+  run_.model->train(false);
+  const int64_t dp = run_.mesh.dp(), eval_batch = run_.cfg.data.eval_batch_size;
+  const int64_t n =
+      run_.cfg.data.eval_samples > 0 ? std::min(splits.test->size(), run_.cfg.data.eval_samples) : splits.test->size();
+  std::vector<std::vector<int64_t>> batches(1);
+  for (int64_t i = run_.mesh.dp_rank(); i < n; i += dp) {
+    batches.back().push_back(i);
+    if (static_cast<int64_t>(batches.back().size()) == eval_batch && i + dp < n) batches.emplace_back();
+  }
+  if (batches.back().empty()) batches.pop_back();
+  // dist.zero = 3: each block is gathered around its call, as in training, so every rank runs
+  // as many forwards as the rank with the most batches (one more all-reduce; the extra ones
+  // are discarded), and no rank holds the whole model.
+  double loss_sum = 0, correct = 0, count = 0;
+  const int64_t rounds = run_.dmodel->evaluation_rounds(static_cast<int64_t>(batches.size()));
+  for (int64_t k = 0; k < rounds; ++k) {
+    const bool real = k < static_cast<int64_t>(batches.size());
+    auto b = splits.test->get(real ? batches[static_cast<size_t>(k)] : std::vector<int64_t>{0});
+    auto out = run_.dmodel->evaluation_forward(b.input.to(run_.device), *run_.model);
+    if (real) evaluate_batch(out, b.target.to(run_.device), loss_sum, correct, count);
+  }
+  run_.model->train(true);
+  run_.dmodel->end_evaluation();
+  auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
+  run_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
+  loss_sum = totals[0].item<double>();
+  correct = totals[1].item<double>();
+  count = totals[2].item<double>();
+  r.loss = count > 0 ? loss_sum / count : std::nan("");
+  r.accuracy = count > 0 && run_.classifier() ? correct / count : std::nan("");
+  r.count = static_cast<int64_t>(count);
+  return r;
+}
+
+// One evaluation batch's sums: the loss over its samples (tokens), and with the default loss
+// the top-1 hits.
+void Step::evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
+                          double& count) {
+  if (run_.classifier()) {
+    auto flat = out.reshape({-1, out.size(-1)});
+    auto t = target.reshape({-1});
+    loss_sum += torch::nn::functional::cross_entropy(
+                    flat, t, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
+                    .item<double>();
+    correct += static_cast<double>(flat.argmax(1).eq(t).sum().item<int64_t>());
+    count += static_cast<double>(t.numel());
+  } else {
+    const auto rows = static_cast<double>(out.size(0));
+    loss_sum += run_.loss(out, target).item<double>() * rows;
+    count += rows;
+  }
+}
+
+}  // namespace keel

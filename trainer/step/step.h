@@ -1,0 +1,110 @@
+// trainer/step/step.h: what the loop calls to train and to evaluate: one optimizer step over the
+// step's micro-batches, in two halves around the cross-rank consensus, and an evaluation.
+//
+//   Launched l = step.launch(r);        // lr, forward + backward per micro-batch, this rank's verdict
+//   ... the loop exchanges the consensus (one all-gather: loss, verdict, plan, flags) ...
+//   step.update(f);                     // clip and step, or skip on every rank
+//   EvalResult e = step.evaluate(n);    // the test split over the dp axis
+//
+// Owns: the micro-batch loop (gradients synchronised on the last one), moving batches to the
+// device, the local inf/NaN verdict (after unscaling), the update (host-decided, or with
+// dist.consensus = late decided on the device) and evaluation. Its implementations differ in how a
+// micro-batch's loss is computed: EagerStep runs the model's module (eager or TorchScript) and the
+// loss under autocast (trainer/step/eager.h); CompiledStep runs compile.mode = "inductor"'s
+// package, forward, loss and backward in one (trainer/step/compiled.h). A pipelined step will
+// override launch() with its schedule.
+// Does not own: the consensus, stop flags, the logs and checkpoints (the loop), the model's
+// placement (DistributedModel), the set-up (trainer/run.h).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdint>
+#include <memory>
+
+#include "common/clock.h"
+#include "common/host_copy.h"
+#include "keel/dist/collectives.h"
+#include "keel/trainer/data/data.h"
+#include "keel/trainer/trainer.h"
+
+namespace keel {
+
+struct Run;
+
+/// What one optimizer step produced.
+struct StepResult {
+  int64_t step = 0;       // optimizer steps done after it
+  double loss = 0;        // mean over micro-batches and ranks
+  double local_loss = 0;  // this rank's
+  double lr = 0;
+  double step_ms = 0;
+  double grad_norm = std::nan("");   // before clipping (train.grad_clip > 0)
+  double loss_scale = std::nan("");  // after the step's update (with a GradScaler)
+  double loss_scale_before = std::nan("");
+  int64_t epoch = 0;     // the sampler's epoch after the step's batches
+  bool skipped = false;  // inf/NaN on some rank: no rank applied the update
+  bool stop = false;     // some rank was asked to stop: every rank stops after this step
+  dist::StepConsensus consensus;
+};
+
+/// A step on its way: launched (forward, backward, the consensus exchanged, the update issued)
+/// and, with dist.consensus = late, not yet read by the host.
+struct InFlight {
+  StepResult r;
+  Clock::time_point t0;
+  dist::PendingStep record;
+  bool resolved = false;  // r holds the consensus
+  HostCopy extras;        // float64 [grad norm, loss scale before the update, after it]
+};
+
+/// A launched step's local outcome, for the consensus. With dist.consensus = late both are
+/// tensors on the device (nothing read by the host); otherwise the loss is in the StepResult's
+/// local_loss and the verdict in `nonfinite_now`.
+struct Launched {
+  torch::Tensor loss;       // late: this rank's mean loss, float64, one element
+  torch::Tensor nonfinite;  // late: float32, one element, 1 = inf/NaN in the loss or gradients
+  bool nonfinite_now = false;
+};
+
+class Step {
+ public:
+  explicit Step(Run& run) : run_(run) {}
+  virtual ~Step() = default;
+  Step(const Step&) = delete;
+  Step& operator=(const Step&) = delete;
+
+  /// The step's first half: its learning rate, forward and backward over its micro-batches,
+  /// the epoch, the fault hook on the gradients, and this rank's verdict. Fills r.lr, r.epoch
+  /// and (unless late) r.local_loss.
+  virtual Launched launch(StepResult& r);
+  /// The second half, once the consensus is exchanged: clip and step, or skip on every rank.
+  void update(InFlight& f);
+  /// Loss (and, with the default loss, top-1 accuracy) over the test split, each data-parallel
+  /// rank taking every dp-th sample; totals are summed over the dp axis. Collective.
+  EvalResult evaluate(int64_t step);
+
+ protected:
+  /// One micro-batch's loss (float32), on the device; `sync`: its gradients synchronise.
+  virtual torch::Tensor micro_batch_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync) = 0;
+  /// The module's forward under autocast, then the loss.
+  torch::Tensor eager_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync);
+  Run& run_;
+
+ private:
+  torch::Tensor forward_backward(double* loss_now);
+  torch::Tensor to_device(const torch::Tensor& t) const;
+  torch::Tensor grad_verdict();
+  torch::Tensor local_nonfinite(const torch::Tensor& local_loss);
+  bool local_nonfinite_now(double local_loss);
+  void host_decided_update(StepResult& r);
+  void device_decided_update(InFlight& f);
+  void evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
+                      double& count);
+};
+
+/// The step the run's model takes: CompiledStep with an Inductor package, else EagerStep.
+std::unique_ptr<Step> make_step(Run& run);
+
+}  // namespace keel
