@@ -1,0 +1,164 @@
+#include "dist/tp_ops.h"
+
+#include <stdexcept>
+#include <string>
+
+namespace keel::dist::tp {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// The group travels through the autograd context as an integer (saved_data holds IValues).
+int64_t as_int(Collectives& c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&c)); }
+Collectives& from(AutogradContext* ctx) {
+  return *reinterpret_cast<Collectives*>(static_cast<intptr_t>(ctx->saved_data["tp"].toInt()));
+}
+
+torch::Tensor summed(const torch::Tensor& t, Collectives& tp, const char* what) {
+  torch::Tensor s = t.clone(at::MemoryFormat::Contiguous);
+  tp.all_reduce(s, ReduceOp::Sum, what);
+  return s;
+}
+
+// Every rank's `x` along dim 0, concatenated in rank order.
+torch::Tensor gathered(const torch::Tensor& x, Collectives& tp, const char* what) {
+  const torch::Tensor shard = x.contiguous();
+  std::vector<int64_t> shape = shard.sizes().vec();
+  shape[0] *= tp.size();
+  torch::Tensor full = torch::empty(shape, shard.options());
+  tp.start_all_gather_into(full.view({-1}), shard.view({-1}), what).wait();
+  return full;
+}
+
+// `x` summed over the group, this rank's chunk along dim 0.
+torch::Tensor reduce_scattered(const torch::Tensor& x, Collectives& tp, const char* what) {
+  const torch::Tensor full = x.contiguous();
+  if (full.size(0) % tp.size() != 0)
+    throw std::invalid_argument(std::string(what) + ": a dimension of " + std::to_string(full.size(0)) +
+                                " does not divide over " + std::to_string(tp.size()) + " tp ranks");
+  std::vector<int64_t> shape = full.sizes().vec();
+  shape[0] /= tp.size();
+  torch::Tensor shard = torch::empty(shape, full.options());
+  tp.start_reduce_scatter(shard.view({-1}), full.view({-1}), what).wait();
+  return shard;
+}
+
+struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t tp) {
+    ctx->saved_data["tp"] = tp;
+    return x;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    return {summed(grad[0], from(ctx), "tp: gradient into a column-parallel region"), torch::Tensor()};
+  }
+};
+
+struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t tp) {
+    return summed(x, *reinterpret_cast<Collectives*>(static_cast<intptr_t>(tp)), "tp: row-parallel partial sums");
+  }
+  static variable_list backward(AutogradContext*, variable_list grad) { return {grad[0], torch::Tensor()}; }
+};
+
+// Sequence parallel: `Gather` all-gathers forward and reduce-scatters backward; the other way
+// round for scatter. Along dim 0 (the callers move the sequence dimension there).
+template <bool Gather>
+struct SequenceRegion : torch::autograd::Function<SequenceRegion<Gather>> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t tp) {
+    ctx->saved_data["tp"] = tp;
+    Collectives& g = from(ctx);
+    return Gather ? gathered(x, g, "sp: sequence shards into a tp region")
+                  : reduce_scattered(x, g, "sp: tp region out to sequence shards");
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    Collectives& g = from(ctx);
+    return {Gather ? reduce_scattered(grad[0], g, "sp: gradient out of a tp region")
+                   : gathered(grad[0], g, "sp: gradient into sequence shards"),
+            torch::Tensor()};
+  }
+};
+
+// The vocabulary-parallel cross-entropy (Megatron's): per token, the maximum logit over the
+// whole vocabulary (one all-reduce), then the sum of exponentials and the target's shifted
+// logit (one all-reduce of both). Backward: softmax minus the target's one-hot, on this rank's
+// columns only.
+struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
+  static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& target,
+                               int64_t first, int64_t tp) {
+    Collectives& g = *reinterpret_cast<Collectives*>(static_cast<intptr_t>(tp));
+    const torch::Tensor l = logits.scalar_type() == torch::kDouble ? logits : logits.to(torch::kFloat);
+    const int64_t n = l.size(1);
+    torch::Tensor max = std::get<0>(l.max(1, /*keepdim=*/true)).contiguous();
+    g.all_reduce(max, ReduceOp::Max, "tp: cross-entropy maximum");
+    const torch::Tensor shifted = l - max;
+    const torch::Tensor exp = shifted.exp();
+    const torch::Tensor local = target.reshape({-1, 1}) - first;
+    const torch::Tensor mine = local.ge(0).logical_and(local.lt(n));
+    const torch::Tensor index = local.clamp(0, n - 1);
+    torch::Tensor sums = torch::cat({exp.sum(1, true), shifted.gather(1, index) * mine}, 1);
+    g.all_reduce(sums, ReduceOp::Sum, "tp: cross-entropy sums");
+    const torch::Tensor sum_exp = sums.select(1, 0).unsqueeze(1);
+    const torch::Tensor loss = (sum_exp.log() - sums.select(1, 1).unsqueeze(1)).mean();
+    ctx->save_for_backward({exp / sum_exp, index, mine});
+    ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
+    return loss;
+  }
+  static variable_list backward(AutogradContext* ctx, variable_list grad) {
+    const auto saved = ctx->get_saved_variables();
+    torch::Tensor g = saved[0].clone();
+    g.scatter_add_(1, saved[1], -saved[2].to(g.scalar_type()));
+    g.mul_(grad[0] / static_cast<double>(g.size(0)));
+    const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
+    return {g.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+  }
+};
+
+}  // namespace
+
+torch::Tensor copy_to_region(const torch::Tensor& x, Collectives& tp) {
+  if (tp.size() == 1) return x;
+  return CopyToRegion::apply(x, as_int(tp));
+}
+
+torch::Tensor reduce_from_region(const torch::Tensor& x, Collectives& tp) {
+  if (tp.size() == 1) return x;
+  return ReduceFromRegion::apply(x, as_int(tp));
+}
+
+torch::Tensor gather_sequence(const torch::Tensor& x, int64_t dim, Collectives& tp) {
+  if (tp.size() == 1) return x;
+  return SequenceRegion<true>::apply(x.movedim(dim, 0), as_int(tp)).movedim(0, dim);
+}
+
+torch::Tensor scatter_sequence(const torch::Tensor& x, int64_t dim, Collectives& tp) {
+  if (tp.size() == 1) return x;
+  return SequenceRegion<false>::apply(x.movedim(dim, 0), as_int(tp)).movedim(0, dim);
+}
+
+VocabRange VocabRange::of(int64_t vocab, int64_t ranks, int64_t rank) {
+  if (ranks < 1 || vocab % ranks != 0 || rank < 0 || rank >= ranks)
+    throw std::invalid_argument("VocabRange: a vocabulary of " + std::to_string(vocab) + " does not split over " +
+                                std::to_string(ranks) + " ranks (rank " + std::to_string(rank) + ")");
+  const int64_t n = vocab / ranks;
+  return {rank * n, n};
+}
+
+torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Tensor& weight, VocabRange range,
+                                       Collectives& tp) {
+  const torch::Tensor local = ids - range.first;
+  const torch::Tensor mine = local.ge(0).logical_and(local.lt(range.n));
+  const torch::Tensor rows = torch::embedding(weight, local.clamp(0, range.n - 1));
+  return reduce_from_region(rows * mine.unsqueeze(-1).to(rows.scalar_type()), tp);
+}
+
+torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, VocabRange range,
+                                           Collectives& tp) {
+  const torch::Tensor flat = logits.reshape({-1, logits.size(-1)});
+  if (flat.size(1) != range.n)
+    throw std::invalid_argument("vocab_parallel_cross_entropy: logits with " + std::to_string(flat.size(1)) +
+                                " columns for a vocabulary range of " + std::to_string(range.n));
+  return VocabCrossEntropy::apply(flat, target.reshape({-1}), range.first, as_int(tp));
+}
+
+}  // namespace keel::dist::tp

@@ -1,0 +1,131 @@
+// Tensor and sequence parallelism's communication (dist/tp_ops.h) against the same computation
+// on one rank: forward values and every gradient, at dp 2 x tp 2 (each dp group its own data,
+// so a collective that strayed outside its tp group would show).
+//
+// Tolerances: everything runs in double. Splitting a layer over two ranks only reorders sums of
+// at most 8 terms of magnitude ~10, so the results differ from the unsplit ones by a few units
+// of 2^-53 relative (~1e-14 absolute); 1e-10 leaves ample room and still catches any missing,
+// doubled or misplaced term, which would be O(0.1) or more.
+#include <gtest/gtest.h>
+
+#include "dist/mesh.h"
+#include "dist/tp_ops.h"
+#include "keel/dist/collectives.h"
+#include "keel/dist/process_group.h"
+#include "multirank.h"
+
+using keel::dist::Axis;
+using keel::dist::World;
+namespace tp = keel::dist::tp;
+using namespace keel::testing;
+
+namespace {
+
+constexpr double kTol = 1e-10;
+
+void expect_close(const torch::Tensor& got, const torch::Tensor& want, const std::string& what) {
+  ASSERT_EQ(got.sizes(), want.sizes()) << what;
+  const double err = (got - want).abs().max().item<double>();
+  EXPECT_LT(err, kTol) << what << ": max abs difference " << err;
+}
+
+struct Shapes {
+  int64_t b = 2, t = 4, h = 6, f = 8, v = 10;
+};
+
+// A two-layer MLP, column- then row-parallel, with and without sequence parallelism.
+void check_linear_regions(keel::dist::Collectives& group, int64_t r, int64_t n) {
+  const Shapes s;
+  auto o = torch::TensorOptions().dtype(torch::kDouble);
+  const auto x = torch::randn({s.b, s.t, s.h}, o), w1 = torch::randn({s.f, s.h}, o), w2 = torch::randn({s.h, s.f}, o);
+  const auto probe = torch::randn({s.b, s.t, s.h}, o);  // d(loss)/d(output)
+  auto xw = x.clone().requires_grad_(), w1w = w1.clone().requires_grad_(), w2w = w2.clone().requires_grad_();
+  const auto yw = torch::linear(torch::gelu(torch::linear(xw, w1w)), w2w);
+  (yw * probe).sum().backward();
+
+  const int64_t fs = s.f / n, ts = s.t / n;
+  {  // tensor parallel: the input whole on every rank, the output summed
+    auto xs = x.clone().requires_grad_();
+    auto w1s = w1.narrow(0, r * fs, fs).clone().requires_grad_(),
+         w2s = w2.narrow(1, r * fs, fs).clone().requires_grad_();
+    const auto ys = tp::reduce_from_region(
+        torch::linear(torch::gelu(torch::linear(tp::copy_to_region(xs, group), w1s)), w2s), group);
+    (ys * probe).sum().backward();
+    expect_close(ys, yw, "tp output");
+    expect_close(xs.grad(), xw.grad(), "tp input gradient");
+    expect_close(w1s.grad(), w1w.grad().narrow(0, r * fs, fs), "column-parallel weight gradient");
+    expect_close(w2s.grad(), w2w.grad().narrow(1, r * fs, fs), "row-parallel weight gradient");
+  }
+  {  // sequence parallel: input and output are this rank's positions of the sequence
+    auto xq = x.narrow(1, r * ts, ts).clone().requires_grad_();
+    auto w1q = w1.narrow(0, r * fs, fs).clone().requires_grad_(),
+         w2q = w2.narrow(1, r * fs, fs).clone().requires_grad_();
+    const auto yq = tp::scatter_sequence(
+        torch::linear(torch::gelu(torch::linear(tp::gather_sequence(xq, 1, group), w1q)), w2q), 1, group);
+    (yq * probe.narrow(1, r * ts, ts)).sum().backward();
+    expect_close(yq, yw.narrow(1, r * ts, ts), "sp output shard");
+    expect_close(xq.grad(), xw.grad().narrow(1, r * ts, ts), "sp input gradient shard");
+    expect_close(w1q.grad(), w1w.grad().narrow(0, r * fs, fs), "sp column-parallel weight gradient");
+    expect_close(w2q.grad(), w2w.grad().narrow(1, r * fs, fs), "sp row-parallel weight gradient");
+  }
+}
+
+// The vocabulary split: the embedding's rows and the logits' columns.
+void check_vocab_parallel(keel::dist::Collectives& group, int64_t r, int64_t n) {
+  const Shapes s;
+  auto o = torch::TensorOptions().dtype(torch::kDouble);
+  const auto range = tp::VocabRange::of(s.v, n, r);
+  EXPECT_EQ(range.first, r * s.v / n);
+  EXPECT_EQ(range.n, s.v / n);
+  const auto ids = torch::randint(s.v, {s.b, s.t}, torch::kLong);
+  const auto table = torch::randn({s.v, s.h}, o), probe = torch::randn({s.b, s.t, s.h}, o);
+  auto tw = table.clone().requires_grad_();
+  const auto ew = torch::embedding(tw, ids);
+  (ew * probe).sum().backward();
+  auto ts = table.narrow(0, range.first, range.n).clone().requires_grad_();
+  const auto es = tp::vocab_parallel_embedding(ids, ts, range, group);
+  (es * probe).sum().backward();
+  expect_close(es, ew, "embedding");
+  expect_close(ts.grad(), tw.grad().narrow(0, range.first, range.n), "embedding rows' gradient");
+
+  const auto logits = torch::randn({s.b, s.t, s.v}, o) * 3, target = torch::randint(s.v, {s.b, s.t}, torch::kLong);
+  auto lw = logits.clone().requires_grad_();
+  const auto loss_w = torch::nn::functional::cross_entropy(lw.reshape({-1, s.v}), target.reshape({-1}));
+  loss_w.backward();
+  auto ls = logits.narrow(2, range.first, range.n).clone().requires_grad_();
+  const auto loss_s = tp::vocab_parallel_cross_entropy(ls, target, range, group);
+  loss_s.backward();
+  expect_close(loss_s, loss_w, "cross-entropy");
+  expect_close(ls.grad(), lw.grad().narrow(2, range.first, range.n), "logit columns' gradient");
+}
+
+TEST(TensorParallel, RegionsAndVocabularySplitEqualOneRankForwardAndBackwardAtDp2Tp2) {
+  auto ranks = run_ranks(4, [](const World& w) {
+    keel::DistConfig cfg;
+    cfg.validate = keel::Validate::Always;
+    auto world = std::make_shared<keel::dist::Collectives>(keel::dist::Group::create(w, cfg, torch::kCPU),
+                                                           keel::Validate::Always);
+    auto mesh = keel::dist::Mesh::build(w, {1, 0, 2});
+    mesh.connect(world, keel::Validate::Always);
+    keel::dist::Collectives& group = mesh.on(Axis::Tp);
+    // The ranks of one tp group draw the same data; the two dp groups different data.
+    torch::manual_seed(static_cast<uint64_t>(100 + mesh.dp_rank()));
+    check_linear_regions(group, mesh.coordinate(Axis::Tp), mesh.tp());
+    check_vocab_parallel(group, mesh.coordinate(Axis::Tp), mesh.tp());
+    world->barrier();
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
+// One rank: each region is the identity and the vocabulary range is the whole vocabulary.
+TEST(TensorParallel, OneRankRegionsAreTheIdentity) {
+  auto coll = std::make_shared<keel::dist::Collectives>(
+      keel::dist::Group::create(World{}, keel::DistConfig{}, torch::kCPU), keel::Validate::Always);
+  torch::manual_seed(3);
+  check_linear_regions(*coll, 0, 1);
+  check_vocab_parallel(*coll, 0, 1);
+  EXPECT_THROW(tp::VocabRange::of(10, 3, 0), std::invalid_argument);
+}
+
+}  // namespace
