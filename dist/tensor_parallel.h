@@ -1,18 +1,37 @@
 // dist/tensor_parallel.h: the second transform of dist/transform_plan.h: each block's matrices
 // sharded over the mesh's tp axis by its family's plan (models/transformer.h's TransformerFamily::
-// tp_plan: column-wise, row-wise, vocabulary-parallel). Today tp is 1 (the config offers no
-// other): nothing is sharded. Under tp > 1 the tp ranks of one dp coordinate read the same batch
-// (the sampler asks mesh.dp()), and ZeRO shards over the dp axis only (distribute() takes its
-// Collectives).
+// tp_plan: column-wise, row-wise, vocabulary-parallel), and the block's regions set to
+// dist/tp_ops.h's communication. Under tp > 1 the tp ranks of one dp coordinate read the same
+// batch (the sampler asks mesh.dp()), and ZeRO shards over the dp axis only (distribute() takes
+// its Collectives).
+//
+// In place today: shard_block(), one block at a time (tests/test_tp_ops.cpp). The whole model
+// (the vocabulary-parallel embedding and head, the loss over vocabulary shards) and the config's
+// tp degree come next; until then the transform refuses a mesh with tp > 1, naming it.
 #pragma once
+
+#include <vector>
 
 #include "dist/mesh.h"
 #include "dist/transform_plan.h"
+#include "keel/dist/collectives.h"
 #include "keel/models/model.h"
+#include "models/transformer.h"
 
 namespace keel::dist {
 
 /// Shards `model`'s parameters over the tp axis in place (tp = 1: none), recorded in `plan`.
 void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan& plan);
+
+/// Keeps this rank's part (rank tp.rank() of tp.size()) of each of `block`'s parameters that a
+/// rule of `plan` matches (the rules' suffixes relative to the block), and sets the block's
+/// regions: Megatron's copy / reduce pair, or with `sequence_parallel` the all-gather /
+/// reduce-scatter pair over the sequence dimension (then the block's input and output are this
+/// rank's T / tp positions, and the gradients of its replicated parameters (norms, the
+/// row-parallel biases) are partial sums over the tp group, to be summed over it).
+/// Throws std::invalid_argument when heads, kv_heads or a split dimension does not divide by
+/// tp.size(). `tp` must outlive the block.
+void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
+                 bool sequence_parallel);
 
 }  // namespace keel::dist

@@ -94,9 +94,11 @@ torch::Tensor TransformerBlockImpl::forward(torch::Tensor x, const torch::Tensor
   return x + mlp_forward(norm_2.forward(x));
 }
 
-torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x, const torch::Tensor& cos,
+torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x_in, const torch::Tensor& cos,
                                               const torch::Tensor& sin) {
-  const int64_t B = x.size(0), T = x.size(1), H = o.heads, KV = o.kv_heads, hd = o.head_dim;
+  const torch::Tensor x = tp.size > 1 ? tp.enter(x_in) : x_in;
+  // This rank's heads: all of them, or 1/tp under tensor parallelism.
+  const int64_t B = x.size(0), T = x.size(1), H = o.heads / tp.size, KV = o.kv_heads / tp.size, hd = o.head_dim;
   torch::Tensor qt, kt, vt;  // (B, T, H x hd), (B, T, KV x hd) twice
   if (o.fused_qkv) {
     auto parts = qkv.forward(x).split(H * hd, /*dim=*/2);
@@ -122,10 +124,19 @@ torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x, const torc
   auto y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/p, /*is_causal=*/true)
                .transpose(1, 2)
                .reshape({B, T, H * hd});
-  return drop(out.forward(y), o.resid_pdrop, is_training());
+  return drop(tp.size > 1 ? row_parallel(out, y) : out.forward(y), o.resid_pdrop, is_training());
 }
 
-torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x) {
+torch::Tensor TransformerBlockImpl::row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const {
+  const auto params = dense.ptr()->named_parameters(/*recurse=*/false);
+  const torch::Tensor& w = params["weight"];
+  torch::Tensor y = tp.leave(o.dense == BlockOptions::Dense::Conv1D ? x.matmul(w) : torch::linear(x, w));
+  if (const auto* b = params.find("bias"); b && b->defined()) y = y + *b;
+  return y;
+}
+
+torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in) {
+  const torch::Tensor x = tp.size > 1 ? tp.enter(x_in) : x_in;
   torch::Tensor h;
   switch (o.mlp) {
     case BlockOptions::Mlp::SwiGlu:
@@ -138,7 +149,7 @@ torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x) {
       h = torch::gelu(fc.forward(x), "none");
       break;
   }
-  return drop(down.forward(h), o.resid_pdrop, is_training());
+  return drop(tp.size > 1 ? row_parallel(down, h) : down.forward(h), o.resid_pdrop, is_training());
 }
 
 torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,
@@ -162,26 +173,46 @@ torch::Tensor rotary_angles(int64_t T, int64_t head_dim, double theta, const tor
 
 std::vector<TpRule> tensor_parallel_plan(const BlockOptions& o, const std::vector<std::string>& vocab_parameters) {
   const auto& n = o.names;
+  const bool conv1d = o.dense == BlockOptions::Dense::Conv1D;  // weight (in, out), else (out, in)
+  const int64_t out_dim = conv1d ? 1 : 0, in_dim = conv1d ? 0 : 1;
   std::vector<TpRule> plan;
-  auto column = [&](const std::string& part, const std::string& proj) {
-    plan.push_back({part + "." + proj + ".weight", TpSplit::Column});
-    plan.push_back({part + "." + proj + ".bias", TpSplit::Column});
+  auto column = [&](const std::string& part, const std::string& proj, int64_t blocks) {
+    plan.push_back({part + "." + proj + ".weight", TpSplit::Column, out_dim, blocks});
+    plan.push_back({part + "." + proj + ".bias", TpSplit::Column, 0, blocks});
   };
   if (o.fused_qkv) {
-    column(n.attn, n.qkv);
+    column(n.attn, n.qkv, 3);  // q, k and v each split by heads
   } else {
-    for (const auto* p : {&n.q, &n.k, &n.v}) column(n.attn, *p);
+    for (const auto* p : {&n.q, &n.k, &n.v}) column(n.attn, *p, 1);
   }
-  plan.push_back({n.attn + "." + n.out + ".weight", TpSplit::Row});
+  plan.push_back({n.attn + "." + n.out + ".weight", TpSplit::Row, in_dim});
   if (o.mlp == BlockOptions::Mlp::SwiGlu) {
-    column(n.mlp, n.gate);
-    column(n.mlp, n.up);
+    column(n.mlp, n.gate, 1);
+    column(n.mlp, n.up, 1);
   } else {
-    column(n.mlp, n.fc);
+    column(n.mlp, n.fc, 1);
   }
-  plan.push_back({n.mlp + "." + n.down + ".weight", TpSplit::Row});
-  for (const auto& v : vocab_parameters) plan.push_back({v, TpSplit::Vocab});
+  plan.push_back({n.mlp + "." + n.down + ".weight", TpSplit::Row, in_dim});
+  for (const auto& v : vocab_parameters) plan.push_back({v, TpSplit::Vocab, 0});
   return plan;
+}
+
+bool tp_matches(const std::string& name, const TpRule& rule) {
+  return name.size() >= rule.suffix.size() &&
+         name.compare(name.size() - rule.suffix.size(), rule.suffix.size(), rule.suffix) == 0;
+}
+
+torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t rank, int64_t size) {
+  if (rule.split == TpSplit::Replicate || size == 1) return whole.clone();
+  const int64_t extent = whole.size(rule.dim);
+  if (extent % (rule.blocks * size) != 0)
+    throw std::invalid_argument("tensor parallel: " + rule.suffix + "'s dimension " + std::to_string(rule.dim) +
+                                " of " + std::to_string(extent) + " does not split into " +
+                                std::to_string(rule.blocks) + " x " + std::to_string(size) + " equal parts");
+  const int64_t block = extent / rule.blocks, part = block / size;
+  std::vector<torch::Tensor> parts;
+  for (int64_t b = 0; b < rule.blocks; ++b) parts.push_back(whole.narrow(rule.dim, b * block + rank * part, part));
+  return torch::cat(parts, rule.dim).contiguous();
 }
 
 void init_gpt2_style(torch::nn::Module& model, int64_t layers) {

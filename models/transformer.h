@@ -17,6 +17,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -76,8 +77,20 @@ struct BlockOptions {
   BlockNames names;
 };
 
+/// Tensor parallelism as a block sees it (dist::shard_tensor_parallel sets it): this rank's
+/// place in the tp group, and the two regions around each branch (dist/tp_ops.h): `enter` before
+/// the column-parallel projections (identity, or the sequence shards gathered), `leave` after the
+/// row-parallel one (the partial sums reduced, or reduce-scattered to sequence shards). size 1:
+/// none, and the block computes exactly as without it.
+struct TpRegion {
+  int64_t rank = 0, size = 1;
+  std::function<torch::Tensor(const torch::Tensor&)> enter, leave;
+};
+
 /// Pre-norm decoder block: x + attn(norm_1(x)), then + mlp(norm_2(x)); causal
-/// scaled_dot_product_attention scaled by 1/sqrt(head_dim).
+/// scaled_dot_product_attention scaled by 1/sqrt(head_dim). Under tensor parallelism (tp) the
+/// block holds heads / tp query heads, kv_heads / tp key/value heads and ffn / tp of the MLP,
+/// and adds the row-parallel projections' biases once, after the reduction.
 struct TransformerBlockImpl : torch::nn::Module {
   explicit TransformerBlockImpl(const BlockOptions& o);
   // x (B, T, C); cos, sin (T, head_dim) when o.rotary, else undefined -> (B, T, C)
@@ -85,8 +98,11 @@ struct TransformerBlockImpl : torch::nn::Module {
 
   torch::Tensor attention(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
   torch::Tensor mlp_forward(const torch::Tensor& x);
+  /// A row-parallel projection under tp: the partial product, `leave`, then the bias once.
+  torch::Tensor row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const;
 
   BlockOptions o;
+  TpRegion tp;
   torch::nn::AnyModule norm_1, norm_2;
   torch::nn::AnyModule qkv, q, k, v, out;   // qkv when fused, else q, k, v
   torch::nn::AnyModule fc, gate, up, down;  // fc for GELU, gate and up for SwiGLU
@@ -107,13 +123,20 @@ torch::Tensor rotary_angles(int64_t T, int64_t head_dim, double theta, const tor
 /// parameter order.
 void init_gpt2_style(torch::nn::Module& model, int64_t layers);
 
-/// How one parameter is split over the tensor-parallel axis (issue 45): by output rows
-/// (column-parallel linear), by input columns (row-parallel), by vocabulary rows, or replicated.
+/// How one parameter is split over the tensor-parallel axis (issue 45): by output features
+/// (column-parallel), by input features (row-parallel), by vocabulary rows, or replicated.
 enum class TpSplit { Column, Row, Vocab, Replicate };
 struct TpRule {
   std::string suffix;  // the end of a parameter name ("attn.c_attn.weight" matches every block's)
   TpSplit split;
+  int64_t dim = 0;     // the tensor dimension split (a Linear's weight is (out, in), GPT-2's Conv1D's (in, out))
+  int64_t blocks = 1;  // equal blocks along `dim`, each split on its own (3: a fused q, k, v projection)
 };
+/// Whether `name` ends with `rule.suffix`.
+bool tp_matches(const std::string& name, const TpRule& rule);
+/// Rank `rank`'s part of `whole` under `rule` over `size` ranks (a copy; Replicate: the whole).
+/// Throws std::invalid_argument when the split dimension does not divide.
+torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t rank, int64_t size);
 
 /// A transformer family in one place: its factory, where its blocks are named, and the plan by
 /// which tensor parallelism will shard it (data only; dist/ applies it, issue 45).

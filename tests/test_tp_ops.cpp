@@ -9,9 +9,11 @@
 #include <gtest/gtest.h>
 
 #include "dist/mesh.h"
+#include "dist/tensor_parallel.h"
 #include "dist/tp_ops.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
+#include "models/transformer.h"
 #include "multirank.h"
 
 using keel::dist::Axis;
@@ -112,6 +114,106 @@ TEST(TensorParallel, RegionsAndVocabularySplitEqualOneRankForwardAndBackwardAtDp
     torch::manual_seed(static_cast<uint64_t>(100 + mesh.dp_rank()));
     check_linear_regions(group, mesh.coordinate(Axis::Tp), mesh.tp());
     check_vocab_parallel(group, mesh.coordinate(Axis::Tp), mesh.tp());
+    world->barrier();
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
+// Blocks shaped as each family's: gpt (Linear, fused q/k/v, GELU), gpt2 (Conv1D, fused, tanh
+// GELU), llama (RMSNorm, separate q/k/v with grouped kv heads, SwiGLU, rotary, no biases).
+std::vector<std::pair<std::string, keel::models::BlockOptions>> family_blocks() {
+  using keel::models::BlockOptions;
+  BlockOptions gpt;
+  gpt.width = 16, gpt.heads = 4, gpt.kv_heads = 4, gpt.head_dim = 4, gpt.ffn = 32;
+  BlockOptions gpt2 = gpt;
+  gpt2.dense = BlockOptions::Dense::Conv1D, gpt2.mlp = BlockOptions::Mlp::GeluTanh;
+  BlockOptions llama = gpt;
+  llama.kv_heads = 2, llama.head_dim = 6, llama.ffn = 24;  // heads x head_dim != width
+  llama.norm = BlockOptions::Norm::Rms, llama.mlp = BlockOptions::Mlp::SwiGlu, llama.fused_qkv = false;
+  llama.rotary = true, llama.attention_bias = false, llama.mlp_bias = false;
+  llama.names.norms_last = true;
+  return {{"gpt", gpt}, {"gpt2", gpt2}, {"llama", llama}};
+}
+
+// One block sharded over the tp group against the whole block: output, input gradient, each
+// parameter's gradient (a shard's against the same shard of the whole gradient). With sequence
+// parallelism the input and output are this rank's positions, and a replicated parameter's
+// gradient is this rank's part of the sum, so it is summed over the group first.
+void check_block(keel::dist::Collectives& group, const keel::models::BlockOptions& o, bool sp,
+                 const std::string& what) {
+  const int64_t r = group.rank(), n = group.size(), B = 2, T = 4, ts = T / n;
+  auto o64 = torch::TensorOptions().dtype(torch::kDouble);
+  // Both blocks alike, every parameter drawn (GPT-2's Conv1D leaves its weight to the family).
+  keel::models::TransformerBlock whole(o), sharded(o);
+  for (auto* b : {&whole, &sharded}) {
+    (*b)->to(torch::kDouble);
+    torch::manual_seed(7);
+    torch::NoGradGuard no_grad;
+    for (auto& p : (*b)->parameters()) p.normal_(0, 0.3);
+  }
+  const auto plan = keel::models::tensor_parallel_plan(o, {});
+  keel::dist::shard_block(*sharded, plan, group, sp);
+  torch::Tensor cos, sin;
+  if (o.rotary) {
+    const auto angles = keel::models::rotary_angles(T, o.head_dim, 10000.0, torch::kCPU).to(torch::kDouble);
+    cos = angles.cos(), sin = angles.sin();
+  }
+  const auto x = torch::randn({B, T, o.width}, o64), probe = torch::randn({B, T, o.width}, o64);
+  auto xw = x.clone().requires_grad_();
+  const auto yw = whole->forward(xw, cos, sin);
+  (yw * probe).sum().backward();
+  auto xs = (sp ? x.narrow(1, r * ts, ts) : x).clone().requires_grad_();
+  const auto ys = sharded->forward(xs, cos, sin);
+  (ys * (sp ? probe.narrow(1, r * ts, ts) : probe)).sum().backward();
+  expect_close(ys, sp ? yw.narrow(1, r * ts, ts) : yw, what + ": output");
+  expect_close(xs.grad(), sp ? xw.grad().narrow(1, r * ts, ts) : xw.grad(), what + ": input gradient");
+  const auto whole_params = whole->named_parameters();
+  int sharded_count = 0;
+  for (const auto& p : sharded->named_parameters()) {
+    const torch::Tensor& g_whole = whole_params[p.key()].grad();
+    const keel::models::TpRule* rule = nullptr;
+    for (const auto& candidate : plan)
+      if (keel::models::tp_matches(p.key(), candidate)) rule = &candidate;
+    torch::Tensor g = p.value().grad().clone();
+    if (rule) {
+      ++sharded_count;
+      expect_close(p.value(), keel::models::tp_slice(whole_params[p.key()], *rule, r, n), what + ": " + p.key());
+    } else if (sp) {
+      group.all_reduce(g, keel::dist::ReduceOp::Sum, "replicated gradient");
+    }
+    expect_close(g, rule ? keel::models::tp_slice(g_whole, *rule, r, n) : g_whole, what + ": " + p.key() + " gradient");
+  }
+  EXPECT_GE(sharded_count, 4) << what;
+}
+
+// A block whose heads, kv heads or MLP do not divide by tp is refused, naming the number.
+void check_refusals(keel::dist::Collectives& group) {
+  using keel::models::BlockOptions;
+  for (const auto& [field, message] : std::vector<std::pair<int64_t BlockOptions::*, std::string>>{
+           {&BlockOptions::heads, "model.heads = 3 does not divide by tp = 2"},
+           {&BlockOptions::kv_heads, "model.kv_heads = 3 does not divide by tp = 2"},
+           {&BlockOptions::ffn, "the MLP's width = 3 does not divide by tp = 2"}}) {
+    auto bad = family_blocks()[2].second;
+    bad.*field = 3;
+    if (field == &BlockOptions::heads) bad.kv_heads = 3;
+    keel::models::TransformerBlock block(bad);
+    try {
+      keel::dist::shard_block(*block, keel::models::tensor_parallel_plan(bad, {}), group, false);
+      ADD_FAILURE() << message;
+    } catch (const std::invalid_argument& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+}
+
+TEST(TensorParallel, EachFamilysBlockOverTp2EqualsTheWholeBlockWithAndWithoutSequenceParallelism) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    auto world = std::make_shared<keel::dist::Collectives>(
+        keel::dist::Group::create(w, keel::DistConfig{}, torch::kCPU), keel::Validate::Always);
+    for (const auto& [family, o] : family_blocks())
+      for (bool sp : {false, true}) check_block(*world, o, sp, family + (sp ? " (sp)" : " (tp)"));
+    check_refusals(*world);
     world->barrier();
   });
   if (is_rank_process()) return;
