@@ -4,6 +4,7 @@
 #include <string>
 
 #include "dist/tp_ops.h"
+#include "keel/common/error.h"
 
 namespace keel::dist {
 
@@ -12,6 +13,31 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan
     throw std::logic_error("shard_tensor_parallel: tp = " + std::to_string(mesh.tp()) + " for model " + model.name() +
                            ": tensor parallelism of a whole model is not implemented yet (only tp = 1)");
   plan.applied(Transform::TensorParallel, "none (tp 1)");
+}
+
+void shard_model_tensor_parallel(models::Model& model, Collectives& tp) {
+  const models::TransformerFamily* family = models::transformer_family(model.name());
+  if (!family || !family->shard)
+    throw InputError("tensor parallelism: model.name = \"" + model.name() +
+                     "\" has no tensor-parallel plan (only gpt has one yet)");
+  const int64_t vocab = model.input_spec().num_classes, size = tp.size();
+  if (vocab % size != 0)
+    throw InputError("tensor parallelism: model.vocab = " + std::to_string(vocab) +
+                     " does not divide by tp = " + std::to_string(size));
+  const tp::VocabRange range = tp::VocabRange::of(vocab, size, tp.rank());
+  models::TensorParallelParts parts;
+  parts.rank = tp.rank();
+  parts.size = size;
+  parts.block = [&](models::TransformerBlockImpl& b) {
+    shard_block(b, family->tp_plan, tp, /*sequence_parallel=*/false);
+  };
+  parts.vocab.first = range.first;
+  parts.vocab.n = range.n;
+  parts.vocab.embed = [&tp, range](const torch::Tensor& ids, const torch::Tensor& rows) {
+    return tp::vocab_parallel_embedding(ids, rows, range, tp);
+  };
+  parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
+  family->shard(model, parts);
 }
 
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,

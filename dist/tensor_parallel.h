@@ -5,9 +5,10 @@
 // batch (the sampler asks mesh.dp()), and ZeRO shards over the dp axis only (distribute() takes
 // its Collectives).
 //
-// In place today: shard_block(), one block at a time (tests/test_tp_ops.cpp). The whole model
-// (the vocabulary-parallel embedding and head, the loss over vocabulary shards) and the config's
-// tp degree come next; until then the transform refuses a mesh with tp > 1, naming it.
+// In place today: shard_block(), one block at a time, and shard_model_tensor_parallel() for the
+// gpt family (tests/test_tp_ops.cpp). The loss over vocabulary shards in the step, the other
+// families and the config's tp degree come next; until then the transform in place() refuses a
+// mesh with tp > 1, naming it.
 #pragma once
 
 #include <vector>
@@ -22,6 +23,15 @@ namespace keel::dist {
 
 /// Shards `model`'s parameters over the tp axis in place (tp = 1: none), recorded in `plan`.
 void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan& plan);
+
+/// Shards a whole model of a transformer family over the tp group `tp` (rank tp.rank() of
+/// tp.size()): every block by the family's plan (shard_block), the token embedding and the
+/// output projection by vocabulary; its logits are then this rank's vocabulary columns
+/// (tp::vocab_parallel_cross_entropy takes them, with tp::VocabRange::of(vocab, tp.size(),
+/// tp.rank())). Throws InputError for a model without a tensor-parallel plan (only gpt has
+/// one yet) or a vocabulary that does not divide by tp, naming model.name or model.vocab.
+/// Sequence parallelism of a whole model is not there yet (shard_block has it).
+void shard_model_tensor_parallel(models::Model& model, Collectives& tp);
 
 /// Keeps this rank's part (rank tp.rank() of tp.size()) of each of `block`'s parameters that a
 /// rule of `plan` matches (the rules' suffixes relative to the block), and sets the block's

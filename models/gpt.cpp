@@ -41,12 +41,15 @@ struct GptImpl : torch::nn::Module, BlockStructure {
                 idx.sizes());
     const int64_t T = idx.size(1);
     auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    auto x = drop(wte->forward(idx) + wpe->forward(pos), dropout, is_training());  // (B, T, C)
+    const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight) : wte->forward(idx);
+    auto x = drop(tokens + wpe->forward(pos), dropout, is_training());  // (B, T, C)
     x = ln_f->forward(run_blocks(h, this, x));
-    return torch::matmul(x, wte->weight.t());  // tied output projection
+    if (tp_vocab) x = tp_vocab.enter_head(x);
+    return torch::matmul(x, wte->weight.t());  // tied output projection (tp: this rank's vocabulary)
   }
   int64_t context;
   double dropout;
+  TpVocab tp_vocab;  // tensor parallel: wte holds this rank's vocabulary rows
   torch::nn::Embedding wte, wpe;
   torch::nn::ModuleList h;
   torch::nn::LayerNorm ln_f;
@@ -73,8 +76,24 @@ std::shared_ptr<Model> make_gpt(const ModelConfig& cfg) {
   return std::make_shared<ModuleModel<Gpt>>("gpt", gpt, spec, per_token * static_cast<double>(cfg.context));
 }
 
+namespace {
+
+// Tensor parallelism: each block by the plan, the token embedding (tied to the output
+// projection) by vocabulary rows; the position embedding and the final norm replicated.
+void shard_gpt(Model& model, const TensorParallelParts& parts) {
+  auto& m = dynamic_cast<ModuleModel<Gpt>&>(model).module();
+  for (auto& block : *m->h) parts.block(*block->as<TransformerBlockImpl>());
+  torch::NoGradGuard no_grad;
+  const TpRule rows{"wte.weight", TpSplit::Vocab, 0};
+  m->wte->weight.set_data(tp_slice(m->wte->weight.detach(), rows, parts.rank, parts.size));
+  m->tp_vocab = parts.vocab;
+}
+
+}  // namespace
+
 const TransformerFamily& gpt_family() {
-  static const TransformerFamily f{"gpt", make_gpt, "h.", tensor_parallel_plan(gpt_block(256, 4, 0), {"wte.weight"})};
+  static const TransformerFamily f{"gpt", make_gpt, "h.", tensor_parallel_plan(gpt_block(256, 4, 0), {"wte.weight"}),
+                                   shard_gpt};
   return f;
 }
 

@@ -197,6 +197,12 @@ std::vector<TpRule> tensor_parallel_plan(const BlockOptions& o, const std::vecto
   return plan;
 }
 
+const TransformerFamily* transformer_family(const std::string& model_name) {
+  for (const TransformerFamily* f : {&gpt_family(), &gpt2_family(), &llama_family()})
+    if (f->name == model_name) return f;
+  return nullptr;
+}
+
 bool tp_matches(const std::string& name, const TpRule& rule) {
   return name.size() >= rule.suffix.size() &&
          name.compare(name.size() - rule.suffix.size(), rule.suffix.size(), rule.suffix) == 0;

@@ -138,14 +138,39 @@ bool tp_matches(const std::string& name, const TpRule& rule);
 /// Throws std::invalid_argument when the split dimension does not divide.
 torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t rank, int64_t size);
 
-/// A transformer family in one place: its factory, where its blocks are named, and the plan by
-/// which tensor parallelism will shard it (data only; dist/ applies it, issue 45).
+/// The vocabulary split as a family's model sees it (dist::shard_model_tensor_parallel sets it):
+/// this rank's rows of the vocabulary, the lookup of token ids in them (each rank's rows summed
+/// over the tp group: dist/tp_ops.h's vocab_parallel_embedding), and the region before the
+/// output projection (its input's gradient summed over the group). The model's logits are then
+/// this rank's vocabulary columns. Empty: no split, and the model computes exactly as without it.
+struct TpVocab {
+  int64_t first = 0, n = 0;
+  std::function<torch::Tensor(const torch::Tensor& ids, const torch::Tensor& rows)> embed;
+  std::function<torch::Tensor(const torch::Tensor&)> enter_head;
+  explicit operator bool() const { return static_cast<bool>(embed); }
+};
+
+/// What a family's shard function is given: its place in the tp group, how to shard one block
+/// (dist::shard_block with the family's plan), and the vocabulary split.
+struct TensorParallelParts {
+  int64_t rank = 0, size = 1;
+  std::function<void(TransformerBlockImpl&)> block;
+  TpVocab vocab;
+};
+
+/// A transformer family in one place: its factory, where its blocks are named, the plan by which
+/// tensor parallelism shards it (data), and the function that applies it to a model the factory
+/// built (null: the family cannot be sharded yet).
 struct TransformerFamily {
   std::string name;                                                 // model.name
   std::shared_ptr<Model> (*factory)(const ModelConfig&) = nullptr;  // builds it
   std::string block_prefix;                                         // "h." -> blocks "h.0.", "h.1.", ...
   std::vector<TpRule> tp_plan;                                      // Megatron-style column / row pairs
+  void (*shard)(Model& model, const TensorParallelParts& parts) = nullptr;
 };
+
+/// The family named `model_name`, or null.
+const TransformerFamily* transformer_family(const std::string& model_name);
 
 /// The plan of a block built from `o`, Megatron's pairing: the projections into attention and the
 /// MLP (qkv or q, k, v; fc or gate, up) split by output, weight and bias (column); the projections

@@ -8,11 +8,15 @@
 // doubled or misplaced term, which would be O(0.1) or more.
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "dist/mesh.h"
 #include "dist/tensor_parallel.h"
 #include "dist/tp_ops.h"
+#include "keel/common/error.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
+#include "keel/models/config.h"
 #include "models/transformer.h"
 #include "multirank.h"
 
@@ -214,6 +218,77 @@ TEST(TensorParallel, EachFamilysBlockOverTp2EqualsTheWholeBlockWithAndWithoutSeq
     for (const auto& [family, o] : family_blocks())
       for (bool sp : {false, true}) check_block(*world, o, sp, family + (sp ? " (sp)" : " (tp)"));
     check_refusals(*world);
+    world->barrier();
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
+// A whole gpt over the tp group against the whole model on one rank: the logits are this rank's
+// vocabulary columns, the loss over them equals the loss over the whole vocabulary, and every
+// parameter's gradient is the same slice of the whole model's (the tied embedding's rows get
+// the lookups' and the output projection's parts alike).
+void check_gpt_model(keel::dist::Collectives& group) {
+  const int64_t r = group.rank(), n = group.size();
+  keel::ModelConfig c;
+  c.name = "gpt", c.vocab = 32, c.width = 16, c.heads = 4, c.depth = 2, c.context = 8;
+  auto build = [&] {
+    torch::manual_seed(11);
+    auto m = keel::models::create_model(c);
+    torch::NoGradGuard no_grad;
+    for (auto& [name, t] : m->named_parameters()) t.set_data(t.to(torch::kDouble));
+    return m;
+  };
+  auto whole = build(), sharded = build();
+  keel::dist::shard_model_tensor_parallel(*sharded, group);
+  const auto ids = torch::randint(c.vocab, {2, c.context}, torch::kLong);
+  const auto target = torch::randint(c.vocab, {2, c.context}, torch::kLong);
+  const auto lw = whole->forward(ids);
+  const auto loss_w = torch::nn::functional::cross_entropy(lw.reshape({-1, c.vocab}), target.reshape({-1}));
+  loss_w.backward();
+  const auto range = tp::VocabRange::of(c.vocab, n, r);
+  const auto ls = sharded->forward(ids);
+  expect_close(ls, lw.narrow(2, range.first, range.n), "gpt logits");
+  const auto loss_s = tp::vocab_parallel_cross_entropy(ls, target, range, group);
+  loss_s.backward();
+  expect_close(loss_s, loss_w, "gpt loss");
+  std::map<std::string, torch::Tensor> whole_params;
+  for (const auto& [name, t] : whole->named_parameters()) whole_params[name] = t;
+  const auto& plan = keel::models::gpt_family().tp_plan;
+  int sharded_count = 0;
+  for (const auto& [name, t] : sharded->named_parameters()) {
+    const keel::models::TpRule* rule = nullptr;
+    for (const auto& candidate : plan)
+      if (keel::models::tp_matches(name, candidate)) rule = &candidate;
+    const torch::Tensor& w = whole_params.at(name);
+    sharded_count += rule ? 1 : 0;
+    expect_close(t, rule ? keel::models::tp_slice(w, *rule, r, n) : w, "gpt " + name);
+    expect_close(t.grad(), rule ? keel::models::tp_slice(w.grad(), *rule, r, n) : w.grad(),
+                 "gpt " + name + " gradient");
+  }
+  EXPECT_EQ(sharded_count, 1 + 2 * 6) << "wte and 6 matrices or biases per block";
+  // Refused by name: a model without a plan, a vocabulary that does not divide.
+  auto refused = [&](keel::ModelConfig bad) -> std::string {
+    try {
+      keel::dist::shard_model_tensor_parallel(*keel::models::create_model(bad), group);
+    } catch (const keel::InputError& e) {
+      return e.what();
+    }
+    return "";
+  };
+  keel::ModelConfig mlp;
+  mlp.name = "mlp";
+  EXPECT_NE(refused(mlp).find("model.name = \"mlp\" has no tensor-parallel plan"), std::string::npos);
+  keel::ModelConfig odd = c;
+  odd.vocab = 31;
+  EXPECT_NE(refused(odd).find("model.vocab = 31 does not divide by tp = 2"), std::string::npos);
+}
+
+TEST(TensorParallel, AGptShardedOverTp2GivesTheWholeModelsLogitsLossAndGradients) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    auto world = std::make_shared<keel::dist::Collectives>(
+        keel::dist::Group::create(w, keel::DistConfig{}, torch::kCPU), keel::Validate::Always);
+    check_gpt_model(*world);
     world->barrier();
   });
   if (is_rank_process()) return;
