@@ -9,10 +9,16 @@
 namespace keel::dist {
 
 void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan& plan) {
-  if (mesh.tp() != 1)
-    throw std::logic_error("shard_tensor_parallel: tp = " + std::to_string(mesh.tp()) + " for model " + model.name() +
-                           ": tensor parallelism of a whole model is not implemented yet (only tp = 1)");
-  plan.applied(Transform::TensorParallel, "none (tp 1)");
+  if (mesh.tp() == 1) {
+    plan.applied(Transform::TensorParallel, "none (tp 1)");
+    return;
+  }
+  shard_model_tensor_parallel(model, mesh.on(Axis::Tp));
+  const tp::VocabRange range = tp::VocabRange::of(model.input_spec().num_classes, mesh.tp(), mesh.coordinate(Axis::Tp));
+  plan.applied(Transform::TensorParallel, "tp " + std::to_string(mesh.tp()) + ", rank " +
+                                              std::to_string(mesh.coordinate(Axis::Tp)) +
+                                              "'s heads, MLP and vocabulary " + std::to_string(range.first) + "-" +
+                                              std::to_string(range.first + range.n - 1));
 }
 
 void shard_model_tensor_parallel(models::Model& model, Collectives& tp) {

@@ -6,9 +6,8 @@
 // its Collectives).
 //
 // In place today: shard_block(), one block at a time, and shard_model_tensor_parallel() for the
-// gpt family (tests/test_tp_ops.cpp). The loss over vocabulary shards in the step, the other
-// families and the config's tp degree come next; until then the transform in place() refuses a
-// mesh with tp > 1, naming it.
+// gpt family (tests/test_tp_ops.cpp), applied by place() when parallel.tp > 1 (eager, over DDP;
+// trainer/config/config.cpp refuses the rest by name).
 #pragma once
 
 #include <vector>
@@ -21,7 +20,8 @@
 
 namespace keel::dist {
 
-/// Shards `model`'s parameters over the tp axis in place (tp = 1: none), recorded in `plan`.
+/// Shards `model`'s parameters over the mesh's tp axis in place (tp = 1: none; else
+/// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan`.
 void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan& plan);
 
 /// Shards a whole model of a transformer family over the tp group `tp` (rank tp.rank() of

@@ -1,5 +1,6 @@
 #include "dist/tp_ops.h"
 
+#include <limits>
 #include <stdexcept>
 #include <string>
 
@@ -159,6 +160,18 @@ torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const to
     throw std::invalid_argument("vocab_parallel_cross_entropy: logits with " + std::to_string(flat.size(1)) +
                                 " columns for a vocabulary range of " + std::to_string(range.n));
   return VocabCrossEntropy::apply(flat, target.reshape({-1}), range.first, as_int(tp));
+}
+
+torch::Tensor vocab_parallel_argmax(const torch::Tensor& logits, VocabRange range, Collectives& tp) {
+  torch::NoGradGuard no_grad;
+  const torch::Tensor flat = logits.reshape({-1, logits.size(-1)});
+  const auto [local_max, local_index] = flat.max(1);
+  torch::Tensor max = local_max.clone(at::MemoryFormat::Contiguous);  // (local_max is compared below)
+  tp.all_reduce(max, ReduceOp::Max, "tp: argmax maximum");
+  const int64_t none = std::numeric_limits<int64_t>::max();
+  torch::Tensor index = torch::where(local_max.eq(max), local_index + range.first, torch::full_like(local_index, none));
+  tp.all_reduce(index, ReduceOp::Min, "tp: argmax index");
+  return index;
 }
 
 }  // namespace keel::dist::tp

@@ -65,4 +65,10 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Te
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, VocabRange range,
                                            Collectives& tp);
 
+/// The index over the whole vocabulary of each row's largest logit, from this rank's columns
+/// `range` of `logits` (N x n): the first such index when several are equal, as torch's argmax.
+/// Two all-reduces of one value per row (the maximum, then the smallest index holding it). No
+/// gradient. Returns (N) int64, the same on every rank of the group.
+torch::Tensor vocab_parallel_argmax(const torch::Tensor& logits, VocabRange range, Collectives& tp);
+
 }  // namespace keel::dist::tp

@@ -10,6 +10,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/stop.h"
+#include "dist/tp_ops.h"
 #include "keel/common/error.h"
 #include "models/hf.h"
 #include "trainer/app/log.h"
@@ -42,14 +43,39 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
   }
   rendezvous_ms = ms_since(t_rdzv);
   coll = std::make_shared<dist::Collectives>(group, cfg.dist.validate);
-  mesh = dist::Mesh::build(world);
-  mesh.connect(coll, cfg.dist.validate);
+  build_mesh();
   optimizer_choice.emplace(resolve_optimizer(cfg.train));  // an unknown or unusable one stops the run here
   lock_directories();
   check_memory_needs();
   build_model_and_data();
   compile_and_distribute();
   build_optimizer();
+}
+
+// [parallel]: the world as a mesh, each axis's Collectives made (collective: the subgroups).
+void Run::build_mesh() {
+  const ParallelConfig& p = cfg.parallel;
+  try {
+    mesh = dist::Mesh::build(world, dist::MeshShape{1, p.dp, p.tp});
+  } catch (const InputError&) {
+    const int64_t dp = p.dp > 0 ? p.dp : world.size / p.tp;
+    throw InputError("parallel.dp = " + std::to_string(dp) + (p.dp > 0 ? "" : " (world / parallel.tp)") +
+                     " x parallel.tp = " + std::to_string(p.tp) + " is " + std::to_string(dp * p.tp) +
+                     " ranks; the world has " + std::to_string(world.size) + ": make their product the world size");
+  }
+  mesh.connect(coll, cfg.dist.validate);
+  if (mesh.tp() == 1) return;
+  if (cb.loss)
+    throw InputError("parallel.tp = " + std::to_string(mesh.tp()) +
+                     " computes the loss over vocabulary shards; a custom loss (Callbacks::loss) cannot be");
+  // The cross-entropy over this rank's vocabulary columns of the logits (dist/tp_ops.h).
+  loss = [this](const torch::Tensor& logits, const torch::Tensor& target) {
+    return dist::tp::vocab_parallel_cross_entropy(logits, target, vocab_range(), mesh.on(dist::Axis::Tp));
+  };
+}
+
+dist::tp::VocabRange Run::vocab_range() const {
+  return dist::tp::VocabRange::of(spec.num_classes, mesh.tp(), mesh.coordinate(dist::Axis::Tp));
 }
 
 void Run::lock_directories() {

@@ -18,6 +18,7 @@
 #include "common/clock.h"
 #include "common/file.h"
 #include "dist/mesh.h"
+#include "dist/tp_ops.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/process_group.h"
 #include "keel/trainer/data/data.h"
@@ -75,8 +76,11 @@ struct Run {
 
   /// The default loss, whose evaluation also counts top-1 accuracy.
   bool classifier() const { return !cb.loss && cfg.train.loss == "cross_entropy"; }
+  /// parallel.tp > 1: this rank's vocabulary columns of the logits.
+  dist::tp::VocabRange vocab_range() const;
 
  private:
+  void build_mesh();
   void lock_directories();
   void check_memory_needs();
   std::shared_ptr<models::Model> build_model_on_every_rank(std::optional<models::InputKind> data_kind);

@@ -454,6 +454,39 @@ static void validate_placement(const Config& cfg) {
     fail("shards a model's parameters behind its back, which a TorchScript module does not take: use dist.zero = 2");
 }
 
+// [parallel]: what tensor parallelism serves yet (issue 45) is gpt, eager, over DDP; everything
+// else with parallel.tp > 1 is refused by name. The product with the world size is checked when
+// the mesh is built (the world is not known here).
+static void validate_parallel(const Config& cfg) {
+  const int64_t tp = cfg.parallel.tp;
+  if (tp == 1) return;
+  const std::string key = "parallel.tp = " + std::to_string(tp);
+  auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
+  const ModelConfig& m = cfg.model;
+  if (m.name != "gpt")
+    fail("needs a model with a tensor-parallel plan: model.name = \"" + m.name +
+         "\" has none yet (\"gpt\" has; gpt2 and llama come next)");
+  const int64_t width = m.width > 0 ? m.width : 256;
+  for (const auto& [what, n] : {std::pair<std::string, int64_t>{"model.heads", m.heads},
+                                {"model.vocab", m.vocab},
+                                {"the MLP's width (4 x model.width)", 4 * width}})
+    if (n % tp != 0)
+      fail("splits " + what + " = " + std::to_string(n) + " over tp ranks: it does not divide by " +
+           std::to_string(tp));
+  auto not_yet = [&](bool set, const std::string& what) {
+    if (set) fail("cannot be combined with " + what + " yet (tensor parallelism serves eager gpt over DDP so far)");
+  };
+  not_yet(cfg.compile.mode != CompileMode::Off,
+          "compile.mode = \"" + std::string(choice_name(kCompileModes, cfg.compile.mode)) + "\"");
+  not_yet(cfg.dist.zero != 0, "dist.zero = " + std::to_string(cfg.dist.zero));
+  not_yet(cfg.train.loss != "cross_entropy",
+          "train.loss = \"" + cfg.train.loss + "\" (the loss is computed over vocabulary shards)");
+  not_yet(m.dropout > 0, "model.dropout > 0 (the tp ranks' dropout masks must agree)");
+  not_yet(cfg.train.grad_clip > 0, "train.grad_clip > 0 (the norm over the mesh)");
+  not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpoints written as whole tensors from the slices)");
+  not_yet(!m.init_from.empty(), "model.init_from");
+}
+
 void validate(Config& cfg) {
   auto fail = [](const std::string& m) { throw InputError("config: " + m); };
   if (cfg.run.name.empty()) fail("run.name must not be empty");
@@ -490,6 +523,7 @@ void validate(Config& cfg) {
   }
   validate_data(cfg.data);
   validate_model(cfg.model);
+  validate_parallel(cfg);
   if (cfg.checkpoint.async && cfg.checkpoint.keep < 2)
     fail("checkpoint.keep must be at least 2 with checkpoint.async = true (got " + std::to_string(cfg.checkpoint.keep) +
          ")");

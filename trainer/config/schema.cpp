@@ -325,6 +325,20 @@ void dist_keys(SchemaBuilder& b) {
       0, 3);
 }
 
+// [parallel]
+void parallel_keys(SchemaBuilder& b) {
+  using C = Config;
+  range(b.add("parallel", &C::parallel, "dp", &ParallelConfig::dp,
+              "data-parallel degree: the ranks that split the batch (DDP, dist.zero); 0 = world size / parallel.tp"),
+        0, 1 << 20);
+  range(
+      b.add("parallel", &C::parallel, "tp", &ParallelConfig::tp,
+            "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
+            "the token embedding and the output projection split over tp ranks, which read the same batch; "
+            "parallel.dp x parallel.tp = the world size. gpt only yet, with compile.mode = \"off\" and dist.zero = 0"),
+      1, 1 << 20);
+}
+
 // [compile]
 void compile_keys(SchemaBuilder& b) {
   using C = Config;
@@ -409,6 +423,7 @@ std::vector<FieldInfo> build_schema() {
   data_keys(b);
   train_keys(b);
   dist_keys(b);
+  parallel_keys(b);
   compile_keys(b);
   amp_keys(b);
   checkpoint_keys(b);
@@ -424,8 +439,8 @@ const std::vector<FieldInfo>& config_schema() {
 }
 
 const std::vector<std::string>& config_sections() {
-  static const std::vector<std::string> sections = {"run",     "model", "data",       "train", "dist",
-                                                    "compile", "amp",   "checkpoint", "fault"};
+  static const std::vector<std::string> sections = {"run",      "model",   "data", "train",      "dist",
+                                                    "parallel", "compile", "amp",  "checkpoint", "fault"};
   return sections;
 }
 

@@ -7,6 +7,7 @@
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
+#include "dist/tp_ops.h"
 #include "trainer/run.h"
 #include "trainer/step/compiled.h"
 #include "trainer/step/eager.h"
@@ -199,6 +200,16 @@ EvalResult Step::evaluate(int64_t step) {
 // the top-1 hits.
 void Step::evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
                           double& count) {
+  if (run_.mesh.tp() > 1) {  // this rank's vocabulary columns (parallel.tp; the default loss)
+    const dist::tp::VocabRange range = run_.vocab_range();
+    dist::Collectives& tp = run_.mesh.on(dist::Axis::Tp);
+    const auto t = target.reshape({-1});
+    const auto tokens = static_cast<double>(t.numel());
+    loss_sum += dist::tp::vocab_parallel_cross_entropy(out, t, range, tp).item<double>() * tokens;
+    correct += static_cast<double>(dist::tp::vocab_parallel_argmax(out, range, tp).eq(t).sum().item<int64_t>());
+    count += tokens;
+    return;
+  }
   if (run_.classifier()) {
     auto flat = out.reshape({-1, out.size(-1)});
     auto t = target.reshape({-1});

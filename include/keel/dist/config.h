@@ -45,4 +45,11 @@ struct DistConfig {
   std::string interface;
 };
 
+/// The [parallel] section: how the world is laid out as a mesh (docs/architecture.md). The
+/// product dp x tp is the world size; dp = 0 takes what tp leaves.
+struct ParallelConfig {
+  int64_t dp = 0;
+  int64_t tp = 1;
+};
+
 }  // namespace keel

@@ -140,6 +140,7 @@ struct Config {
   DataConfig data;
   TrainConfig train;
   DistConfig dist;
+  ParallelConfig parallel;
   CompileConfig compile;
   AmpConfig amp;
   CheckpointConfig checkpoint;
