@@ -2,8 +2,8 @@
 // sharded over the mesh's tp axis by its family's plan (models/transformer.h's TransformerFamily::
 // tp_plan: column-wise, row-wise, vocabulary-parallel), and the block's regions set to
 // dist/tp_ops.h's communication. Under tp > 1 the tp ranks of one dp coordinate read the same
-// batch (the sampler asks mesh.dp()), and ZeRO shards over the dp axis only (distribute() takes
-// its Collectives).
+// batch (the sampler asks mesh.dp()), and data parallelism runs over the dp axis only
+// (distribute() takes its Collectives; ZeRO with tp is refused until they compose).
 //
 // In place today: shard_block(), one block at a time, and shard_model_tensor_parallel() for the
 // gpt family (tests/test_tp_ops.cpp), applied by place() when parallel.tp > 1 (eager, over DDP;
@@ -30,7 +30,8 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan
 /// (tp::vocab_parallel_cross_entropy takes them, with tp::VocabRange::of(vocab, tp.size(),
 /// tp.rank())). Throws InputError for a model without a tensor-parallel plan (only gpt has
 /// one yet) or a vocabulary that does not divide by tp, naming model.name or model.vocab.
-/// Sequence parallelism of a whole model is not there yet (shard_block has it).
+/// Sequence parallelism of a whole model is not there yet (shard_block has it). The model keeps
+/// references to `tp`, which must outlive it.
 void shard_model_tensor_parallel(models::Model& model, Collectives& tp);
 
 /// Keeps this rank's part (rank tp.rank() of tp.size()) of each of `block`'s parameters that a

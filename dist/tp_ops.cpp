@@ -97,7 +97,8 @@ struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
     const torch::Tensor local = target.reshape({-1, 1}) - first;
     const torch::Tensor mine = local.ge(0).logical_and(local.lt(n));
     const torch::Tensor index = local.clamp(0, n - 1);
-    torch::Tensor sums = torch::cat({exp.sum(1, true), shifted.gather(1, index) * mine}, 1);
+    // (masked with where, not a product: another rank's -inf logit would make 0 x -inf = NaN here)
+    torch::Tensor sums = torch::cat({exp.sum(1, true), torch::where(mine, shifted.gather(1, index), 0.0)}, 1);
     g.all_reduce(sums, ReduceOp::Sum, "tp: cross-entropy sums");
     const torch::Tensor sum_exp = sums.select(1, 0).unsqueeze(1);
     const torch::Tensor loss = (sum_exp.log() - sums.select(1, 1).unsqueeze(1)).mean();
@@ -150,7 +151,7 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Te
   const torch::Tensor local = ids - range.first;
   const torch::Tensor mine = local.ge(0).logical_and(local.lt(range.n));
   const torch::Tensor rows = torch::embedding(weight, local.clamp(0, range.n - 1));
-  return reduce_from_region(rows * mine.unsqueeze(-1).to(rows.scalar_type()), tp);
+  return reduce_from_region(torch::where(mine.unsqueeze(-1), rows, 0.0), tp);
 }
 
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, VocabRange range,

@@ -12,9 +12,10 @@
 // on 1/tp of the tokens.
 //
 // The vocabulary-parallel pair: an embedding whose rows are split over the tp ranks, and the
-// cross-entropy over logits split the same way, computed from each rank's shard with three
-// all-reduces of one value per token (max, sum of exponentials, the target's logit), never
-// gathering the full logits.
+// cross-entropy over logits split the same way, computed from each rank's shard with two
+// all-reduces per token (the maximum; then the sum of exponentials and the target's logit
+// together), never gathering the full logits. Targets must be ids of the vocabulary (no
+// ignore_index): one outside every rank's range is not caught here.
 //
 // Every call goes through the Collectives' door (validated, counted, observed); each is a
 // collective over the tp group: every rank of the group calls it in the same order with the same

@@ -356,20 +356,27 @@ TEST(TensorParallel, BadMeshesAndWhatTpDoesNotServeYetAreRefusedByName) {
            {{"--dist.zero=1"}, "cannot be combined with dist.zero = 1 yet"},
            {{"--model.dropout=0.1"}, "cannot be combined with model.dropout > 0"},
            {{"--train.grad_clip=1"}, "cannot be combined with train.grad_clip > 0"},
-           {{"--checkpoint.dir=/tmp/x"}, "cannot be combined with checkpoint.dir"}}) {
+           {{"--checkpoint.dir=/tmp/x"}, "cannot be combined with checkpoint.dir"},
+           {{"--fault.inject=graph_break@step=1,rank=1"}, "cannot be combined with fault.inject"}}) {
     auto a = base;
     a.insert(a.end(), extra.begin(), extra.end());
     const auto r = run_keel(a);
     EXPECT_EQ(r.exit_code, 2) << extra[0] << ": " << r.output;
     EXPECT_NE(r.output.find(message), std::string::npos) << extra[0] << ": " << r.output;
   }
-  // The product with the world: tp 2 on 3 ranks.
+  // The mesh against the world: tp 2 on 3 ranks; dp 2 x tp 2 on 2.
   TempDir d;
   auto a = base;
   a.push_back("--run.dir=" + d.file("run"));
   for (const auto& r : run_keel_ranks(3, a)) {
     EXPECT_EQ(r.exit_code, 2) << r.output;
-    EXPECT_NE(r.output.find("x parallel.tp = 2 is 2 ranks; the world has 3"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("parallel.tp = 2 must divide the world size 3"), std::string::npos) << r.output;
+  }
+  a.push_back("--parallel.dp=2");
+  for (const auto& r : run_keel_ranks(2, a)) {
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+    EXPECT_NE(r.output.find("parallel.dp = 2 x parallel.tp = 2 is 4 ranks; the world has 2"), std::string::npos)
+        << r.output;
   }
 }
 

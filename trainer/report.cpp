@@ -42,10 +42,12 @@ RunReport::RunReport(const Run& run, const std::optional<int64_t>& resumed_from)
                 run_.device.str());
   logging::info(
       "model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
-      "({} per rank x {} accum x {} ranks), {} batches per epoch",
+      "({} per rank x {} accum x {} data-parallel ranks{}), {} batches per epoch",
       run_.model->name(), run_.num_parameters, run_.cfg.data.name, run_.splits.train->size(),
       run_.splits.test ? run_.splits.test->size() : 0, run_.progress.total_steps, run_.progress.global_batch,
-      run_.cfg.train.batch_size, run_.cfg.train.grad_accum, run_.world.size, run_.sampler->batches_per_epoch());
+      run_.cfg.train.batch_size, run_.cfg.train.grad_accum, run_.mesh.dp(),
+      run_.mesh.tp() > 1 ? fmt::format(", each {} tensor-parallel ranks", run_.mesh.tp()) : std::string(),
+      run_.sampler->batches_per_epoch());
   if (const double flops = run_.model->train_flops_per_sample(); flops > 0) {
     const bool given = run_.cfg.run.peak_tflops > 0;
     const double peak = given ? run_.cfg.run.peak_tflops : measure_peak_tflops(run_.device, run_.amp);

@@ -55,6 +55,9 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
 // [parallel]: the world as a mesh, each axis's Collectives made (collective: the subgroups).
 void Run::build_mesh() {
   const ParallelConfig& p = cfg.parallel;
+  if (p.dp == 0 && world.size % p.tp != 0)
+    throw InputError("parallel.tp = " + std::to_string(p.tp) + " must divide the world size " +
+                     std::to_string(world.size) + " (parallel.dp = 0 takes what tp leaves)");
   try {
     mesh = dist::Mesh::build(world, dist::MeshShape{1, p.dp, p.tp});
   } catch (const InputError&) {

@@ -1,8 +1,8 @@
 // trainer/run.h: the set-up of one training run, from the config to a model ready to step.
 //
 // Owns: building a run's components in their fixed order (threads, device, the rendezvous and
-// the config's agreement, the mesh, the directory locks, the memory estimate, the model and the
-// data, place -> compile -> distribute, the optimizer, its schedule and the GradScaler), each
+// the config's agreement, the mesh, the directory locks, the memory estimate, the model, the
+// data and the GradScaler, place -> compile -> distribute, the optimizer and its schedule), each
 // step a named function below, each agreed across ranks where a rank alone could fail.
 // Does not own: checkpointing and resume (trainer/checkpoints.h), the outputs
 // (trainer/report.h), what a step does (trainer/step/step.h), the loop (trainer/trainer.cpp).

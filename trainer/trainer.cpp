@@ -255,7 +255,7 @@ void Trainer::Loop::finish() {
   }
   ckpts_.finish(done);
   if (StepProfiler* p = report_.profiler()) p->finish();
-  run_.dmodel->sync_buffers();  // every rank ends with rank 0's model
+  run_.dmodel->sync_buffers();  // every rank ends with rank 0's model (under tp: its dp peers' shard)
   // dist.zero = 3: the whole model, gathered for on_end only (on every rank when one rank has it:
   // the gathers are collective; stage 2's parameters are whole).
   run_.dmodel->hold_whole_model(bool(run_.cb.on_end));

@@ -459,6 +459,9 @@ static void validate_placement(const Config& cfg) {
 // the mesh is built (the world is not known here).
 static void validate_parallel(const Config& cfg) {
   const int64_t tp = cfg.parallel.tp;
+  if (tp < 1 || cfg.parallel.dp < 0)  // (a Config built in code skips the parser's ranges)
+    throw InputError("config: parallel.tp = " + std::to_string(tp) + " and parallel.dp = " +
+                     std::to_string(cfg.parallel.dp) + ": tp must be at least 1 and dp at least 0 (0 = world / tp)");
   if (tp == 1) return;
   const std::string key = "parallel.tp = " + std::to_string(tp);
   auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
@@ -485,6 +488,9 @@ static void validate_parallel(const Config& cfg) {
   not_yet(cfg.train.grad_clip > 0, "train.grad_clip > 0 (the norm over the mesh)");
   not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpoints written as whole tensors from the slices)");
   not_yet(!m.init_from.empty(), "model.init_from");
+  not_yet(cfg.run.sync_debug != SyncDebug::Off, "run.sync_debug (each tp collective's validation reads the host)");
+  for (const auto& entry : cfg.fault.inject)
+    not_yet(entry.rfind("graph_break", 0) == 0, "fault.inject = \"" + entry + "\" (a wrapped model cannot be sharded)");
 }
 
 void validate(Config& cfg) {

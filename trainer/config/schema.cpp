@@ -331,12 +331,12 @@ void parallel_keys(SchemaBuilder& b) {
   range(b.add("parallel", &C::parallel, "dp", &ParallelConfig::dp,
               "data-parallel degree: the ranks that split the batch (DDP, dist.zero); 0 = world size / parallel.tp"),
         0, 1 << 20);
-  range(
-      b.add("parallel", &C::parallel, "tp", &ParallelConfig::tp,
-            "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
-            "the token embedding and the output projection split over tp ranks, which read the same batch; "
-            "parallel.dp x parallel.tp = the world size. gpt only yet, with compile.mode = \"off\" and dist.zero = 0"),
-      1, 1 << 20);
+  range(b.add("parallel", &C::parallel, "tp", &ParallelConfig::tp,
+              "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
+              "the token embedding and the output projection split over tp ranks, which read the same batch; "
+              "parallel.dp x parallel.tp = the world size. First cut: gpt, compile.mode = \"off\", dist.zero = 0, no "
+              "dropout, clipping, checkpoint.dir, init_from, custom loss or run.sync_debug (each refused by name)"),
+        1, 1 << 20);
 }
 
 // [compile]
