@@ -13,15 +13,14 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan
     plan.applied(Transform::TensorParallel, "none (tp 1)");
     return;
   }
-  shard_model_tensor_parallel(model, mesh.on(Axis::Tp));
-  const tp::VocabRange range = tp::VocabRange::of(model.input_spec().num_classes, mesh.tp(), mesh.coordinate(Axis::Tp));
+  const tp::VocabRange range = shard_model_tensor_parallel(model, mesh.on(Axis::Tp));
   plan.applied(Transform::TensorParallel, "tp " + std::to_string(mesh.tp()) + ", rank " +
                                               std::to_string(mesh.coordinate(Axis::Tp)) +
                                               "'s heads, MLP and vocabulary " + std::to_string(range.first) + "-" +
                                               std::to_string(range.first + range.n - 1));
 }
 
-void shard_model_tensor_parallel(models::Model& model, Collectives& tp) {
+tp::VocabRange shard_model_tensor_parallel(models::Model& model, Collectives& tp) {
   const models::TransformerFamily* family = models::transformer_family(model.name());
   if (!family || !family->shard)
     throw InputError("tensor parallelism: model.name = \"" + model.name() +
@@ -44,6 +43,7 @@ void shard_model_tensor_parallel(models::Model& model, Collectives& tp) {
   };
   parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
   family->shard(model, parts);
+  return range;
 }
 
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
@@ -56,13 +56,9 @@ void shard_block(models::TransformerBlockImpl& block, const std::vector<models::
       throw std::invalid_argument("tensor parallel: " + std::string(what) + " = " + std::to_string(n) +
                                   " does not divide by tp = " + std::to_string(size));
   torch::NoGradGuard no_grad;
-  for (auto& p : block.named_parameters()) {
-    for (const auto& rule : plan) {
-      if (!models::tp_matches(p.key(), rule)) continue;
-      p.value().set_data(models::tp_slice(p.value().detach(), rule, rank, size));
-      break;
-    }
-  }
+  for (auto& p : block.named_parameters())
+    if (const models::TpRule* rule = models::tp_rule(plan, p.key()))
+      p.value().set_data(models::tp_slice(p.value().detach(), *rule, rank, size));
   models::TpRegion region;
   region.rank = rank;
   region.size = size;

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "dist/mesh.h"
+#include "dist/tp_ops.h"
 #include "dist/transform_plan.h"
 #include "keel/dist/collectives.h"
 #include "keel/models/model.h"
@@ -31,8 +32,8 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan
 /// tp.rank())). Throws InputError for a model without a tensor-parallel plan (only gpt has
 /// one yet) or a vocabulary that does not divide by tp, naming model.name or model.vocab.
 /// Sequence parallelism of a whole model is not there yet (shard_block has it). The model keeps
-/// references to `tp`, which must outlive it.
-void shard_model_tensor_parallel(models::Model& model, Collectives& tp);
+/// references to `tp`, which must outlive it. Returns this rank's vocabulary range.
+tp::VocabRange shard_model_tensor_parallel(models::Model& model, Collectives& tp);
 
 /// Keeps this rank's part (rank tp.rank() of tp.size()) of each of `block`'s parameters that a
 /// rule of `plan` matches (the rules' suffixes relative to the block), and sets the block's

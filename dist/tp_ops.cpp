@@ -12,9 +12,8 @@ using torch::autograd::variable_list;
 
 // The group travels through the autograd context as an integer (saved_data holds IValues).
 int64_t as_int(Collectives& c) { return static_cast<int64_t>(reinterpret_cast<intptr_t>(&c)); }
-Collectives& from(AutogradContext* ctx) {
-  return *reinterpret_cast<Collectives*>(static_cast<intptr_t>(ctx->saved_data["tp"].toInt()));
-}
+Collectives& group_of(int64_t tp) { return *reinterpret_cast<Collectives*>(static_cast<intptr_t>(tp)); }
+Collectives& from(AutogradContext* ctx) { return group_of(ctx->saved_data["tp"].toInt()); }
 
 torch::Tensor summed(const torch::Tensor& t, Collectives& tp, const char* what) {
   torch::Tensor s = t.clone(at::MemoryFormat::Contiguous);
@@ -57,7 +56,7 @@ struct CopyToRegion : torch::autograd::Function<CopyToRegion> {
 
 struct ReduceFromRegion : torch::autograd::Function<ReduceFromRegion> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& x, int64_t tp) {
-    return summed(x, *reinterpret_cast<Collectives*>(static_cast<intptr_t>(tp)), "tp: row-parallel partial sums");
+    return summed(x, group_of(tp), "tp: row-parallel partial sums");
   }
   static variable_list backward(AutogradContext*, variable_list grad) { return {grad[0], torch::Tensor()}; }
 };
@@ -87,7 +86,7 @@ struct SequenceRegion : torch::autograd::Function<SequenceRegion<Gather>> {
 struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& target,
                                int64_t first, int64_t tp) {
-    Collectives& g = *reinterpret_cast<Collectives*>(static_cast<intptr_t>(tp));
+    Collectives& g = group_of(tp);
     const torch::Tensor l = logits.scalar_type() == torch::kDouble ? logits : logits.to(torch::kFloat);
     const int64_t n = l.size(1);
     torch::Tensor max = std::get<0>(l.max(1, /*keepdim=*/true)).contiguous();

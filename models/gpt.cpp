@@ -84,8 +84,8 @@ void shard_gpt(Model& model, const TensorParallelParts& parts) {
   auto& m = dynamic_cast<ModuleModel<Gpt>&>(model).module();
   for (auto& block : *m->h) parts.block(*block->as<TransformerBlockImpl>());
   torch::NoGradGuard no_grad;
-  const TpRule rows{"wte.weight", TpSplit::Vocab, 0};
-  m->wte->weight.set_data(tp_slice(m->wte->weight.detach(), rows, parts.rank, parts.size));
+  const TpRule* rows = tp_rule(gpt_family().tp_plan, "wte.weight");  // by vocabulary rows
+  m->wte->weight.set_data(tp_slice(m->wte->weight.detach(), *rows, parts.rank, parts.size));
   m->tp_vocab = parts.vocab;
 }
 

@@ -208,6 +208,12 @@ bool tp_matches(const std::string& name, const TpRule& rule) {
          name.compare(name.size() - rule.suffix.size(), rule.suffix.size(), rule.suffix) == 0;
 }
 
+const TpRule* tp_rule(const std::vector<TpRule>& plan, const std::string& name) {
+  for (const auto& rule : plan)
+    if (tp_matches(name, rule)) return &rule;
+  return nullptr;
+}
+
 torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t rank, int64_t size) {
   if (rule.split == TpSplit::Replicate || size == 1) return whole.clone();
   const int64_t extent = whole.size(rule.dim);

@@ -134,6 +134,8 @@ struct TpRule {
 };
 /// Whether `name` ends with `rule.suffix`.
 bool tp_matches(const std::string& name, const TpRule& rule);
+/// The rule of `plan` that `name` matches (a plan has at most one per name), or null: replicated.
+const TpRule* tp_rule(const std::vector<TpRule>& plan, const std::string& name);
 /// Rank `rank`'s part of `whole` under `rule` over `size` ranks (a copy; Replicate: the whole).
 /// Throws std::invalid_argument when the split dimension does not divide.
 torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t rank, int64_t size);

@@ -223,9 +223,7 @@ TEST(Models, EachTransformerFamilysParallelPlanCoversEveryBlockMatrixOnce) {
       for (const auto& [name, t] : model->named_parameters()) {
         int matches = 0;
         for (const auto& r : f->tp_plan)
-          if (name.size() >= r.suffix.size() &&
-              name.compare(name.size() - r.suffix.size(), r.suffix.size(), r.suffix) == 0)
-            ++matches, used.insert(r.suffix);
+          if (keel::models::tp_matches(name, r)) ++matches, used.insert(r.suffix);
         const bool in_block = name.rfind(f->block_prefix, 0) == 0;
         if (in_block && t.dim() == 2) EXPECT_EQ(matches, 1) << f->name << ": " << name;
         EXPECT_LE(matches, 1) << f->name << ": " << name;

@@ -181,9 +181,7 @@ void check_block(keel::dist::Collectives& group, const keel::models::BlockOption
   int sharded_count = 0;
   for (const auto& p : sharded->named_parameters()) {
     const torch::Tensor& g_whole = whole_params[p.key()].grad();
-    const keel::models::TpRule* rule = nullptr;
-    for (const auto& candidate : plan)
-      if (keel::models::tp_matches(p.key(), candidate)) rule = &candidate;
+    const keel::models::TpRule* rule = keel::models::tp_rule(plan, p.key());
     torch::Tensor g = p.value().grad().clone();
     if (rule) {
       ++sharded_count;
@@ -262,9 +260,7 @@ void check_gpt_model(keel::dist::Collectives& group) {
   const auto& plan = keel::models::gpt_family().tp_plan;
   int sharded_count = 0;
   for (const auto& [name, t] : sharded->named_parameters()) {
-    const keel::models::TpRule* rule = nullptr;
-    for (const auto& candidate : plan)
-      if (keel::models::tp_matches(name, candidate)) rule = &candidate;
+    const keel::models::TpRule* rule = keel::models::tp_rule(plan, name);
     const torch::Tensor& w = whole_params.at(name);
     sharded_count += rule ? 1 : 0;
     expect_close(t, rule ? keel::models::tp_slice(w, *rule, r, n) : w, "gpt " + name);
