@@ -8,23 +8,29 @@
 
 namespace keel::dist {
 
-void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan& plan) {
+TensorParallelShard shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel,
+                                          TransformPlan& plan) {
   if (mesh.tp() == 1) {
     plan.applied(Transform::TensorParallel, "none (tp 1)");
-    return;
+    return {};
   }
-  const tp::VocabRange range = shard_model_tensor_parallel(model, mesh.on(Axis::Tp));
-  plan.applied(Transform::TensorParallel, "tp " + std::to_string(mesh.tp()) + ", rank " +
-                                              std::to_string(mesh.coordinate(Axis::Tp)) +
-                                              "'s heads, MLP and vocabulary " + std::to_string(range.first) + "-" +
-                                              std::to_string(range.first + range.n - 1));
+  TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel);
+  const tp::VocabRange& range = shard.range;
+  plan.applied(Transform::TensorParallel,
+               "tp " + std::to_string(mesh.tp()) + ", rank " + std::to_string(mesh.coordinate(Axis::Tp)) +
+                   "'s heads, MLP and vocabulary " + std::to_string(range.first) + "-" +
+                   std::to_string(range.first + range.n - 1) +
+                   (sequence_parallel ? ", sequence parallel (" + std::to_string(shard.partial.size()) +
+                                            " replicated parameters' gradients summed over tp)"
+                                      : std::string()));
+  return shard;
 }
 
-tp::VocabRange shard_model_tensor_parallel(models::Model& model, Collectives& tp) {
+TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel) {
   const models::TransformerFamily* family = models::transformer_family(model.name());
   if (!family || !family->shard)
     throw InputError("tensor parallelism: model.name = \"" + model.name() +
-                     "\" has no tensor-parallel plan (only gpt has one yet)");
+                     "\" has no tensor-parallel plan (gpt, gpt2 and llama have one)");
   const int64_t vocab = model.input_spec().num_classes, size = tp.size();
   if (vocab % size != 0)
     throw InputError("tensor parallelism: model.vocab = " + std::to_string(vocab) +
@@ -33,17 +39,31 @@ tp::VocabRange shard_model_tensor_parallel(models::Model& model, Collectives& tp
   models::TensorParallelParts parts;
   parts.rank = tp.rank();
   parts.size = size;
-  parts.block = [&](models::TransformerBlockImpl& b) {
-    shard_block(b, family->tp_plan, tp, /*sequence_parallel=*/false);
-  };
+  parts.block = [&](models::TransformerBlockImpl& b) { shard_block(b, family->tp_plan, tp, sequence_parallel); };
   parts.vocab.first = range.first;
   parts.vocab.n = range.n;
-  parts.vocab.embed = [&tp, range](const torch::Tensor& ids, const torch::Tensor& rows) {
-    return tp::vocab_parallel_embedding(ids, rows, range, tp);
+  if (sequence_parallel) {
+    parts.vocab.sequence_parts = size;
+    parts.vocab.sequence_index = tp.rank();
+  }
+  parts.vocab.embed = [&tp, range, sequence_parallel](const torch::Tensor& ids, const torch::Tensor& rows,
+                                                      int64_t padding_idx) {
+    return tp::vocab_parallel_embedding(ids, rows, range, tp, sequence_parallel, padding_idx);
   };
-  parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
+  if (sequence_parallel) {
+    parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::gather_sequence(x, 1, tp); };
+  } else {
+    parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
+  }
   family->shard(model, parts);
-  return range;
+  TensorParallelShard shard{range, {}};
+  if (sequence_parallel) {  // every parameter the plan does not split is replicated, its gradient partial
+    std::vector<torch::Tensor> replicated;
+    for (const auto& [name, p] : model.named_parameters())
+      if (!models::tp_rule(family->tp_plan, name)) replicated.push_back(p);
+    shard.partial = PartialGradients(std::move(replicated), tp);
+  }
+  return shard;
 }
 
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
@@ -53,8 +73,11 @@ void shard_block(models::TransformerBlockImpl& block, const std::vector<models::
   for (const auto& [what, n] : {std::pair{"model.heads", o.heads}, std::pair{"model.kv_heads", o.kv_heads},
                                 std::pair{"the MLP's width", o.ffn}})
     if (n % size != 0)
-      throw std::invalid_argument("tensor parallel: " + std::string(what) + " = " + std::to_string(n) +
-                                  " does not divide by tp = " + std::to_string(size));
+      throw InputError("tensor parallelism: " + std::string(what) + " = " + std::to_string(n) +
+                       " does not divide by tp = " + std::to_string(size) +
+                       (std::string(what) == "model.kv_heads"
+                            ? " (each tp rank holds whole key/value heads; replicating fewer than tp is not done)"
+                            : ""));
   torch::NoGradGuard no_grad;
   for (auto& p : block.named_parameters())
     if (const models::TpRule* rule = models::tp_rule(plan, p.key()))

@@ -5,9 +5,10 @@
 // batch (the sampler asks mesh.dp()), and data parallelism runs over the dp axis only
 // (distribute() takes its Collectives; ZeRO with tp is refused until they compose).
 //
-// In place today: shard_block(), one block at a time, and shard_model_tensor_parallel() for the
-// gpt family (tests/test_tp_ops.cpp), applied by place() when parallel.tp > 1 (eager, over DDP;
-// trainer/config/config.cpp refuses the rest by name).
+// In place: shard_block(), one block at a time, and shard_model_tensor_parallel() for the gpt,
+// gpt2 and llama families, with or without sequence parallelism (tests/test_tp_ops.cpp),
+// applied by place() when parallel.tp > 1 (eager, over DDP; trainer/config/config.cpp refuses
+// the rest by name).
 #pragma once
 
 #include <vector>
@@ -21,19 +22,46 @@
 
 namespace keel::dist {
 
+/// What the tensor-parallel transform leaves for the step: with sequence parallelism, the
+/// replicated parameters (norms, the row-parallel biases, a position embedding) whose gradient
+/// each tp rank computes from its own positions only; finish() sums them over the tp group (one
+/// all-reduce, tp::sum_gradients) once a step's backward is complete. Empty otherwise: a no-op.
+class PartialGradients {
+ public:
+  PartialGradients() = default;
+  PartialGradients(std::vector<torch::Tensor> params, Collectives& tp) : params_(std::move(params)), tp_(&tp) {}
+  void finish() const {
+    if (tp_ && !params_.empty()) tp::sum_gradients(params_, *tp_);
+  }
+  size_t size() const { return params_.size(); }
+
+ private:
+  std::vector<torch::Tensor> params_;
+  Collectives* tp_ = nullptr;
+};
+
+/// A whole model sharded over a tp group: this rank's vocabulary range, and what its step must
+/// finish (PartialGradients).
+struct TensorParallelShard {
+  tp::VocabRange range;
+  PartialGradients partial;
+};
+
 /// Shards `model`'s parameters over the mesh's tp axis in place (tp = 1: none; else
 /// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan`.
-void shard_tensor_parallel(models::Model& model, const Mesh& mesh, TransformPlan& plan);
+TensorParallelShard shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel,
+                                          TransformPlan& plan);
 
 /// Shards a whole model of a transformer family over the tp group `tp` (rank tp.rank() of
 /// tp.size()): every block by the family's plan (shard_block), the token embedding and the
 /// output projection by vocabulary; its logits are then this rank's vocabulary columns
-/// (tp::vocab_parallel_cross_entropy takes them, with tp::VocabRange::of(vocab, tp.size(),
-/// tp.rank())). Throws InputError for a model without a tensor-parallel plan (only gpt has
-/// one yet) or a vocabulary that does not divide by tp, naming model.name or model.vocab.
-/// Sequence parallelism of a whole model is not there yet (shard_block has it). The model keeps
-/// references to `tp`, which must outlive it. Returns this rank's vocabulary range.
-tp::VocabRange shard_model_tensor_parallel(models::Model& model, Collectives& tp);
+/// (tp::vocab_parallel_cross_entropy takes them, with the returned range). With
+/// `sequence_parallel` the embeddings' output is reduce-scattered to T / tp positions per rank,
+/// the norms, dropout and residual adds run on them, and the output projection gathers the whole
+/// sequence again (T must divide by tp). Throws InputError naming the key for a model without a
+/// tensor-parallel plan (model.name), or a model.vocab, model.heads, model.kv_heads or MLP width
+/// that does not divide by tp. The model keeps references to `tp`, which must outlive it.
+TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel = false);
 
 /// Keeps this rank's part (rank tp.rank() of tp.size()) of each of `block`'s parameters that a
 /// rule of `plan` matches (the rules' suffixes relative to the block), and sets the block's
@@ -41,8 +69,8 @@ tp::VocabRange shard_model_tensor_parallel(models::Model& model, Collectives& tp
 /// reduce-scatter pair over the sequence dimension (then the block's input and output are this
 /// rank's T / tp positions, and the gradients of its replicated parameters (norms, the
 /// row-parallel biases) are partial sums over the tp group, to be summed over it).
-/// Throws std::invalid_argument when heads, kv_heads or a split dimension does not divide by
-/// tp.size(). `tp` must outlive the block.
+/// Throws InputError naming model.heads, model.kv_heads or the MLP's width when one does not
+/// divide by tp.size() (std::invalid_argument for another split dimension). `tp` must outlive the block.
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
                  bool sequence_parallel);
 

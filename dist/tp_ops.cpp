@@ -146,11 +146,31 @@ VocabRange VocabRange::of(int64_t vocab, int64_t ranks, int64_t rank) {
 }
 
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Tensor& weight, VocabRange range,
-                                       Collectives& tp) {
+                                       Collectives& tp, bool sequence_parallel, int64_t padding_idx) {
   const torch::Tensor local = ids - range.first;
   const torch::Tensor mine = local.ge(0).logical_and(local.lt(range.n));
-  const torch::Tensor rows = torch::embedding(weight, local.clamp(0, range.n - 1));
-  return reduce_from_region(torch::where(mine.unsqueeze(-1), rows, 0.0), tp);
+  const int64_t local_padding =
+      padding_idx >= range.first && padding_idx < range.first + range.n ? padding_idx - range.first : -1;
+  const torch::Tensor rows = torch::embedding(weight, local.clamp(0, range.n - 1), local_padding);
+  const torch::Tensor partial = torch::where(mine.unsqueeze(-1), rows, 0.0);
+  return sequence_parallel ? scatter_sequence(partial, 1, tp) : reduce_from_region(partial, tp);
+}
+
+void sum_gradients(const std::vector<torch::Tensor>& params, Collectives& tp) {
+  if (tp.size() == 1) return;
+  std::vector<torch::Tensor> grads;
+  for (const auto& p : params)
+    if (p.grad().defined()) grads.push_back(p.mutable_grad());
+  if (grads.empty()) return;
+  std::vector<torch::Tensor> flats;
+  for (const auto& g : grads) flats.push_back(g.reshape({-1}));
+  torch::Tensor flat = torch::cat(flats);
+  tp.all_reduce(flat, ReduceOp::Sum, "sp: replicated parameters' gradients");
+  int64_t offset = 0;
+  for (auto& g : grads) {
+    g.copy_(flat.narrow(0, offset, g.numel()).view_as(g));
+    offset += g.numel();
+  }
 }
 
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, VocabRange range,

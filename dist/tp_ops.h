@@ -25,6 +25,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <vector>
 
 #include "keel/dist/collectives.h"
 
@@ -52,11 +53,19 @@ struct VocabRange {
   static VocabRange of(int64_t vocab, int64_t ranks, int64_t rank);
 };
 
-/// The embedding of `ids` (int64, any shape) from this rank's rows `weight` (n x width) of the
+/// The embedding of `ids` (int64, (B, T, ...)) from this rank's rows `weight` (n x width) of the
 /// vocabulary range `range`: each rank looks up the ids it holds (zeros for the others) and the
-/// lookups are summed over the group (reduce_from_region).
+/// lookups are summed over the group (reduce_from_region), or with `sequence_parallel`
+/// reduce-scattered to this rank's T / tp positions along dim 1 (scatter_sequence).
+/// `padding_idx`: an id of the whole vocabulary whose row gets no gradient (torch's embedding's
+/// padding_idx), or -1.
 torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Tensor& weight, VocabRange range,
-                                       Collectives& tp);
+                                       Collectives& tp, bool sequence_parallel = false, int64_t padding_idx = -1);
+
+/// Sums the gradients of `params` over the tp group in place, in one all-reduce of them
+/// flattened (parameters without a gradient are skipped, the same on every rank). Sequence
+/// parallelism's replicated parameters, whose gradient each rank computes from its positions.
+void sum_gradients(const std::vector<torch::Tensor>& params, Collectives& tp);
 
 /// The mean cross-entropy of `logits` (N x n: this rank's vocabulary columns `range` of each
 /// token's logits) against `target` (N, int64 ids over the whole vocabulary), equal to

@@ -8,10 +8,12 @@
 // place() runs the first three (dist/stages.h, dist/tensor_parallel.h, dist/recompute.h), compile()
 // the fourth, distribute() the fifth (dist/ddp.h). TransformPlan checks it a second time at run
 // time and says what each transform did, for the log and for tests.
-// Owns: the order, the record. Does not own: the transforms themselves.
+// Owns: the order, the record, what the transforms ask to run after each backward. Does not own: the transforms
+// themselves.
 #pragma once
 
 #include <array>
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -23,6 +25,11 @@ inline constexpr std::array<Transform, 5> kTransformOrder{
     Transform::Stages, Transform::TensorParallel, Transform::Recompute, Transform::Compile, Transform::DataParallel};
 /// "stages", "tensor parallel", "recompute", "compile", "data parallel".
 const char* transform_name(Transform t);
+
+/// What the config asks of the transforms before compile: parallel.sequence_parallel (with tp > 1).
+struct TransformOptions {
+  bool sequence_parallel = false;
+};
 
 class TransformPlan {
  public:
@@ -36,8 +43,18 @@ class TransformPlan {
   /// "stages: whole model (pp 1) -> tensor parallel: none (tp 1) -> ...".
   std::string describe() const;
 
+  /// What a transform leaves for every step: `f` runs once a step's backward is complete, before
+  /// anything reads the gradients (sequence parallelism sums its replicated parameters'
+  /// gradients over tp). DistributedModel::backward calls backward_complete() on a step's last
+  /// micro-batch.
+  void on_backward_complete(std::function<void()> f) { after_backward_.push_back(std::move(f)); }
+  void backward_complete() const {
+    for (const auto& f : after_backward_) f();
+  }
+
  private:
   std::vector<std::pair<Transform, std::string>> steps_;
+  std::vector<std::function<void()>> after_backward_;
 };
 
 }  // namespace keel::dist

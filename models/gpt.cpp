@@ -40,9 +40,8 @@ struct GptImpl : torch::nn::Module, BlockStructure {
     TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= context, "gpt expects tokens (B, T<=", context, "), got ",
                 idx.sizes());
     const int64_t T = idx.size(1);
-    auto pos = torch::arange(T, torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight) : wte->forward(idx);
-    auto x = drop(tokens + wpe->forward(pos), dropout, is_training());  // (B, T, C)
+    const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
+    auto x = drop(tokens + wpe->forward(tp_vocab.positions(T, idx.device())), dropout, is_training());  // (B, T, C)
     x = ln_f->forward(run_blocks(h, this, x));
     if (tp_vocab) x = tp_vocab.enter_head(x);
     return torch::matmul(x, wte->weight.t());  // tied output projection (tp: this rank's vocabulary)
@@ -82,10 +81,7 @@ namespace {
 // projection) by vocabulary rows; the position embedding and the final norm replicated.
 void shard_gpt(Model& model, const TensorParallelParts& parts) {
   auto& m = dynamic_cast<ModuleModel<Gpt>&>(model).module();
-  for (auto& block : *m->h) parts.block(*block->as<TransformerBlockImpl>());
-  torch::NoGradGuard no_grad;
-  const TpRule* rows = tp_rule(gpt_family().tp_plan, "wte.weight");  // by vocabulary rows
-  m->wte->weight.set_data(tp_slice(m->wte->weight.detach(), *rows, parts.rank, parts.size));
+  shard_blocks_and_vocabulary(*m, m->h, gpt_family().tp_plan, parts);
   m->tp_vocab = parts.vocab;
 }
 

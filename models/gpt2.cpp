@@ -39,11 +39,14 @@ struct Gpt2BodyImpl : torch::nn::Module {
     for (int64_t i = 0; i < s.layers; ++i) h->push_back(TransformerBlock(gpt2_block(s)));
   }
   torch::Tensor forward(const torch::Tensor& idx) {
-    auto pos = torch::arange(idx.size(1), torch::TensorOptions().dtype(torch::kLong).device(idx.device()));
-    auto x = drop(wte->forward(idx) + wpe->forward(pos), embd_pdrop, is_training());
-    return ln_f->forward(run_blocks(h, blocks, x));
+    const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
+    const auto pos = tp_vocab.positions(idx.size(1), idx.device());
+    auto x = drop(tokens + wpe->forward(pos), embd_pdrop, is_training());
+    x = ln_f->forward(run_blocks(h, blocks, x));
+    return tp_vocab ? tp_vocab.enter_head(x) : x;
   }
   double embd_pdrop;
+  TpVocab tp_vocab;  // tensor parallel: wte (and lm_head) hold this rank's vocabulary rows
   torch::nn::Embedding wte, wpe;
   torch::nn::ModuleList h;
   torch::nn::LayerNorm ln_f;
@@ -85,11 +88,24 @@ std::shared_ptr<Model> make_gpt2(const ModelConfig& cfg) {
                                              hf_train_flops(*model, s, cfg.context, lookups));
 }
 
+namespace {
+
+// Tensor parallelism: each block by the plan, the token embedding and an untied lm_head by
+// vocabulary rows; the position embedding and the final norm replicated.
+void shard_gpt2(Model& model, const TensorParallelParts& parts) {
+  auto& m = dynamic_cast<ModuleModel<Gpt2>&>(model).module();
+  shard_blocks_and_vocabulary(*m, m->transformer->h, gpt2_family().tp_plan, parts);
+  m->transformer->tp_vocab = parts.vocab;
+}
+
+}  // namespace
+
 const TransformerFamily& gpt2_family() {
   HfShape s;  // the names only: any shape
   s.width = s.heads = 1;
   static const TransformerFamily f{"gpt2", make_gpt2, "transformer.h.",
-                                   tensor_parallel_plan(gpt2_block(s), {"transformer.wte.weight", "lm_head.weight"})};
+                                   tensor_parallel_plan(gpt2_block(s), {"transformer.wte.weight", "lm_head.weight"}),
+                                   shard_gpt2};
   return f;
 }
 

@@ -50,13 +50,16 @@ struct LlamaBodyImpl : torch::nn::Module {
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     auto emb = rotary_angles(idx.size(1), hd, theta, idx.device());  // (T, hd) float32
-    auto x = embed_tokens->forward(idx);
+    auto x = tp_vocab ? tp_vocab.embed(idx, embed_tokens->weight, embed_tokens->options.padding_idx().value_or(-1))
+                      : embed_tokens->forward(idx);
     // In the embedding's dtype, as transformers does (float32 under autocast too).
     const auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
-    return norm->forward(run_blocks(layers, blocks, x, cos, sin));
+    x = norm->forward(run_blocks(layers, blocks, x, cos, sin));
+    return tp_vocab ? tp_vocab.enter_head(x) : x;
   }
   int64_t hd;
   double theta;
+  TpVocab tp_vocab;  // tensor parallel: embed_tokens (and lm_head) hold this rank's vocabulary rows
   torch::nn::Embedding embed_tokens;
   torch::nn::ModuleList layers;
   RmsNorm norm;
@@ -105,10 +108,22 @@ std::shared_ptr<Model> make_llama(const ModelConfig& cfg) {
                                               hf_train_flops(*model, s, cfg.context, lookups));
 }
 
+namespace {
+
+// Tensor parallelism: each block by the plan (q, k, v by heads: kv_heads / tp key/value heads
+// per rank), the token embedding and an untied lm_head by vocabulary rows; the norms replicated.
+void shard_llama(Model& model, const TensorParallelParts& parts) {
+  auto& m = dynamic_cast<ModuleModel<Llama>&>(model).module();
+  shard_blocks_and_vocabulary(*m, m->model->layers, llama_family().tp_plan, parts);
+  m->model->tp_vocab = parts.vocab;
+}
+
+}  // namespace
+
 const TransformerFamily& llama_family() {
   static const TransformerFamily f{
       "llama", make_llama, "model.layers.",
-      tensor_parallel_plan(llama_block(HfShape{}), {"model.embed_tokens.weight", "lm_head.weight"})};
+      tensor_parallel_plan(llama_block(HfShape{}), {"model.embed_tokens.weight", "lm_head.weight"}), shard_llama};
   return f;
 }
 

@@ -227,6 +227,22 @@ torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t r
   return torch::cat(parts, rule.dim).contiguous();
 }
 
+torch::Tensor TpVocab::positions(int64_t T, const torch::Device& device) const {
+  const auto opts = torch::TensorOptions().dtype(torch::kLong).device(device);
+  if (sequence_parts == 1) return torch::arange(T, opts);
+  const int64_t part = T / sequence_parts;
+  return torch::arange(sequence_index * part, (sequence_index + 1) * part, opts);
+}
+
+void shard_blocks_and_vocabulary(torch::nn::Module& root, torch::nn::ModuleList& blocks,
+                                 const std::vector<TpRule>& plan, const TensorParallelParts& parts) {
+  for (auto& block : *blocks) parts.block(*block->as<TransformerBlockImpl>());
+  torch::NoGradGuard no_grad;
+  for (auto& p : root.named_parameters())
+    if (const TpRule* rule = tp_rule(plan, p.key()); rule && rule->split == TpSplit::Vocab)
+      p.value().set_data(tp_slice(p.value().detach(), *rule, parts.rank, parts.size));
+}
+
 void init_gpt2_style(torch::nn::Module& model, int64_t layers) {
   torch::NoGradGuard ng;
   for (auto& p : model.named_parameters()) {

@@ -142,14 +142,22 @@ torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t r
 
 /// The vocabulary split as a family's model sees it (dist::shard_model_tensor_parallel sets it):
 /// this rank's rows of the vocabulary, the lookup of token ids in them (each rank's rows summed
-/// over the tp group: dist/tp_ops.h's vocab_parallel_embedding), and the region before the
-/// output projection (its input's gradient summed over the group). The model's logits are then
-/// this rank's vocabulary columns. Empty: no split, and the model computes exactly as without it.
+/// over the tp group: dist/tp_ops.h's vocab_parallel_embedding; `padding_idx` an id whose row
+/// gets no gradient, or -1), and the region before the output projection (its input's gradient
+/// summed over the group). The model's logits are then this rank's vocabulary columns. With
+/// sequence parallelism (sequence_parts = tp) the lookup returns this rank's T / tp positions
+/// (dim 1), what follows runs on them until enter_head gathers the whole sequence again, and a
+/// position embedding looks up positions() only. Empty: no split, and the model computes exactly
+/// as without it.
 struct TpVocab {
   int64_t first = 0, n = 0;
-  std::function<torch::Tensor(const torch::Tensor& ids, const torch::Tensor& rows)> embed;
+  int64_t sequence_parts = 1, sequence_index = 0;
+  std::function<torch::Tensor(const torch::Tensor& ids, const torch::Tensor& rows, int64_t padding_idx)> embed;
   std::function<torch::Tensor(const torch::Tensor&)> enter_head;
   explicit operator bool() const { return static_cast<bool>(embed); }
+  /// The positions of this rank's tokens after `embed` in a sequence of T: 0..T-1, or with
+  /// sequence parallelism its T / sequence_parts of them (int64, on `device`).
+  torch::Tensor positions(int64_t T, const torch::Device& device) const;
 };
 
 /// What a family's shard function is given: its place in the tp group, how to shard one block
@@ -170,6 +178,12 @@ struct TransformerFamily {
   std::vector<TpRule> tp_plan;                                      // Megatron-style column / row pairs
   void (*shard)(Model& model, const TensorParallelParts& parts) = nullptr;
 };
+
+/// The part of a family's shard function that every family shares: each of `blocks` by
+/// parts.block, then each parameter of `root` that `plan` splits by vocabulary (the embedding, an
+/// untied output projection) cut to this rank's rows. The family then sets its TpVocab.
+void shard_blocks_and_vocabulary(torch::nn::Module& root, torch::nn::ModuleList& blocks,
+                                 const std::vector<TpRule>& plan, const TensorParallelParts& parts);
 
 /// The family named `model_name`, or null.
 const TransformerFamily* transformer_family(const std::string& model_name);

@@ -213,7 +213,8 @@ void Run::compile_and_distribute() {
       // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
       const std::string identity =
           cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg.model, cfg.amp);
-      return place(model, device, mesh).compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);
+      return place(model, device, mesh, {cfg.parallel.sequence_parallel})
+          .compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);
     });
   };
   if (!inductor) {

@@ -58,7 +58,8 @@ class PlacedModel {
   const dist::TransformPlan& transforms() const { return plan_; }
 
  private:
-  friend PlacedModel place(std::shared_ptr<models::Model>, const torch::Device&, const dist::Mesh&);
+  friend PlacedModel place(std::shared_ptr<models::Model>, const torch::Device&, const dist::Mesh&,
+                           const dist::TransformOptions&);
   PlacedModel(std::shared_ptr<models::Model> m, torch::Device d, dist::TransformPlan plan)
       : model_(std::move(m)), device_(d), plan_(std::move(plan)) {}
   std::shared_ptr<models::Model> model_;
@@ -113,7 +114,12 @@ class DistributedModel {
   /// package that scales its gradients inside (amp.dtype = fp16; InductorStep::loss).
   std::optional<torch::Tensor> compiled_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync,
                                              const torch::Tensor& grad_scale = torch::Tensor());
-  void backward(const torch::Tensor& loss, bool sync) { ddp_->backward(loss, sync); }
+  /// On the last micro-batch (`sync`), also what the transforms run once a step's gradients are
+  /// complete (TransformPlan::backward_complete: sequence parallelism's sum over tp).
+  void backward(const torch::Tensor& loss, bool sync) {
+    ddp_->backward(loss, sync);
+    if (sync) plan_.backward_complete();
+  }
   /// Collective: rank 0's buffers to every rank (dist.broadcast_buffers; else a no-op).
   void sync_buffers() { ddp_->sync_buffers(); }
   models::Model& model() { return *model_; }
@@ -191,6 +197,6 @@ class DistributedModel {
 /// the recompute wrapping (dist/recompute.h); then moves the model to `device` and checks that
 /// every parameter and buffer is there. Throws std::runtime_error naming the first tensor that is not.
 PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device,
-                  const dist::Mesh& mesh = dist::Mesh());
+                  const dist::Mesh& mesh = dist::Mesh(), const dist::TransformOptions& options = {});
 
 }  // namespace keel

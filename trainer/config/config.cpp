@@ -9,6 +9,7 @@
 
 #include "dist/network.h"
 #include "dist/placement.h"
+#include "models/hf.h"
 #include "trainer/fault/fault.h"
 
 #include <algorithm>
@@ -454,9 +455,9 @@ static void validate_placement(const Config& cfg) {
     fail("shards a model's parameters behind its back, which a TorchScript module does not take: use dist.zero = 2");
 }
 
-// [parallel]: what tensor parallelism serves yet (issue 45) is gpt, eager, over DDP; everything
-// else with parallel.tp > 1 is refused by name. The product with the world size is checked when
-// the mesh is built (the world is not known here).
+// [parallel]: what tensor parallelism serves yet (issue 45) is gpt, gpt2 and llama, eager, over
+// DDP; everything else with parallel.tp > 1 is refused by name. The product with the world size
+// is checked when the mesh is built (the world is not known here).
 static void validate_parallel(const Config& cfg) {
   const int64_t tp = cfg.parallel.tp;
   if (tp < 1 || cfg.parallel.dp < 0)  // (a Config built in code skips the parser's ranges)
@@ -466,25 +467,40 @@ static void validate_parallel(const Config& cfg) {
   const std::string key = "parallel.tp = " + std::to_string(tp);
   auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
   const ModelConfig& m = cfg.model;
-  if (m.name != "gpt")
+  std::vector<std::pair<std::string, int64_t>> splits;  // what tp splits, by the keys that set it
+  if (m.name == "gpt") {
+    const int64_t width = m.width > 0 ? m.width : 256;
+    splits = {{"model.heads", m.heads}, {"model.vocab", m.vocab}, {"the MLP's width (4 x model.width)", 4 * width}};
+  } else if (models::is_hf_family(m.name)) {
+    const models::HfShape s = models::hf_shape(m);
+    splits = {{"model.heads", s.heads},
+              {"model.kv_heads", s.kv_heads},
+              {"model.vocab", s.vocab},
+              {"the MLP's width (model.ffn_width)", s.ffn}};
+  } else {
     fail("needs a model with a tensor-parallel plan: model.name = \"" + m.name +
-         "\" has none yet (\"gpt\" has; gpt2 and llama come next)");
-  const int64_t width = m.width > 0 ? m.width : 256;
-  for (const auto& [what, n] : {std::pair<std::string, int64_t>{"model.heads", m.heads},
-                                {"model.vocab", m.vocab},
-                                {"the MLP's width (4 x model.width)", 4 * width}})
+         "\" has none (gpt, gpt2 and llama have one)");
+  }
+  for (const auto& [what, n] : splits)
     if (n % tp != 0)
       fail("splits " + what + " = " + std::to_string(n) + " over tp ranks: it does not divide by " +
-           std::to_string(tp));
+           std::to_string(tp) +
+           (what == "model.kv_heads" ? " (each tp rank holds whole key/value heads; fewer than tp are not replicated)"
+                                     : ""));
+  if (cfg.parallel.sequence_parallel && m.context % tp != 0)
+    fail("with parallel.sequence_parallel = true splits model.context = " + std::to_string(m.context) +
+         " positions over tp ranks: it does not divide by " + std::to_string(tp));
   auto not_yet = [&](bool set, const std::string& what) {
-    if (set) fail("cannot be combined with " + what + " yet (tensor parallelism serves eager gpt over DDP so far)");
+    if (set) fail("cannot be combined with " + what + " yet (tensor parallelism is eager, over DDP, so far)");
   };
   not_yet(cfg.compile.mode != CompileMode::Off,
           "compile.mode = \"" + std::string(choice_name(kCompileModes, cfg.compile.mode)) + "\"");
   not_yet(cfg.dist.zero != 0, "dist.zero = " + std::to_string(cfg.dist.zero));
   not_yet(cfg.train.loss != "cross_entropy",
           "train.loss = \"" + cfg.train.loss + "\" (the loss is computed over vocabulary shards)");
-  not_yet(m.dropout > 0, "model.dropout > 0 (the tp ranks' dropout masks must agree)");
+  not_yet(models::model_dropout(m) > 0,
+          "model.dropout > 0 (the tp ranks' dropout masks must agree; a Hugging Face config.json's dropout counts: set "
+          "model.dropout = 0)");
   not_yet(cfg.train.grad_clip > 0, "train.grad_clip > 0 (the norm over the mesh)");
   not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpoints written as whole tensors from the slices)");
   not_yet(!m.init_from.empty(), "model.init_from");

@@ -334,9 +334,15 @@ void parallel_keys(SchemaBuilder& b) {
   range(b.add("parallel", &C::parallel, "tp", &ParallelConfig::tp,
               "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
               "the token embedding and the output projection split over tp ranks, which read the same batch; "
-              "parallel.dp x parallel.tp = the world size. First cut: gpt, compile.mode = \"off\", dist.zero = 0, no "
-              "dropout, clipping, checkpoint.dir, init_from, custom loss or run.sync_debug (each refused by name)"),
+              "parallel.dp x parallel.tp = the world size. Models gpt, gpt2 and llama; so far with compile.mode = "
+              "\"off\", dist.zero = 0, and no dropout, clipping, checkpoint.dir, init_from, custom loss or "
+              "run.sync_debug (each refused by name)"),
         1, 1 << 20);
+  b.add("parallel", &C::parallel, "sequence_parallel", &ParallelConfig::sequence_parallel,
+        "with parallel.tp > 1 (no effect at tp = 1): the norms, dropout and residual adds between the "
+        "tensor-parallel regions run on model.context / tp positions per rank (all-gather into each region, "
+        "reduce-scatter out of it, instead of an all-reduce), so activations outside the regions take 1/tp of the "
+        "memory (Megatron's sequence parallelism); model.context must divide by tp");
 }
 
 // [compile]

@@ -50,6 +50,7 @@ struct DistConfig {
 struct ParallelConfig {
   int64_t dp = 0;
   int64_t tp = 1;
+  bool sequence_parallel = false;  // with tp > 1: norms, dropout and residual adds on T / tp positions per rank
 };
 
 }  // namespace keel
