@@ -15,6 +15,10 @@ TensorParallelShard shard_tensor_parallel(models::Model& model, const Mesh& mesh
     return {};
   }
   TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel);
+  Collectives& tp = mesh.on(Axis::Tp);
+  plan.set_gradient_clip([params = model.parameters(), replicated = shard.replicated, &tp](double max_norm) {
+    return clip_grad_norm_tensor_parallel(params, replicated, tp, max_norm);
+  });
   const tp::VocabRange& range = shard.range;
   plan.applied(Transform::TensorParallel,
                "tp " + std::to_string(mesh.tp()) + ", rank " + std::to_string(mesh.coordinate(Axis::Tp)) +
@@ -56,14 +60,34 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
     parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
   }
   family->shard(model, parts);
-  TensorParallelShard shard{range, {}};
-  if (sequence_parallel) {  // every parameter the plan does not split is replicated, its gradient partial
-    std::vector<torch::Tensor> replicated;
-    for (const auto& [name, p] : model.named_parameters())
-      if (!models::tp_rule(family->tp_plan, name)) replicated.push_back(p);
-    shard.partial = PartialGradients(std::move(replicated), tp);
+  TensorParallelShard shard{range, {}, {}};
+  std::vector<torch::Tensor> replicated;
+  for (const auto& [name, p] : model.named_parameters()) {
+    const bool whole = !models::tp_rule(family->tp_plan, name);
+    shard.replicated.push_back(whole);
+    if (whole) replicated.push_back(p);
   }
+  // With sequence parallelism every parameter the plan does not split gets a partial gradient.
+  if (sequence_parallel) shard.partial = PartialGradients(std::move(replicated), tp);
   return shard;
+}
+
+torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& params,
+                                             const std::vector<bool>& replicated, Collectives& tp, double max_norm) {
+  std::vector<torch::Tensor> grads, counted;
+  for (size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor& g = params[i].grad();
+    if (!g.defined()) continue;
+    grads.push_back(g.detach());
+    if (!replicated[i] || tp.rank() == 0) counted.push_back(g.detach());
+  }
+  torch::Tensor squares = torch::zeros({1}, params.front().options().dtype(torch::kFloat).requires_grad(false));
+  if (!counted.empty())
+    squares = torch::stack(at::_foreach_norm(counted, 2)).to(torch::kFloat).pow(2).sum().reshape({1});
+  tp.all_reduce(squares, ReduceOp::Sum, "tp: gradient norm");
+  const torch::Tensor total = squares.sqrt().reshape({});
+  if (!grads.empty()) at::_foreach_mul_(grads, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
+  return total;
 }
 
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,

@@ -45,7 +45,16 @@ class PartialGradients {
 struct TensorParallelShard {
   tp::VocabRange range;
   PartialGradients partial;
+  std::vector<bool> replicated;  // per model parameter, in model order: not split by the plan
 };
+
+/// torch.nn.utils.clip_grad_norm_ over a tensor-parallel model (data parallelism at dist.zero = 0
+/// over the rest of the mesh, so every gradient here is already whole over dp): the norm of
+/// every split parameter's parts over the tp group, and of each replicated parameter once (tp
+/// rank 0's; every tp rank holds the same), one all-reduce; every gradient is then scaled by
+/// max_norm / (norm + 1e-6) clamped to 1. Returns the norm, the same on every tp rank.
+torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& params,
+                                             const std::vector<bool>& replicated, Collectives& tp, double max_norm);
 
 /// Shards `model`'s parameters over the mesh's tp axis in place (tp = 1: none; else
 /// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan`.

@@ -12,6 +12,8 @@
 // themselves.
 #pragma once
 
+#include <torch/torch.h>
+
 #include <array>
 #include <functional>
 #include <string>
@@ -51,10 +53,17 @@ class TransformPlan {
   void backward_complete() const {
     for (const auto& f : after_backward_) f();
   }
+  /// A transform that splits parameters over ranks outside data parallelism (tensor parallelism)
+  /// supplies how the global gradient norm is clipped over them (each split part counted once,
+  /// replicated parameters once); DistributedModel::clip_grad_norm uses it when set.
+  using GradientClip = std::function<torch::Tensor(double max_norm)>;
+  void set_gradient_clip(GradientClip f) { clip_ = std::move(f); }
+  const GradientClip& gradient_clip() const { return clip_; }
 
  private:
   std::vector<std::pair<Transform, std::string>> steps_;
   std::vector<std::function<void()>> after_backward_;
+  GradientClip clip_;
 };
 
 }  // namespace keel::dist

@@ -171,13 +171,13 @@ double sgd_reorder_bound(int steps, double lr, double momentum, double grad_norm
   return steps * lr * grad_norm / (1 - momentum) * roundings * kFloatRounding * kReorderCancellation / param_norm;
 }
 
-std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir) {
+std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir, const std::string& field) {
   std::vector<std::pair<long, double>> out;
   std::ifstream in(run_dir + "/metrics.jsonl");
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
-    out.emplace_back(j["step"].get<long>(), j["loss"].get<double>());
+    if (j.contains(field)) out.emplace_back(j["step"].get<long>(), j[field].get<double>());
   }
   return out;
 }

@@ -131,7 +131,9 @@ class DistributedModel {
   /// the owners' updated parameters to every rank after the optimizer step (dist/ddp.h).
   const dist::Placement& placement() const { return ddp_->placement(); }
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
-  torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
+  torch::Tensor clip_grad_norm(double max_norm) {
+    return plan_.gradient_clip() ? plan_.gradient_clip()(max_norm) : ddp_->clip_grad_norm(max_norm);
+  }
   void sync_parameters() { ddp_->sync_parameters(); }
   /// dist.zero = 3 (else no-ops): the whole model in its parameters until release_parameters()
   /// (collective; the end of training, for Callbacks::on_end), and the bytes this rank holds at rest

@@ -501,7 +501,6 @@ static void validate_parallel(const Config& cfg) {
   not_yet(models::model_dropout(m) > 0,
           "model.dropout > 0 (the tp ranks' dropout masks must agree; a Hugging Face config.json's dropout counts: set "
           "model.dropout = 0)");
-  not_yet(cfg.train.grad_clip > 0, "train.grad_clip > 0 (the norm over the mesh)");
   not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpoints written as whole tensors from the slices)");
   not_yet(!m.init_from.empty(), "model.init_from");
   not_yet(cfg.run.sync_debug != SyncDebug::Off, "run.sync_debug (each tp collective's validation reads the host)");

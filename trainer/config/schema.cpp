@@ -335,7 +335,7 @@ void parallel_keys(SchemaBuilder& b) {
               "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
               "the token embedding and the output projection split over tp ranks, which read the same batch; "
               "parallel.dp x parallel.tp = the world size. Models gpt, gpt2 and llama; so far with compile.mode = "
-              "\"off\", dist.zero = 0, and no dropout, clipping, checkpoint.dir, init_from, custom loss or "
+              "\"off\", dist.zero = 0, and no dropout, checkpoint.dir, init_from, custom loss or "
               "run.sync_debug (each refused by name)"),
         1, 1 << 20);
   b.add("parallel", &C::parallel, "sequence_parallel", &ParallelConfig::sequence_parallel,
