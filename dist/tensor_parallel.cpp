@@ -4,18 +4,19 @@
 #include <string>
 
 #include "dist/tp_ops.h"
+#include "dist/zero.h"
 #include "keel/common/error.h"
 
 namespace keel::dist {
 
-TensorParallelShard shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel,
-                                          TransformPlan& plan) {
+void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan) {
   if (mesh.tp() == 1) {
     plan.applied(Transform::TensorParallel, "none (tp 1)");
-    return {};
+    return;
   }
   TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel);
   Collectives& tp = mesh.on(Axis::Tp);
+  if (shard.partial.size() > 0) plan.on_backward_complete([partial = shard.partial] { partial.finish(); });
   plan.set_gradient_clip([params = model.parameters(), replicated = shard.replicated, &tp](double max_norm) {
     return clip_grad_norm_tensor_parallel(params, replicated, tp, max_norm);
   });
@@ -27,7 +28,6 @@ TensorParallelShard shard_tensor_parallel(models::Model& model, const Mesh& mesh
                    (sequence_parallel ? ", sequence parallel (" + std::to_string(shard.partial.size()) +
                                             " replicated parameters' gradients summed over tp)"
                                       : std::string()));
-  return shard;
 }
 
 TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel) {
@@ -81,13 +81,7 @@ torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& p
     grads.push_back(g.detach());
     if (!replicated[i] || tp.rank() == 0) counted.push_back(g.detach());
   }
-  torch::Tensor squares = torch::zeros({1}, params.front().options().dtype(torch::kFloat).requires_grad(false));
-  if (!counted.empty())
-    squares = torch::stack(at::_foreach_norm(counted, 2)).to(torch::kFloat).pow(2).sum().reshape({1});
-  tp.all_reduce(squares, ReduceOp::Sum, "tp: gradient norm");
-  const torch::Tensor total = squares.sqrt().reshape({});
-  if (!grads.empty()) at::_foreach_mul_(grads, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
-  return total;
+  return clip_by_summed_squares(counted, grads, tp, max_norm, "tp: gradient norm");
 }
 
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,

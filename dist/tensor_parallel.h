@@ -57,9 +57,10 @@ torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& p
                                              const std::vector<bool>& replicated, Collectives& tp, double max_norm);
 
 /// Shards `model`'s parameters over the mesh's tp axis in place (tp = 1: none; else
-/// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan`.
-TensorParallelShard shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel,
-                                          TransformPlan& plan);
+/// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan` with what the step must
+/// do for it: the partial gradients' sum after each backward (TransformPlan::on_backward_complete)
+/// and the clip over the mesh (TransformPlan::set_gradient_clip).
+void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan);
 
 /// Shards a whole model of a transformer family over the tp group `tp` (rank tp.rank() of
 /// tp.size()): every block by the family's plan (shard_block), the token embedding and the

@@ -15,8 +15,7 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
                   const dist::TransformOptions& options) {
   dist::TransformPlan plan;
   model = dist::split_into_stages(std::move(model), mesh, plan);
-  const dist::TensorParallelShard shard = dist::shard_tensor_parallel(*model, mesh, options.sequence_parallel, plan);
-  if (shard.partial.size() > 0) plan.on_backward_complete([partial = shard.partial] { partial.finish(); });
+  dist::shard_tensor_parallel(*model, mesh, options.sequence_parallel, plan);
   dist::wrap_recompute(*model, /*enabled=*/false, plan);
   model->to(device);
   auto check = [&](const models::NamedTensors& tensors, const char* kind) {
