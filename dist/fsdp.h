@@ -44,12 +44,13 @@
 #include <vector>
 
 #include "dist/placement.h"
+#include "dist/sharded_parameters.h"
 #include "keel/dist/collectives.h"
 #include "keel/models/model.h"
 
 namespace keel::dist {
 
-class FullyShard final : public models::BlockHooks {
+class FullyShard final : public models::BlockHooks, public ShardedParameters {
  public:
   /// Collective in that every rank must make it from the same (already broadcast) parameters.
   /// `placement`: stage 2 or 3 over this model and world. `reduce_in_order` (dist.find_unused_parameters):
@@ -87,21 +88,21 @@ class FullyShard final : public models::BlockHooks {
   /// owns (Placement::owner), one all-gather per unit and field, and one all-reduce of the
   /// scalars.
   models::NamedTensors whole_state(const models::NamedTensors& piece_state,
-                                   const std::map<std::string, std::string>& fields);
+                                   const std::map<std::string, std::string>& fields) override;
   /// The reverse, local: whole-parameter state -> this rank's pieces of it (a tensor whose size
   /// is not its parameter's is passed on as it is, for the loader to name).
-  models::NamedTensors piece_state(const models::NamedTensors& whole_state) const;
+  models::NamedTensors piece_state(const models::NamedTensors& whole_state) const override;
   /// Stage 3 checkpoints (collective): host copies of the whole parameters this rank owns
   /// (Placement::owner), gathered one unit at a time and freed again, so that each rank writes
   /// its own share of the model's files and its device holds at most one unit whole.
-  models::NamedTensors whole_owned_parameters();
+  models::NamedTensors whole_owned_parameters() override;
   /// The reverse, local, at stage 3 with no unit gathered (std::logic_error otherwise): this
   /// rank's pieces from whole parameters (by name; a parameter it has no piece of, or another
   /// tensor, is ignored).
-  void load_pieces(const models::NamedTensors& whole);
+  void load_pieces(const models::NamedTensors& whole) override;
   /// Every parameter as a tensor of its dtype and shape on the meta device (at stage 3 the
   /// model's own are empty between steps), for checking a checkpoint against them.
-  models::NamedTensors parameter_shapes() const;
+  models::NamedTensors parameter_shapes() const override;
 
   /// The elements of each parameter this rank owns (model order; parameters without any left
   /// out): 1-D leaves over this rank's shard, each with its gradient over the gradient shard.

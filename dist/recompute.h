@@ -1,15 +1,31 @@
-// dist/recompute.h: the third transform of dist/transform_plan.h: activation checkpointing,
-// each wrapped block's activations freed after its forward and recomputed in backward. It comes
-// after the tensor-parallel shard (a block recomputes its own shard) and before compile (the
-// package sees the recompute). Today no config key asks for it: it records "off".
+// dist/recompute.h: the third transform of dist/transform_plan.h: activation checkpointing
+// (train.activation_checkpointing), each block's activations freed after its forward and
+// recomputed in backward. It comes after the tensor-parallel shard (a block recomputes its own
+// shard, its tp collectives included) and before compile; it runs inside dist.zero = 3's gather
+// of the block (BlockStructure's enter / leave), so the recomputation finds the block whole.
+//
+// Owns: recompute(), torch.utils.checkpoint's reentrant variant for LibTorch (which has none):
+// the forward runs without autograd and keeps only its input; its backward runs the block again
+// with autograd, under the random generators' states and the autocast state of the forward (the
+// same dropout masks, the same dtypes), and backpropagates through it, so the parameters'
+// gradients come from the same kernels as without recomputation.
+// Does not own: which blocks a model has (BlockStructure), what a block computes.
 #pragma once
+
+#include <torch/torch.h>
 
 #include "dist/transform_plan.h"
 #include "keel/models/model.h"
 
 namespace keel::dist {
 
-/// Wraps `model`'s blocks for recomputation when `enabled` (today never), recorded in `plan`.
-void wrap_recompute(models::Model& model, bool enabled, TransformPlan& plan);
+/// f(x), keeping only x for the backward, which recomputes f(x) and backpropagates through it
+/// (f is kept until then). Without grad mode: f(x).
+torch::Tensor recompute(models::BlockStructure::BlockFunction f, const torch::Tensor& x);
+
+/// Runs each block of `model` through recompute() (Recompute::Blocks), recorded in `plan`. Throws
+/// InputError naming train.activation_checkpointing for a model that is not a transformer family
+/// (gpt, gpt2, llama: their blocks run through BlockStructure::block_run).
+void wrap_recompute(models::Model& model, Recompute policy, TransformPlan& plan);
 
 }  // namespace keel::dist

@@ -3,6 +3,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dist/tp_checkpoint.h"
 #include "dist/tp_ops.h"
 #include "dist/zero.h"
 #include "keel/common/error.h"
@@ -20,6 +21,7 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
   plan.set_gradient_clip([params = model.parameters(), replicated = shard.replicated, &tp](double max_norm) {
     return clip_grad_norm_tensor_parallel(params, replicated, tp, max_norm);
   });
+  plan.set_sharded_parameters(std::make_shared<TensorParallelParameters>(model.named_parameters(), shard.rules, mesh));
   const tp::VocabRange& range = shard.range;
   plan.applied(Transform::TensorParallel,
                "tp " + std::to_string(mesh.tp()) + ", rank " + std::to_string(mesh.coordinate(Axis::Tp)) +
@@ -60,12 +62,13 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
     parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
   }
   family->shard(model, parts);
-  TensorParallelShard shard{range, {}, {}};
+  TensorParallelShard shard{range, {}, {}, {}};
   std::vector<torch::Tensor> replicated;
   for (const auto& [name, p] : model.named_parameters()) {
-    const bool whole = !models::tp_rule(family->tp_plan, name);
-    shard.replicated.push_back(whole);
-    if (whole) replicated.push_back(p);
+    const models::TpRule* rule = models::tp_rule(family->tp_plan, name);
+    shard.replicated.push_back(!rule);
+    shard.rules.push_back(rule ? std::optional<models::TpRule>(*rule) : std::nullopt);
+    if (!rule) replicated.push_back(p);
   }
   // With sequence parallelism every parameter the plan does not split gets a partial gradient.
   if (sequence_parallel) shard.partial = PartialGradients(std::move(replicated), tp);

@@ -11,6 +11,7 @@
 // the rest by name).
 #pragma once
 
+#include <optional>
 #include <vector>
 
 #include "dist/mesh.h"
@@ -45,7 +46,8 @@ class PartialGradients {
 struct TensorParallelShard {
   tp::VocabRange range;
   PartialGradients partial;
-  std::vector<bool> replicated;  // per model parameter, in model order: not split by the plan
+  std::vector<bool> replicated;                      // per model parameter, in model order: not split by the plan
+  std::vector<std::optional<models::TpRule>> rules;  // per model parameter: its split (nullopt: replicated)
 };
 
 /// torch.nn.utils.clip_grad_norm_ over a tensor-parallel model (data parallelism at dist.zero = 0
@@ -59,7 +61,8 @@ torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& p
 /// Shards `model`'s parameters over the mesh's tp axis in place (tp = 1: none; else
 /// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan` with what the step must
 /// do for it: the partial gradients' sum after each backward (TransformPlan::on_backward_complete)
-/// and the clip over the mesh (TransformPlan::set_gradient_clip).
+/// and the clip over the mesh (TransformPlan::set_gradient_clip); and how a checkpoint holds the
+/// parameters whole (TransformPlan::set_sharded_parameters: dist/tp_checkpoint.h).
 void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan);
 
 /// Shards a whole model of a transformer family over the tp group `tp` (rank tp.rank() of

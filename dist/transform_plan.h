@@ -16,9 +16,12 @@
 
 #include <array>
 #include <functional>
+#include <memory>
 #include <string>
 #include <utility>
 #include <vector>
+
+#include "dist/sharded_parameters.h"
 
 namespace keel::dist {
 
@@ -28,9 +31,14 @@ inline constexpr std::array<Transform, 5> kTransformOrder{
 /// "stages", "tensor parallel", "recompute", "compile", "data parallel".
 const char* transform_name(Transform t);
 
-/// What the config asks of the transforms before compile: parallel.sequence_parallel (with tp > 1).
+/// train.activation_checkpointing: none, or every block's activations recomputed in backward.
+enum class Recompute { None, Blocks };
+
+/// What the config asks of the transforms before compile: parallel.sequence_parallel (with tp >
+/// 1) and train.activation_checkpointing.
 struct TransformOptions {
   bool sequence_parallel = false;
+  Recompute recompute = Recompute::None;
 };
 
 class TransformPlan {
@@ -59,11 +67,16 @@ class TransformPlan {
   using GradientClip = std::function<torch::Tensor(double max_norm)>;
   void set_gradient_clip(GradientClip f) { clip_ = std::move(f); }
   const GradientClip& gradient_clip() const { return clip_; }
+  /// A transform that splits parameters outside data parallelism supplies how a checkpoint holds
+  /// them whole (dist/sharded_parameters.h); DistributedModel's checkpoint components use it.
+  void set_sharded_parameters(std::shared_ptr<ShardedParameters> s) { sharded_ = std::move(s); }
+  ShardedParameters* sharded_parameters() const { return sharded_.get(); }
 
  private:
   std::vector<std::pair<Transform, std::string>> steps_;
   std::vector<std::function<void()>> after_backward_;
   GradientClip clip_;
+  std::shared_ptr<ShardedParameters> sharded_;
 };
 
 }  // namespace keel::dist

@@ -156,7 +156,11 @@ torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structur
                          const torch::Tensor& cos, const torch::Tensor& sin) {
   for (size_t i = 0; i < blocks->size(); ++i) {
     const auto in = structure ? structure->block_enter(i, x) : x;
-    const auto out = blocks[i]->as<TransformerBlock>()->forward(in, cos, sin);
+    TransformerBlockImpl* block = blocks[i]->as<TransformerBlock>();
+    const auto out = structure
+                         ? structure->block_run(
+                               [block, cos, sin](const torch::Tensor& t) { return block->forward(t, cos, sin); }, in)
+                         : block->forward(in, cos, sin);
     x = structure ? structure->block_leave(i, out) : out;
   }
   return x;

@@ -438,7 +438,6 @@ TEST(TensorParallel, BadMeshesAndWhatTpDoesNotServeYetAreRefusedByName) {
            {{"--compile.mode=trace"}, "cannot be combined with compile.mode = \"trace\" yet"},
            {{"--dist.zero=1"}, "cannot be combined with dist.zero = 1 yet"},
            {{"--model.dropout=0.1"}, "cannot be combined with model.dropout > 0"},
-           {{"--checkpoint.dir=/tmp/x"}, "cannot be combined with checkpoint.dir"},
            {{"--fault.inject=graph_break@step=1,rank=1"}, "cannot be combined with fault.inject"}}) {
     auto a = base;
     a.insert(a.end(), extra.begin(), extra.end());

@@ -508,9 +508,10 @@ void OptimizerState::save(checkpoint::Component& mine) const {
   }
   const auto fields = optimizer_fields(*opt_, codec_);
   if (resharding_) state = resharding_.whole(state, fields);
+  // Partitioned state, or whole state made from pieces or slices, is written by its owner alone.
   const bool partitioned = placement_.shards_optimizer_state();
   for (auto& [n, t] : state)
-    mine.add(n, t, partitioned ? checkpoint::Placement::Owned : checkpoint::Placement::Replicated);
+    mine.add(n, t, partitioned || resharding_ ? checkpoint::Placement::Owned : checkpoint::Placement::Replicated);
   // Which optimizer wrote the state: two with the same fields (adamw, a registered adam) would
   // otherwise read each other's moments as their own.
   if (!codec_.name.empty()) mine.values["optimizer_name"] = codec_.name;

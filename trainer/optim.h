@@ -138,7 +138,8 @@ void load_optimizer_state(torch::optim::Optimizer& opt, const NamedTensorList& p
 std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt, const OptimizerCodec& codec = {});
 
 /// dist.zero >= 2: the optimizer steps this rank's pieces of the parameters (1-D, a parameter's
-/// elements split between ranks); a checkpoint holds whole parameters' state (dist/fsdp.h).
+/// elements split between ranks), tensor parallelism its slices of them; a checkpoint holds whole
+/// parameters' state, each written by one rank (dist/sharded_parameters.h).
 struct PieceResharding {
   /// Collective: the pieces' state -> the whole state of the parameters this rank writes.
   std::function<NamedTensorList(const NamedTensorList&, const std::map<std::string, std::string>& fields)> whole;

@@ -213,7 +213,11 @@ void Run::compile_and_distribute() {
       // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
       const std::string identity =
           cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg.model, cfg.amp);
-      return place(model, device, mesh, {cfg.parallel.sequence_parallel})
+      const dist::TransformOptions options{cfg.parallel.sequence_parallel,
+                                           cfg.train.activation_checkpointing == ActivationCheckpointing::Blocks
+                                               ? dist::Recompute::Blocks
+                                               : dist::Recompute::None};
+      return place(model, device, mesh, options)
           .compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);
     });
   };

@@ -6,7 +6,7 @@
 #include "common/file.h"
 #include "common/log.h"
 #include "common/sha256.h"
-#include "dist/fsdp.h"
+#include "dist/sharded_parameters.h"
 #include "keel/common/error.h"
 #include "trainer/compile/inductor.h"
 

@@ -2,8 +2,8 @@
 // components (the others are the optimizer's, trainer/optim.h; the GradScaler's,
 // amp/grad_scaler.h; and the sampler's, trainer/data/sampler.h).
 //
-// Owns: the model's tensors (component "model", replicated; at dist.zero = 3 each parameter
-// owned by the rank that writes it), this rank's random generators
+// Owns: the model's tensors (component "model", replicated; at dist.zero = 3 and with tensor
+// parallelism each parameter whole, owned by the rank that writes it), this rank's random generators
 // (component "rng", per rank: "rng.<device>"), the traced graph or package (component "graph",
 // checkpoint.save_graph), and the user's own state (component "user",
 // Callbacks::save_state / load_state).
@@ -19,7 +19,7 @@
 #include "keel/models/model.h"
 
 namespace keel::dist {
-class FullyShard;
+class ShardedParameters;
 }
 
 namespace keel {
@@ -33,12 +33,12 @@ class ModelState : public checkpoint::Stateful {
   /// `hf_config` (may be null): the Hugging Face config.json of a gpt2 or llama model
   /// (models/hf.h), recorded in its values as hf_config so that `keel export --hf` can
   /// describe the step's weights to transformers.
-  /// `sharded` (dist.zero = 3, else null): the model's parameters are sharded at rest
-  /// (dist/fsdp.h); each rank then writes the whole parameters it owns (Placement::owner), the
-  /// buffers as usual, and a load takes each rank's pieces from the parameters read, so that no
-  /// rank holds the whole model on its device for a checkpoint.
+  /// `sharded` (dist.zero = 3 or tensor parallelism, else null): the model's parameters are split
+  /// between ranks (dist/sharded_parameters.h); each rank then writes the whole parameters it
+  /// owns, the buffers as usual, and a load takes each rank's parts from the parameters read, so
+  /// that the step holds the same whole tensors as an unsplit run's.
   explicit ModelState(std::shared_ptr<models::Model> model, nlohmann::json hf_config = nullptr,
-                      dist::FullyShard* sharded = nullptr)
+                      dist::ShardedParameters* sharded = nullptr)
       : model_(std::move(model)), hf_config_(std::move(hf_config)), sharded_(sharded) {}
   void save(checkpoint::Component& mine) const override;
   void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
@@ -51,7 +51,7 @@ class ModelState : public checkpoint::Stateful {
   checkpoint::NamedTensors tensors() const;
   std::shared_ptr<models::Model> model_;
   nlohmann::json hf_config_;
-  dist::FullyShard* sharded_ = nullptr;
+  dist::ShardedParameters* sharded_ = nullptr;
 };
 
 /// The generators a step draws from: the CPU one always, the device's one on CUDA. Saved per

@@ -16,7 +16,7 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
   dist::TransformPlan plan;
   model = dist::split_into_stages(std::move(model), mesh, plan);
   dist::shard_tensor_parallel(*model, mesh, options.sequence_parallel, plan);
-  dist::wrap_recompute(*model, /*enabled=*/false, plan);
+  dist::wrap_recompute(*model, options.recompute, plan);
   model->to(device);
   auto check = [&](const models::NamedTensors& tensors, const char* kind) {
     for (const auto& [name, t] : tensors)
@@ -119,19 +119,23 @@ torch::Tensor DistributedModel::evaluation_forward(const torch::Tensor& input, m
 
 std::unique_ptr<OptimizerState> DistributedModel::optimizer_state(torch::optim::Optimizer& opt,
                                                                   const OptimizerCodec& codec) const {
+  // dist.zero >= 2 steps pieces, tensor parallelism slices: a checkpoint holds whole parameters' state.
   PieceResharding resharding;
-  if (dist::FullyShard* fs = ddp_->fully_shard())
-    resharding = {[fs](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
-                    return fs->whole_state(s, fields);
+  dist::ShardedParameters* split = ddp_->fully_shard();
+  if (!split) split = plan_.sharded_parameters();
+  if (split)
+    resharding = {[split](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
+                    return split->whole_state(s, fields);
                   },
-                  [fs](const NamedTensorList& s) { return fs->piece_state(s); }};
+                  [split](const NamedTensorList& s) { return split->piece_state(s); }};
   return std::make_unique<OptimizerState>(opt, ddp_->owned_parameters(), ddp_->placement(), codec, resharding);
 }
 
 std::unique_ptr<checkpoint::Stateful> DistributedModel::model_state(std::shared_ptr<models::Model> eager,
                                                                     nlohmann::json hf_config) const {
-  return std::make_unique<ModelState>(std::move(eager), std::move(hf_config),
-                                      ddp_->placement().shards_parameters() ? ddp_->fully_shard() : nullptr);
+  dist::ShardedParameters* split = plan_.sharded_parameters();
+  if (!split && ddp_->placement().shards_parameters()) split = ddp_->fully_shard();
+  return std::make_unique<ModelState>(std::move(eager), std::move(hf_config), split);
 }
 
 DistributedModel::Residency DistributedModel::residency(const models::Model& eager) const {

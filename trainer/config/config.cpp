@@ -501,11 +501,23 @@ static void validate_parallel(const Config& cfg) {
   not_yet(models::model_dropout(m) > 0,
           "model.dropout > 0 (the tp ranks' dropout masks must agree; a Hugging Face config.json's dropout counts: set "
           "model.dropout = 0)");
-  not_yet(!cfg.checkpoint.dir.empty(), "checkpoint.dir (checkpoints written as whole tensors from the slices)");
-  not_yet(!m.init_from.empty(), "model.init_from");
   not_yet(cfg.run.sync_debug != SyncDebug::Off, "run.sync_debug (each tp collective's validation reads the host)");
   for (const auto& entry : cfg.fault.inject)
     not_yet(entry.rfind("graph_break", 0) == 0, "fault.inject = \"" + entry + "\" (a wrapped model cannot be sharded)");
+}
+
+// train.activation_checkpointing: what it does not serve is refused by name (the model's kind is
+// checked when the blocks are wrapped: dist/recompute.h).
+static void validate_recompute(const Config& cfg) {
+  const ActivationCheckpointing ac = cfg.train.activation_checkpointing;
+  if (ac == ActivationCheckpointing::None) return;
+  const std::string key =
+      std::string("config: train.activation_checkpointing = \"") + choice_name(kActivationCheckpointing, ac) + "\"";
+  if (ac == ActivationCheckpointing::Selective)
+    throw InputError(key + " (keep the matmul outputs, recompute the rest) is not done yet: use \"blocks\"");
+  if (cfg.compile.mode != CompileMode::Off)
+    throw InputError(key + " recomputes the eager blocks and cannot be combined with compile.mode = \"" +
+                     choice_name(kCompileModes, cfg.compile.mode) + "\" yet: set compile.mode = \"off\"");
 }
 
 void validate(Config& cfg) {
@@ -545,6 +557,7 @@ void validate(Config& cfg) {
   validate_data(cfg.data);
   validate_model(cfg.model);
   validate_parallel(cfg);
+  validate_recompute(cfg);
   if (cfg.checkpoint.async && cfg.checkpoint.keep < 2)
     fail("checkpoint.keep must be at least 2 with checkpoint.async = true (got " + std::to_string(cfg.checkpoint.keep) +
          ")");

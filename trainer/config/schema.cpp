@@ -277,6 +277,13 @@ void train_keys(SchemaBuilder& b) {
         "update every parameter with one fused ATen kernel (at::_fused_adamw_ / at::_fused_sgd_, as PyTorch's "
         "fused=True; CPU and CUDA); false: torch::optim's per-parameter loop. The checkpointed state is the same "
         "either way");
+  b.add("train", &C::train, "activation_checkpointing", &TrainConfig::activation_checkpointing,
+        kActivationCheckpointing,
+        "none | blocks: every transformer block (gpt, gpt2, llama) keeps only its input in the forward and "
+        "recomputes its activations in backward, with the forward's dropout masks and autocast dtypes, so training "
+        "is the same bit for bit with less activation memory and one more forward per block; with every "
+        "dist.zero and parallel.tp, compile.mode = \"off\" | selective (keep the matmul outputs): not done yet, "
+        "refused");
 }
 
 // [dist]
@@ -335,8 +342,8 @@ void parallel_keys(SchemaBuilder& b) {
               "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
               "the token embedding and the output projection split over tp ranks, which read the same batch; "
               "parallel.dp x parallel.tp = the world size. Models gpt, gpt2 and llama; so far with compile.mode = "
-              "\"off\", dist.zero = 0, and no dropout, checkpoint.dir, init_from, custom loss or "
-              "run.sync_debug (each refused by name)"),
+              "\"off\", dist.zero = 0, and no dropout, custom loss or run.sync_debug (each refused by name); "
+              "checkpoints hold whole tensors, as at tp = 1, and resume at any parallel.tp"),
         1, 1 << 20);
   b.add("parallel", &C::parallel, "sequence_parallel", &ParallelConfig::sequence_parallel,
         "with parallel.tp > 1 (no effect at tp = 1): the norms, dropout and residual adds between the "

@@ -77,6 +77,8 @@ void DistributedSampler::save(checkpoint::Component& mine) const {
   mine.values["data_position"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
   mine.values["batch_size"] = batch_;
   mine.values["dataset_size"] = size_;
+  // The data-parallel degree (the world size unless tensor parallelism makes ranks share a batch).
+  mine.values["data_parallel"] = world_;
   mine.rank_values["sampler"] = {{"epoch", pos_.epoch}, {"batch", pos_.batch}};
   mine.rank_values["batch_size"] = batch_;
   mine.rank_values["world_size"] = world_;
@@ -85,10 +87,11 @@ void DistributedSampler::save(checkpoint::Component& mine) const {
 
 void DistributedSampler::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
   const auto& rs = mine.rank_values;
-  const int64_t saved_world = loaded.saved_world_size;
+  // The saving job's data-parallel degree: recorded since tensor parallelism (before, the world's).
+  const int64_t saved_world = mine.values.value("data_parallel", loaded.saved_world_size);
   const int64_t saved_size = mine.values.value("dataset_size", size_);  // absent before 2026-12: assumed unchanged
-  if (loaded.has_rank_state && saved_world == world_ && rs.value("batch_size", int64_t{-1}) == batch_ &&
-      saved_size == size_) {
+  if (loaded.has_rank_state && saved_world == world_ && rs.value("rank", int64_t{-1}) == rank_ &&
+      rs.value("batch_size", int64_t{-1}) == batch_ && saved_size == size_) {
     restore({rs["sampler"]["epoch"].get<int64_t>(), rs["sampler"]["batch"].get<int64_t>()});
     return;
   }
@@ -141,17 +144,21 @@ std::string DistributedSampler::check(const checkpoint::Loaded& loaded, const ch
   for (const char* k : {"batch_size", "dataset_size"})
     if (sh.contains(k))
       if (auto p = int_in(sh, k, 1, kBig, "values"); !p.empty()) return p;
+  if (sh.contains("data_parallel"))
+    if (auto p = int_in(sh, "data_parallel", 1, loaded.saved_world_size, "values"); !p.empty()) return p;
+  const int64_t saved_dp = sh.value("data_parallel", loaded.saved_world_size);
   if (!loaded.has_rank_state) return "";
   const auto& rs = mine.rank_values;
   const std::string where = "rank " + std::to_string(rank_) + "'s state";
   if (!rs.contains("sampler")) return "";  // saved before positions were kept per rank: remapped
   for (const char* k : {"epoch", "batch"})
     if (auto p = int_in(rs["sampler"], k, 0, kBig, where + ".sampler"); !p.empty()) return p;
-  if (auto p = int_in(rs, "world_size", loaded.saved_world_size, loaded.saved_world_size, where); !p.empty()) return p;
-  if (auto p = int_in(rs, "rank", rank_, rank_, where); !p.empty()) return p;
+  // (world_size and rank are the data-parallel ones: tensor-parallel ranks share a batch.)
+  if (auto p = int_in(rs, "world_size", saved_dp, saved_dp, where); !p.empty()) return p;
+  if (auto p = int_in(rs, "rank", 0, saved_dp - 1, where); !p.empty()) return p;
   if (auto p = int_in(rs, "batch_size", 1, kBig, where); !p.empty()) return p;
-  if (loaded.saved_world_size == world_ && rs["batch_size"] == batch_ && sh.value("dataset_size", size_) == size_ &&
-      rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
+  if (saved_dp == world_ && rs["rank"] == rank_ && rs["batch_size"] == batch_ &&
+      sh.value("dataset_size", size_) == size_ && rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
     return where + ".sampler.batch = " + rs["sampler"]["batch"].dump() + " is past the epoch's " +
            std::to_string(batches_per_epoch_) + " batches";
   return "";

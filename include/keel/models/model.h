@@ -65,6 +65,17 @@ class BlockStructure {
 
   torch::Tensor block_enter(size_t i, const torch::Tensor& x) { return block_hooks ? block_hooks->enter(i, x) : x; }
   torch::Tensor block_leave(size_t i, const torch::Tensor& y) { return block_hooks ? block_hooks->leave(i, y) : y; }
+
+  /// How a block's own computation runs, between block_enter and block_leave: `run(f, x)` returns
+  /// f(x), where f is the block (which it may keep, to call again in backward). Empty: f(x)
+  /// directly. Activation checkpointing (dist/recompute.h) sets it; the transformer families'
+  /// blocks run through block_run() (models/transformer.h's run_blocks).
+  using BlockFunction = std::function<torch::Tensor(const torch::Tensor&)>;
+  using BlockRun = std::function<torch::Tensor(BlockFunction f, const torch::Tensor& x)>;
+  BlockRun block_runner;
+  torch::Tensor block_run(BlockFunction f, const torch::Tensor& x) {
+    return block_runner ? block_runner(std::move(f), x) : f(x);
+  }
 };
 
 /// A trainable network. Implementations: a torch::nn::Module (ModuleModel) or a TorchScript
@@ -91,6 +102,8 @@ class Model {
   /// entering and leaving them (BlockHooks); {} and a no-op for a model without blocks.
   virtual std::vector<std::string> block_prefixes() const { return {}; }
   virtual void set_block_hooks(BlockHooks* /*hooks*/) {}
+  /// Sets BlockStructure::block_runner (a model without blocks ignores it).
+  virtual void set_block_runner(BlockStructure::BlockRun /*run*/) {}
 
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
@@ -124,6 +137,9 @@ class ModuleModel : public Model {
   }
   void set_block_hooks(BlockHooks* hooks) override {
     if (auto* b = dynamic_cast<BlockStructure*>(module_.get())) b->block_hooks = hooks;
+  }
+  void set_block_runner(BlockStructure::BlockRun run) override {
+    if (auto* b = dynamic_cast<BlockStructure*>(module_.get())) b->block_runner = std::move(run);
   }
   ModuleHolder& module() { return module_; }
 

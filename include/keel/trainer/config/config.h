@@ -67,6 +67,13 @@ struct RunConfig {
   SyncDebug sync_debug = SyncDebug::Off;
 };
 
+/// train.activation_checkpointing: what a block's backward recomputes (dist/recompute.h).
+enum class ActivationCheckpointing { None, Blocks, Selective };
+inline constexpr Choices<ActivationCheckpointing, 3> kActivationCheckpointing{
+    {{"none", ActivationCheckpointing::None},
+     {"blocks", ActivationCheckpointing::Blocks},
+     {"selective", ActivationCheckpointing::Selective}}};
+
 struct TrainConfig {
   int64_t steps = 1000;
   int64_t epochs = 0;
@@ -88,6 +95,7 @@ struct TrainConfig {
   int64_t log_interval = 50;
   bool skip_nonfinite = false;
   bool fused_optimizer = true;  // one ATen kernel per step (_fused_adamw_ / _fused_sgd_); false: torch::optim's loop
+  ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::None;
 };
 
 // [data]: the data pipeline's (trainer/data/).

@@ -1,0 +1,40 @@
+// dist/sharded_parameters.h: how a checkpoint holds a model whose parameters are split between
+// ranks: as the whole parameters an unsplit run holds (the same names, shapes and files), each
+// rank writing those it owns and reading back its own parts, so that a step saved at one layout
+// resumes at any other (docs/checkpoints.md).
+//
+// Implemented by dist.zero >= 2 (dist/fsdp.h: 1-D pieces of flat units) and tensor parallelism
+// (dist/tp_checkpoint.h: slices along a dimension). Does not own: the files (checkpoint/), which
+// component asks (trainer/state.h's ModelState, trainer/optim.h's OptimizerState).
+#pragma once
+
+#include <map>
+#include <string>
+
+#include "keel/models/model.h"
+
+namespace keel::dist {
+
+class ShardedParameters {
+ public:
+  virtual ~ShardedParameters() = default;
+  /// Collective: host copies of the whole parameters this rank writes (every parameter is
+  /// written by exactly one rank of the world).
+  virtual models::NamedTensors whole_owned_parameters() = 0;
+  /// Local: this rank's parts from whole parameters (by name; a name it has no part of, or
+  /// another tensor, is ignored).
+  virtual void load_pieces(const models::NamedTensors& whole) = 0;
+  /// Every parameter as a whole tensor of its dtype and shape on the meta device, for checking a
+  /// checkpoint against them.
+  virtual models::NamedTensors parameter_shapes() const = 0;
+  /// Collective: the optimizer state of this rank's parts ("<parameter>.<field>"; `fields` maps
+  /// each field to "param", shaped like the part, or "scalar", an int64 count) -> the whole
+  /// parameters' state of those this rank writes.
+  virtual models::NamedTensors whole_state(const models::NamedTensors& piece_state,
+                                           const std::map<std::string, std::string>& fields) = 0;
+  /// Local, the reverse: whole parameters' state -> this rank's parts of it (a tensor that is not
+  /// shaped like its whole parameter is passed on as it is, for the loader to name).
+  virtual models::NamedTensors piece_state(const models::NamedTensors& whole_state) const = 0;
+};
+
+}  // namespace keel::dist

@@ -1,0 +1,71 @@
+// tests/step_files.h: two runs' checkpoint steps compared tensor by tensor (DIR/ckpt/step_<N>/,
+// the layout of the tests' runs), and a run's directory copied for a resume.
+#pragma once
+
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+
+#include "checkpoint/io.h"
+#include "checkpoint/safetensors.h"
+#include "helpers.h"
+
+namespace keel::testing {
+
+// Every tensor of the `kind` files (model | optimizer) of step `step`, by name.
+inline std::map<std::string, torch::Tensor> step_tensors(const std::string& dir, int step, const std::string& kind) {
+  std::map<std::string, torch::Tensor> out;
+  const std::string step_dir = dir + "/ckpt/step_" + std::to_string(step);
+  for (const auto& f : keel::checkpoint::list_dir(step_dir))
+    if (f.rfind(kind + "-", 0) == 0)
+      for (auto& [n, t] : keel::checkpoint::read_safetensors(step_dir + "/" + f).tensors) out[n] = t;
+  return out;
+}
+
+// The largest absolute difference between two runs' tensors of `kind` at `step` (0: bit-identical
+// bytes; -1 when the sets of names, shapes or dtypes differ).
+inline double max_diff(const std::string& a, const std::string& b, int step, const std::string& kind) {
+  auto A = step_tensors(a, step, kind), B = step_tensors(b, step, kind);
+  if (A.size() != B.size() || A.empty()) return -1;
+  double worst = 0;
+  for (const auto& [n, t] : A) {
+    auto it = B.find(n);
+    if (it == B.end() || it->second.sizes() != t.sizes() || it->second.scalar_type() != t.scalar_type()) return -1;
+    if (torch::equal(t, it->second)) continue;
+    worst = std::max(worst, (t.to(torch::kDouble) - it->second.to(torch::kDouble)).abs().max().item<double>());
+    if (worst == 0) worst = 1e-300;  // equal values, different bits (-0.0, NaN payloads): not identical
+  }
+  return worst;
+}
+
+// ||a - b|| / ||a|| over every tensor of the `kind` files of `step` (-1 when the sets differ), and
+// the root mean square of a's elements.
+struct Distance {
+  double relative = -1, rms = 0, norm = 0;
+};
+inline Distance distance(const std::string& a, const std::string& b, int step, const std::string& kind) {
+  const auto A = step_tensors(a, step, kind), B = step_tensors(b, step, kind);
+  if (A.size() != B.size() || A.empty()) return {};
+  double diff = 0, norm = 0;
+  int64_t n = 0;
+  for (const auto& [name, t] : A) {
+    const auto it = B.find(name);
+    if (it == B.end() || it->second.sizes() != t.sizes()) return {};
+    const auto x = t.to(torch::kDouble), y = it->second.to(torch::kDouble);
+    diff += (x - y).pow(2).sum().item<double>();
+    norm += x.pow(2).sum().item<double>();
+    n += t.numel();
+  }
+  return {std::sqrt(diff / std::max(norm, 1e-300)), std::sqrt(norm / static_cast<double>(n)), std::sqrt(norm)};
+}
+
+inline void copy_tree(const std::string& from, const std::string& to) {
+  auto r = run_process({"/bin/cp", "-r", from, to});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+}
+
+}  // namespace keel::testing

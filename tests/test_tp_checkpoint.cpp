@@ -1,0 +1,134 @@
+// Checkpoints of tensor-parallel runs (issue 45, item 5): a step holds the whole tensors of a
+// tp = 1 run (the same names, dtypes and shapes, so `keel export --hf` and `keel inspect` see no
+// difference), each written by one rank; a resume at the same mesh is bit-exact, and a step
+// resumes at another (dp, tp, dist.zero): tp 2 -> tp 1, (dp 2, zero 3) -> (dp 1, tp 2); and
+// model.init_from loads whole weights into a tp run.
+//
+// Tolerances: runs at another mesh differ from one rank's only in the order of float32 sums
+// (tensor parallelism's reductions, ZeRO's reduce-scatter), compared by the derived bounds of
+// tests/helpers.h (adamw_reorder_bound). A gradient element of these 2-block models passes
+// through at most 6 reductions that tensor parallelism reorders (two per block, the vocabulary
+// lookup and the cross-entropy), each a sum and its all-reduce: 12 roundings. A resume that
+// misplaced a slice (a q head read as a k head, another rank's vocabulary rows) moves the
+// parameters by O(their size), and one that lost the optimizer state by O(lr) per element per
+// step: orders of magnitude above the bound.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "helpers.h"
+#include "multirank.h"
+#include "step_files.h"
+
+using namespace keel::testing;
+
+namespace {
+
+constexpr int kTpRoundings = 12;
+constexpr double kLr = 1e-3;  // train.lr's default
+
+std::vector<std::string> run_args(const std::vector<std::string>& model, const std::string& dir, int steps, int batch,
+                                  std::vector<std::string> extra) {
+  std::vector<std::string> a = {"train",
+                                "--data.name=synthetic",
+                                "--train.steps=" + std::to_string(steps),
+                                "--train.batch_size=" + std::to_string(batch),
+                                "--train.schedule=constant",
+                                "--train.warmup_steps=0",
+                                "--train.eval_interval=20",
+                                "--run.threads=1",
+                                "--run.dir=" + dir + "/run",
+                                "--checkpoint.dir=" + dir + "/ckpt",
+                                "--checkpoint.interval=5",
+                                "--dist.timeout_s=60"};
+  a.insert(a.begin() + 1, model.begin(), model.end());
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+void run_job(int ranks, const std::vector<std::string>& args) {
+  if (ranks == 1) {
+    const auto r = run_keel(args);
+    ASSERT_EQ(r.exit_code, 0) << r.output;
+  } else {
+    expect_all_ok(run_keel_ranks(ranks, args));
+  }
+}
+
+// `run`'s step 20 against one rank's: the same tensors (names, dtypes, shapes), within the bounds.
+void expect_near_one_rank(const std::string& one, const std::string& run, const std::string& label) {
+  ASSERT_GE(max_diff(one, run, 20, "model"), 0.0) << label << ": the step's model tensors differ from one rank's";
+  ASSERT_GE(max_diff(one, run, 20, "optimizer"), 0.0) << label << ": the optimizer tensors differ from one rank's";
+  const Distance model = distance(one, run, 20, "model"), state = distance(one, run, 20, "optimizer");
+  const double bound = adamw_reorder_bound(20, kLr, kTpRoundings, model.rms);
+  std::printf("%s: model relative L2 %g (bound %g), optimizer state %g (bound %g)\n", label.c_str(), model.relative,
+              bound, state.relative, optimizer_state_reorder_bound(kTpRoundings, bound));
+  EXPECT_LE(model.relative, bound) << label;
+  EXPECT_LE(max_diff(one, run, 20, "model"), adamw_element_bound(20, kLr)) << label;
+  EXPECT_LE(state.relative, optimizer_state_reorder_bound(kTpRoundings, bound)) << label;
+}
+
+int resumed_from(const std::string& dir) { return std::stoi(summary_field(dir + "/run", "resumed_from_step")); }
+
+// One family: one rank, tp 2 whole and resumed at step 10, and tp 2's step 10 resumed at tp 1.
+void expect_resumes(const std::vector<std::string>& model, const std::string& label) {
+  TempDir d;
+  const std::string one = d.file("one"), tp2 = d.file("tp2"), resumed = d.file("resumed"), to1 = d.file("to1");
+  const std::vector<std::string> tp = {"--parallel.tp=2"};
+  run_job(1, run_args(model, one, 20, 8, {}));
+  run_job(2, run_args(model, tp2, 20, 8, tp));
+  run_job(2, run_args(model, resumed, 10, 8, tp));
+  copy_tree(resumed, to1);
+  run_job(2, run_args(model, resumed, 20, 8, tp));
+  run_job(1, run_args(model, to1, 20, 8, {}));
+  // The same mesh: bit for bit.
+  EXPECT_EQ(resumed_from(resumed), 10) << label;
+  for (const char* kind : {"model", "optimizer"})
+    EXPECT_EQ(max_diff(tp2, resumed, 20, kind), 0.0) << label << " " << kind << ": the tp 2 resume is not bit-exact";
+  EXPECT_EQ(metrics_losses(tp2 + "/run"), metrics_losses(resumed + "/run")) << label;
+  // tp 2's files are one rank's tensors; tp 2 -> tp 1 continues as one rank does.
+  expect_near_one_rank(one, tp2, label + ": tp 2 vs one rank");
+  EXPECT_EQ(resumed_from(to1), 10) << label;
+  expect_near_one_rank(one, to1, label + ": tp 2 resumed at tp 1 vs one rank");
+  const auto a = metrics_losses(one + "/run"), b = metrics_losses(to1 + "/run");
+  ASSERT_EQ(a.size(), b.size()) << label;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(b[i].second, a[i].second, 1e-5 * std::abs(a[i].second)) << label << " at step " << a[i].first;
+}
+
+const std::vector<std::string> kGpt = {"--model.name=gpt", "--model.width=32", "--model.depth=2", "--model.heads=4",
+                                       "--model.context=16"};
+
+}  // namespace
+
+TEST(TensorParallel, AGptStepHoldsWholeTensorsAndResumesAtTp2ExactlyAndAtTp1) { expect_resumes(kGpt, "gpt"); }
+
+TEST(TensorParallel, ALlamaWithGqaStepHoldsWholeTensorsAndResumesAtTp2ExactlyAndAtTp1) {
+  expect_resumes({"--model.name=llama", "--model.width=32", "--model.depth=2", "--model.heads=4", "--model.context=16",
+                  "--model.kv_heads=2", "--model.ffn_width=64"},
+                 "llama");
+}
+
+// (dp 2, zero 3) -> (dp 1, tp 2) with the same global batch; and model.init_from's whole
+// weights into a tp 2 run: its first loss is one rank's.
+TEST(TensorParallel, AZero3StepResumesAtTp2AndInitFromLoadsWholeWeightsIntoTp2) {
+  TempDir d;
+  const std::string one = d.file("one"), z3 = d.file("z3");
+  run_job(1, run_args(kGpt, one, 20, 8, {}));
+  run_job(2, run_args(kGpt, z3, 10, 4, {"--dist.zero=3"}));
+  run_job(2, run_args(kGpt, z3, 20, 8, {"--parallel.tp=2"}));
+  EXPECT_EQ(resumed_from(z3), 10);
+  expect_near_one_rank(one, z3, "gpt: (dp 2, zero 3) resumed at (dp 1, tp 2) vs one rank");
+
+  const std::string init = "--model.init_from=" + one + "/ckpt/step_20";
+  run_job(1, run_args(kGpt, d.file("init1"), 1, 8, {init}));
+  run_job(2, run_args(kGpt, d.file("init2"), 1, 8, {init, "--parallel.tp=2"}));
+  const auto a = metrics_losses(d.file("init1") + "/run"), b = metrics_losses(d.file("init2") + "/run");
+  ASSERT_EQ(a.size(), 1u);
+  ASSERT_EQ(b.size(), 1u);
+  EXPECT_NEAR(b[0].second, a[0].second, 1e-5 * std::abs(a[0].second)) << "the first loss from model.init_from";
+  // (and not a fresh model's: the loaded one has trained 20 steps)
+  EXPECT_LT(a[0].second, metrics_losses(one + "/run")[0].second);
+}
