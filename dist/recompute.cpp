@@ -9,7 +9,6 @@
 #include <utility>
 #include <vector>
 
-#include "amp/autocast.h"
 #include "keel/common/error.h"
 #include "models/transformer.h"
 
@@ -40,6 +39,41 @@ void set_states(std::vector<at::Generator>& gens, const std::vector<torch::Tenso
   }
 }
 
+// For its lifetime: the generators at `states` (the forward's), and autocast on `device` as the
+// forward had it (on with its dtype, or off); both restored after, also when the block throws.
+class ForwardsState {
+ public:
+  ForwardsState(const torch::Device& device, const std::vector<torch::Tensor>& states, bool autocast,
+                at::ScalarType dtype)
+      : gens_(generators(device)),
+        now_(states_of(gens_)),
+        type_(device.type()),
+        was_enabled_(at::autocast::is_autocast_enabled(type_)),
+        was_dtype_(at::autocast::get_autocast_dtype(type_)) {
+    set_states(gens_, states);
+    at::autocast::set_autocast_enabled(type_, autocast);
+    at::autocast::set_autocast_dtype(type_, dtype);
+    if (autocast) at::autocast::increment_nesting();
+    nested_ = autocast;
+  }
+  ~ForwardsState() {
+    if (nested_ && at::autocast::decrement_nesting() == 0) at::autocast::clear_cache();
+    at::autocast::set_autocast_enabled(type_, was_enabled_);
+    at::autocast::set_autocast_dtype(type_, was_dtype_);
+    set_states(gens_, now_);
+  }
+  ForwardsState(const ForwardsState&) = delete;
+  ForwardsState& operator=(const ForwardsState&) = delete;
+
+ private:
+  std::vector<at::Generator> gens_;
+  std::vector<torch::Tensor> now_;
+  c10::DeviceType type_;
+  bool was_enabled_;
+  at::ScalarType was_dtype_;
+  bool nested_ = false;
+};
+
 // The backward of recompute(): f(x) again, with autograd, then backpropagation through it.
 struct RecomputeBackward : torch::autograd::Node {
   models::BlockStructure::BlockFunction f;
@@ -59,16 +93,12 @@ struct RecomputeBackward : torch::autograd::Node {
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
     if (!f) throw std::runtime_error("activation checkpointing: a block's backward ran twice (retain_graph)");
     const torch::Tensor x = input.unpack().detach().requires_grad_(input_requires_grad);
-    auto gens = generators(device);
-    const auto now = states_of(gens);
-    set_states(gens, rng);  // the forward's masks
     torch::Tensor y;
     {
       torch::AutoGradMode grad(true);
-      amp::Autocast cast(device.type(), autocast_dtype, autocast);
+      ForwardsState forwards(device, rng, autocast, autocast_dtype);  // the same masks and dtypes
       y = f(x);
     }
-    set_states(gens, now);
     if (grads[0].defined()) torch::autograd::backward({y}, {grads[0]});
     if (!input_requires_grad || !x.grad().defined()) return {torch::Tensor()};
     // Contiguous, as the sum autograd hands on without recomputation: AccumulateGrad may keep one

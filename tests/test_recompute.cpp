@@ -123,7 +123,9 @@ TEST(Recompute, WhatItDoesNotServeIsRefusedByName) {
   for (const auto& [extra, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--model.name=mlp"}, "recomputes a transformer's blocks: model.name = \"mlp\" is not one"},
            {{"--model.name=gpt", "--compile.mode=trace"}, "cannot be combined with compile.mode = \"trace\""},
-           {{"--model.name=gpt", "--train.activation_checkpointing=selective"}, "\"selective\" (keep the matmul"}}) {
+           {{"--model.name=gpt", "--train.activation_checkpointing=selective"}, "\"selective\" (keep the matmul"},
+           {{"--model.name=gpt", "--dist.find_unused_parameters=true"},
+            "cannot be combined with dist.find_unused_parameters = true at dist.zero = 0"}}) {
     auto a = base;
     a.insert(a.end(), extra.begin(), extra.end());
     TempDir d;

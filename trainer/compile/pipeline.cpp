@@ -121,8 +121,8 @@ std::unique_ptr<OptimizerState> DistributedModel::optimizer_state(torch::optim::
                                                                   const OptimizerCodec& codec) const {
   // dist.zero >= 2 steps pieces, tensor parallelism slices: a checkpoint holds whole parameters' state.
   PieceResharding resharding;
-  dist::ShardedParameters* split = ddp_->fully_shard();
-  if (!split) split = plan_.sharded_parameters();
+  dist::ShardedParameters* split = plan_.sharded_parameters();
+  if (!split) split = ddp_->fully_shard();
   if (split)
     resharding = {[split](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
                     return split->whole_state(s, fields);

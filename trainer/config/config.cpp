@@ -518,6 +518,14 @@ static void validate_recompute(const Config& cfg) {
   if (cfg.compile.mode != CompileMode::Off)
     throw InputError(key + " recomputes the eager blocks and cannot be combined with compile.mode = \"" +
                      choice_name(kCompileModes, cfg.compile.mode) + "\" yet: set compile.mode = \"off\"");
+  // DDP's Reducer would look for the blocks' parameters in the forward's graph, where the
+  // recomputing node hides them (they are reached in its own backward), mark them unused and
+  // then see them ready a second time (PyTorch's reentrant checkpoint has the same limit).
+  if (cfg.dist.find_unused_parameters && cfg.dist.zero <= 1)
+    throw InputError(key + " cannot be combined with dist.find_unused_parameters = true at dist.zero = " +
+                     std::to_string(cfg.dist.zero) +
+                     " (DDP's Reducer would take the recomputed blocks' parameters for unused ones): set "
+                     "find_unused_parameters = false, or dist.zero = 2 or 3");
 }
 
 void validate(Config& cfg) {

@@ -282,7 +282,8 @@ void train_keys(SchemaBuilder& b) {
         "none | blocks: every transformer block (gpt, gpt2, llama) keeps only its input in the forward and "
         "recomputes its activations in backward, with the forward's dropout masks and autocast dtypes, so training "
         "is the same bit for bit with less activation memory and one more forward per block; with every "
-        "dist.zero and parallel.tp, compile.mode = \"off\" | selective (keep the matmul outputs): not done yet, "
+        "dist.zero and parallel.tp, compile.mode = \"off\" (and not with dist.find_unused_parameters at dist.zero <= "
+        "1) | selective (keep the matmul outputs): not done yet, "
         "refused");
 }
 
