@@ -18,7 +18,9 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
   TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel);
   Collectives& tp = mesh.on(Axis::Tp);
   if (shard.partial.size() > 0) plan.on_backward_complete([partial = shard.partial] { partial.finish(); });
-  plan.set_gradient_clip([params = model.parameters(), replicated = shard.replicated, &tp](double max_norm) {
+  std::vector<bool> replicated;
+  for (const auto& rule : shard.rules) replicated.push_back(!rule);
+  plan.set_gradient_clip([params = model.parameters(), replicated, &tp](double max_norm) {
     return clip_grad_norm_tensor_parallel(params, replicated, tp, max_norm);
   });
   plan.set_sharded_parameters(std::make_shared<TensorParallelParameters>(model.named_parameters(), shard.rules, mesh));
@@ -62,11 +64,10 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
     parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
   }
   family->shard(model, parts);
-  TensorParallelShard shard{range, {}, {}, {}};
+  TensorParallelShard shard{range, {}, {}};
   std::vector<torch::Tensor> replicated;
   for (const auto& [name, p] : model.named_parameters()) {
     const models::TpRule* rule = models::tp_rule(family->tp_plan, name);
-    shard.replicated.push_back(!rule);
     shard.rules.push_back(rule ? std::optional<models::TpRule>(*rule) : std::nullopt);
     if (!rule) replicated.push_back(p);
   }

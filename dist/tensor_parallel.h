@@ -46,8 +46,8 @@ class PartialGradients {
 struct TensorParallelShard {
   tp::VocabRange range;
   PartialGradients partial;
-  std::vector<bool> replicated;                      // per model parameter, in model order: not split by the plan
-  std::vector<std::optional<models::TpRule>> rules;  // per model parameter: its split (nullopt: replicated)
+  /// Per model parameter, in model order: its split (nullopt: replicated, every tp rank holds it whole).
+  std::vector<std::optional<models::TpRule>> rules;
 };
 
 /// torch.nn.utils.clip_grad_norm_ over a tensor-parallel model (data parallelism at dist.zero = 0

@@ -34,9 +34,6 @@ class TensorParallelParameters final : public ShardedParameters {
                                    const std::map<std::string, std::string>& fields) override;
   models::NamedTensors piece_state(const models::NamedTensors& whole_state) const override;
 
-  /// The world rank that writes parameter `i` (model order).
-  int64_t owner(size_t i) const { return owners_[i]; }
-
  private:
   /// Whether parameter `i`'s writer is in this rank's tp group (which then gathers it).
   bool gathered_here(size_t i) const;

@@ -85,13 +85,28 @@ void DistributedSampler::save(checkpoint::Component& mine) const {
   mine.rank_values["rank"] = rank_;
 }
 
+namespace {
+
+// The saving job's data-parallel degree: recorded since tensor parallelism (before, the world's).
+int64_t saved_data_parallel(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
+  return mine.values.value("data_parallel", loaded.saved_world_size);
+}
+
+}  // namespace
+
+bool DistributedSampler::restores_in_place(const checkpoint::Loaded& loaded,
+                                           const checkpoint::LoadedComponent& mine) const {
+  const auto& rs = mine.rank_values;
+  return loaded.has_rank_state && saved_data_parallel(loaded, mine) == world_ &&
+         rs.value("rank", int64_t{-1}) == rank_ && rs.value("batch_size", int64_t{-1}) == batch_ &&
+         mine.values.value("dataset_size", size_) == size_;  // (absent before 2026-12: assumed unchanged)
+}
+
 void DistributedSampler::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) {
   const auto& rs = mine.rank_values;
-  // The saving job's data-parallel degree: recorded since tensor parallelism (before, the world's).
-  const int64_t saved_world = mine.values.value("data_parallel", loaded.saved_world_size);
-  const int64_t saved_size = mine.values.value("dataset_size", size_);  // absent before 2026-12: assumed unchanged
-  if (loaded.has_rank_state && saved_world == world_ && rs.value("rank", int64_t{-1}) == rank_ &&
-      rs.value("batch_size", int64_t{-1}) == batch_ && saved_size == size_) {
+  const int64_t saved_world = saved_data_parallel(loaded, mine);
+  const int64_t saved_size = mine.values.value("dataset_size", size_);
+  if (restores_in_place(loaded, mine)) {
     restore({rs["sampler"]["epoch"].get<int64_t>(), rs["sampler"]["batch"].get<int64_t>()});
     return;
   }
@@ -146,7 +161,7 @@ std::string DistributedSampler::check(const checkpoint::Loaded& loaded, const ch
       if (auto p = int_in(sh, k, 1, kBig, "values"); !p.empty()) return p;
   if (sh.contains("data_parallel"))
     if (auto p = int_in(sh, "data_parallel", 1, loaded.saved_world_size, "values"); !p.empty()) return p;
-  const int64_t saved_dp = sh.value("data_parallel", loaded.saved_world_size);
+  const int64_t saved_dp = saved_data_parallel(loaded, mine);
   if (!loaded.has_rank_state) return "";
   const auto& rs = mine.rank_values;
   const std::string where = "rank " + std::to_string(rank_) + "'s state";
@@ -157,8 +172,7 @@ std::string DistributedSampler::check(const checkpoint::Loaded& loaded, const ch
   if (auto p = int_in(rs, "world_size", saved_dp, saved_dp, where); !p.empty()) return p;
   if (auto p = int_in(rs, "rank", 0, saved_dp - 1, where); !p.empty()) return p;
   if (auto p = int_in(rs, "batch_size", 1, kBig, where); !p.empty()) return p;
-  if (saved_dp == world_ && rs["rank"] == rank_ && rs["batch_size"] == batch_ &&
-      sh.value("dataset_size", size_) == size_ && rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
+  if (restores_in_place(loaded, mine) && rs["sampler"]["batch"].get<int64_t>() > batches_per_epoch_)
     return where + ".sampler.batch = " + rs["sampler"]["batch"].dump() + " is past the epoch's " +
            std::to_string(batches_per_epoch_) + " batches";
   return "";

@@ -43,17 +43,18 @@ class DistributedSampler : public checkpoint::Stateful {
   std::vector<int64_t> rank_indices(int64_t epoch) const;
 
   void save(checkpoint::Component& mine) const override;
-  /// The saved position when the saved job had this data-parallel degree and rank (its values'
-  /// data_parallel; the world size in steps saved before tensor parallelism), batch size and
-  /// dataset size; otherwise the
-  /// samples the whole job consumed in the saved epoch, mapped to this job's global batches
-  /// (docs/checkpoints.md), with a warning.
+  /// The saved position when restores_in_place(); otherwise the samples the whole job consumed in
+  /// the saved epoch, mapped to this job's global batches (docs/checkpoints.md), with a warning.
   void load(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) override;
   /// Positions are non-negative integers, a batch index at most the epoch's batches; the rank
   /// state is that of a data-parallel rank of a job of the saved data-parallel degree.
   std::string check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const override;
 
  private:
+  /// Whether the saved job had this rank's state at this data-parallel degree and rank (its
+  /// values' data_parallel; the world size in steps saved before tensor parallelism), batch size
+  /// and dataset size: the saved position is then this rank's own.
+  bool restores_in_place(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const;
   int64_t size_, world_, rank_, batch_;
   bool shuffle_, drop_last_;
   uint64_t seed_;
