@@ -11,6 +11,7 @@
 
 #include "dist/compat.h"
 #include "dist/fsdp.h"
+#include "dist/tensor_parallel.h"
 #include "dist/zero.h"
 
 namespace keel::dist {
@@ -115,14 +116,25 @@ void verify_parameters_across_ranks(const models::NamedTensors& params, Collecti
 }
 
 DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll,
-                           const DistConfig& cfg)
+                           const DistConfig& cfg, const std::optional<SplitGradients>& split)
     : model_(std::move(model)),
       coll_(std::move(coll)),
-      bucket_bytes_(static_cast<size_t>(std::max(1.0, cfg.bucket_cap_mb * 1024 * 1024))) {
+      bucket_bytes_(static_cast<size_t>(std::max(1.0, cfg.bucket_cap_mb * 1024 * 1024))),
+      split_(split) {
   auto named = model_->named_parameters();
   verify_parameters_across_ranks(named, *coll_);
   params_ = named;
   placement_ = Placement(cfg.zero, named, model_->block_prefixes(), coll_->size());
+  if (split_ && split_->replicated.size() != named.size())
+    throw std::logic_error("DataParallel: the split gradients' flags are not one per parameter");
+  // The split's partial gradients are summed, and the norm's squares counted, piece by piece:
+  // every rank of the split's group must hold the same pieces.
+  if (split_ && placement_.shards_optimizer_state() && split_->group->size() > 1)
+    if (const auto d = agree(
+            *split_->group, placement_.fingerprint(), [&] { return placement_.describe().dump(); },
+            "ZeRO placement over tp");
+        d)
+      throw CollectiveMismatch("ZeRO's placement differs across the tp group:" + d.by_rank());
 
   // Start from rank 0's parameters and buffers.
   std::vector<torch::Tensor> state;
@@ -210,7 +222,36 @@ void DataParallel::sync_parameters() {
   zero_broadcast_parameters(params_, placement_.owners(), *coll_, bucket_bytes_);
 }
 
+std::vector<size_t> DataParallel::held_params() const {
+  std::vector<size_t> out;
+  for (const auto& piece : placement_.pieces(coll_->rank())) out.push_back(piece.param);
+  return out;
+}
+
+void DataParallel::sum_partial_gradients() {
+  if (!split_ || split_->group->size() == 1) return;
+  const models::NamedTensors held = owned_parameters();
+  const std::vector<size_t> param = held_params();
+  std::vector<torch::Tensor> partial;
+  for (size_t k = 0; k < held.size(); ++k)
+    if (split_->partial[param[k]]) partial.push_back(held[k].second);
+  // At dist.zero >= 1 a rank sums only what its optimizer steps (the others' gradients go unread);
+  // its tp group holds the same (checked at construction), so every rank issues the same sum.
+  tp::sum_gradients(partial, *split_->group);
+}
+
 torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
+  if (split_) {
+    const models::NamedTensors held = owned_parameters();
+    const std::vector<size_t> param = held_params();
+    std::vector<torch::Tensor> tensors;
+    std::vector<bool> replicated;
+    for (size_t k = 0; k < held.size(); ++k)
+      tensors.push_back(held[k].second), replicated.push_back(split_->replicated[param[k]]);
+    const bool sharded = placement_.shards_optimizer_state() && coll_->size() > 1;
+    return clip_grad_norm_tensor_parallel(tensors, replicated, *split_->group, max_norm,
+                                          sharded ? coll_.get() : nullptr);
+  }
   if (fsdp_) return clip_grad_norm_of_pieces(fsdp_->pieces(), *coll_, max_norm);
   return dist::clip_grad_norm(params_, placement_.owners(), *coll_, max_norm,
                               placement_.shards_optimizer_state() && coll_->size() > 1);
@@ -274,6 +315,11 @@ void DataParallel::before_forward(bool sync, bool step) {
 }
 
 void DataParallel::backward(const torch::Tensor& loss, bool sync) {
+  reduce_gradients(loss, sync);
+  if (sync) sum_partial_gradients();
+}
+
+void DataParallel::reduce_gradients(const torch::Tensor& loss, bool sync) {
   if (!fsdp_ && (!reducer_ || !sync)) return loss.backward();
   if (reducer_) reducer_->prepare_for_backward({loss});
   try {

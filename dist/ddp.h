@@ -28,9 +28,11 @@
 #include <torch/torch.h>
 
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "dist/placement.h"
+#include "dist/transform_plan.h"
 #include "keel/dist/collectives.h"
 #include "keel/dist/config.h"
 #include "keel/models/model.h"
@@ -46,7 +48,12 @@ class FullyShard;
 class DataParallel {
  public:
   /// Collective: every rank must construct it at the same point with the same model shape.
-  DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, const DistConfig& cfg);
+  /// `split`: the model's parameters are also split over a group outside data parallelism (tensor
+  /// parallelism, dist/transform_plan.h): its partial gradients are summed over that group on a
+  /// step's last micro-batch, and the clip counts each part once over the whole mesh. The
+  /// placement must then be the same on every rank of that group (checked: one agreement).
+  DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, const DistConfig& cfg,
+               const std::optional<SplitGradients>& split = std::nullopt);
   ~DataParallel();
 
   /// Call before each micro-batch's forward (broadcasts the buffers with dist.broadcast_buffers).
@@ -57,7 +64,9 @@ class DataParallel {
   /// is evaluated and checkpointed is rank 0's.
   void sync_buffers();
   /// Runs loss.backward(); when `sync`, the Reducer all-reduces the gradient buckets as they
-  /// become ready and averages them over the ranks.
+  /// become ready and averages them over the ranks (ZeRO 2-3: FullyShard reduce-scatters them),
+  /// and a split model's partial gradients are then summed over their group, where this rank
+  /// keeps them (whole parameters, or its pieces).
   void backward(const torch::Tensor& loss, bool sync);
   /// A fingerprint of the parameter and bucket layout, compared across ranks every step.
   uint64_t plan() const { return plan_; }
@@ -92,10 +101,15 @@ class DataParallel {
   /// clipping (0-dim, on the device: the host reads it only if it wants), with the foreach
   /// arithmetic of torch.nn.utils.clip_grad_norm_ (dist::clip_grad_norm): with zero >= 1 the
   /// per-parameter norms of the owners are exchanged in one all-reduce, so the result is
-  /// bit-identical to zero = 0's.
+  /// bit-identical to zero = 0's. A split model (tensor parallelism): the norm over the whole mesh,
+  /// each part counted once (dist/tensor_parallel.h's clip_grad_norm_tensor_parallel).
   torch::Tensor clip_grad_norm(double max_norm);
 
  private:
+  void reduce_gradients(const torch::Tensor& loss, bool sync);
+  /// The tensors whose gradients this rank keeps (owned_parameters()) and each one's parameter index.
+  std::vector<size_t> held_params() const;
+  void sum_partial_gradients();
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
   std::unique_ptr<c10d::Reducer> reducer_;
@@ -106,6 +120,7 @@ class DataParallel {
   size_t bucket_bytes_ = 0;  // dist.bucket_cap_mb, for the parameter broadcasts
   models::NamedTensors params_;
   std::unique_ptr<FullyShard> fsdp_;  // dist.zero >= 2
+  std::optional<SplitGradients> split_;
 };
 
 /// Checks that every rank holds parameters of the same count, names, dtypes and shapes.

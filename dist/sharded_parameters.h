@@ -15,6 +15,8 @@
 
 namespace keel::dist {
 
+class Placement;
+
 class ShardedParameters {
  public:
   virtual ~ShardedParameters() = default;
@@ -35,6 +37,14 @@ class ShardedParameters {
   /// Local, the reverse: whole parameters' state -> this rank's parts of it (a tensor that is not
   /// shaped like its whole parameter is passed on as it is, for the loader to name).
   virtual models::NamedTensors piece_state(const models::NamedTensors& whole_state) const = 0;
+  /// A split made outside data parallelism (tensor parallelism) learns, once the data-parallel
+  /// transform is made, how that splits what each rank holds: `placement` (over the same
+  /// parameters: each one's writer is then on its data-parallel owner) and, where ZeRO holds
+  /// pieces (dist.zero >= 2: optimizer state; 3: parameters too), `pieces` to go through.
+  /// Local. The default (data parallelism's own splits) ignores it.
+  virtual void over_data_parallel(const Placement& placement, ShardedParameters* pieces) {
+    (void)placement, (void)pieces;
+  }
 };
 
 }  // namespace keel::dist

@@ -1,5 +1,6 @@
 #include "dist/tensor_parallel.h"
 
+#include <algorithm>
 #include <stdexcept>
 #include <string>
 
@@ -17,19 +18,16 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
   }
   TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel);
   Collectives& tp = mesh.on(Axis::Tp);
-  if (shard.partial.size() > 0) plan.on_backward_complete([partial = shard.partial] { partial.finish(); });
-  std::vector<bool> replicated;
-  for (const auto& rule : shard.rules) replicated.push_back(!rule);
-  plan.set_gradient_clip([params = model.parameters(), replicated, &tp](double max_norm) {
-    return clip_grad_norm_tensor_parallel(params, replicated, tp, max_norm);
-  });
+  const std::vector<bool> partial = shard.partial();
+  const auto summed = std::count(partial.begin(), partial.end(), true);
+  plan.set_split_gradients({&tp, shard.replicated(), partial});
   plan.set_sharded_parameters(std::make_shared<TensorParallelParameters>(model.named_parameters(), shard.rules, mesh));
   const tp::VocabRange& range = shard.range;
   plan.applied(Transform::TensorParallel,
                "tp " + std::to_string(mesh.tp()) + ", rank " + std::to_string(mesh.coordinate(Axis::Tp)) +
                    "'s heads, MLP and vocabulary " + std::to_string(range.first) + "-" +
                    std::to_string(range.first + range.n - 1) +
-                   (sequence_parallel ? ", sequence parallel (" + std::to_string(shard.partial.size()) +
+                   (sequence_parallel ? ", sequence parallel (" + std::to_string(summed) +
                                             " replicated parameters' gradients summed over tp)"
                                       : std::string()));
 }
@@ -64,28 +62,39 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
     parts.vocab.enter_head = [&tp](const torch::Tensor& x) { return tp::copy_to_region(x, tp); };
   }
   family->shard(model, parts);
-  TensorParallelShard shard{range, {}, {}};
-  std::vector<torch::Tensor> replicated;
+  TensorParallelShard shard{range, {}, sequence_parallel};
   for (const auto& [name, p] : model.named_parameters()) {
     const models::TpRule* rule = models::tp_rule(family->tp_plan, name);
     shard.rules.push_back(rule ? std::optional<models::TpRule>(*rule) : std::nullopt);
-    if (!rule) replicated.push_back(p);
   }
-  // With sequence parallelism every parameter the plan does not split gets a partial gradient.
-  if (sequence_parallel) shard.partial = PartialGradients(std::move(replicated), tp);
   return shard;
 }
 
-torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& params,
-                                             const std::vector<bool>& replicated, Collectives& tp, double max_norm) {
+std::vector<bool> TensorParallelShard::replicated() const {
+  std::vector<bool> out;
+  for (const auto& rule : rules) out.push_back(!rule);
+  return out;
+}
+
+std::vector<bool> TensorParallelShard::partial() const {
+  // With sequence parallelism every parameter the plan does not split gets a partial gradient.
+  return sequence_parallel ? replicated() : std::vector<bool>(rules.size(), false);
+}
+
+torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& held,
+                                             const std::vector<bool>& replicated, Collectives& tp, double max_norm,
+                                             Collectives* dp) {
   std::vector<torch::Tensor> grads, counted;
-  for (size_t i = 0; i < params.size(); ++i) {
-    const torch::Tensor& g = params[i].grad();
+  for (size_t i = 0; i < held.size(); ++i) {
+    const torch::Tensor& g = held[i].grad();
     if (!g.defined()) continue;
     grads.push_back(g.detach());
     if (!replicated[i] || tp.rank() == 0) counted.push_back(g.detach());
   }
-  return clip_by_summed_squares(counted, grads, tp, max_norm, "tp: gradient norm");
+  std::vector<Collectives*> groups;
+  if (dp) groups.push_back(dp);
+  groups.push_back(&tp);
+  return clip_by_summed_squares(counted, grads, groups, max_norm, "tp: gradient norm");
 }
 
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
@@ -107,6 +116,7 @@ void shard_block(models::TransformerBlockImpl& block, const std::vector<models::
   models::TpRegion region;
   region.rank = rank;
   region.size = size;
+  region.own_positions = sequence_parallel;
   if (sequence_parallel) {
     region.enter = [&tp](const torch::Tensor& x) { return tp::gather_sequence(x, 1, tp); };
     region.leave = [&tp](const torch::Tensor& x) { return tp::scatter_sequence(x, 1, tp); };

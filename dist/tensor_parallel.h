@@ -2,13 +2,13 @@
 // sharded over the mesh's tp axis by its family's plan (models/transformer.h's TransformerFamily::
 // tp_plan: column-wise, row-wise, vocabulary-parallel), and the block's regions set to
 // dist/tp_ops.h's communication. Under tp > 1 the tp ranks of one dp coordinate read the same
-// batch (the sampler asks mesh.dp()), and data parallelism runs over the dp axis only
-// (distribute() takes its Collectives; ZeRO with tp is refused until they compose).
+// batch (the sampler asks mesh.dp()), and data parallelism (DDP or ZeRO 1-3) runs over the dp
+// axis only (distribute() takes its Collectives): ZeRO shards the tp shards.
 //
 // In place: shard_block(), one block at a time, and shard_model_tensor_parallel() for the gpt,
 // gpt2 and llama families, with or without sequence parallelism (tests/test_tp_ops.cpp),
-// applied by place() when parallel.tp > 1 (eager, over DDP; trainer/config/config.cpp refuses
-// the rest by name).
+// applied by place() when parallel.tp > 1 (eager; trainer/config/config.cpp refuses the rest by
+// name).
 #pragma once
 
 #include <optional>
@@ -23,46 +23,39 @@
 
 namespace keel::dist {
 
-/// What the tensor-parallel transform leaves for the step: with sequence parallelism, the
-/// replicated parameters (norms, the row-parallel biases, a position embedding) whose gradient
-/// each tp rank computes from its own positions only; finish() sums them over the tp group (one
-/// all-reduce, tp::sum_gradients) once a step's backward is complete. Empty otherwise: a no-op.
-class PartialGradients {
- public:
-  PartialGradients() = default;
-  PartialGradients(std::vector<torch::Tensor> params, Collectives& tp) : params_(std::move(params)), tp_(&tp) {}
-  void finish() const {
-    if (tp_ && !params_.empty()) tp::sum_gradients(params_, *tp_);
-  }
-  size_t size() const { return params_.size(); }
-
- private:
-  std::vector<torch::Tensor> params_;
-  Collectives* tp_ = nullptr;
-};
-
-/// A whole model sharded over a tp group: this rank's vocabulary range, and what its step must
-/// finish (PartialGradients).
+/// A whole model sharded over a tp group: this rank's vocabulary range, each parameter's split,
+/// and what that leaves for the step's gradients.
 struct TensorParallelShard {
   tp::VocabRange range;
-  PartialGradients partial;
   /// Per model parameter, in model order: its split (nullopt: replicated, every tp rank holds it whole).
   std::vector<std::optional<models::TpRule>> rules;
+  bool sequence_parallel = false;
+  /// Per parameter: not split.
+  std::vector<bool> replicated() const;
+  /// Per parameter: with sequence parallelism each replicated one (norms, the row-parallel
+  /// biases, a position embedding) gets from each tp rank a gradient of its own positions only,
+  /// to be summed over the tp group once a step's backward is complete (tp::sum_gradients).
+  std::vector<bool> partial() const;
 };
 
-/// torch.nn.utils.clip_grad_norm_ over a tensor-parallel model (data parallelism at dist.zero = 0
-/// over the rest of the mesh, so every gradient here is already whole over dp): the norm of
-/// every split parameter's parts over the tp group, and of each replicated parameter once (tp
-/// rank 0's; every tp rank holds the same), one all-reduce; every gradient is then scaled by
-/// max_norm / (norm + 1e-6) clamped to 1. Returns the norm, the same on every tp rank.
-torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& params,
-                                             const std::vector<bool>& replicated, Collectives& tp, double max_norm);
+/// torch.nn.utils.clip_grad_norm_ over a tensor-parallel model: the norm of every split
+/// parameter's parts over the tp group, and of each replicated parameter once (tp rank 0's;
+/// every tp rank holds the same), then every held gradient scaled by max_norm / (norm + 1e-6)
+/// clamped to 1. `held`: the tensors whose gradients this rank keeps, `replicated[k]` whether
+/// held[k] is (part of) a replicated parameter. Without `dp` they are whole parameters whose
+/// gradients are already whole over dp (DDP), so the squares are summed over tp (one
+/// all-reduce); with `dp` they are this rank's ZeRO parts (dist.zero >= 1: owned parameters or
+/// pieces, distinct on each dp rank), summed over dp, then over tp. Returns the norm, the same on
+/// every rank of the mesh.
+torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& held,
+                                             const std::vector<bool>& replicated, Collectives& tp, double max_norm,
+                                             Collectives* dp = nullptr);
 
 /// Shards `model`'s parameters over the mesh's tp axis in place (tp = 1: none; else
-/// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan` with what the step must
-/// do for it: the partial gradients' sum after each backward (TransformPlan::on_backward_complete)
-/// and the clip over the mesh (TransformPlan::set_gradient_clip); and how a checkpoint holds the
-/// parameters whole (TransformPlan::set_sharded_parameters: dist/tp_checkpoint.h).
+/// shard_model_tensor_parallel on mesh.on(Axis::Tp)), recorded in `plan` with what that means
+/// for the gradients (TransformPlan::set_split_gradients: the data-parallel transform sums the
+/// partial ones and clips over the mesh) and how a checkpoint holds the parameters whole
+/// (TransformPlan::set_sharded_parameters: dist/tp_checkpoint.h).
 void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan);
 
 /// Shards a whole model of a transformer family over the tp group `tp` (rank tp.rank() of

@@ -8,20 +8,21 @@
 // place() runs the first three (dist/stages.h, dist/tensor_parallel.h, dist/recompute.h), compile()
 // the fourth, distribute() the fifth (dist/ddp.h). TransformPlan checks it a second time at run
 // time and says what each transform did, for the log and for tests.
-// Owns: the order, the record, what the transforms ask to run after each backward. Does not own: the transforms
-// themselves.
+// Owns: the order, the record, what the transforms leave for the later ones (split gradients,
+// whole-tensor checkpoints). Does not own: the transforms themselves.
 #pragma once
 
 #include <torch/torch.h>
 
 #include <array>
-#include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "dist/sharded_parameters.h"
+#include "keel/dist/collectives.h"
 
 namespace keel::dist {
 
@@ -41,6 +42,17 @@ struct TransformOptions {
   Recompute recompute = Recompute::None;
 };
 
+/// The gradients of a model whose parameters are split over `group` outside data parallelism,
+/// per parameter in model order: `replicated` ones are whole on every rank of the group (counted
+/// once in the global norm: on the group's rank 0), the others split (each rank's part counted);
+/// `partial` ones hold, after a step's backward, this rank's part of a sum over the group
+/// (sequence parallelism's replicated parameters), to be summed over it before anything reads
+/// them. `group` must outlive the model (the mesh's).
+struct SplitGradients {
+  Collectives* group = nullptr;
+  std::vector<bool> replicated, partial;
+};
+
 class TransformPlan {
  public:
   /// Records that `t` was applied, with what it did ("none (tp 1)", "inductor", ...). Throws
@@ -53,20 +65,12 @@ class TransformPlan {
   /// "stages: whole model (pp 1) -> tensor parallel: none (tp 1) -> ...".
   std::string describe() const;
 
-  /// What a transform leaves for every step: `f` runs once a step's backward is complete, before
-  /// anything reads the gradients (sequence parallelism sums its replicated parameters'
-  /// gradients over tp). DistributedModel::backward calls backward_complete() on a step's last
-  /// micro-batch.
-  void on_backward_complete(std::function<void()> f) { after_backward_.push_back(std::move(f)); }
-  void backward_complete() const {
-    for (const auto& f : after_backward_) f();
-  }
-  /// A transform that splits parameters over ranks outside data parallelism (tensor parallelism)
-  /// supplies how the global gradient norm is clipped over them (each split part counted once,
-  /// replicated parameters once); DistributedModel::clip_grad_norm uses it when set.
-  using GradientClip = std::function<torch::Tensor(double max_norm)>;
-  void set_gradient_clip(GradientClip f) { clip_ = std::move(f); }
-  const GradientClip& gradient_clip() const { return clip_; }
+  /// A transform that splits parameters over a group outside data parallelism (tensor
+  /// parallelism) says what that means for their gradients (SplitGradients); the data-parallel
+  /// transform, which knows where a rank keeps them (whole parameters, or ZeRO's pieces), sums
+  /// the partial ones and clips over the mesh (dist/ddp.h).
+  void set_split_gradients(SplitGradients s) { split_gradients_ = std::move(s); }
+  const std::optional<SplitGradients>& split_gradients() const { return split_gradients_; }
   /// A transform that splits parameters outside data parallelism supplies how a checkpoint holds
   /// them whole (dist/sharded_parameters.h); DistributedModel's checkpoint components use it.
   void set_sharded_parameters(std::shared_ptr<ShardedParameters> s) { sharded_ = std::move(s); }
@@ -74,8 +78,7 @@ class TransformPlan {
 
  private:
   std::vector<std::pair<Transform, std::string>> steps_;
-  std::vector<std::function<void()>> after_backward_;
-  GradientClip clip_;
+  std::optional<SplitGradients> split_gradients_;
   std::shared_ptr<ShardedParameters> sharded_;
 };
 

@@ -47,15 +47,15 @@ torch::Tensor clip_grad_norm(const models::NamedTensors& params, const std::vect
 }
 
 torch::Tensor clip_by_summed_squares(const std::vector<torch::Tensor>& counted,
-                                     const std::vector<torch::Tensor>& scaled, Collectives& coll, double max_norm,
-                                     const char* what) {
+                                     const std::vector<torch::Tensor>& scaled, const std::vector<Collectives*>& groups,
+                                     double max_norm, const char* what) {
   // A rank with nothing to count (more ranks than elements) still takes part, with 0.
-  torch::Tensor squares = torch::zeros({1}, torch::TensorOptions().device(coll.group()->comm_device()));
+  torch::Tensor squares = torch::zeros({1}, torch::TensorOptions().device(groups.front()->group()->comm_device()));
   if (!counted.empty()) {
     const auto norms = at::_foreach_norm(counted, 2);
     squares = torch::stack(norms).to(torch::kFloat).pow(2).sum().reshape({1});
   }
-  coll.all_reduce(squares, ReduceOp::Sum, what);
+  for (Collectives* g : groups) g->all_reduce(squares, ReduceOp::Sum, what);
   const torch::Tensor total = squares.sqrt().reshape({});
   if (!scaled.empty()) at::_foreach_mul_(scaled, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
   return total;
@@ -65,7 +65,7 @@ torch::Tensor clip_grad_norm_of_pieces(const models::NamedTensors& pieces, Colle
   std::vector<torch::Tensor> grads;
   for (const auto& [n, p] : pieces)
     if (p.grad().defined()) grads.push_back(p.grad().detach());
-  return clip_by_summed_squares(grads, grads, coll, max_norm, "ZeRO-3 gradient norm");
+  return clip_by_summed_squares(grads, grads, {&coll}, max_norm, "ZeRO-3 gradient norm");
 }
 
 }  // namespace keel::dist

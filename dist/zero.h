@@ -36,13 +36,14 @@ torch::Tensor clip_grad_norm(const models::NamedTensors& params, const std::vect
                              double max_norm, bool sharded);
 
 /// The clip that every layout whose ranks hold parts of the gradients shares (collective over
-/// `coll`): the squared L2 norms of `counted` summed over the group's ranks in one all-reduce of
-/// one number (`what` names it), every tensor of `scaled` multiplied by max_norm / (norm + 1e-6)
-/// clamped to 1. Returns the norm (0-dim). ZeRO-3's pieces count and scale the same tensors;
-/// tensor parallelism scales every gradient but counts a replicated one on one rank only.
+/// each of `groups`, in order): the squared L2 norms of `counted` summed over the groups' ranks,
+/// one all-reduce of one number per group (`what` names it), every tensor of `scaled` multiplied
+/// by max_norm / (norm + 1e-6) clamped to 1. Returns the norm (0-dim). ZeRO-3's pieces count and
+/// scale the same tensors; tensor parallelism scales every gradient but counts a replicated one
+/// on one rank only; the two together sum over dp, then tp.
 torch::Tensor clip_by_summed_squares(const std::vector<torch::Tensor>& counted,
-                                     const std::vector<torch::Tensor>& scaled, Collectives& coll, double max_norm,
-                                     const char* what);
+                                     const std::vector<torch::Tensor>& scaled, const std::vector<Collectives*>& groups,
+                                     double max_norm, const char* what);
 
 /// clip_grad_norm for dist.zero = 3 (collective): `pieces` are this rank's elements of the
 /// parameters, so the squared norms are summed across ranks (one all-reduce of one number); equal

@@ -41,7 +41,8 @@ struct GptImpl : torch::nn::Module, BlockStructure {
                 idx.sizes());
     const int64_t T = idx.size(1);
     const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
-    auto x = drop(tokens + wpe->forward(tp_vocab.positions(T, idx.device())), dropout, is_training());  // (B, T, C)
+    auto x =
+        tp_vocab.drop(tokens + wpe->forward(tp_vocab.positions(T, idx.device())), dropout, is_training());  // (B, T, C)
     x = ln_f->forward(run_blocks(h, this, x));
     if (tp_vocab) x = tp_vocab.enter_head(x);
     return torch::matmul(x, wte->weight.t());  // tied output projection (tp: this rank's vocabulary)

@@ -41,7 +41,7 @@ struct Gpt2BodyImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& idx) {
     const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
     const auto pos = tp_vocab.positions(idx.size(1), idx.device());
-    auto x = drop(tokens + wpe->forward(pos), embd_pdrop, is_training());
+    auto x = tp_vocab.drop(tokens + wpe->forward(pos), embd_pdrop, is_training());
     x = ln_f->forward(run_blocks(h, blocks, x));
     return tp_vocab ? tp_vocab.enter_head(x) : x;
   }

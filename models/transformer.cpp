@@ -1,11 +1,49 @@
 #include "models/transformer.h"
 
 #include <cmath>
+#include <limits>
+#include <mutex>
 
 namespace keel::models {
 
 torch::Tensor drop(const torch::Tensor& x, double p, bool training) {
   return p > 0 && training ? torch::dropout(x, p, true) : x;
+}
+
+namespace {
+uint64_t splitmix64(uint64_t z) {
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+}  // namespace
+
+torch::Tensor with_own_masks(int64_t rank, const torch::Device& device, const std::function<torch::Tensor()>& f) {
+  const auto drawn = static_cast<uint64_t>(
+      torch::randint(std::numeric_limits<int64_t>::max(), {1}, torch::TensorOptions().dtype(torch::kLong))
+          .item<int64_t>());
+  at::Generator gen = at::globalContext().defaultGenerator(device);
+  torch::Tensor saved;
+  {
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    saved = gen.get_state();
+    gen.set_current_seed(splitmix64(drawn ^ splitmix64(static_cast<uint64_t>(rank) + 1)));
+  }
+  struct Restore {
+    at::Generator& gen;
+    const torch::Tensor& state;
+    ~Restore() {
+      std::lock_guard<std::mutex> lock(gen.mutex());
+      gen.set_state(state);
+    }
+  } restore{gen, saved};
+  return f();
+}
+
+torch::Tensor drop_own(const torch::Tensor& x, double p, bool training, int64_t rank) {
+  if (p <= 0 || !training) return x;
+  return with_own_masks(rank, x.device(), [&] { return torch::dropout(x, p, true); });
 }
 
 RmsNormImpl::RmsNormImpl(int64_t d, double eps) : eps(eps), weight(register_parameter("weight", torch::ones({d}))) {}
@@ -121,10 +159,18 @@ torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x_in, const t
   // 1/sqrt(hd): equal to the explicit masked softmax within float32 rounding (tests/test_models.cpp
   // checks it against PyTorch's masked softmax).
   const double p = is_training() ? o.attn_pdrop : 0.0;
-  auto y = at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/p, /*is_causal=*/true)
+  auto attend = [&] {
+    return at::scaled_dot_product_attention(qh, kh, vh, /*attn_mask=*/{}, /*dropout_p=*/p, /*is_causal=*/true);
+  };
+  // Under tp the heads are this rank's: masks of its own.
+  auto y = (p > 0 && tp.size > 1 ? with_own_masks(tp.rank, qh.device(), attend) : attend())
                .transpose(1, 2)
                .reshape({B, T, H * hd});
-  return drop(tp.size > 1 ? row_parallel(out, y) : out.forward(y), o.resid_pdrop, is_training());
+  return residual_drop(tp.size > 1 ? row_parallel(out, y) : out.forward(y));
+}
+
+torch::Tensor TransformerBlockImpl::residual_drop(const torch::Tensor& x) const {
+  return tp.own_positions ? drop_own(x, o.resid_pdrop, is_training(), tp.rank) : drop(x, o.resid_pdrop, is_training());
 }
 
 torch::Tensor TransformerBlockImpl::row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const {
@@ -149,7 +195,7 @@ torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in) {
       h = torch::gelu(fc.forward(x), "none");
       break;
   }
-  return drop(tp.size > 1 ? row_parallel(down, h) : down.forward(h), o.resid_pdrop, is_training());
+  return residual_drop(tp.size > 1 ? row_parallel(down, h) : down.forward(h));
 }
 
 torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,
@@ -229,6 +275,10 @@ torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t r
   std::vector<torch::Tensor> parts;
   for (int64_t b = 0; b < rule.blocks; ++b) parts.push_back(whole.narrow(rule.dim, b * block + rank * part, part));
   return torch::cat(parts, rule.dim).contiguous();
+}
+
+torch::Tensor TpVocab::drop(const torch::Tensor& x, double p, bool training) const {
+  return sequence_parts > 1 ? drop_own(x, p, training, sequence_index) : models::drop(x, p, training);
 }
 
 torch::Tensor TpVocab::positions(int64_t T, const torch::Device& device) const {

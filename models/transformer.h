@@ -29,6 +29,18 @@ namespace keel::models {
 /// Dropout while training; nothing at all (no op, no random numbers) when p = 0 or evaluating.
 torch::Tensor drop(const torch::Tensor& x, double p, bool training);
 
+/// Runs `f`, which draws from the default generator of `device` (dropout; attention with
+/// dropout), with masks of tensor-parallel rank `rank`'s own, for a part of a tensor that only
+/// this rank holds (its attention heads; with sequence parallelism its positions): Megatron's
+/// model-parallel RNG, without a second state to keep. A seed is drawn from the CPU's default
+/// generator (every rank of a tp group draws alike, so the stream they share for replicated
+/// tensors stays in step, and a recomputation or a resume that restores the generators draws
+/// the same) and mixed with `rank`; the device's default generator runs from it for `f` and is
+/// restored after, also when `f` throws.
+torch::Tensor with_own_masks(int64_t rank, const torch::Device& device, const std::function<torch::Tensor()>& f);
+/// drop() of a part of a tensor that only tp rank `rank` holds: with_own_masks.
+torch::Tensor drop_own(const torch::Tensor& x, double p, bool training, int64_t rank);
+
 /// Root-mean-square norm in float32 (transformers' LlamaRMSNorm): weight * x / rms(x).
 struct RmsNormImpl : torch::nn::Module {
   RmsNormImpl(int64_t d, double eps);
@@ -85,6 +97,9 @@ struct BlockOptions {
 struct TpRegion {
   int64_t rank = 0, size = 1;
   std::function<torch::Tensor(const torch::Tensor&)> enter, leave;
+  /// Sequence parallelism: the block's input and output are this rank's positions only (their
+  /// dropout masks its own: drop_own), else every tp rank holds them whole (masks shared).
+  bool own_positions = false;
 };
 
 /// Pre-norm decoder block: x + attn(norm_1(x)), then + mlp(norm_2(x)); causal
@@ -100,6 +115,9 @@ struct TransformerBlockImpl : torch::nn::Module {
   torch::Tensor mlp_forward(const torch::Tensor& x);
   /// A row-parallel projection under tp: the partial product, `leave`, then the bias once.
   torch::Tensor row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const;
+  /// The dropout after a residual branch's projection (masks of this rank's own when
+  /// tp.own_positions).
+  torch::Tensor residual_drop(const torch::Tensor& x) const;
 
   BlockOptions o;
   TpRegion tp;
@@ -159,6 +177,9 @@ struct TpVocab {
   /// The positions of this rank's tokens after `embed` in a sequence of T: 0..T-1, or with
   /// sequence parallelism its T / sequence_parts of them (int64, on `device`).
   torch::Tensor positions(int64_t T, const torch::Device& device) const;
+  /// The embeddings' dropout: with sequence parallelism on this rank's positions, with masks of
+  /// its own (drop_own), else drop().
+  torch::Tensor drop(const torch::Tensor& x, double p, bool training) const;
 };
 
 /// What a family's shard function is given: its place in the tp group, how to shard one block

@@ -4,7 +4,8 @@
 // autocast dtypes, so training is the same bit for bit: the per-step losses, gradient norms and
 // every tensor of the final checkpoint, at one rank with dropout and bf16 autocast, under DDP with
 // dropout, at dist.zero = 2 and 3 (the recomputation inside the block's gather) and at
-// parallel.tp = 2 with sequence parallelism (its collectives issued again in backward). And the unit itself:
+// parallel.tp = 2 with sequence parallelism and dropout (its collectives issued again in backward,
+// each rank's own masks drawn again). And the unit itself:
 // recompute()'s gradients equal those of the plain computation, and its forward keeps no activation.
 #include <gtest/gtest.h>
 
@@ -90,7 +91,8 @@ TEST(Recompute, BlocksTrainBitForBitAsWithoutUnderDdpZero2Zero3AndTp2) {
   expect_bit_identical(2, dropout, {}, "gpt, dropout 0.2, DDP (the Reducer's hooks fire in the recomputing backward)");
   expect_bit_identical(2, kGpt, {"--dist.zero=2"}, "gpt, dist.zero = 2");
   expect_bit_identical(2, kGpt, {"--dist.zero=3"}, "gpt, dist.zero = 3");
-  expect_bit_identical(2, kGpt, {"--parallel.tp=2", "--parallel.sequence_parallel=true"}, "gpt, tp 2, sp");
+  expect_bit_identical(2, dropout, {"--parallel.tp=2", "--parallel.sequence_parallel=true"},
+                       "gpt, dropout 0.2, tp 2, sp (each rank's own masks drawn again)");
 }
 
 // The unit: gradients of the input and of the parameters f uses equal the plain computation's,

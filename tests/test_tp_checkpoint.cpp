@@ -58,16 +58,17 @@ void run_job(int ranks, const std::vector<std::string>& args) {
 }
 
 // `run`'s step 20 against one rank's: the same tensors (names, dtypes, shapes), within the bounds.
-void expect_near_one_rank(const std::string& one, const std::string& run, const std::string& label) {
+void expect_near_one_rank(const std::string& one, const std::string& run, const std::string& label,
+                          int roundings = kTpRoundings) {
   ASSERT_GE(max_diff(one, run, 20, "model"), 0.0) << label << ": the step's model tensors differ from one rank's";
   ASSERT_GE(max_diff(one, run, 20, "optimizer"), 0.0) << label << ": the optimizer tensors differ from one rank's";
   const Distance model = distance(one, run, 20, "model"), state = distance(one, run, 20, "optimizer");
-  const double bound = adamw_reorder_bound(20, kLr, kTpRoundings, model.rms);
+  const double bound = adamw_reorder_bound(20, kLr, roundings, model.rms);
   std::printf("%s: model relative L2 %g (bound %g), optimizer state %g (bound %g)\n", label.c_str(), model.relative,
-              bound, state.relative, optimizer_state_reorder_bound(kTpRoundings, bound));
+              bound, state.relative, optimizer_state_reorder_bound(roundings, bound));
   EXPECT_LE(model.relative, bound) << label;
   EXPECT_LE(max_diff(one, run, 20, "model"), adamw_element_bound(20, kLr)) << label;
-  EXPECT_LE(state.relative, optimizer_state_reorder_bound(kTpRoundings, bound)) << label;
+  EXPECT_LE(state.relative, optimizer_state_reorder_bound(roundings, bound)) << label;
 }
 
 int resumed_from(const std::string& dir) { return std::stoi(summary_field(dir + "/run", "resumed_from_step")); }
@@ -131,4 +132,56 @@ TEST(TensorParallel, AZero3StepResumesAtTp2AndInitFromLoadsWholeWeightsIntoTp2) 
   EXPECT_NEAR(b[0].second, a[0].second, 1e-5 * std::abs(a[0].second)) << "the first loss from model.init_from";
   // (and not a fresh model's: the loaded one has trained 20 steps)
   EXPECT_LT(a[0].second, metrics_losses(one + "/run")[0].second);
+}
+
+// ZeRO over the dp axis of a tp mesh (item 4 with item 5): a step of (dp 2, tp 2, zero 3) with
+// sequence parallelism is written by each parameter's ZeRO owner's tp group (its pieces made a
+// whole tp slice over dp, then a whole tensor over tp) and resumes bit-exactly at its mesh, and
+// at one rank and at (dp 1, tp 2, zero 1); a step of (dp 2, tp 2, zero 1) resumes at (dp 2,
+// zero 2) without tp. One more reordered sum (the dp average) than tp alone: kTpRoundings + 1.
+TEST(TensorParallel, ZeroOverTp2StepsResumeAtTheirMeshExactlyAndAtAnyOther) {
+  TempDir d;
+  const std::string one = d.file("one"), whole = d.file("whole"), part = d.file("part"), to1 = d.file("to1"),
+                    to_zero1 = d.file("to_zero1"), z1 = d.file("z1");
+  const std::vector<std::string> z3 = {"--parallel.tp=2", "--parallel.sequence_parallel=true", "--dist.zero=3"};
+  run_job(1, run_args(kGpt, one, 20, 8, {}));
+  run_job(4, run_args(kGpt, whole, 20, 4, z3));
+  run_job(4, run_args(kGpt, part, 10, 4, z3));
+  copy_tree(part, to1);
+  copy_tree(part, to_zero1);
+  run_job(4, run_args(kGpt, part, 20, 4, z3));
+  EXPECT_EQ(resumed_from(part), 10);
+  for (const char* kind : {"model", "optimizer"})
+    EXPECT_EQ(max_diff(whole, part, 20, kind), 0.0) << kind << ": the (dp 2, tp 2, zero 3) resume is not bit-exact";
+  EXPECT_EQ(metrics_losses(whole + "/run"), metrics_losses(part + "/run"));
+  expect_near_one_rank(one, whole, "gpt: (dp 2, tp 2, zero 3, sp) vs one rank", kTpRoundings + 1);
+  run_job(1, run_args(kGpt, to1, 20, 8, {}));
+  EXPECT_EQ(resumed_from(to1), 10);
+  expect_near_one_rank(one, to1, "gpt: (dp 2, tp 2, zero 3, sp) resumed at one rank", kTpRoundings + 1);
+  run_job(2, run_args(kGpt, to_zero1, 20, 8, {"--parallel.tp=2", "--dist.zero=1"}));
+  EXPECT_EQ(resumed_from(to_zero1), 10);
+  expect_near_one_rank(one, to_zero1, "gpt: (dp 2, tp 2, zero 3, sp) resumed at (dp 1, tp 2, zero 1)",
+                       kTpRoundings + 1);
+
+  run_job(4, run_args(kGpt, z1, 10, 4, {"--parallel.tp=2", "--dist.zero=1"}));
+  run_job(2, run_args(kGpt, z1, 20, 4, {"--dist.zero=2"}));
+  EXPECT_EQ(resumed_from(z1), 10);
+  expect_near_one_rank(one, z1, "gpt: (dp 2, tp 2, zero 1) resumed at (dp 2, zero 2)", kTpRoundings + 1);
+}
+
+// Dropout at tp 2 with sequence parallelism (each rank's own masks drawn from a seed of the
+// shared generator, whose state the step holds): a resume at step 10 trains on bit for bit.
+TEST(TensorParallel, WithDropoutAStepResumesAtItsMeshBitExactly) {
+  TempDir d;
+  const std::string whole = d.file("whole"), part = d.file("part");
+  auto model = kGpt;
+  model.push_back("--model.dropout=0.2");
+  const std::vector<std::string> tp = {"--parallel.tp=2", "--parallel.sequence_parallel=true"};
+  run_job(2, run_args(model, whole, 20, 8, tp));
+  run_job(2, run_args(model, part, 10, 8, tp));
+  run_job(2, run_args(model, part, 20, 8, tp));
+  EXPECT_EQ(resumed_from(part), 10);
+  for (const char* kind : {"model", "optimizer"})
+    EXPECT_EQ(max_diff(whole, part, 20, kind), 0.0) << kind << ": the resume with dropout is not bit-exact";
+  EXPECT_EQ(metrics_losses(whole + "/run"), metrics_losses(part + "/run"));
 }

@@ -57,7 +57,10 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
 
 DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) && {
   const int64_t ranks = coll->size();
-  auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg);
+  auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg, plan_.split_gradients());
+  // A split outside data parallelism (tensor parallelism) writes whole tensors from ZeRO's owners.
+  if (dist::ShardedParameters* split = plan_.sharded_parameters())
+    split->over_data_parallel(ddp->placement(), ddp->fully_shard());
   plan_.applied(dist::Transform::DataParallel, "zero " + std::to_string(ddp->placement().stage()) + " over " +
                                                    std::to_string(ranks) + (ranks == 1 ? " rank" : " ranks"));
   return DistributedModel(std::move(model_), device_, std::move(report_), std::move(ddp), std::move(step_),

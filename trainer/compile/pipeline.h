@@ -114,12 +114,9 @@ class DistributedModel {
   /// package that scales its gradients inside (amp.dtype = fp16; InductorStep::loss).
   std::optional<torch::Tensor> compiled_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync,
                                              const torch::Tensor& grad_scale = torch::Tensor());
-  /// On the last micro-batch (`sync`), also what the transforms run once a step's gradients are
-  /// complete (TransformPlan::backward_complete: sequence parallelism's sum over tp).
-  void backward(const torch::Tensor& loss, bool sync) {
-    ddp_->backward(loss, sync);
-    if (sync) plan_.backward_complete();
-  }
+  /// On the last micro-batch (`sync`), the gradients are reduced over dp and, for a model split
+  /// over tp, complete over it too (DataParallel::backward).
+  void backward(const torch::Tensor& loss, bool sync) { ddp_->backward(loss, sync); }
   /// Collective: rank 0's buffers to every rank (dist.broadcast_buffers; else a no-op).
   void sync_buffers() { ddp_->sync_buffers(); }
   models::Model& model() { return *model_; }
@@ -131,9 +128,7 @@ class DistributedModel {
   /// the owners' updated parameters to every rank after the optimizer step (dist/ddp.h).
   const dist::Placement& placement() const { return ddp_->placement(); }
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
-  torch::Tensor clip_grad_norm(double max_norm) {
-    return plan_.gradient_clip() ? plan_.gradient_clip()(max_norm) : ddp_->clip_grad_norm(max_norm);
-  }
+  torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
   /// dist.zero = 3 (else no-ops): the whole model in its parameters until release_parameters()
   /// (collective; the end of training, for Callbacks::on_end), and the bytes this rank holds at rest

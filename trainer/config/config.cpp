@@ -456,7 +456,7 @@ static void validate_placement(const Config& cfg) {
 }
 
 // [parallel]: what tensor parallelism serves yet (issue 45) is gpt, gpt2 and llama, eager, over
-// DDP; everything else with parallel.tp > 1 is refused by name. The product with the world size
+// DDP or ZeRO 1-3; everything else with parallel.tp > 1 is refused by name. The product with the world size
 // is checked when the mesh is built (the world is not known here).
 static void validate_parallel(const Config& cfg) {
   const int64_t tp = cfg.parallel.tp;
@@ -491,16 +491,12 @@ static void validate_parallel(const Config& cfg) {
     fail("with parallel.sequence_parallel = true splits model.context = " + std::to_string(m.context) +
          " positions over tp ranks: it does not divide by " + std::to_string(tp));
   auto not_yet = [&](bool set, const std::string& what) {
-    if (set) fail("cannot be combined with " + what + " yet (tensor parallelism is eager, over DDP, so far)");
+    if (set) fail("cannot be combined with " + what + " yet (tensor parallelism is eager so far)");
   };
   not_yet(cfg.compile.mode != CompileMode::Off,
           "compile.mode = \"" + std::string(choice_name(kCompileModes, cfg.compile.mode)) + "\"");
-  not_yet(cfg.dist.zero != 0, "dist.zero = " + std::to_string(cfg.dist.zero));
   not_yet(cfg.train.loss != "cross_entropy",
           "train.loss = \"" + cfg.train.loss + "\" (the loss is computed over vocabulary shards)");
-  not_yet(models::model_dropout(m) > 0,
-          "model.dropout > 0 (the tp ranks' dropout masks must agree; a Hugging Face config.json's dropout counts: set "
-          "model.dropout = 0)");
   not_yet(cfg.run.sync_debug != SyncDebug::Off, "run.sync_debug (each tp collective's validation reads the host)");
   for (const auto& entry : cfg.fault.inject)
     not_yet(entry.rfind("graph_break", 0) == 0, "fault.inject = \"" + entry + "\" (a wrapped model cannot be sharded)");

@@ -342,9 +342,11 @@ void parallel_keys(SchemaBuilder& b) {
   range(b.add("parallel", &C::parallel, "tp", &ParallelConfig::tp,
               "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
               "the token embedding and the output projection split over tp ranks, which read the same batch; "
-              "parallel.dp x parallel.tp = the world size. Models gpt, gpt2 and llama; so far with compile.mode = "
-              "\"off\", dist.zero = 0, and no dropout, custom loss or run.sync_debug (each refused by name); "
-              "checkpoints hold whole tensors, as at tp = 1, and resume at any parallel.tp"),
+              "parallel.dp x parallel.tp = the world size; DDP or dist.zero 1-3 over the dp ranks (ZeRO shards the tp "
+              "shards). Models gpt, gpt2 and llama; dropout masks are shared by the tp ranks where they hold a tensor "
+              "whole and each rank's own where it holds a part (its heads; with sequence parallelism its positions). "
+              "So far with compile.mode = \"off\", and no custom loss or run.sync_debug (each refused by name); "
+              "checkpoints hold whole tensors, as at tp = 1, and resume at any parallel.tp and dist.zero"),
         1, 1 << 20);
   b.add("parallel", &C::parallel, "sequence_parallel", &ParallelConfig::sequence_parallel,
         "with parallel.tp > 1 (no effect at tp = 1): the norms, dropout and residual adds between the "
