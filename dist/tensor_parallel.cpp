@@ -72,7 +72,7 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
 
 std::vector<bool> TensorParallelShard::replicated() const {
   std::vector<bool> out;
-  for (const auto& rule : rules) out.push_back(!rule);
+  for (const auto& rule : rules) out.push_back(!rule || rule->split == models::TpSplit::Replicate);
   return out;
 }
 

@@ -159,8 +159,12 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Te
 void sum_gradients(const std::vector<torch::Tensor>& params, Collectives& tp) {
   if (tp.size() == 1) return;
   std::vector<torch::Tensor> grads;
-  for (const auto& p : params)
-    if (p.grad().defined()) grads.push_back(p.mutable_grad());
+  for (auto p : params) {
+    // A parameter this rank used no part of (dist.find_unused_parameters) takes part with zeros,
+    // so that every rank of the group sums the same elements.
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    grads.push_back(p.mutable_grad());
+  }
   if (grads.empty()) return;
   std::vector<torch::Tensor> flats;
   for (const auto& g : grads) flats.push_back(g.reshape({-1}));

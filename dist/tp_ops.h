@@ -63,7 +63,7 @@ torch::Tensor vocab_parallel_embedding(const torch::Tensor& ids, const torch::Te
                                        Collectives& tp, bool sequence_parallel = false, int64_t padding_idx = -1);
 
 /// Sums the gradients of `params` over the tp group in place, in one all-reduce of them
-/// flattened (parameters without a gradient are skipped, the same on every rank). Sequence
+/// flattened (a parameter without a gradient gets zeros first, so every rank sums alike). Sequence
 /// parallelism's replicated parameters, whose gradient each rank computes from its positions.
 void sum_gradients(const std::vector<torch::Tensor>& params, Collectives& tp);
 

@@ -16,6 +16,7 @@
 
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "helpers.h"
@@ -169,19 +170,23 @@ TEST(TensorParallel, ZeroOverTp2StepsResumeAtTheirMeshExactlyAndAtAnyOther) {
   expect_near_one_rank(one, z1, "gpt: (dp 2, tp 2, zero 1) resumed at (dp 2, zero 2)", kTpRoundings + 1);
 }
 
-// Dropout at tp 2 with sequence parallelism (each rank's own masks drawn from a seed of the
-// shared generator, whose state the step holds): a resume at step 10 trains on bit for bit.
+// Dropout at tp 2 (each rank's own masks for its heads and, with sequence parallelism, its
+// positions, drawn from a seed of the shared generator, whose state the step holds): a resume at
+// step 10 trains on bit for bit, at (dp 1, tp 2, sp) and at (dp 2, tp 2, zero 1) without sp.
 TEST(TensorParallel, WithDropoutAStepResumesAtItsMeshBitExactly) {
-  TempDir d;
-  const std::string whole = d.file("whole"), part = d.file("part");
   auto model = kGpt;
   model.push_back("--model.dropout=0.2");
-  const std::vector<std::string> tp = {"--parallel.tp=2", "--parallel.sequence_parallel=true"};
-  run_job(2, run_args(model, whole, 20, 8, tp));
-  run_job(2, run_args(model, part, 10, 8, tp));
-  run_job(2, run_args(model, part, 20, 8, tp));
-  EXPECT_EQ(resumed_from(part), 10);
-  for (const char* kind : {"model", "optimizer"})
-    EXPECT_EQ(max_diff(whole, part, 20, kind), 0.0) << kind << ": the resume with dropout is not bit-exact";
-  EXPECT_EQ(metrics_losses(whole + "/run"), metrics_losses(part + "/run"));
+  for (const auto& [ranks, batch, mesh] : std::vector<std::tuple<int, int, std::vector<std::string>>>{
+           {2, 8, {"--parallel.tp=2", "--parallel.sequence_parallel=true"}},
+           {4, 4, {"--parallel.tp=2", "--dist.zero=1"}}}) {
+    TempDir d;
+    const std::string whole = d.file("whole"), part = d.file("part"), label = mesh.back();
+    run_job(ranks, run_args(model, whole, 20, batch, mesh));
+    run_job(ranks, run_args(model, part, 10, batch, mesh));
+    run_job(ranks, run_args(model, part, 20, batch, mesh));
+    EXPECT_EQ(resumed_from(part), 10) << label;
+    for (const char* kind : {"model", "optimizer"})
+      EXPECT_EQ(max_diff(whole, part, 20, kind), 0.0) << label << " " << kind << ": the resume is not bit-exact";
+    EXPECT_EQ(metrics_losses(whole + "/run"), metrics_losses(part + "/run")) << label;
+  }
 }

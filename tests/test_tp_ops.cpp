@@ -534,7 +534,7 @@ TEST(TensorParallel, ZeroOneToThreeOverDp2OfTp2TrainAsOneRankDoes) {
   expect_trains_as_one_rank(small_model("gpt", {"--train.grad_clip=0.05"}), "gpt", zero);
   expect_trains_as_one_rank(
       small_model("llama", {"--model.kv_heads=2", "--model.ffn_width=64", "--train.grad_clip=0.05"}), "llama",
-      {zero[2]});
+      {{"dp2tp2_zero2_sp", 4, 4, 2, true, 2}, zero[2]});
 }
 
 TEST(TensorParallel, BadMeshesAndWhatTpDoesNotServeYetAreRefusedByName) {

@@ -326,9 +326,11 @@ void dist_keys(SchemaBuilder& b) {
             "ZeRO stage (docs/zero.md): 0 = every rank holds the whole optimizer state (DDP); 1 = the optimizer state "
             "is partitioned by parameter across ranks, each rank updates its own parameters and broadcasts them; 2 = "
             "the gradients and optimizer state are sharded (each block's gradients reduce-scattered as its backward "
-            "completes, a rank keeping 1/world of them; the updated shards all-gathered after the step); 3 = the "
+            "completes, a rank keeping 1/world of them (1/parallel.dp under tensor parallelism); the updated shards "
+            "all-gathered after the step); 3 = the "
             "parameters are sharded too (each block gathered before it runs and freed after, its gradients "
-            "reduce-scattered: FSDP2 / ZeRO-3), a rank holding 1/world of the parameters, gradients and optimizer "
+            "reduce-scattered: FSDP2 / ZeRO-3), a rank holding 1/world (1/parallel.dp under tensor parallelism) of the "
+            "parameters, gradients and optimizer "
             "state between steps"),
       0, 3);
 }
