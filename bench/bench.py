@@ -7,6 +7,8 @@
   $PY bench/bench.py --observe-rounds 5     # TensorBoard and the profiler off vs on
   $PY bench/bench.py --zero-rounds 5        # dist.zero = 0 / 1 / 2 (and PyTorch's ZeroRedundancyOptimizer) on gpt
   $PY bench/bench.py --fsdp-rounds 5 --worlds 2,3   # dist.zero = 3 beside stage 0, PyTorch DDP and FSDP2 on gpt
+  $PY bench/bench.py --tp-rounds 3          # tp 2 (with and without sp) beside dp 2, PyTorch DDP and DTensor TP on gpt
+  $PY bench/bench.py --ac-rounds 3          # activation checkpointing at gpt context 512, keel and PyTorch
   $PY bench/bench.py --baseline /tmp/keel-old --worlds 2   # this build vs another keel binary
   $PY bench/bench.py --inductor             # keel compile.mode = inductor beside eager and torch.compile'd PyTorch
 
@@ -89,9 +91,9 @@ def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="
     return out
 
 
-def run_torch(model, batch, steps, world, compiled=False, zero=False, compile_mode="default", fsdp=False):
+def run_torch(model, batch, steps, world, compiled=False, zero=False, compile_mode="default", fsdp=False, extra=()):
     cmd = [PY, os.path.join(ROOT, "bench", "torch_ref.py"), "--model", model, "--batch", str(batch),
-           "--steps", str(steps), "--threads", "1"] + (["--compile", "--compile-mode", compile_mode] if compiled else []) + (["--zero"] if zero else []) + (["--fsdp"] if fsdp else [])
+           "--steps", str(steps), "--threads", "1"] + (["--compile", "--compile-mode", compile_mode] if compiled else []) + (["--zero"] if zero else []) + (["--fsdp"] if fsdp else []) + list(extra)
     return json.loads(launch(cmd, world).strip().splitlines()[-1])
 
 
@@ -141,6 +143,14 @@ def main():
     ap.add_argument("--fsdp-rounds", type=int, default=0,
                     help="instead: N rounds of keel dist.zero = 0 and 3, PyTorch DDP and FSDP2 (fully_shard) on gpt "
                          "at each of --worlds (order rotating); memory held per rank and step time over keel zero=0's")
+    ap.add_argument("--tp-rounds", type=int, default=0,
+                    help="instead: N rounds on gpt at 2 ranks and a global batch of 16 (order rotating): keel dp 2, "
+                         "tp 2, tp 2 + sequence parallel; PyTorch DDP and DTensor tensor parallel (with and without "
+                         "SequenceParallel): step time, per-rank parameters, activation estimate, peak RSS")
+    ap.add_argument("--ac-rounds", type=int, default=0,
+                    help="instead: N rounds on gpt at context 512, 1 rank, batch 4 (and 1, for the activation "
+                         "estimate), order rotating: keel train.activation_checkpointing none / blocks, PyTorch "
+                         "without and with torch.utils.checkpoint per block")
     ap.add_argument("--zero-rounds", type=int, default=0,
                     help="instead: N rounds of dist.zero = 0, 1, 2 on gpt at each of --worlds (order rotating), "
                          "with PyTorch DDP and ZeroRedundancyOptimizer: optimizer state, peak RSS and step time")
@@ -165,6 +175,10 @@ def main():
         return zero_bench(args)
     if args.fsdp_rounds:
         return fsdp_bench(args)
+    if args.tp_rounds:
+        return tp_bench(args)
+    if args.ac_rounds:
+        return ac_bench(args)
     if args.inductor:
         return inductor_bench(args)
     if args.compile:
@@ -410,6 +424,89 @@ def fsdp_bench(args):
             summary[f"{n}_held_over_keel_zero0"] = held(got[n][0]) / held(got["keel-zero0"][0])
 
     rounds_on_gpt(args, args.fsdp_rounds, "-fsdp", configs, finish)
+
+
+def activation_mb(big, small, b_big, b_small):
+    """Activation memory at batch b_big from peak RSS at two batches (what grows with the batch):
+    (rss_big - rss_small) x b_big / (b_big - b_small)."""
+    return (big["peak_rss_mb"] - small["peak_rss_mb"]) * b_big / (b_big - b_small)
+
+
+def tp_bench(args):
+    """Issue 45's item 9 on gpt at 2 ranks and a global batch of 16 (each dp rank 8; the tp ranks
+    read the same 16), AdamW, one thread per rank: keel dp 2 (DDP), tp 2 and tp 2 with sequence
+    parallelism beside PyTorch 2.11's DDP and DTensor tensor parallelism (parallelize_module with
+    ColwiseParallel / RowwiseParallel, and SequenceParallel; bench/torch_ref.py --tp). N rounds,
+    the order rotating; per configuration the median step time, its ratio to PyTorch's best tp
+    step, rank 0's parameter bytes, peak RSS and an activation estimate (peak RSS at the global
+    batch minus at a quarter of it, scaled; keel evaluates 4 samples only, as the peer none)."""
+    steps = max(args.steps // 5, 12)
+    sp = ["--parallel.sequence_parallel=true"]
+    small_eval = ["--data.eval_samples=4", "--data.eval_batch_size=4"]  # (PyTorch's peer does not evaluate)
+    keel_runs = {"keel-dp2": (8, []), "keel-tp2": (16, ["--parallel.tp=2"]),
+                 "keel-tp2-sp": (16, ["--parallel.tp=2"] + sp)}
+    torch_runs = {"pytorch-ddp": (8, []), "pytorch-tp2": (16, ["--tp"]), "pytorch-tp2-sp": (16, ["--tp", "--sp"])}
+    configs = {}
+    for name, (b, extra) in keel_runs.items():
+        extra = extra + small_eval
+        configs[name] = lambda w, b=b, extra=extra: run_keel("gpt", b, steps, w, args.keel, extra=extra)
+        configs[name + "@quarter"] = lambda w, b=b, extra=extra: run_keel("gpt", b // 4, steps, w, args.keel, extra=extra)
+    for name, (b, extra) in torch_runs.items():
+        configs[name] = lambda w, b=b, extra=extra: run_torch("gpt", b, steps, w, extra=extra)
+        configs[name + "@quarter"] = lambda w, b=b, extra=extra: run_torch("gpt", b // 4, steps, w, extra=extra)
+
+    def finish(summary, got):
+        summary["steps"] = steps
+        summary["global_batch"] = 16
+        best_torch = min(summary["pytorch-tp2_median_step_ms"], summary["pytorch-tp2-sp_median_step_ms"])
+        summary["pytorch_best_tp"] = ("pytorch-tp2" if best_torch == summary["pytorch-tp2_median_step_ms"]
+                                      else "pytorch-tp2-sp")
+        for n in list(keel_runs) + list(torch_runs):
+            summary[f"{n}_parameter_bytes"] = got[n][0]["parameter_bytes"]
+            summary[f"{n}_activation_mb"] = middle([activation_mb(got[n][k], got[n + "@quarter"][k], 16, 4)
+                                                     for k in range(len(got[n]))])
+            summary[f"{n}_step_time_over_pytorch_best_tp"] = summary[f"{n}_median_step_ms"] / best_torch
+        for n in ("keel-tp2", "keel-tp2-sp"):
+            summary[f"{n}_peak_rss_over_{summary['pytorch_best_tp']}"] = (
+                summary[f"{n}_peak_rss_mb"] / summary[f"{summary['pytorch_best_tp']}_peak_rss_mb"])
+            summary[f"{n}_step_time_over_keel_dp2"] = summary[f"{n}_median_step_ms"] / summary["keel-dp2_median_step_ms"]
+
+    args.worlds = "2"
+    rounds_on_gpt(args, args.tp_rounds, "-tp", configs, finish, base="keel-dp2")
+
+
+def ac_bench(args):
+    """Activation checkpointing (train.activation_checkpointing = "blocks") at gpt context 512, one
+    rank, batch 4, AdamW: keel without and with, beside PyTorch without and with
+    torch.utils.checkpoint on every block (non-reentrant, torchtitan's full AC). N rounds, order
+    rotating; per configuration the median step time and an activation estimate (peak RSS at
+    batch 4 minus at batch 1, x 4/3), and keel's ratios with over without (issue 45's targets:
+    activation memory <= 0.35x, step time <= 1.4x)."""
+    steps = max(args.steps // 12, 8)
+    # (a small evaluation: PyTorch's peer does not evaluate, and a batch of data.eval_batch_size's
+    # default would set the peak)
+    ctx = ["--model.context=512", "--data.eval_samples=4", "--data.eval_batch_size=4"]
+    runs = {"keel": lambda b: run_keel("gpt", b, steps, 1, args.keel, extra=ctx),
+            "keel-blocks": lambda b: run_keel("gpt", b, steps, 1, args.keel,
+                                              extra=ctx + ["--train.activation_checkpointing=blocks"]),
+            "pytorch": lambda b: run_torch("gpt", b, steps, 1, extra=["--context", "512"]),
+            "pytorch-ac": lambda b: run_torch("gpt", b, steps, 1, extra=["--context", "512", "--ac"])}
+    configs = {}
+    for name, run in runs.items():
+        configs[name] = lambda w, run=run: run(4)
+        configs[name + "@1"] = lambda w, run=run: run(1)
+
+    def finish(summary, got):
+        summary.update({"steps": steps, "context": 512, "batch": 4})
+        for n in runs:
+            summary[f"{n}_activation_mb"] = middle([activation_mb(got[n][k], got[n + "@1"][k], 4, 1)
+                                                     for k in range(len(got[n]))])
+        for on, off in (("keel-blocks", "keel"), ("pytorch-ac", "pytorch")):
+            summary[f"{on}_activation_over_{off}"] = summary[f"{on}_activation_mb"] / summary[f"{off}_activation_mb"]
+            summary[f"{on}_step_time_over_{off}"] = summary[f"{on}_median_step_ms"] / summary[f"{off}_median_step_ms"]
+
+    args.worlds = "1"
+    rounds_on_gpt(args, args.ac_rounds, "-ac", configs, finish, base="keel")
 
 
 @contextlib.contextmanager

@@ -9,6 +9,11 @@ first 5 steps).
   ... --fused              # torch.optim.AdamW(fused=True) instead of PyTorch's default implementation
   ... --zero               # torch.distributed.optim.ZeroRedundancyOptimizer (ZeRO stage 1) over AdamW
   ... --fsdp               # FSDP2: fully_shard on each block (gpt's h.N, mlp's layers), then the root
+  ... --tp                 # gpt: DTensor tensor parallelism over the whole world (parallelize_module:
+                           # ColwiseParallel q/k/v and c_fc, RowwiseParallel c_proj, the token embedding
+                           # vocabulary-parallel, the tied output projection and loss_parallel over vocabulary shards)
+  ... --tp --sp            # and SequenceParallel norms (torchtitan's plan)
+  ... --context 512 --ac   # gpt at another context; --ac: every block checkpointed (torch.utils.checkpoint)
 
 Prints one JSON line. Under a launcher (WORLD_SIZE > 1, or MASTER_ADDR set) the model is
 wrapped in DistributedDataParallel (Gloo on CPU, NCCL on CUDA) and each rank uses --batch
@@ -26,6 +31,7 @@ import sys
 import time
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "golden"))
@@ -52,15 +58,23 @@ def parse_args():
     ap.add_argument("--zero", action="store_true", help="ZeroRedundancyOptimizer: the AdamW state partitioned across ranks")
     ap.add_argument("--fsdp", action="store_true",
                     help="FSDP2 (torch.distributed.fsdp.fully_shard) per block and at the root, instead of DDP")
+    ap.add_argument("--tp", action="store_true",
+                    help="gpt: tensor parallelism over the whole world (torch.distributed.tensor.parallel), instead of DDP")
+    ap.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (SequenceParallel norms)")
+    ap.add_argument("--context", type=int, default=128, help="gpt's context (and the windows' length)")
+    ap.add_argument("--losses", action="store_true", help="also print every step's loss (checks: --tp's losses are "
+                    "one rank's)")
+    ap.add_argument("--ac", action="store_true",
+                    help="activation checkpointing of every block (torch.utils.checkpoint, non-reentrant)")
     return ap.parse_args()
 
 
-def synthetic_data(model_name, device):
+def synthetic_data(model_name, device, context=128):
     """(data, labels or None, tokens per sample): token windows for gpt, images and labels otherwise."""
     if model_name == "gpt":
-        data = torch.randint(0, 256, (SAMPLES, 129))
+        data = torch.randint(0, 256, (SAMPLES, context + 1))
         labels = None
-        tokens_per_sample = 128
+        tokens_per_sample = context
     else:
         data = torch.randn(SAMPLES, 1, 28, 28)
         labels = torch.randint(0, 10, (SAMPLES,))
@@ -71,6 +85,79 @@ def synthetic_data(model_name, device):
     return data, labels, tokens_per_sample
 
 
+class SplitQkv(nn.Module):
+    """The reference attention with q, k and v as three projections (so that ColwiseParallel splits
+    each by heads, as keel's plan splits the fused c_attn block by block), its heads counted from
+    the local width: the same weights and arithmetic."""
+
+    def __init__(self, attn):
+        super().__init__()
+        d = attn.c_proj.in_features
+        self.head_dim = d // attn.heads
+        self.q, self.k, self.v = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        with torch.no_grad():
+            for lin, w, b in zip((self.q, self.k, self.v), attn.c_attn.weight.split(d, 0), attn.c_attn.bias.split(d, 0)):
+                lin.weight.copy_(w)
+                lin.bias.copy_(b)
+        self.c_proj = attn.c_proj
+
+    def forward(self, x):
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        B, T, n = q.shape
+        q, k, v = (t.view(B, T, n // self.head_dim, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(B, T, n)
+        return self.c_proj(y)
+
+
+def tensor_parallel(model, sp, rank, world):
+    """gpt over a 1-D mesh of the world with torch.distributed.tensor.parallel, torchtitan's plan
+    for a GPT: each block's q, k, v and c_fc ColwiseParallel, its c_proj RowwiseParallel; the token
+    embedding RowwiseParallel (vocabulary rows), the tied output projection a DTensor matmul with
+    the embedding's rows (logits sharded over the vocabulary) and the loss under loss_parallel();
+    with `sp` the norms SequenceParallel and the regions' inputs gathered by PrepareModuleInput.
+    The position embedding stays a plain parameter: with `sp` each rank adds its positions' rows
+    and its gradient is summed over the ranks after the backward (finish())."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+    mesh = init_device_mesh("cpu", (world,))
+    for block in model.h:
+        block.attn = SplitQkv(block.attn)
+        plan = {"attn.q": ColwiseParallel(), "attn.k": ColwiseParallel(), "attn.v": ColwiseParallel(),
+                "attn.c_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate()),
+                "mlp.c_fc": ColwiseParallel(),
+                "mlp.c_proj": RowwiseParallel(output_layouts=Shard(1) if sp else Replicate())}
+        if sp:
+            plan.update({"ln_1": SequenceParallel(), "ln_2": SequenceParallel(),
+                         "attn": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                         "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))})
+        parallelize_module(block, mesh, plan)
+    top = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1) if sp else Replicate())}
+    if sp:
+        top["ln_f"] = SequenceParallel()
+    parallelize_module(model, mesh, top)
+
+    def forward(idx):
+        T = idx.shape[1]
+        pos = model.wpe(torch.arange(T, device=idx.device))
+        x = model.wte(idx) + (pos.chunk(world, 0)[rank] if sp else pos)
+        for block in model.h:
+            x = block(x)
+        x = model.ln_f(x)
+        x = x.redistribute(mesh, [Replicate()]) if sp else DTensor.from_local(x, mesh, [Replicate()])
+        return x @ model.wte.weight.t()  # (B, T, vocab) sharded over the vocabulary
+
+    def finish():
+        if sp:
+            dist.all_reduce(model.wpe.weight.grad)
+
+    model.forward = forward
+    model.finish = finish
+    return model
+
+
 def compile_and_distribute(model, args, world, device, local_rank):
     if args.compile:
         # compile, then distribute (as keel's pipeline)
@@ -78,6 +165,8 @@ def compile_and_distribute(model, args, world, device, local_rank):
     if world > 1 or "MASTER_ADDR" in os.environ:
         import torch.distributed as dist
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+        if args.tp:
+            return tensor_parallel(model, args.sp, dist.get_rank(), world)
         if args.fsdp:
             from torch.distributed.fsdp import fully_shard
             blocks = model.h if hasattr(model, "h") else getattr(model, "fc", [])
@@ -99,8 +188,8 @@ def make_optimizer(model, args, world):
 
 def run_steps(model, opt, data, labels, args, rank, device):
     """The step times in milliseconds, one per step."""
-    gen = torch.Generator().manual_seed(rank)
-    times = []
+    gen = torch.Generator().manual_seed(0 if args.tp else rank)  # tp ranks read the same batch
+    times, losses = [], []
     for step in range(args.steps):
         t0 = time.perf_counter()
         idx = torch.randint(0, SAMPLES, (args.batch,), generator=gen).to(device)
@@ -111,14 +200,23 @@ def run_steps(model, opt, data, labels, args, rank, device):
             x, y = data.index_select(0, idx), labels.index_select(0, idx)
         opt.zero_grad(set_to_none=True)
         logits = model(x)
-        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        loss.item()
+        if args.tp:
+            from torch.distributed.tensor.parallel import loss_parallel
+            with loss_parallel():
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+                loss.backward()
+            model.finish()
+            value = loss.full_tensor().item()
+        else:
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            value = loss.item()
+        losses.append(value)
         opt.step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000.0)
-    return times
+    return times, losses
 
 
 def held(t):  # a DTensor's local shard (FSDP2), else the tensor
@@ -150,9 +248,23 @@ def result(args, world, device, times, med, held_bytes, tokens_per_sample):
         out["impl"] += "-zero1"
     if args.fsdp:
         out["impl"] += "-fsdp2"
+    if args.tp:
+        out["impl"] += "-tp" + str(world) + ("-sp" if args.sp else "")
+    if args.ac:
+        out["impl"] += "-ac"
+    if args.context != 128:
+        out["context"] = args.context
     if tokens_per_sample:
         out["tokens_per_s"] = out["throughput"] * tokens_per_sample
     return out
+
+
+def checkpoint_blocks(model):
+    """Every block of gpt recomputed in backward (torch.utils.checkpoint, non-reentrant, as
+    torchtitan's full activation checkpointing)."""
+    from torch.utils.checkpoint import checkpoint
+    for block in model.h:
+        block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
 
 
 def main():
@@ -166,15 +278,20 @@ def main():
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = {"mlp": Mlp, "cnn": Cnn, "gpt": Gpt}[args.model]().to(device)  # place
-    data, labels, tokens_per_sample = synthetic_data(args.model, device)
+    model = (Gpt(context=args.context) if args.model == "gpt" else {"mlp": Mlp, "cnn": Cnn}[args.model]()).to(device)
+    if args.ac:
+        checkpoint_blocks(model)
+    data, labels, tokens_per_sample = synthetic_data(args.model, device, args.context)
     model = compile_and_distribute(model, args, world, device, local_rank)
     opt = make_optimizer(model, args, world)
-    times = run_steps(model, opt, data, labels, args, rank, device)
+    times, losses = run_steps(model, opt, data, labels, args, rank, device)
     med = statistics.median(times[5:] if len(times) > 5 else times)
     held_bytes = bytes_held(model, opt)
     if rank == 0:
-        print(json.dumps(result(args, world, device, times, med, held_bytes, tokens_per_sample)), flush=True)
+        out = result(args, world, device, times, med, held_bytes, tokens_per_sample)
+        if args.losses:
+            out["losses"] = losses
+        print(json.dumps(out), flush=True)
     if args.zero:
         # With ZeroRedundancyOptimizer over Gloo, PyTorch 2.11 aborts in about 1 run in 4 while
         # the interpreter tears down ("terminate called without an active exception", after
