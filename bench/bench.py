@@ -120,7 +120,7 @@ def comm_figures(worlds):
     return [json.loads(l) for l in launch([exe, "--iters", "40"], 2).splitlines() if l.startswith("{")]
 
 
-def main():
+def parse_args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", default="mlp,cnn,gpt")
     ap.add_argument("--worlds", default="1,2")
@@ -162,7 +162,11 @@ def main():
     ap.add_argument("--ab-rounds", type=int, default=0,
                     help="instead: N rounds of the --ab configurations on the first of --models at each of --worlds "
                          "(order rotating), each step time over the first configuration's")
-    args = ap.parse_args()
+    return ap.parse_args()
+
+
+def main():
+    args = parse_args()
     if args.ab_rounds:
         return ab_bench(args)
     if args.baseline:
