@@ -222,19 +222,19 @@ void DataParallel::sync_parameters() {
   zero_broadcast_parameters(params_, placement_.owners(), *coll_, bucket_bytes_);
 }
 
-std::vector<size_t> DataParallel::held_params() const {
-  std::vector<size_t> out;
-  for (const auto& piece : placement_.pieces(coll_->rank())) out.push_back(piece.param);
+std::vector<std::pair<torch::Tensor, bool>> DataParallel::held_with(const std::vector<bool>& per_param) const {
+  const models::NamedTensors held = owned_parameters();  // parallel to this rank's pieces
+  const std::vector<Placement::Piece> pieces = placement_.pieces(coll_->rank());
+  std::vector<std::pair<torch::Tensor, bool>> out;
+  for (size_t k = 0; k < held.size(); ++k) out.emplace_back(held[k].second, per_param[pieces[k].param]);
   return out;
 }
 
 void DataParallel::sum_partial_gradients() {
   if (!split_ || split_->group->size() == 1) return;
-  const models::NamedTensors held = owned_parameters();
-  const std::vector<size_t> param = held_params();
   std::vector<torch::Tensor> partial;
-  for (size_t k = 0; k < held.size(); ++k)
-    if (split_->partial[param[k]]) partial.push_back(held[k].second);
+  for (const auto& [t, is_partial] : held_with(split_->partial))
+    if (is_partial) partial.push_back(t);
   // At dist.zero >= 1 a rank sums only what its optimizer steps (the others' gradients go unread);
   // its tp group holds the same (checked at construction), so every rank issues the same sum.
   tp::sum_gradients(partial, *split_->group);
@@ -242,12 +242,10 @@ void DataParallel::sum_partial_gradients() {
 
 torch::Tensor DataParallel::clip_grad_norm(double max_norm) {
   if (split_) {
-    const models::NamedTensors held = owned_parameters();
-    const std::vector<size_t> param = held_params();
     std::vector<torch::Tensor> tensors;
     std::vector<bool> replicated;
-    for (size_t k = 0; k < held.size(); ++k)
-      tensors.push_back(held[k].second), replicated.push_back(split_->replicated[param[k]]);
+    for (const auto& [t, is_replicated] : held_with(split_->replicated))
+      tensors.push_back(t), replicated.push_back(is_replicated);
     const bool sharded = placement_.shards_optimizer_state() && coll_->size() > 1;
     return clip_grad_norm_tensor_parallel(tensors, replicated, *split_->group, max_norm,
                                           sharded ? coll_.get() : nullptr);

@@ -30,6 +30,8 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "dist/placement.h"
 #include "dist/transform_plan.h"
@@ -107,8 +109,9 @@ class DataParallel {
 
  private:
   void reduce_gradients(const torch::Tensor& loss, bool sync);
-  /// The tensors whose gradients this rank keeps (owned_parameters()) and each one's parameter index.
-  std::vector<size_t> held_params() const;
+  /// The tensors whose gradients this rank keeps (owned_parameters()), each with its parameter's
+  /// entry of `per_param` (model order).
+  std::vector<std::pair<torch::Tensor, bool>> held_with(const std::vector<bool>& per_param) const;
   void sum_partial_gradients();
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;

@@ -65,14 +65,16 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
   TensorParallelShard shard{range, {}, sequence_parallel};
   for (const auto& [name, p] : model.named_parameters()) {
     const models::TpRule* rule = models::tp_rule(family->tp_plan, name);
-    shard.rules.push_back(rule ? std::optional<models::TpRule>(*rule) : std::nullopt);
+    // A Replicate rule splits nothing (tp_slice returns the whole): recorded as no split.
+    const bool splits = rule && rule->split != models::TpSplit::Replicate;
+    shard.rules.push_back(splits ? std::optional<models::TpRule>(*rule) : std::nullopt);
   }
   return shard;
 }
 
 std::vector<bool> TensorParallelShard::replicated() const {
   std::vector<bool> out;
-  for (const auto& rule : rules) out.push_back(!rule || rule->split == models::TpSplit::Replicate);
+  for (const auto& rule : rules) out.push_back(!rule);
   return out;
 }
 

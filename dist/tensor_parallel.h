@@ -27,7 +27,8 @@ namespace keel::dist {
 /// and what that leaves for the step's gradients.
 struct TensorParallelShard {
   tp::VocabRange range;
-  /// Per model parameter, in model order: its split (nullopt: replicated, every tp rank holds it whole).
+  /// Per model parameter, in model order: its split (nullopt: replicated, every tp rank holds it
+  /// whole; a plan's Replicate rule is recorded so).
   std::vector<std::optional<models::TpRule>> rules;
   bool sequence_parallel = false;
   /// Per parameter: not split.

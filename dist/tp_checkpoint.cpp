@@ -32,8 +32,6 @@ TensorParallelParameters::TensorParallelParameters(models::NamedTensors params,
     : params_(std::move(params)), rules_(std::move(rules)), mesh_(&mesh) {
   if (rules_.size() != params_.size())
     throw std::logic_error("TensorParallelParameters: one rule (or none) per parameter");
-  for (auto& rule : rules_)  // a Replicate rule splits nothing (tp_slice returns the whole)
-    if (rule && rule->split == models::TpSplit::Replicate) rule.reset();
   for (size_t i = 0; i < params_.size(); ++i) {
     index_[params_[i].first] = i;
     shapes_.push_back(params_[i].second.sizes().vec());

@@ -25,8 +25,9 @@ namespace keel::dist {
 
 class TensorParallelParameters final : public ShardedParameters {
  public:
-  /// `params`: the model's parameters after sharding, in model order; `rules`: each one's rule
-  /// (nullopt: not split, every tp rank holds the whole). `mesh` (connected) must outlive this.
+  /// `params`: the model's parameters after sharding, in model order; `rules`: each one's split
+  /// (nullopt: not split, every tp rank holds the whole; TensorParallelShard::rules). `mesh` (connected) must outlive
+  /// this.
   TensorParallelParameters(models::NamedTensors params, std::vector<std::optional<models::TpRule>> rules,
                            const Mesh& mesh);
 
