@@ -171,6 +171,10 @@ double sgd_reorder_bound(int steps, double lr, double momentum, double grad_norm
   return steps * lr * grad_norm / (1 - momentum) * roundings * kFloatRounding * kReorderCancellation / param_norm;
 }
 
+double sgd_bf16_bound(int steps, double lr, double momentum, double grad_norm, double param_norm) {
+  return steps * lr * grad_norm / (1 - momentum) * kBf16Rounding / param_norm;
+}
+
 std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir, const std::string& field) {
   std::vector<std::pair<long, double>> out;
   std::ifstream in(run_dir + "/metrics.jsonl");

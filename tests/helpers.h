@@ -88,6 +88,14 @@ double adamw_element_bound(int steps, double lr, double beta1 = 0.9, double beta
 // most grad_norm / (1 - momentum); the same roundings over `steps` steps, relative to the
 // parameters' norm: steps * lr * grad_norm / (1 - momentum) * roundings * u * 100 / ||params||.
 double sgd_reorder_bound(int steps, double lr, double momentum, double grad_norm, int roundings, double param_norm);
+// Under bf16 autocast the forward multiplies bf16 copies of the parameters: two runs whose fp32
+// parameters differ by a rounding can round an element to neighbouring bf16 values, one bf16
+// unit apart (u_bf16 = 2^-8 relative), and from the first such element on their gradients differ
+// by up to u_bf16 relative, not by the reordering's few u. SGD's bound with that per-step
+// relative error: steps * lr * grad_norm / (1 - momentum) * u_bf16 / ||params||. Each loss comes
+// from bf16 logits: two runs' losses agree to u_bf16 relative.
+inline constexpr double kBf16Rounding = 0.00390625;  // 2^-8
+double sgd_bf16_bound(int steps, double lr, double momentum, double grad_norm, double param_norm);
 
 void write_text(const std::string& path, const std::string& text);
 

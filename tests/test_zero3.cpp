@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <set>
+#include <stdexcept>
 
 #include "checkpoint/io.h"
 #include "checkpoint/safetensors.h"
@@ -488,7 +489,8 @@ void model_written_by_owners(const std::string& step, int ranks) {
 }
 
 // Runs stage 0 and each of `stages`; checks that every step's loss, the final evaluation and the
-// final parameters of each agree with stage 0's within 1e-5 relative; returns the summaries by
+// final parameters of each agree with stage 0's within 1e-5 relative (u_bf16 under bf16
+// autocast) and the bound derived for the final parameters; returns the summaries by
 // stage.
 std::map<int, nlohmann::json> against_stage0(int ranks, const std::string& model, const std::vector<std::string>& extra,
                                              const std::vector<int>& stages = {1, 2, 3}) {
@@ -508,10 +510,14 @@ std::map<int, nlohmann::json> against_stage0(int ranks, const std::string& model
       EXPECT_EQ(l0[i].first, lz[i].first);
       worst = std::max(worst, std::abs(l0[i].second - lz[i].second) / std::abs(l0[i].second));
     }
-    EXPECT_LE(worst, 1e-5) << model << " at " << ranks << " ranks";
+    // bf16 autocast: the runs may round a parameter to neighbouring bf16 values (tests/helpers.h),
+    // seen from step 17 of 30 at 3 ranks on an AVX-512 CPU.
+    const bool bf16 = std::find(extra.begin(), extra.end(), "--amp.dtype=bf16") != extra.end();
+    const double loss_bound = bf16 ? kBf16Rounding : 1e-5;
+    EXPECT_LE(worst, loss_bound) << model << " at " << ranks << " ranks";
     out[z] = summary(dir(z));
     const double tz = out[z]["test_loss"].get<double>();
-    EXPECT_LE(std::abs(t0 - tz), 1e-5 * std::abs(t0)) << t0 << " vs " << tz;
+    EXPECT_LE(std::abs(t0 - tz), loss_bound * std::abs(t0)) << t0 << " vs " << tz;
     // The parameter vector within the bound derived for sums taken in another order
     // (tests/helpers.h): 30 steps of 2 micro-batches on each rank, whose 2 x ranks gradients stage
     // 0 adds in the Reducer's order and stages 2-3 reduce-scatter micro-batch by micro-batch
@@ -521,7 +527,9 @@ std::map<int, nlohmann::json> against_stage0(int ranks, const std::string& model
     const int roundings = 2 * ranks + 1;
     const bool sgd = std::find(extra.begin(), extra.end(), "--train.optimizer=sgd") != extra.end();
     // SGD: lr 0.05 and momentum 0.9 (the callers'), gradients clipped to 0.5 (run_args).
-    const double bound = sgd ? sgd_reorder_bound(30, 0.05, 0.9, 0.5, roundings, p.norm)
+    if (bf16 && !sgd) throw std::logic_error("against_stage0: bf16's bound is derived for SGD only");
+    const double bound = sgd ? (bf16 ? sgd_bf16_bound(30, 0.05, 0.9, 0.5, p.norm)
+                                     : sgd_reorder_bound(30, 0.05, 0.9, 0.5, roundings, p.norm))
                              : adamw_reorder_bound(30, 1e-3, roundings, p.rms);
     const double element = sgd ? 30 * 0.05 * 0.5 / (1 - 0.9) * 2 : adamw_element_bound(30, 1e-3);
     EXPECT_LE(p.relative, bound) << "final parameters";
