@@ -149,8 +149,9 @@ def parse_args():
                          "SequenceParallel): step time, per-rank parameters, activation estimate, peak RSS")
     ap.add_argument("--ac-rounds", type=int, default=0,
                     help="instead: N rounds on gpt at context 512, 1 rank, batch 4 (and 1, for the activation "
-                         "estimate), order rotating: keel train.activation_checkpointing none / blocks, PyTorch "
-                         "without and with torch.utils.checkpoint per block")
+                         "estimate), order rotating: keel train.activation_checkpointing none / blocks / "
+                         "selective, PyTorch without and with torch.utils.checkpoint per block (full, and "
+                         "selective: its matmuls' outputs saved)")
     ap.add_argument("--zero-rounds", type=int, default=0,
                     help="instead: N rounds of dist.zero = 0, 1, 2 on gpt at each of --worlds (order rotating), "
                          "with PyTorch DDP and ZeroRedundancyOptimizer: optimizer state, peak RSS and step time")
@@ -480,9 +481,10 @@ def tp_bench(args):
 
 
 def ac_bench(args):
-    """Activation checkpointing (train.activation_checkpointing = "blocks") at gpt context 512, one
-    rank, batch 4, AdamW: keel without and with, beside PyTorch without and with
-    torch.utils.checkpoint on every block (non-reentrant, torchtitan's full AC). N rounds, order
+    """Activation checkpointing (train.activation_checkpointing = "blocks" and "selective") at gpt
+    context 512, one rank, batch 4, AdamW: keel without and with each, beside PyTorch without and
+    with torch.utils.checkpoint on every block (non-reentrant: torchtitan's full AC, and selective
+    AC saving the matmuls' outputs). N rounds, order
     rotating; per configuration the median step time and an activation estimate (peak RSS at
     batch 4 minus at batch 1, x 4/3), and keel's ratios with over without (issue 45's targets:
     activation memory <= 0.35x, step time <= 1.4x)."""
@@ -493,8 +495,11 @@ def ac_bench(args):
     runs = {"keel": lambda b: run_keel("gpt", b, steps, 1, args.keel, extra=ctx),
             "keel-blocks": lambda b: run_keel("gpt", b, steps, 1, args.keel,
                                               extra=ctx + ["--train.activation_checkpointing=blocks"]),
+            "keel-selective": lambda b: run_keel("gpt", b, steps, 1, args.keel,
+                                                 extra=ctx + ["--train.activation_checkpointing=selective"]),
             "pytorch": lambda b: run_torch("gpt", b, steps, 1, extra=["--context", "512"]),
-            "pytorch-ac": lambda b: run_torch("gpt", b, steps, 1, extra=["--context", "512", "--ac"])}
+            "pytorch-ac": lambda b: run_torch("gpt", b, steps, 1, extra=["--context", "512", "--ac"]),
+            "pytorch-sac": lambda b: run_torch("gpt", b, steps, 1, extra=["--context", "512", "--ac", "selective"])}
     configs = {}
     for name, run in runs.items():
         configs[name] = lambda w, run=run: run(4)
@@ -505,7 +510,8 @@ def ac_bench(args):
         for n in runs:
             summary[f"{n}_activation_mb"] = middle([activation_mb(got[n][k], got[n + "@1"][k], 4, 1)
                                                      for k in range(len(got[n]))])
-        for on, off in (("keel-blocks", "keel"), ("pytorch-ac", "pytorch")):
+        for on, off in (("keel-blocks", "keel"), ("keel-selective", "keel"), ("pytorch-ac", "pytorch"),
+                        ("pytorch-sac", "pytorch")):
             summary[f"{on}_activation_over_{off}"] = summary[f"{on}_activation_mb"] / summary[f"{off}_activation_mb"]
             summary[f"{on}_step_time_over_{off}"] = summary[f"{on}_median_step_ms"] / summary[f"{off}_median_step_ms"]
 

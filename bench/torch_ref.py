@@ -14,6 +14,7 @@ first 5 steps).
                            # vocabulary-parallel, the tied output projection and loss_parallel over vocabulary shards)
   ... --tp --sp            # and SequenceParallel norms (torchtitan's plan)
   ... --context 512 --ac   # gpt at another context; --ac: every block checkpointed (torch.utils.checkpoint)
+  ... --context 512 --ac selective   # every block checkpointed, its matmuls' outputs saved
 
 Prints one JSON line. Under a launcher (WORLD_SIZE > 1, or MASTER_ADDR set) the model is
 wrapped in DistributedDataParallel (Gloo on CPU, NCCL on CUDA) and each rank uses --batch
@@ -64,8 +65,10 @@ def parse_args():
     ap.add_argument("--context", type=int, default=128, help="gpt's context (and the windows' length)")
     ap.add_argument("--losses", action="store_true", help="also print every step's loss (checks: --tp's losses are "
                     "one rank's)")
-    ap.add_argument("--ac", action="store_true",
-                    help="activation checkpointing of every block (torch.utils.checkpoint, non-reentrant)")
+    ap.add_argument("--ac", nargs="?", const="blocks", choices=["blocks", "selective"],
+                    help="activation checkpointing of every block (torch.utils.checkpoint, non-reentrant); "
+                         "selective: its matmuls' outputs saved, the rest recomputed (selective activation "
+                         "checkpointing, torchtitan's op policy for mm and addmm)")
     return ap.parse_args()
 
 
@@ -251,7 +254,7 @@ def result(args, world, device, times, med, held_bytes, tokens_per_sample):
     if args.tp:
         out["impl"] += "-tp" + str(world) + ("-sp" if args.sp else "")
     if args.ac:
-        out["impl"] += "-ac"
+        out["impl"] += "-ac" if args.ac == "blocks" else "-sac"
     if args.context != 128:
         out["context"] = args.context
     if tokens_per_sample:
@@ -259,12 +262,23 @@ def result(args, world, device, times, med, held_bytes, tokens_per_sample):
     return out
 
 
-def checkpoint_blocks(model):
+def checkpoint_blocks(model, policy):
     """Every block of gpt recomputed in backward (torch.utils.checkpoint, non-reentrant, as
-    torchtitan's full activation checkpointing)."""
-    from torch.utils.checkpoint import checkpoint
+    torchtitan's full activation checkpointing); policy "selective": the outputs of its matmuls
+    (aten.mm, aten.addmm: the dense projections) saved and everything else recomputed, by
+    torch.utils.checkpoint's selective checkpoint contexts (torchtitan's op policy, without its
+    attention and collectives, as keel's train.activation_checkpointing = "selective")."""
+    import functools
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+    kwargs = {"use_reentrant": False}
+    if policy == "selective":
+        saved = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default}
+
+        def keep_matmuls(ctx, op, *args, **kw):
+            return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, keep_matmuls)
     for block in model.h:
-        block.forward = (lambda f: lambda x: checkpoint(f, x, use_reentrant=False))(block.forward)
+        block.forward = (lambda f: lambda x: checkpoint(f, x, **kwargs))(block.forward)
 
 
 def main():
@@ -280,7 +294,7 @@ def main():
         torch.cuda.set_device(device)
     model = (Gpt(context=args.context) if args.model == "gpt" else {"mlp": Mlp, "cnn": Cnn}[args.model]()).to(device)
     if args.ac:
-        checkpoint_blocks(model)
+        checkpoint_blocks(model, args.ac)
     data, labels, tokens_per_sample = synthetic_data(args.model, device, args.context)
     model = compile_and_distribute(model, args, world, device, local_rank)
     opt = make_optimizer(model, args, world)

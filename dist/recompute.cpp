@@ -74,6 +74,134 @@ class ForwardsState {
   bool nested_ = false;
 };
 
+// The gradients of a product mat1 mat2 (+ bias) as autograd's MmBackward0 and AddmmBackward0
+// compute them (FunctionsManual.cpp's mm_mat1_backward and mm_mat2_backward, which LibTorch does
+// not export): the same kernels on the same layouts, so a kept product's gradients are those of
+// the product made again.
+torch::Tensor mat1_gradient(const torch::Tensor& grad, const torch::Tensor& mat2, const torch::Tensor& mat1) {
+  if (mat1.stride(0) == 1 && mat1.stride(1) == mat1.size(0)) return mat2.mm(grad.t()).t();  // column-major
+  return grad.mm(mat2.t());
+}
+torch::Tensor mat2_gradient(const torch::Tensor& grad, const torch::Tensor& mat1, const torch::Tensor& mat2) {
+  if (mat2.stride(0) == 1 && mat2.stride(1) == mat2.size(0)) return grad.t().mm(mat1).t();  // column-major
+  return mat1.t().mm(grad);
+}
+
+// The backward of a dense product that the recomputation did not make again (its output kept
+// from the forward): its inputs are (the bias inside an addmm, or none; mat1; mat2), its output
+// mat1 mat2 (+ bias), or that product folded back to the input's leading dimensions (matmul's
+// _unsafe_view, whose backward reshapes the gradient to 2-D).
+struct KeptProductBackward : torch::autograd::Node {
+  torch::autograd::SavedVariable mat1, mat2;
+
+  std::string name() const override { return "keel::KeptProductBackward"; }
+  void release_variables() override {
+    mat1.reset_data();
+    mat2.reset_data();
+  }
+  torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
+    torch::autograd::variable_list out(3);
+    if (!grads[0].defined()) return out;
+    const torch::Tensor g = grads[0].dim() == 2 ? grads[0] : grads[0].reshape({-1, grads[0].size(-1)});
+    const torch::Tensor m1 = mat1.unpack(), m2 = mat2.unpack();
+    if (should_compute_output(0)) out[0] = g;  // the engine sums it to the bias's shape
+    if (should_compute_output(1)) out[1] = mat1_gradient(g, m2, m1);
+    if (should_compute_output(2)) out[2] = mat2_gradient(g, m1, m2);
+    return out;
+  }
+};
+
+// As autocast casts an argument of a lower-precision op (linear, matmul, addmm) on x's device.
+torch::Tensor autocast_argument(const torch::Tensor& t, const torch::Tensor& x) {
+  const c10::DeviceType type = x.device().type();
+  if (!t.defined() || !at::autocast::is_autocast_enabled(type)) return t;
+  return at::autocast::cached_cast(at::autocast::get_autocast_dtype(type), t, type);
+}
+
+// Selective recomputation's tape (models::DenseTape): in the forward it makes each dense product
+// as models::dense_product() does and keeps it (without a bias added after it); in the
+// recomputation it hands the kept products back in the same order, each attached to autograd as
+// the op that made it would be (the same casts, views and KeptProductBackward for the product),
+// so the recomputation makes every other op again but no product, and the gradients are the
+// same bit for bit.
+//
+// dense_product() makes three forms: an addmm with the bias inside (GPT-2's Conv1D over the
+// flattened input; a Linear on a 2-D input), a matmul (the row-parallel partial products: no
+// bias; ATen's linear casts the weight before transposing it, a matmul the transposed weight),
+// and a Linear's matmul followed by its bias added in place.
+class KeptProducts : public models::DenseTape {
+ public:
+  void replay() {
+    replaying_ = true;
+    next_ = 0;
+  }
+  void check_replayed() const {
+    if (next_ != kept_.size())
+      throw std::runtime_error("selective activation checkpointing: a block's recomputation made " +
+                               std::to_string(next_) + " dense products, its forward " + std::to_string(kept_.size()));
+  }
+  void release() { kept_.clear(); }
+
+  torch::Tensor project(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                        bool conv1d) override {
+    const bool addmm = bias.defined() && (conv1d || x.dim() == 2);
+    const bool bias_after = bias.defined() && !addmm;
+    auto shape = x.sizes().vec();
+    shape.back() = conv1d ? w.size(1) : w.size(0);
+    if (!replaying_) return keep(x, w, bias, conv1d, addmm, bias_after);
+    if (next_ >= kept_.size())
+      throw std::runtime_error(
+          "selective activation checkpointing: a block's recomputation made more dense "
+          "products than its forward (" +
+          std::to_string(kept_.size()) + ")");
+    torch::Tensor y = std::move(kept_[next_++]);
+    torch::Tensor bc, m1, m2;
+    if (addmm) {  // addmm(bias, mat1, mat2), each argument cast
+      bc = autocast_argument(bias, x);
+      m1 = autocast_argument(conv1d ? x.reshape({-1, x.size(-1)}) : x, x);
+      m2 = autocast_argument(conv1d ? w : w.t(), x);
+    } else {  // matmul(x, mat2): both cast, then x's leading dimensions folded
+      const torch::Tensor xc = autocast_argument(x, x);
+      m2 = conv1d ? autocast_argument(w, x) : bias_after ? autocast_argument(w.t(), x) : autocast_argument(w, x).t();
+      m1 = xc.dim() == 2 ? xc : xc.reshape({-1, xc.size(-1)});
+    }
+    const auto made = addmm ? std::vector<int64_t>{m1.size(0), m2.size(1)} : shape;
+    if (y.sizes() != c10::IntArrayRef(made))
+      throw std::runtime_error("selective activation checkpointing: a kept dense product of shape " +
+                               c10::str(y.sizes()) + " is handed to a product of shape " + c10::str(made));
+    auto node = std::shared_ptr<KeptProductBackward>(new KeptProductBackward(), torch::autograd::deleteNode);
+    node->mat1 = torch::autograd::SavedVariable(m1, /*is_output=*/false);
+    node->mat2 = torch::autograd::SavedVariable(m2, /*is_output=*/false);
+    node->set_next_edges(torch::autograd::collect_next_edges(bc, m1, m2));
+    torch::autograd::set_history(y, node);
+    if (addmm) return conv1d ? y.view(shape) : y;
+    if (bias_after) y.add_(bias);  // as torch::nn::Linear's forward: in place, the bias uncast
+    return y;
+  }
+
+ private:
+  torch::Tensor keep(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool conv1d, bool addmm,
+                     bool bias_after) {
+    if (!bias_after) {
+      kept_.push_back(addmm
+                          ? (conv1d ? torch::addmm(bias, x.reshape({-1, x.size(-1)}), w) : torch::addmm(bias, x, w.t()))
+                          : models::dense_product(x, w, bias, conv1d));
+      if (!addmm || !conv1d) return kept_.back();
+      auto shape = x.sizes().vec();
+      shape.back() = w.size(1);
+      return kept_.back().view(shape);
+    }
+    kept_.push_back(x.matmul(w.t()));  // the product before its bias, which is added into a copy
+    torch::Tensor out = torch::empty_like(kept_.back());
+    torch::add_out(out, kept_.back(), bias);
+    return out;
+  }
+
+  std::vector<torch::Tensor> kept_;
+  size_t next_ = 0;
+  bool replaying_ = false;
+};
+
 // The backward of recompute(): f(x) again, with autograd, then backpropagation through it.
 struct RecomputeBackward : torch::autograd::Node {
   models::BlockStructure::BlockFunction f;
@@ -83,11 +211,13 @@ struct RecomputeBackward : torch::autograd::Node {
   std::vector<torch::Tensor> rng;  // the generators' states before the forward
   bool autocast = false;
   at::ScalarType autocast_dtype = at::kFloat;
+  std::unique_ptr<KeptProducts> kept;  // Recompute::Selective: the forward's dense products
 
   std::string name() const override { return "keel::RecomputeBackward"; }
   void release_variables() override {
     input.reset_data();
     f = nullptr;
+    if (kept) kept->release();
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
@@ -97,7 +227,10 @@ struct RecomputeBackward : torch::autograd::Node {
     {
       torch::AutoGradMode grad(true);
       ForwardsState forwards(device, rng, autocast, autocast_dtype);  // the same masks and dtypes
+      if (kept) kept->replay();
+      models::DenseTape::Use tape(kept.get());
       y = f(x);
+      if (kept) kept->check_replayed();
     }
     if (grads[0].defined()) torch::autograd::backward({y}, {grads[0]});
     if (!input_requires_grad || !x.grad().defined()) return {torch::Tensor()};
@@ -111,9 +244,10 @@ struct RecomputeBackward : torch::autograd::Node {
 
 }  // namespace
 
-torch::Tensor recompute(models::BlockStructure::BlockFunction f, const torch::Tensor& x) {
-  if (!torch::GradMode::is_enabled()) return f(x);
+torch::Tensor recompute(models::BlockStructure::BlockFunction f, const torch::Tensor& x, Recompute policy) {
+  if (!torch::GradMode::is_enabled() || policy == Recompute::None) return f(x);
   auto node = std::shared_ptr<RecomputeBackward>(new RecomputeBackward(), torch::autograd::deleteNode);
+  if (policy == Recompute::Selective) node->kept = std::make_unique<KeptProducts>();
   node->device = x.device();
   node->rng = states_of(generators(x.device()));
   node->autocast = at::autocast::is_autocast_enabled(x.device().type());
@@ -121,6 +255,7 @@ torch::Tensor recompute(models::BlockStructure::BlockFunction f, const torch::Te
   torch::Tensor y;
   {
     torch::NoGradGuard no_grad;
+    models::DenseTape::Use tape(node->kept.get());
     y = f(x);
   }
   node->input_requires_grad = x.requires_grad();
@@ -136,12 +271,20 @@ void wrap_recompute(models::Model& model, Recompute policy, TransformPlan& plan)
     plan.applied(Transform::Recompute, "off");
     return;
   }
+  const bool selective = policy == Recompute::Selective;
+  const std::string name = selective ? "selective" : "blocks";
   if (!models::transformer_family(model.name()))
-    throw InputError("train.activation_checkpointing = \"blocks\" recomputes a transformer's blocks: model.name = \"" +
-                     model.name() + "\" is not one (gpt, gpt2 and llama are)");
-  model.set_block_runner(recompute);
-  plan.applied(Transform::Recompute, "blocks (" + std::to_string(model.block_prefixes().size()) +
-                                         " blocks' activations recomputed in backward)");
+    throw InputError("train.activation_checkpointing = \"" + name +
+                     "\" recomputes a transformer's blocks: model.name = \"" + model.name() +
+                     "\" is not one (gpt, gpt2 and llama are)");
+  model.set_block_runner([policy](models::BlockStructure::BlockFunction f, const torch::Tensor& x) {
+    return recompute(std::move(f), x, policy);
+  });
+  const std::string blocks = std::to_string(model.block_prefixes().size()) + " blocks' ";
+  plan.applied(Transform::Recompute,
+               selective
+                   ? "selective (" + blocks + "dense products kept, their other activations recomputed in backward)"
+                   : "blocks (" + blocks + "activations recomputed in backward)");
 }
 
 }  // namespace keel::dist

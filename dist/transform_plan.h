@@ -32,8 +32,9 @@ inline constexpr std::array<Transform, 5> kTransformOrder{
 /// "stages", "tensor parallel", "recompute", "compile", "data parallel".
 const char* transform_name(Transform t);
 
-/// train.activation_checkpointing: none, or every block's activations recomputed in backward.
-enum class Recompute { None, Blocks };
+/// train.activation_checkpointing: none, every block's activations recomputed in backward, or
+/// all of them but its dense products (dist/recompute.h).
+enum class Recompute { None, Blocks, Selective };
 
 /// What the config asks of the transforms before compile: parallel.sequence_parallel (with tp >
 /// 1) and train.activation_checkpointing.

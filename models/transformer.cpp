@@ -46,6 +46,25 @@ torch::Tensor drop_own(const torch::Tensor& x, double p, bool training, int64_t 
   return with_own_masks(rank, x.device(), [&] { return torch::dropout(x, p, true); });
 }
 
+torch::Tensor dense_product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                            bool conv1d) {
+  // torch::nn::Linear's forward (LibTorch's functional linear: a matmul, then the bias added in
+  // place; addmm for a 2-D input), and ATen's linear without a bias, as the blocks always had it.
+  if (!conv1d) return bias.defined() ? torch::nn::functional::linear(x, weight, bias) : torch::linear(x, weight);
+  if (!bias.defined()) return x.matmul(weight);
+  auto shape = x.sizes().vec();
+  shape.back() = weight.size(1);
+  return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
+}
+
+namespace {
+thread_local DenseTape* current_tape = nullptr;
+}  // namespace
+
+DenseTape* DenseTape::current() { return current_tape; }
+DenseTape::Use::Use(DenseTape* tape) : before_(current_tape) { current_tape = tape; }
+DenseTape::Use::~Use() { current_tape = before_; }
+
 RmsNormImpl::RmsNormImpl(int64_t d, double eps) : eps(eps), weight(register_parameter("weight", torch::ones({d}))) {}
 
 torch::Tensor RmsNormImpl::forward(const torch::Tensor& x) {
@@ -59,11 +78,7 @@ Conv1DImpl::Conv1DImpl(int64_t in, int64_t out)
       bias(register_parameter("bias", torch::zeros({out}))) {}
 
 // As transformers' Conv1D: addmm over the flattened leading dimensions.
-torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) {
-  auto shape = x.sizes().vec();
-  shape.back() = weight.size(1);
-  return torch::addmm(bias, x.reshape({-1, x.size(-1)}), weight).view(shape);
-}
+torch::Tensor Conv1DImpl::forward(const torch::Tensor& x) { return dense_product(x, weight, bias, /*conv1d=*/true); }
 
 namespace {
 
@@ -139,10 +154,10 @@ torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x_in, const t
   const int64_t B = x.size(0), T = x.size(1), H = o.heads / tp.size, KV = o.kv_heads / tp.size, hd = o.head_dim;
   torch::Tensor qt, kt, vt;  // (B, T, H x hd), (B, T, KV x hd) twice
   if (o.fused_qkv) {
-    auto parts = qkv.forward(x).split(H * hd, /*dim=*/2);
+    auto parts = project(qkv, x).split(H * hd, /*dim=*/2);
     qt = parts[0], kt = parts[1], vt = parts[2];
   } else {
-    qt = q.forward(x), kt = k.forward(x), vt = v.forward(x);
+    qt = project(q, x), kt = project(k, x), vt = project(v, x);
   }
   auto qh = qt.view({B, T, H, hd}).transpose(1, 2);   // (B, H, T, hd)
   auto kh = kt.view({B, T, KV, hd}).transpose(1, 2);  // (B, KV, T, hd)
@@ -166,7 +181,7 @@ torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x_in, const t
   auto y = (p > 0 && tp.size > 1 ? with_own_masks(tp.rank, qh.device(), attend) : attend())
                .transpose(1, 2)
                .reshape({B, T, H * hd});
-  return residual_drop(tp.size > 1 ? row_parallel(out, y) : out.forward(y));
+  return residual_drop(tp.size > 1 ? row_parallel(out, y) : project(out, y));
 }
 
 torch::Tensor TransformerBlockImpl::residual_drop(const torch::Tensor& x) const {
@@ -174,11 +189,20 @@ torch::Tensor TransformerBlockImpl::residual_drop(const torch::Tensor& x) const 
 }
 
 torch::Tensor TransformerBlockImpl::row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const {
+  torch::Tensor y = tp.leave(project(dense, x, /*with_bias=*/false));
   const auto params = dense.ptr()->named_parameters(/*recurse=*/false);
-  const torch::Tensor& w = params["weight"];
-  torch::Tensor y = tp.leave(o.dense == BlockOptions::Dense::Conv1D ? x.matmul(w) : torch::linear(x, w));
   if (const auto* b = params.find("bias"); b && b->defined()) y = y + *b;
   return y;
+}
+
+torch::Tensor TransformerBlockImpl::project(const torch::nn::AnyModule& dense, const torch::Tensor& x,
+                                            bool with_bias) const {
+  DenseTape* tape = DenseTape::current();
+  const auto params = dense.ptr()->named_parameters(/*recurse=*/false);
+  const auto* b = params.find("bias");
+  const torch::Tensor bias = with_bias && b ? *b : torch::Tensor();
+  const bool conv1d = o.dense == BlockOptions::Dense::Conv1D;
+  return tape ? tape->project(x, params["weight"], bias, conv1d) : dense_product(x, params["weight"], bias, conv1d);
 }
 
 torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in) {
@@ -186,16 +210,16 @@ torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in) {
   torch::Tensor h;
   switch (o.mlp) {
     case BlockOptions::Mlp::SwiGlu:
-      h = torch::silu(gate.forward(x)) * up.forward(x);
+      h = torch::silu(project(gate, x)) * project(up, x);
       break;
     case BlockOptions::Mlp::GeluTanh:
-      h = torch::gelu(fc.forward(x), "tanh");
+      h = torch::gelu(project(fc, x), "tanh");
       break;
     case BlockOptions::Mlp::Gelu:
-      h = torch::gelu(fc.forward(x), "none");
+      h = torch::gelu(project(fc, x), "none");
       break;
   }
-  return residual_drop(tp.size > 1 ? row_parallel(down, h) : down.forward(h));
+  return residual_drop(tp.size > 1 ? row_parallel(down, h) : project(down, h));
 }
 
 torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,

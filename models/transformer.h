@@ -41,6 +41,38 @@ torch::Tensor with_own_masks(int64_t rank, const torch::Device& device, const st
 /// drop() of a part of a tensor that only tp rank `rank` holds: with_own_masks.
 torch::Tensor drop_own(const torch::Tensor& x, double p, bool training, int64_t rank);
 
+/// A dense layer's product: x W^T + b (torch::nn::Linear's forward, weight (out, in); without a
+/// bias, ATen's linear) or, when `conv1d`, x W + b (GPT-2's Conv1D, weight (in, out), addmm over
+/// the flattened leading dimensions; without a bias, a matmul); `bias` may be undefined.
+torch::Tensor dense_product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                            bool conv1d);
+
+/// Selective activation checkpointing's seam (train.activation_checkpointing = "selective",
+/// dist/recompute.cpp): while a tape is in use on this thread, a block's dense projections run
+/// through it instead of dense_product(), so that it can keep their outputs in the forward and
+/// hand them back, in the same order, when the block is recomputed in backward.
+class DenseTape {
+ public:
+  virtual ~DenseTape() = default;
+  /// dense_product(x, weight, bias, conv1d), or what stands for it.
+  virtual torch::Tensor project(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
+                                bool conv1d) = 0;
+  /// The tape in use on this thread, or null.
+  static DenseTape* current();
+
+  /// Puts `tape` in use on this thread for its lifetime (the one before it after).
+  class Use {
+   public:
+    explicit Use(DenseTape* tape);
+    ~Use();
+    Use(const Use&) = delete;
+    Use& operator=(const Use&) = delete;
+
+   private:
+    DenseTape* before_;
+  };
+};
+
 /// Root-mean-square norm in float32 (transformers' LlamaRMSNorm): weight * x / rms(x).
 struct RmsNormImpl : torch::nn::Module {
   RmsNormImpl(int64_t d, double eps);
@@ -115,6 +147,9 @@ struct TransformerBlockImpl : torch::nn::Module {
   torch::Tensor mlp_forward(const torch::Tensor& x);
   /// A row-parallel projection under tp: the partial product, `leave`, then the bias once.
   torch::Tensor row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const;
+  /// x through a dense layer (with its bias, or without it for row_parallel's partial product):
+  /// dense_product() (the layer's forward), or the DenseTape in use.
+  torch::Tensor project(const torch::nn::AnyModule& dense, const torch::Tensor& x, bool with_bias = true) const;
   /// The dropout after a residual branch's projection (masks of this rank's own when
   /// tp.own_positions).
   torch::Tensor residual_drop(const torch::Tensor& x) const;

@@ -1,19 +1,24 @@
-// Activation checkpointing (train.activation_checkpointing = "blocks", issue 45 item 6): a block
-// that keeps only its input and recomputes its activations in backward runs the same kernels on
+// Activation checkpointing (train.activation_checkpointing = "blocks" and "selective", issue 45
+// item 6): a block that keeps only its input (blocks), or its input and its dense products
+// (selective), and recomputes the rest of its activations in backward runs the same kernels on
 // the same values as one that keeps them, under the forward's random generators (dropout) and
 // autocast dtypes, so training is the same bit for bit: the per-step losses, gradient norms and
 // every tensor of the final checkpoint, at one rank with dropout and bf16 autocast, under DDP with
 // dropout, at dist.zero = 2 and 3 (the recomputation inside the block's gather) and at
 // parallel.tp = 2 with sequence parallelism and dropout (its collectives issued again in backward,
-// each rank's own masks drawn again). And the unit itself:
-// recompute()'s gradients equal those of the plain computation, and its forward keeps no activation.
+// each rank's own masks drawn again). And the unit itself: recompute()'s gradients equal those of
+// the plain computation, its forward keeps no activation (blocks) or only the dense products
+// (selective), whose recomputation hands the kept product back instead of multiplying again.
+#include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 
+#include <map>
 #include <string>
 #include <vector>
 
 #include "dist/recompute.h"
 #include "helpers.h"
+#include "models/transformer.h"
 #include "multirank.h"
 #include "step_files.h"
 
@@ -39,30 +44,37 @@ std::vector<std::string> recompute_args(const std::vector<std::string>& model, c
   return a;
 }
 
-// The same run with and without recomputation, on `ranks` ranks: equal to the last bit.
+// The same run without recomputation, with blocks and with selective, on `ranks` ranks: equal to
+// the last bit.
 void expect_bit_identical(int ranks, const std::vector<std::string>& model, std::vector<std::string> extra,
                           const std::string& label) {
   TempDir d;
-  std::string log;
-  for (const char* policy : {"none", "blocks"}) {
+  std::map<std::string, std::string> logs;
+  for (const char* policy : {"none", "blocks", "selective"}) {
     const auto args = recompute_args(model, d.file(policy), policy, extra);
     if (ranks == 1) {
       const auto r = run_keel(args);
-      ASSERT_EQ(r.exit_code, 0) << label << ": " << r.output;
-      log = r.output;
+      ASSERT_EQ(r.exit_code, 0) << label << ", " << policy << ": " << r.output;
+      logs[policy] = r.output;
     } else {
       const auto rs = run_keel_ranks(ranks, args);
       expect_all_ok(rs);
-      log = rs[0].output;
+      logs[policy] = rs[0].output;
     }
   }
-  EXPECT_NE(log.find("recompute: blocks (2 blocks' activations recomputed in backward)"), std::string::npos)
-      << label << ": the recompute transform did not run: " << log;
-  for (const char* field : {"loss", "grad_norm"})
-    EXPECT_EQ(metrics_losses(d.file("none") + "/run", field), metrics_losses(d.file("blocks") + "/run", field))
-        << label << " " << field;
-  for (const char* kind : {"model", "optimizer"})
-    EXPECT_EQ(max_diff(d.file("none"), d.file("blocks"), 8, kind), 0.0) << label << " " << kind;
+  EXPECT_NE(logs["blocks"].find("recompute: blocks (2 blocks' activations recomputed in backward)"), std::string::npos)
+      << label << ": the recompute transform did not run: " << logs["blocks"];
+  EXPECT_NE(logs["selective"].find("recompute: selective (2 blocks' dense products kept, their other activations "
+                                   "recomputed in backward)"),
+            std::string::npos)
+      << label << ": the selective recompute transform did not run: " << logs["selective"];
+  for (const char* policy : {"blocks", "selective"}) {
+    for (const char* field : {"loss", "grad_norm"})
+      EXPECT_EQ(metrics_losses(d.file("none") + "/run", field), metrics_losses(d.file(policy) + "/run", field))
+          << label << ", " << policy << ": " << field;
+    for (const char* kind : {"model", "optimizer"})
+      EXPECT_EQ(max_diff(d.file("none"), d.file(policy), 8, kind), 0.0) << label << ", " << policy << ": " << kind;
+  }
 }
 
 const std::vector<std::string> kGpt = {"--model.name=gpt", "--model.width=32", "--model.depth=2", "--model.heads=4",
@@ -70,7 +82,7 @@ const std::vector<std::string> kGpt = {"--model.name=gpt", "--model.width=32", "
 
 }  // namespace
 
-TEST(Recompute, BlocksTrainBitForBitAsWithoutAtOneRankWithDropoutAndBf16) {
+TEST(Recompute, BlocksAndSelectiveTrainBitForBitAsWithoutAtOneRankWithDropoutAndBf16) {
   auto gpt = kGpt;
   gpt.push_back("--model.dropout=0.2");
   expect_bit_identical(1, gpt, {}, "gpt, dropout 0.2");
@@ -85,7 +97,7 @@ TEST(Recompute, BlocksTrainBitForBitAsWithoutAtOneRankWithDropoutAndBf16) {
                        {}, "gpt2, dropout 0.1");
 }
 
-TEST(Recompute, BlocksTrainBitForBitAsWithoutUnderDdpZero2Zero3AndTp2) {
+TEST(Recompute, BlocksAndSelectiveTrainBitForBitAsWithoutUnderDdpZero2Zero3AndTp2) {
   auto dropout = kGpt;
   dropout.push_back("--model.dropout=0.2");
   expect_bit_identical(2, dropout, {}, "gpt, dropout 0.2, DDP (the Reducer's hooks fire in the recomputing backward)");
@@ -119,13 +131,78 @@ TEST(Recompute, GradientsEqualThePlainComputationsAndTheForwardKeepsNoActivation
   EXPECT_FALSE(keel::dist::recompute(f, x).requires_grad());
 }
 
+// Selective, on each form of models::dense_product (a Linear with its bias added after the
+// matmul, a Linear without a bias, GPT-2's Conv1D as one addmm): the recomputation hands the
+// forward's product back instead of multiplying again (the same storage; the Linear's bias is
+// added into a copy in the forward, so it is left out of that check), and the output and the
+// gradients equal the plain computation's bit for bit, also with bf16 autocast's casts.
+TEST(Recompute, SelectiveKeepsTheDenseProductAndItsGradientsEqualThePlainComputations) {
+  struct Form {
+    const char* name;
+    bool conv1d, bias;
+  };
+  for (const Form form :
+       {Form{"linear + bias", false, true}, Form{"linear", false, false}, Form{"conv1d + bias", true, true}}) {
+    for (const bool bf16 : {false, true}) {
+      const std::string label = std::string(form.name) + (bf16 ? ", bf16" : ", fp32");
+      torch::manual_seed(0);
+      const auto w = (form.conv1d ? torch::randn({6, 5}) : torch::randn({5, 6})).requires_grad_(true);
+      const auto b = form.bias ? torch::randn({5}).requires_grad_(true) : torch::Tensor();
+      std::vector<const void*> products;  // each product's storage, as f saw it
+      auto f = [&](const torch::Tensor& t) {
+        keel::models::DenseTape* tape = keel::models::DenseTape::current();
+        auto h = tape ? tape->project(t.tanh(), w, b, form.conv1d)
+                      : keel::models::dense_product(t.tanh(), w, b, form.conv1d);
+        products.push_back(h.data_ptr());
+        return torch::sigmoid(h).pow(2);
+      };
+      // Autocast around the forwards only, as the trainer has it; each forward casts afresh.
+      auto autocast = [bf16](bool on) {
+        at::autocast::set_autocast_dtype(at::kCPU, at::kBFloat16);
+        at::autocast::set_autocast_enabled(at::kCPU, on && bf16);
+        at::autocast::clear_cache();
+      };
+      auto grads = [&](const torch::Tensor& x) {
+        std::vector<torch::Tensor> g{x.grad(), w.grad().clone()};
+        if (b.defined()) g.push_back(b.grad().clone());
+        w.mutable_grad().reset();
+        if (b.defined()) b.mutable_grad().reset();
+        return g;
+      };
+      const auto x0 = torch::randn({2, 3, 6});
+      auto plain_x = x0.clone().requires_grad_(true);
+      autocast(true);
+      const auto plain_y = f(plain_x);
+      autocast(false);
+      plain_y.sum().backward();
+      const auto want = grads(plain_x);
+      products.clear();
+      const auto x = x0.clone().requires_grad_(true);
+      autocast(true);
+      const auto y = keel::dist::recompute(f, x, keel::dist::Recompute::Selective);
+      autocast(false);
+      ASSERT_EQ(y.grad_fn()->name(), "keel::RecomputeBackward");
+      EXPECT_TRUE(torch::equal(y, plain_y)) << label;
+      y.sum().backward();
+      ASSERT_EQ(products.size(), 2u) << label;
+      if (form.conv1d || !form.bias) EXPECT_EQ(products[0], products[1]) << label << ": the product was made again";
+      const auto got = grads(x);
+      for (size_t i = 0; i < want.size(); ++i)
+        EXPECT_TRUE(torch::equal(got[i], want[i])) << label << ", gradient " << i;
+    }
+  }
+}
+
 TEST(Recompute, WhatItDoesNotServeIsRefusedByName) {
   const std::vector<std::string> base = {"train", "--data.name=synthetic", "--train.steps=1",
                                          "--train.activation_checkpointing=blocks"};
   for (const auto& [extra, message] : std::vector<std::pair<std::vector<std::string>, std::string>>{
            {{"--model.name=mlp"}, "recomputes a transformer's blocks: model.name = \"mlp\" is not one"},
+           {{"--model.name=mlp", "--train.activation_checkpointing=selective"},
+            "\"selective\" recomputes a transformer's blocks: model.name = \"mlp\""},
            {{"--model.name=gpt", "--compile.mode=trace"}, "cannot be combined with compile.mode = \"trace\""},
-           {{"--model.name=gpt", "--train.activation_checkpointing=selective"}, "\"selective\" (keep the matmul"},
+           {{"--model.name=gpt", "--train.activation_checkpointing=selective", "--compile.mode=trace"},
+            "\"selective\" recomputes the eager blocks and cannot be combined with compile.mode"},
            {{"--model.name=gpt", "--dist.find_unused_parameters=true"},
             "cannot be combined with dist.find_unused_parameters = true at dist.zero = 0"}}) {
     auto a = base;

@@ -26,6 +26,18 @@ namespace {
 // train.steps' documented maximum (trainer/config/schema.cpp).
 constexpr int64_t kMaxPlannedSteps = 1'000'000'000'000;
 
+dist::Recompute recompute_policy(ActivationCheckpointing ac) {
+  switch (ac) {
+    case ActivationCheckpointing::Blocks:
+      return dist::Recompute::Blocks;
+    case ActivationCheckpointing::Selective:
+      return dist::Recompute::Selective;
+    case ActivationCheckpointing::None:
+      break;
+  }
+  return dist::Recompute::None;
+}
+
 }  // namespace
 
 Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
@@ -214,9 +226,7 @@ void Run::compile_and_distribute() {
       const std::string identity =
           cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg.model, cfg.amp);
       const dist::TransformOptions options{cfg.parallel.sequence_parallel,
-                                           cfg.train.activation_checkpointing == ActivationCheckpointing::Blocks
-                                               ? dist::Recompute::Blocks
-                                               : dist::Recompute::None};
+                                           recompute_policy(cfg.train.activation_checkpointing)};
       return place(model, device, mesh, options)
           .compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);
     });

@@ -509,8 +509,6 @@ static void validate_recompute(const Config& cfg) {
   if (ac == ActivationCheckpointing::None) return;
   const std::string key =
       std::string("config: train.activation_checkpointing = \"") + choice_name(kActivationCheckpointing, ac) + "\"";
-  if (ac == ActivationCheckpointing::Selective)
-    throw InputError(key + " (keep the matmul outputs, recompute the rest) is not done yet: use \"blocks\"");
   if (cfg.compile.mode != CompileMode::Off)
     throw InputError(key + " recomputes the eager blocks and cannot be combined with compile.mode = \"" +
                      choice_name(kCompileModes, cfg.compile.mode) + "\" yet: set compile.mode = \"off\"");
