@@ -154,7 +154,16 @@ class KeptProducts : public models::DenseTape {
           "selective activation checkpointing: a block's recomputation made more dense "
           "products than its forward (" +
           std::to_string(kept_.size()) + ")");
-    torch::Tensor y = std::move(kept_[next_++]);
+    Kept kept = std::move(kept_[next_++]);
+    if (!kept.product.defined())
+      throw std::runtime_error(
+          "selective activation checkpointing: a block's backward ran a second time (retain_graph), but its kept "
+          "products were handed on in the first: use train.activation_checkpointing = \"blocks\"");
+    if (kept.product._version() != kept.version)
+      throw std::logic_error(
+          "selective activation checkpointing: a kept dense product was changed in place after "
+          "the forward made it");
+    torch::Tensor y = std::move(kept.product);
     torch::Tensor bc, m1, m2;
     if (addmm) {  // addmm(bias, mat1, mat2), each argument cast
       bc = autocast_argument(bias, x);
@@ -162,13 +171,14 @@ class KeptProducts : public models::DenseTape {
       m2 = autocast_argument(conv1d ? w : w.t(), x);
     } else {  // matmul(x, mat2): both cast, then x's leading dimensions folded
       const torch::Tensor xc = autocast_argument(x, x);
-      m2 = conv1d ? autocast_argument(w, x) : bias_after ? autocast_argument(w.t(), x) : autocast_argument(w, x).t();
+      m2 = autocast_argument(conv1d ? w : w.t(), x);
       m1 = xc.dim() == 2 ? xc : xc.reshape({-1, xc.size(-1)});
     }
     const auto made = addmm ? std::vector<int64_t>{m1.size(0), m2.size(1)} : shape;
-    if (y.sizes() != c10::IntArrayRef(made))
-      throw std::runtime_error("selective activation checkpointing: a kept dense product of shape " +
-                               c10::str(y.sizes()) + " is handed to a product of shape " + c10::str(made));
+    if (y.sizes() != c10::IntArrayRef(made) || y.scalar_type() != m2.scalar_type() || y.device() != x.device())
+      throw std::runtime_error("selective activation checkpointing: a kept dense product (" + c10::str(y.sizes()) +
+                               ", " + c10::toString(y.scalar_type()) + ") is handed to a product (" + c10::str(made) +
+                               ", " + c10::toString(m2.scalar_type()) + ")");
     auto node = std::shared_ptr<KeptProductBackward>(new KeptProductBackward(), torch::autograd::deleteNode);
     node->mat1 = torch::autograd::SavedVariable(m1, /*is_output=*/false);
     node->mat2 = torch::autograd::SavedVariable(m2, /*is_output=*/false);
@@ -180,24 +190,34 @@ class KeptProducts : public models::DenseTape {
   }
 
  private:
+  // The product as dense_product() makes it with autograd on (the weight requiring grad): a
+  // matmul folds x's leading dimensions into one (also where x, gathered by sequence
+  // parallelism, is not contiguous) and multiplies with mm, never bmm.
   torch::Tensor keep(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool conv1d, bool addmm,
                      bool bias_after) {
-    if (!bias_after) {
-      kept_.push_back(addmm
-                          ? (conv1d ? torch::addmm(bias, x.reshape({-1, x.size(-1)}), w) : torch::addmm(bias, x, w.t()))
-                          : models::dense_product(x, w, bias, conv1d));
-      if (!addmm || !conv1d) return kept_.back();
-      auto shape = x.sizes().vec();
-      shape.back() = w.size(1);
-      return kept_.back().view(shape);
+    auto shape = x.sizes().vec();
+    shape.back() = conv1d ? w.size(1) : w.size(0);
+    const torch::Tensor x2d = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
+    const torch::Tensor m2 = conv1d ? w : w.t();
+    torch::Tensor product;
+    if (addmm)
+      product = torch::addmm(bias, x2d, m2);
+    else
+      product = x.dim() == 2 ? x2d.mm(m2) : at::_unsafe_view(x2d.mm(m2), shape);
+    kept_.push_back({product, product._version()});
+    if (bias_after) {  // added into a copy, so that the kept product stays the one before it
+      torch::Tensor out = torch::empty_like(product);
+      torch::add_out(out, product, bias);
+      return out;
     }
-    kept_.push_back(x.matmul(w.t()));  // the product before its bias, which is added into a copy
-    torch::Tensor out = torch::empty_like(kept_.back());
-    torch::add_out(out, kept_.back(), bias);
-    return out;
+    return addmm && conv1d ? product.view(shape) : product;
   }
 
-  std::vector<torch::Tensor> kept_;
+  struct Kept {
+    torch::Tensor product;
+    uint32_t version = 0;  // its version counter when kept: nothing may change it in place after
+  };
+  std::vector<Kept> kept_;
   size_t next_ = 0;
   bool replaying_ = false;
 };
@@ -221,7 +241,10 @@ struct RecomputeBackward : torch::autograd::Node {
   }
 
   torch::autograd::variable_list apply(torch::autograd::variable_list&& grads) override {
-    if (!f) throw std::runtime_error("activation checkpointing: a block's backward ran twice (retain_graph)");
+    if (!f)
+      throw std::runtime_error(
+          "activation checkpointing: a block's backward ran again after its graph was freed (backward twice "
+          "without retain_graph)");
     const torch::Tensor x = input.unpack().detach().requires_grad_(input_requires_grad);
     torch::Tensor y;
     {

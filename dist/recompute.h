@@ -8,9 +8,10 @@
 // the forward runs without autograd and keeps only its input; its backward runs the block again
 // with autograd, under the random generators' states and the autocast state of the forward (the
 // same dropout masks, the same dtypes), and backpropagates through it, so the parameters'
-// gradients come from the same kernels as without recomputation. `selective` (torchtitan's op
-// policy for the matmuls) also keeps the block's dense products, and the recomputation makes
-// everything but them again: norms, activations, attention, dropout, tp collectives.
+// gradients come from the same kernels as without recomputation. `selective` also keeps the
+// block's dense products (every one; torchtitan's op policy keeps every other matmul and also
+// attention's output and the reduce-scatters), and the recomputation makes everything but them
+// again: norms, activations, attention, dropout, tp collectives.
 // Does not own: which blocks a model has (BlockStructure), what a block computes.
 #pragma once
 

@@ -48,9 +48,10 @@ torch::Tensor drop_own(const torch::Tensor& x, double p, bool training, int64_t 
 
 torch::Tensor dense_product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                             bool conv1d) {
-  // torch::nn::Linear's forward (LibTorch's functional linear: a matmul, then the bias added in
-  // place; addmm for a 2-D input), and ATen's linear without a bias, as the blocks always had it.
-  if (!conv1d) return bias.defined() ? torch::nn::functional::linear(x, weight, bias) : torch::linear(x, weight);
+  // torch::nn::Linear's forward: LibTorch's functional linear (a matmul by the transposed weight,
+  // then the bias added in place; addmm for a 2-D input). Autocast casts the transposed view, which
+  // it does not cache (ATen's linear would keep a bf16 copy of every weight until autocast ends).
+  if (!conv1d) return torch::nn::functional::linear(x, weight, bias);
   if (!bias.defined()) return x.matmul(weight);
   auto shape = x.sizes().vec();
   shape.back() = weight.size(1);

@@ -41,9 +41,9 @@ torch::Tensor with_own_masks(int64_t rank, const torch::Device& device, const st
 /// drop() of a part of a tensor that only tp rank `rank` holds: with_own_masks.
 torch::Tensor drop_own(const torch::Tensor& x, double p, bool training, int64_t rank);
 
-/// A dense layer's product: x W^T + b (torch::nn::Linear's forward, weight (out, in); without a
-/// bias, ATen's linear) or, when `conv1d`, x W + b (GPT-2's Conv1D, weight (in, out), addmm over
-/// the flattened leading dimensions; without a bias, a matmul); `bias` may be undefined.
+/// A dense layer's product: x W^T + b (torch::nn::Linear's forward, weight (out, in)) or, when
+/// `conv1d`, x W + b (GPT-2's Conv1D, weight (in, out), addmm over the flattened leading
+/// dimensions; without a bias, a matmul); `bias` may be undefined.
 torch::Tensor dense_product(const torch::Tensor& x, const torch::Tensor& weight, const torch::Tensor& bias,
                             bool conv1d);
 

@@ -107,6 +107,21 @@ TEST(Recompute, BlocksAndSelectiveTrainBitForBitAsWithoutUnderDdpZero2Zero3AndTp
                        "gpt, dropout 0.2, tp 2, sp (each rank's own masks drawn again)");
 }
 
+// Each product form under tensor parallelism and bf16: llama's Linears without a bias (the
+// row-parallel partial products among them) with sequence parallelism (x gathered, not
+// contiguous), GPT-2's Conv1D (its row-parallel partial products a matmul without the bias).
+TEST(Recompute, BlocksAndSelectiveTrainBitForBitAsWithoutAtTp2WithBf16ForLlamaAndGpt2) {
+  expect_bit_identical(2,
+                       {"--model.name=llama", "--model.width=32", "--model.depth=2", "--model.heads=4",
+                        "--model.context=16", "--model.kv_heads=2", "--model.ffn_width=64"},
+                       {"--parallel.tp=2", "--parallel.sequence_parallel=true", "--amp.dtype=bf16"},
+                       "llama, tp 2, sp, bf16");
+  expect_bit_identical(2,
+                       {"--model.name=gpt2", "--model.width=32", "--model.depth=2", "--model.heads=4",
+                        "--model.context=16", "--model.dropout=0.1"},
+                       {"--parallel.tp=2", "--amp.dtype=bf16"}, "gpt2, dropout 0.1, tp 2, bf16");
+}
+
 // The unit: gradients of the input and of the parameters f uses equal the plain computation's,
 // and the forward keeps only the input (the output's grad_fn is recompute's own node).
 TEST(Recompute, GradientsEqualThePlainComputationsAndTheForwardKeepsNoActivation) {
@@ -190,6 +205,31 @@ TEST(Recompute, SelectiveKeepsTheDenseProductAndItsGradientsEqualThePlainComputa
       for (size_t i = 0; i < want.size(); ++i)
         EXPECT_TRUE(torch::equal(got[i], want[i])) << label << ", gradient " << i;
     }
+  }
+}
+
+// A second backward through a retained graph: blocks recomputes again, selective (whose kept
+// products went to the first) says so instead of failing on a missing tensor.
+TEST(Recompute, ASecondBackwardThroughARetainedGraphRecomputesOrIsRefusedByName) {
+  torch::manual_seed(0);
+  const auto w = torch::randn({5, 6}).requires_grad_(true);
+  auto f = [&](const torch::Tensor& t) {
+    keel::models::DenseTape* tape = keel::models::DenseTape::current();
+    return (tape ? tape->project(t, w, {}, false) : keel::models::dense_product(t, w, {}, false)).tanh();
+  };
+  const auto x = torch::randn({2, 3, 6}).requires_grad_(true);
+  auto blocks = keel::dist::recompute(f, x, keel::dist::Recompute::Blocks).sum();
+  blocks.backward({}, /*retain_graph=*/true);
+  const auto once = w.grad().clone();
+  blocks.backward();
+  EXPECT_TRUE(torch::allclose(w.grad(), 2 * once));
+  auto selective = keel::dist::recompute(f, x, keel::dist::Recompute::Selective).sum();
+  selective.backward({}, /*retain_graph=*/true);
+  try {
+    selective.backward();
+    ADD_FAILURE() << "a second selective backward ran";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("ran a second time (retain_graph)"), std::string::npos) << e.what();
   }
 }
 

@@ -283,8 +283,8 @@ void train_keys(SchemaBuilder& b) {
         "recomputes its activations in backward, with the forward's dropout masks and autocast dtypes, so training "
         "is the same bit for bit with less activation memory and one more forward per block; with every "
         "dist.zero and parallel.tp, compile.mode = \"off\" (and not with dist.find_unused_parameters at dist.zero <= "
-        "1) | selective: as blocks, but each block also keeps its dense projections' outputs (torchtitan's op "
-        "policy for the matmuls) and its backward recomputes everything else (norms, activations, attention, "
+        "1) | selective: as blocks, but each block also keeps its dense projections' outputs (every "
+        "matmul by a weight) and its backward recomputes everything else (norms, activations, attention, "
         "dropout, tp collectives) from them: the same training bit for bit, more memory than blocks and less "
         "recomputation");
 }
