@@ -126,9 +126,10 @@ torch::Tensor autocast_argument(const torch::Tensor& t, const torch::Tensor& x) 
 // same bit for bit.
 //
 // dense_product() makes three forms: an addmm with the bias inside (GPT-2's Conv1D over the
-// flattened input; a Linear on a 2-D input), a matmul (the row-parallel partial products: no
-// bias; ATen's linear casts the weight before transposing it, a matmul the transposed weight),
-// and a Linear's matmul followed by its bias added in place.
+// flattened input; a Linear on a 2-D input), a matmul without a bias (the row-parallel partial
+// products, a Linear without one), and a Linear's matmul followed by its bias added in place.
+// Autocast casts x (or its flattened 2-D view, for Conv1D's addmm), the bias of an addmm, and the
+// weight as the product takes it (a Linear's transposed).
 class KeptProducts : public models::DenseTape {
  public:
   void replay() {
@@ -148,7 +149,7 @@ class KeptProducts : public models::DenseTape {
     const bool bias_after = bias.defined() && !addmm;
     auto shape = x.sizes().vec();
     shape.back() = conv1d ? w.size(1) : w.size(0);
-    if (!replaying_) return keep(x, w, bias, conv1d, addmm, bias_after);
+    if (!replaying_) return keep(x, w, bias, shape, conv1d, addmm, bias_after);
     if (next_ >= kept_.size())
       throw std::runtime_error(
           "selective activation checkpointing: a block's recomputation made more dense "
@@ -164,14 +165,13 @@ class KeptProducts : public models::DenseTape {
           "selective activation checkpointing: a kept dense product was changed in place after "
           "the forward made it");
     torch::Tensor y = std::move(kept.product);
-    torch::Tensor bc, m1, m2;
+    const torch::Tensor m2 = autocast_argument(conv1d ? w : w.t(), x);
+    torch::Tensor bc, m1;
     if (addmm) {  // addmm(bias, mat1, mat2), each argument cast
       bc = autocast_argument(bias, x);
       m1 = autocast_argument(conv1d ? x.reshape({-1, x.size(-1)}) : x, x);
-      m2 = autocast_argument(conv1d ? w : w.t(), x);
     } else {  // matmul(x, mat2): both cast, then x's leading dimensions folded
       const torch::Tensor xc = autocast_argument(x, x);
-      m2 = autocast_argument(conv1d ? w : w.t(), x);
       m1 = xc.dim() == 2 ? xc : xc.reshape({-1, xc.size(-1)});
     }
     const auto made = addmm ? std::vector<int64_t>{m1.size(0), m2.size(1)} : shape;
@@ -193,10 +193,8 @@ class KeptProducts : public models::DenseTape {
   // The product as dense_product() makes it with autograd on (the weight requiring grad): a
   // matmul folds x's leading dimensions into one (also where x, gathered by sequence
   // parallelism, is not contiguous) and multiplies with mm, never bmm.
-  torch::Tensor keep(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias, bool conv1d, bool addmm,
-                     bool bias_after) {
-    auto shape = x.sizes().vec();
-    shape.back() = conv1d ? w.size(1) : w.size(0);
+  torch::Tensor keep(const torch::Tensor& x, const torch::Tensor& w, const torch::Tensor& bias,
+                     const std::vector<int64_t>& shape, bool conv1d, bool addmm, bool bias_after) {
     const torch::Tensor x2d = x.dim() == 2 ? x : x.reshape({-1, x.size(-1)});
     const torch::Tensor m2 = conv1d ? w : w.t();
     torch::Tensor product;

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <mutex>
+#include <utility>
 
 namespace keel::models {
 
@@ -189,21 +190,33 @@ torch::Tensor TransformerBlockImpl::residual_drop(const torch::Tensor& x) const 
   return tp.own_positions ? drop_own(x, o.resid_pdrop, is_training(), tp.rank) : drop(x, o.resid_pdrop, is_training());
 }
 
+namespace {
+// A dense layer's weight and bias (undefined without one): the module's own members, which every
+// placement updates in place (set_data), read without building its parameter dictionary.
+std::pair<torch::Tensor, torch::Tensor> dense_parameters(const torch::nn::AnyModule& dense, bool conv1d) {
+  if (conv1d) {
+    const auto* c = dense.ptr()->as<Conv1D>();
+    return {c->weight, c->bias};
+  }
+  const auto* l = dense.ptr()->as<torch::nn::Linear>();
+  return {l->weight, l->bias};
+}
+}  // namespace
+
 torch::Tensor TransformerBlockImpl::row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const {
   torch::Tensor y = tp.leave(project(dense, x, /*with_bias=*/false));
-  const auto params = dense.ptr()->named_parameters(/*recurse=*/false);
-  if (const auto* b = params.find("bias"); b && b->defined()) y = y + *b;
+  if (const torch::Tensor b = dense_parameters(dense, o.dense == BlockOptions::Dense::Conv1D).second; b.defined())
+    y = y + b;
   return y;
 }
 
 torch::Tensor TransformerBlockImpl::project(const torch::nn::AnyModule& dense, const torch::Tensor& x,
                                             bool with_bias) const {
-  DenseTape* tape = DenseTape::current();
-  const auto params = dense.ptr()->named_parameters(/*recurse=*/false);
-  const auto* b = params.find("bias");
-  const torch::Tensor bias = with_bias && b ? *b : torch::Tensor();
   const bool conv1d = o.dense == BlockOptions::Dense::Conv1D;
-  return tape ? tape->project(x, params["weight"], bias, conv1d) : dense_product(x, params["weight"], bias, conv1d);
+  const auto [weight, b] = dense_parameters(dense, conv1d);
+  const torch::Tensor bias = with_bias ? b : torch::Tensor();
+  DenseTape* tape = DenseTape::current();
+  return tape ? tape->project(x, weight, bias, conv1d) : dense_product(x, weight, bias, conv1d);
 }
 
 torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in) {
