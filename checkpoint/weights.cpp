@@ -90,7 +90,8 @@ std::map<std::string, std::pair<torch::Tensor, std::string>> read_weights(const 
   return found;
 }
 
-int64_t load_weights(models::Model& model, const std::string& path, const TensorRename& rename) {
+int64_t load_weights(models::Model& model, const std::string& path, const TensorRename& rename,
+                     models::DeferredInit* deferred) {
   auto found = read_weights(path, rename, "model.init_from");
   auto targets = model.named_parameters();
   for (auto& b : model.named_buffers()) targets.push_back(b);
@@ -111,7 +112,10 @@ int64_t load_weights(models::Model& model, const std::string& path, const Tensor
       throw InputError("model.init_from: " + file + ": \"" + name + "\" is " +
                        std::string(c10::toString(src.scalar_type())) + ", the model's is " +
                        c10::toString(dst.scalar_type()));
-    dst.copy_(src);
+    if (deferred && deferred->deferred(dst))
+      deferred->from(dst, [view = src] { return view; });
+    else
+      dst.copy_(src);
     found.erase(it);
     ++loaded;
   }

@@ -9,6 +9,7 @@
 #include <utility>
 
 #include "keel/checkpoint/checkpoint.h"
+#include "models/deferred_init.h"
 
 namespace keel::checkpoint {
 
@@ -23,7 +24,11 @@ std::map<std::string, std::pair<torch::Tensor, std::string>> read_weights(const 
                                                                           const std::string& what);
 
 /// load_weights, each file's tensor names passed through `rename` (may be empty: the names as
-/// they are) before they are matched, as strictly, against the model's.
-int64_t load_weights(models::Model& model, const std::string& path, const TensorRename& rename);
+/// they are) before they are matched, as strictly, against the model's. A parameter that
+/// `deferred` holds (sharded initialisation, models/deferred_init.h) is not loaded: it comes
+/// from the file's tensor (a view of its mapping) when its part is made, so a rank reads only
+/// the bytes of its slices.
+int64_t load_weights(models::Model& model, const std::string& path, const TensorRename& rename,
+                     models::DeferredInit* deferred = nullptr);
 
 }  // namespace keel::checkpoint

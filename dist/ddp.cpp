@@ -116,7 +116,8 @@ void verify_parameters_across_ranks(const models::NamedTensors& params, Collecti
 }
 
 DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll,
-                           const DistConfig& cfg, const std::optional<SplitGradients>& split)
+                           const DistConfig& cfg, const std::optional<SplitGradients>& split,
+                           models::DeferredInit* deferred)
     : model_(std::move(model)),
       coll_(std::move(coll)),
       bucket_bytes_(static_cast<size_t>(std::max(1.0, cfg.bucket_cap_mb * 1024 * 1024))),
@@ -136,9 +137,13 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
         d)
       throw CollectiveMismatch("ZeRO's placement differs across the tp group:" + d.by_rank());
 
-  // Start from rank 0's parameters and buffers.
+  if (deferred && !deferred->empty() && !placement_.shards_parameters())
+    throw std::logic_error("DataParallel: parameters left unmade for " + placement_.key() +
+                           " (only ZeRO-3 makes them)");
+  // Start from rank 0's parameters and buffers (those not made yet are drawn alike on every rank).
   std::vector<torch::Tensor> state;
-  for (auto& [n, t] : named) state.push_back(t.detach());
+  for (auto& [n, t] : named)
+    if (!deferred || !deferred->deferred(t)) state.push_back(t.detach());
   for (auto& [n, t] : model_->named_buffers()) {
     state.push_back(t.detach());
     if (cfg.broadcast_buffers && coll_->size() > 1) buffers_.push_back(t.detach());
@@ -159,7 +164,8 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
   }
   words.push_back(static_cast<int64_t>(placement_.fingerprint()));
   if (placement_.shards_gradients()) {
-    fsdp_ = std::make_unique<FullyShard>(model_, coll_, placement_, /*reduce_in_order=*/cfg.find_unused_parameters);
+    fsdp_ = std::make_unique<FullyShard>(model_, coll_, placement_, /*reduce_in_order=*/cfg.find_unused_parameters,
+                                         deferred);
     plan_ = fingerprint(words);
     return;  // no Reducer: FullyShard reduce-scatters each block's gradients
   }

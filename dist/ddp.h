@@ -54,8 +54,11 @@ class DataParallel {
   /// parallelism, dist/transform_plan.h): its partial gradients are summed over that group on a
   /// step's last micro-batch, and the clip counts each part once over the whole mesh. The
   /// placement must then be the same on every rank of that group (checked: one agreement).
+  /// `deferred` (sharded initialisation, dist.zero = 3 only): parameters not made yet, which
+  /// FullyShard makes as this rank's shards only (every rank draws the same from the same
+  /// run.seed: they are not broadcast).
   DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, const DistConfig& cfg,
-               const std::optional<SplitGradients>& split = std::nullopt);
+               const std::optional<SplitGradients>& split = std::nullopt, models::DeferredInit* deferred = nullptr);
   ~DataParallel();
 
   /// Call before each micro-batch's forward (broadcasts the buffers with dist.broadcast_buffers).

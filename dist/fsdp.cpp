@@ -69,8 +69,28 @@ struct FullyShard::Unit {
   Collectives::Started scattering;
 };
 
+// Rank `rank`'s shard of `unit`'s flat buffer: the elements of each parameter that fall in it
+// (a deferred one's made here, from its recipe; the rest copied), zero padding elsewhere.
+torch::Tensor FullyShard::shard_of(const Placement::Unit& unit, int64_t rank, const torch::TensorOptions& opts,
+                                   models::DeferredInit* deferred) const {
+  const int64_t first = rank * unit.shard, last = first + unit.shard;
+  auto shard = torch::zeros({unit.shard}, opts);
+  for (size_t k = 0; k < unit.params.size(); ++k) {
+    const torch::Tensor& p = params_[unit.params[k]].second;
+    const int64_t lo = std::max(first, unit.offsets[k]), hi = std::min(last, unit.offsets[k] + unit.sizes[k]);
+    const bool made_here = deferred && deferred->deferred(p);
+    if (lo < hi) {
+      const int64_t from = lo - unit.offsets[k];
+      shard.narrow(0, lo - first, hi - lo)
+          .copy_(made_here ? deferred->value(p, from, hi - lo) : p.detach().reshape({-1}).narrow(0, from, hi - lo));
+    }
+    if (made_here) deferred->done(p);
+  }
+  return shard;
+}
+
 FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, Placement placement,
-                       bool reduce_in_order)
+                       bool reduce_in_order, models::DeferredInit* deferred)
     : model_(std::move(model)),
       coll_(std::move(coll)),
       placement_(std::move(placement)),
@@ -85,11 +105,11 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     Unit& u = *units_.back();
     if (u.layout.params.empty()) continue;
     const auto opts = params_[u.layout.params.front()].second.options().requires_grad(false);
-    auto flat = torch::zeros({u.layout.shard * world}, opts);
-    for (size_t k = 0; k < u.layout.params.size(); ++k)
-      flat.narrow(0, u.layout.offsets[k], u.layout.sizes[k])
-          .copy_(params_[u.layout.params[k]].second.detach().reshape({-1}));
     if (keeps_whole()) {  // stage 2: the whole buffer stays; the parameters become views of it
+      auto flat = torch::zeros({u.layout.shard * world}, opts);
+      for (size_t k = 0; k < u.layout.params.size(); ++k)
+        flat.narrow(0, u.layout.offsets[k], u.layout.sizes[k])
+            .copy_(params_[u.layout.params[k]].second.detach().reshape({-1}));
       u.full = flat;
       u.shard_data = u.full.narrow(0, rank * u.layout.shard, u.layout.shard);
       for (size_t k = 0; k < u.layout.params.size(); ++k)
@@ -97,7 +117,7 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
             u.full.narrow(0, u.layout.offsets[k], u.layout.sizes[k]).view(u.layout.shapes[k]));
       u.gathered = true;
     } else {
-      u.shard_data = flat.narrow(0, rank * u.layout.shard, u.layout.shard).clone();
+      u.shard_data = shard_of(u.layout, rank, opts, deferred);
       u.full = torch::empty({u.layout.shard * world}, opts);
       release_storage(u.full);
       u.placeholder = torch::empty({0}, opts);
@@ -105,6 +125,8 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     }
     u.shard_grad = torch::zeros_like(u.shard_data);
   }
+  if (deferred && !deferred->empty())
+    throw std::logic_error("FullyShard: " + std::to_string(deferred->size()) + " parameters in no unit left unmade");
   // The pieces: leaves over this rank's shards, each with its gradient over the gradient shard.
   piece_at_ = placement_.pieces(rank);
   for (const auto& at : piece_at_) {

@@ -47,6 +47,7 @@
 #include "dist/sharded_parameters.h"
 #include "keel/dist/collectives.h"
 #include "keel/models/model.h"
+#include "models/deferred_init.h"
 
 namespace keel::dist {
 
@@ -59,8 +60,10 @@ class FullyShard final : public models::BlockHooks, public ShardedParameters {
   /// collectives), instead of each block as its backward completes. Parameters on another device
   /// than the process group's (Gloo with CUDA tensors: two ranks sharing a GPU) are gathered and
   /// reduce-scattered through copies on the group's device.
+  /// `deferred` (sharded initialisation, stage 3): parameters not made yet; this rank makes only
+  /// the elements of its shards (models/deferred_init.h), and no rank holds a whole unit.
   FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Collectives> coll, Placement placement,
-             bool reduce_in_order = false);
+             bool reduce_in_order = false, models::DeferredInit* deferred = nullptr);
   ~FullyShard() override;
 
   torch::Tensor enter(size_t block, const torch::Tensor& input) override;
@@ -130,6 +133,8 @@ class FullyShard final : public models::BlockHooks, public ShardedParameters {
   void reduce(Unit& u);
   void finish_reduce(Unit& u);  // waits for its reduce-scatter and adds the sums into its shard
   bool keeps_whole() const { return !placement_.shards_parameters(); }  // stage 2: parameters stay whole
+  torch::Tensor shard_of(const Placement::Unit& unit, int64_t rank, const torch::TensorOptions& opts,
+                         models::DeferredInit* deferred) const;
 
   // Validation by schedule (whenever coll_ validates: dist.validate = always, and the first
   // step's micro-batches at first_step; the trainer's training micro-batches; per `sync` value):

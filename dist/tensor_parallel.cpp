@@ -11,12 +11,13 @@
 
 namespace keel::dist {
 
-void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan) {
+void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan,
+                           models::DeferredInit* deferred) {
   if (mesh.tp() == 1) {
     plan.applied(Transform::TensorParallel, "none (tp 1)");
     return;
   }
-  TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel);
+  TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel, deferred);
   Collectives& tp = mesh.on(Axis::Tp);
   const std::vector<bool> partial = shard.partial();
   const auto summed = std::count(partial.begin(), partial.end(), true);
@@ -32,7 +33,8 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
                                       : std::string()));
 }
 
-TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel) {
+TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel,
+                                                models::DeferredInit* deferred) {
   const models::TransformerFamily* family = models::transformer_family(model.name());
   if (!family || !family->shard)
     throw InputError("tensor parallelism: model.name = \"" + model.name() +
@@ -45,7 +47,10 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
   models::TensorParallelParts parts;
   parts.rank = tp.rank();
   parts.size = size;
-  parts.block = [&](models::TransformerBlockImpl& b) { shard_block(b, family->tp_plan, tp, sequence_parallel); };
+  parts.deferred = deferred;
+  parts.block = [&](models::TransformerBlockImpl& b) {
+    shard_block(b, family->tp_plan, tp, sequence_parallel, deferred);
+  };
   parts.vocab.first = range.first;
   parts.vocab.n = range.n;
   if (sequence_parallel) {
@@ -100,7 +105,7 @@ torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& h
 }
 
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
-                 bool sequence_parallel) {
+                 bool sequence_parallel, models::DeferredInit* deferred) {
   const int64_t size = tp.size(), rank = tp.rank();
   const models::BlockOptions& o = block.o;
   for (const auto& [what, n] : {std::pair{"model.heads", o.heads}, std::pair{"model.kv_heads", o.kv_heads},
@@ -111,10 +116,9 @@ void shard_block(models::TransformerBlockImpl& block, const std::vector<models::
                        (std::string(what) == "model.kv_heads"
                             ? " (each tp rank holds whole key/value heads; replicating fewer than tp is not done)"
                             : ""));
-  torch::NoGradGuard no_grad;
   for (auto& p : block.named_parameters())
     if (const models::TpRule* rule = models::tp_rule(plan, p.key()))
-      p.value().set_data(models::tp_slice(p.value().detach(), *rule, rank, size));
+      models::keep_tp_slice(p.value(), *rule, rank, size, deferred);
   models::TpRegion region;
   region.rank = rank;
   region.size = size;

@@ -19,6 +19,7 @@
 #include "dist/transform_plan.h"
 #include "keel/dist/collectives.h"
 #include "keel/models/model.h"
+#include "models/deferred_init.h"
 #include "models/transformer.h"
 
 namespace keel::dist {
@@ -57,7 +58,10 @@ torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& h
 /// for the gradients (TransformPlan::set_split_gradients: the data-parallel transform sums the
 /// partial ones and clips over the mesh) and how a checkpoint holds the parameters whole
 /// (TransformPlan::set_sharded_parameters: dist/tp_checkpoint.h).
-void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan);
+/// `deferred` (sharded initialisation, models/deferred_init.h): the parameters it holds keep
+/// their tp slices once made, and nothing is made here.
+void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan,
+                           models::DeferredInit* deferred = nullptr);
 
 /// Shards a whole model of a transformer family over the tp group `tp` (rank tp.rank() of
 /// tp.size()): every block by the family's plan (shard_block), the token embedding and the
@@ -68,7 +72,8 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
 /// sequence again (T must divide by tp). Throws InputError naming the key for a model without a
 /// tensor-parallel plan (model.name), or a model.vocab, model.heads, model.kv_heads or MLP width
 /// that does not divide by tp. The model keeps references to `tp`, which must outlive it.
-TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel = false);
+TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel = false,
+                                                models::DeferredInit* deferred = nullptr);
 
 /// Keeps this rank's part (rank tp.rank() of tp.size()) of each of `block`'s parameters that a
 /// rule of `plan` matches (the rules' suffixes relative to the block), and sets the block's
@@ -79,6 +84,6 @@ TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collective
 /// Throws InputError naming model.heads, model.kv_heads or the MLP's width when one does not
 /// divide by tp.size() (std::invalid_argument for another split dimension). `tp` must outlive the block.
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
-                 bool sequence_parallel);
+                 bool sequence_parallel, models::DeferredInit* deferred = nullptr);
 
 }  // namespace keel::dist

@@ -23,6 +23,7 @@
 
 #include "dist/sharded_parameters.h"
 #include "keel/dist/collectives.h"
+#include "models/deferred_init.h"
 
 namespace keel::dist {
 
@@ -41,6 +42,11 @@ enum class Recompute { None, Blocks, Selective };
 struct TransformOptions {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::None;
+  /// Sharded initialisation (model.sharded_init, models/deferred_init.h): the model's parameters
+  /// not made yet, or null. place() makes each rank's tensor-parallel part of them, unless
+  /// `deferred_to_data_parallel` (dist.zero = 3), when FullyShard makes each rank's flat shards.
+  std::shared_ptr<models::DeferredInit> deferred;
+  bool deferred_to_data_parallel = false;
 };
 
 /// The gradients of a model whose parameters are split over `group` outside data parallelism,
@@ -76,11 +82,15 @@ class TransformPlan {
   /// them whole (dist/sharded_parameters.h); DistributedModel's checkpoint components use it.
   void set_sharded_parameters(std::shared_ptr<ShardedParameters> s) { sharded_ = std::move(s); }
   ShardedParameters* sharded_parameters() const { return sharded_.get(); }
+  /// Parameters left for the data-parallel transform to make (TransformOptions::deferred).
+  void set_deferred(std::shared_ptr<models::DeferredInit> d) { deferred_ = std::move(d); }
+  const std::shared_ptr<models::DeferredInit>& deferred() const { return deferred_; }
 
  private:
   std::vector<std::pair<Transform, std::string>> steps_;
   std::optional<SplitGradients> split_gradients_;
   std::shared_ptr<ShardedParameters> sharded_;
+  std::shared_ptr<models::DeferredInit> deferred_;
 };
 
 }  // namespace keel::dist

@@ -6,6 +6,7 @@
 // residual branch.
 #include <algorithm>
 
+#include "models/deferred_init.h"
 #include "models/transformer.h"
 
 namespace keel::models {
@@ -29,8 +30,11 @@ struct GptImpl : torch::nn::Module, BlockStructure {
         wpe(register_module("wpe", torch::nn::Embedding(context, d))),
         h(register_module("h", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", torch::nn::LayerNorm(torch::nn::LayerNormOptions({d})))) {
+    defer_parameters(*this);  // sharded initialisation (models/deferred_init.h); else nothing
     for (int64_t i = 0; i < layers; ++i) {
-      h->push_back(TransformerBlock(gpt_block(d, heads, dropout)));
+      TransformerBlock block(gpt_block(d, heads, dropout));
+      defer_parameters(*block);
+      h->push_back(block);
       block_prefixes.push_back(gpt_family().block_prefix + std::to_string(i) + ".");
     }
     init_gpt2_style(*this, layers);

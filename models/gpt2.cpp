@@ -5,6 +5,7 @@
 // causal attention scaled by 1/sqrt(head width), GELU with tanh (gelu_new) or erf, learned
 // positions; dropout while training where transformers has it (embd_pdrop after the embeddings,
 // attn_pdrop on the attention weights, resid_pdrop after each residual branch's projection).
+#include "models/deferred_init.h"
 #include "models/hf.h"
 #include "models/transformer.h"
 
@@ -36,7 +37,12 @@ struct Gpt2BodyImpl : torch::nn::Module {
         wpe(register_module("wpe", torch::nn::Embedding(s.positions, s.width))),
         h(register_module("h", torch::nn::ModuleList())),
         ln_f(register_module("ln_f", layer_norm(s.width, s.eps))) {
-    for (int64_t i = 0; i < s.layers; ++i) h->push_back(TransformerBlock(gpt2_block(s)));
+    defer_parameters(*this);  // sharded initialisation (models/deferred_init.h); else nothing
+    for (int64_t i = 0; i < s.layers; ++i) {
+      TransformerBlock block(gpt2_block(s));
+      defer_parameters(*block);
+      h->push_back(block);
+    }
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
@@ -62,6 +68,7 @@ struct Gpt2Impl : torch::nn::Module, BlockStructure {
       block_prefixes.push_back(gpt2_family().block_prefix + std::to_string(i) + ".");
     if (!s.tied)
       lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.vocab).bias(false)));
+    defer_parameters(*this);
     init_gpt2_style(*this, s.layers);  // transformers' GPT-2 initialisation
   }
   // idx: (B, T) int64 -> logits (B, T, vocab)

@@ -5,6 +5,7 @@
 // rotated, as transformers' rotate_half), grouped-query attention (num_key_value_heads, each
 // key/value head serving heads / kv_heads consecutive query heads), a SwiGLU MLP; the block is
 // models/transformer.h's.
+#include "models/deferred_init.h"
 #include "models/hf.h"
 #include "models/transformer.h"
 
@@ -46,7 +47,12 @@ struct LlamaBodyImpl : torch::nn::Module {
         embed_tokens(register_module("embed_tokens", embedding(s))),
         layers(register_module("layers", torch::nn::ModuleList())),
         norm(register_module("norm", RmsNorm(s.width, s.eps))) {
-    for (int64_t i = 0; i < s.layers; ++i) layers->push_back(TransformerBlock(llama_block(s)));
+    defer_parameters(*this);  // sharded initialisation (models/deferred_init.h); else nothing
+    for (int64_t i = 0; i < s.layers; ++i) {
+      TransformerBlock block(llama_block(s));
+      defer_parameters(*block);
+      layers->push_back(block);
+    }
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     auto emb = rotary_angles(idx.size(1), hd, theta, idx.device());  // (T, hd) float32
@@ -74,18 +80,19 @@ struct LlamaImpl : torch::nn::Module, BlockStructure {
       block_prefixes.push_back(llama_family().block_prefix + std::to_string(i) + ".");
     if (!s.tied)
       lm_head = register_module("lm_head", torch::nn::Linear(torch::nn::LinearOptions(s.width, s.vocab).bias(false)));
+    defer_parameters(*this);
     // transformers' initialisation: N(0, initializer_range = 0.02), zero biases, unit norms.
-    torch::NoGradGuard ng;
     for (auto& p : named_parameters()) {
       const auto& name = p.key();
       if (name.find("norm") != std::string::npos)
-        p.value().fill_(1.0);
+        init_fill_(p.value(), 1.0);
       else if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0)
-        p.value().zero_();
+        init_fill_(p.value(), 0.0);
       else
-        p.value().normal_(0.0, 0.02);
+        init_normal_(p.value(), 0.0, 0.02);
     }
-    if (s.padding_idx >= 0) model->embed_tokens->weight[s.padding_idx].zero_();
+    if (const int64_t pad = s.padding_idx; pad >= 0)
+      init_edit_(model->embed_tokens->weight, [pad](torch::Tensor& w) { w[pad].zero_(); });
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     TORCH_CHECK(idx.dim() == 2, "llama expects tokens (B, T), got ", idx.sizes());

@@ -5,6 +5,8 @@
 #include <mutex>
 #include <utility>
 
+#include "models/deferred_init.h"
+
 namespace keel::models {
 
 torch::Tensor drop(const torch::Tensor& x, double p, bool training) {
@@ -329,25 +331,30 @@ torch::Tensor TpVocab::positions(int64_t T, const torch::Device& device) const {
 void shard_blocks_and_vocabulary(torch::nn::Module& root, torch::nn::ModuleList& blocks,
                                  const std::vector<TpRule>& plan, const TensorParallelParts& parts) {
   for (auto& block : *blocks) parts.block(*block->as<TransformerBlockImpl>());
-  torch::NoGradGuard no_grad;
   for (auto& p : root.named_parameters())
     if (const TpRule* rule = tp_rule(plan, p.key()); rule && rule->split == TpSplit::Vocab)
-      p.value().set_data(tp_slice(p.value().detach(), *rule, parts.rank, parts.size));
+      keep_tp_slice(p.value(), *rule, parts.rank, parts.size, parts.deferred);
+}
+
+void keep_tp_slice(const torch::Tensor& p, const TpRule& rule, int64_t rank, int64_t size, DeferredInit* deferred) {
+  if (deferred && deferred->deferred(p))
+    return deferred->keep_part(p, [rule, rank, size](const torch::Tensor& t) { return tp_slice(t, rule, rank, size); });
+  torch::NoGradGuard no_grad;
+  p.set_data(tp_slice(p.detach(), rule, rank, size));
 }
 
 void init_gpt2_style(torch::nn::Module& model, int64_t layers) {
-  torch::NoGradGuard ng;
   for (auto& p : model.named_parameters()) {
     const auto& name = p.key();
-    auto& t = p.value();
+    const auto& t = p.value();
     if (name.size() >= 4 && name.compare(name.size() - 4, 4, "bias") == 0)
-      t.zero_();
+      init_fill_(t, 0.0);
     else if (name.find("ln_") != std::string::npos)
-      t.fill_(1.0);
+      init_fill_(t, 1.0);
     else if (name.find("c_proj.weight") != std::string::npos)
-      t.normal_(0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(layers)));
+      init_normal_(t, 0.0, 0.02 / std::sqrt(2.0 * static_cast<double>(layers)));
     else
-      t.normal_(0.0, 0.02);
+      init_normal_(t, 0.0, 0.02);
   }
 }
 

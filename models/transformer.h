@@ -26,6 +26,8 @@
 
 namespace keel::models {
 
+class DeferredInit;  // models/deferred_init.h
+
 /// Dropout while training; nothing at all (no op, no random numbers) when p = 0 or evaluating.
 torch::Tensor drop(const torch::Tensor& x, double p, bool training);
 
@@ -193,6 +195,9 @@ const TpRule* tp_rule(const std::vector<TpRule>& plan, const std::string& name);
 /// Rank `rank`'s part of `whole` under `rule` over `size` ranks (a copy; Replicate: the whole).
 /// Throws std::invalid_argument when the split dimension does not divide.
 torch::Tensor tp_slice(const torch::Tensor& whole, const TpRule& rule, int64_t rank, int64_t size);
+/// Parameter `p` keeps only tp_slice() of itself: now (set_data), or, when `deferred` holds it
+/// (sharded initialisation, models/deferred_init.h), once its value is made.
+void keep_tp_slice(const torch::Tensor& p, const TpRule& rule, int64_t rank, int64_t size, DeferredInit* deferred);
 
 /// The vocabulary split as a family's model sees it (dist::shard_model_tensor_parallel sets it):
 /// this rank's rows of the vocabulary, the lookup of token ids in them (each rank's rows summed
@@ -221,6 +226,7 @@ struct TpVocab {
 /// (dist::shard_block with the family's plan), and the vocabulary split.
 struct TensorParallelParts {
   int64_t rank = 0, size = 1;
+  DeferredInit* deferred = nullptr;  // sharded initialisation: the parameters not made yet, or null
   std::function<void(TransformerBlockImpl&)> block;
   TpVocab vocab;
 };

@@ -1,18 +1,25 @@
 #include "trainer/run.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
+#include <cstdio>
 #include <filesystem>
 #include <string>
+
+#include <ATen/CPUGeneratorImpl.h>
 
 #include "amp/autocast.h"
 #include "checkpoint/weights.h"
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/stop.h"
+#include "dist/placement.h"
 #include "dist/tp_ops.h"
 #include "keel/common/error.h"
+#include "models/deferred_init.h"
 #include "models/hf.h"
+#include "models/transformer.h"
 #include "trainer/app/log.h"
 #include "trainer/compile/inductor.h"
 #include "trainer/compile/packaging.h"
@@ -25,6 +32,12 @@ namespace {
 
 // train.steps' documented maximum (trainer/config/schema.cpp).
 constexpr int64_t kMaxPlannedSteps = 1'000'000'000'000;
+
+// The process's peak resident memory so far (MiB).
+double peak_rss_mib() {
+  rusage ru{};
+  return ::getrusage(RUSAGE_SELF, &ru) == 0 ? static_cast<double>(ru.ru_maxrss) / 1024.0 : 0.0;  // KiB on Linux
+}
 
 dist::Recompute recompute_policy(ActivationCheckpointing ac) {
   switch (ac) {
@@ -160,7 +173,16 @@ void Run::build_model_and_data() {
   // The data's native input kind is asked first so that an unknown dataset is reported before
   // a model is built.
   const auto data_kind = data::native_input_kind(cfg.data.name);
-  model = build_model_on_every_rank(data_kind);
+  rss_before_model_mib = peak_rss_mib();
+  if (cfg.model.sharded_init && (mesh.tp() > 1 || dist::Placement(cfg.dist.zero).shards_parameters()) &&
+      models::transformer_family(cfg.model.name))
+    deferred = std::make_shared<models::DeferredInit>();
+  {
+    models::DeferredInit::Use use(deferred.get());
+    model = build_model_on_every_rank(data_kind);
+  }
+  if (deferred && deferred->empty()) deferred.reset();
+  if (deferred) check_generators_agree();
   num_parameters = model->num_parameters();  // (dist.zero = 3 empties the model's own between steps)
   python = std::dynamic_pointer_cast<PythonModel>(model);
   if (!cfg.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
@@ -168,7 +190,8 @@ void Run::build_model_and_data() {
     const int64_t n = checkpoint::load_weights(*model, cfg.model.init_from,
                                                models::is_hf_family(cfg.model.name)
                                                    ? models::hf_tensor_rename(models::hf_shape(cfg.model))
-                                                   : checkpoint::TensorRename{});
+                                                   : checkpoint::TensorRename{},
+                                               deferred.get());
     logging::info("model: {} tensors from {} (model.init_from)", n, cfg.model.init_from);
   }
   spec = model->input_spec();
@@ -226,7 +249,8 @@ void Run::compile_and_distribute() {
       const std::string identity =
           cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg.model, cfg.amp);
       const dist::TransformOptions options{cfg.parallel.sequence_parallel,
-                                           recompute_policy(cfg.train.activation_checkpointing)};
+                                           recompute_policy(cfg.train.activation_checkpointing), deferred,
+                                           dist::Placement(cfg.dist.zero).shards_parameters()};
       return place(model, device, mesh, options)
           .compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);
     });
@@ -234,18 +258,54 @@ void Run::compile_and_distribute() {
   if (!inductor) {
     dmodel.emplace(compile().distribute(mesh.shared(dist::Axis::Dp), cfg.dist));
     logging::info("model transforms: {}", dmodel->transforms().describe());
+    log_build_memory();
     return;
   }
   try {
     dmodel.emplace(compile().distribute(mesh.shared(dist::Axis::Dp), cfg.dist));
     if (python) python->attach(dmodel->inductor_step(), /*evaluates=*/inductor->eval_batch > 0);
     logging::info("model transforms: {}", dmodel->transforms().describe());
+    log_build_memory();
   } catch (const CompileError& e) {
     // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
     // that cannot be captured whole is the user's model: exit 2.
     throw InputError(std::string(e.what()) +
                      (python ? " (model.name = \"python\" runs only compiled)" : " (compile.fullgraph = true)"));
   }
+}
+
+// Sharded initialisation broadcasts nothing: every rank makes its shards from the draws it
+// recorded, which are the same on every rank only if each rank's generator went the same way.
+// Its state after the build, compared (one agreement): a rank that drew otherwise (another seed,
+// a draw of its own before the build) stops the run instead of training from other values.
+void Run::check_generators_agree() {
+  const torch::Tensor state = at::detail::getDefaultCPUGenerator().get_state().contiguous();
+  const uint64_t fp = dist::fingerprint(
+      std::string_view(reinterpret_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel())));
+  if (const auto d = dist::agree(
+          *coll, fp, [fp] { return std::to_string(fp); }, "sharded initialisation");
+      d)
+    throw std::runtime_error(
+        "model.sharded_init: the ranks' random generators differ after building the model, so their shards would "
+        "come from different draws (generator state fingerprints:" +
+        d.by_rank() + "); set model.sharded_init = false to build it whole and broadcast rank 0's");
+}
+
+// What building and placing the model cost this rank: its peak resident memory so far (the
+// process's high-water mark, before the first step allocates gradients and optimizer state).
+void Run::log_build_memory() {
+  const double peak_mib = peak_rss_mib();
+  char peak[160];
+  std::snprintf(peak, sizeof peak, "peak resident memory so far %.0f MiB, %.0f MiB over its peak before the model",
+                peak_mib, peak_mib - rss_before_model_mib);
+  if (deferred)
+    logging::info(
+        "model: built as this rank's shards (model.sharded_init): the largest whole tensor made was {:.1f} "
+        "MiB; {}",
+        static_cast<double>(deferred->largest_transient_bytes()) / (1 << 20), peak);
+  else
+    logging::info("model: built and placed; {}", peak);
+  deferred.reset();
 }
 
 void Run::build_optimizer() {

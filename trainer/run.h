@@ -57,6 +57,10 @@ struct Run {
   std::shared_ptr<models::Model> model;  // the eager model (evaluation, checkpoints)
   std::shared_ptr<PythonModel> python;   // model.name = "python": model's core, evaluated through the package
   int64_t num_parameters = 0;            // the model's, as built (dist.zero = 3 empties its own)
+  /// model.sharded_init: the model's parameters not made yet (models/deferred_init.h), until
+  /// place() or, at dist.zero = 3, distribute() makes this rank's shards of them; else null.
+  std::shared_ptr<models::DeferredInit> deferred;
+  double rss_before_model_mib = 0;  // the process's peak resident memory before the model was built
   models::InputSpec spec;
   data::Splits splits;
   std::optional<DistributedModel> dmodel;
@@ -86,6 +90,8 @@ struct Run {
   std::shared_ptr<models::Model> build_model_on_every_rank(std::optional<models::InputKind> data_kind);
   void build_model_and_data();
   void compile_and_distribute();
+  void check_generators_agree();
+  void log_build_memory();
   void build_optimizer();
 };
 

@@ -69,7 +69,8 @@ std::string compile_identity(const ModelConfig& model, const AmpConfig& amp) {
   c.model = model;
   std::string id;
   for (const auto& f : config_schema())
-    if (f.section == "model") id += f.key + "=" + to_toml_literal(f.get(c)) + ";";
+    if (f.section == "model" && f.key != "sharded_init")  // (how the parameters are made, not the model)
+      id += f.key + "=" + to_toml_literal(f.get(c)) + ";";
   if (model.name == "torchscript") id += "file_sha256=" + sha256_hex(read_file(model.path, kMaxInputBytes));
   return id + "amp.dtype=" + choice_name(kAmpDtypes, amp.dtype);
 }

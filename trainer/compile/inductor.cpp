@@ -78,7 +78,8 @@ std::string tensor_spec(const torch::Tensor& t) {
 nlohmann::json model_config_json(const Config& cfg) {
   nlohmann::json j = nlohmann::json::object();
   for (const auto& f : config_schema()) {
-    if (f.section != "model") continue;
+    // model.sharded_init says how the parameters are made, not what the model is.
+    if (f.section != "model" || f.key == "sharded_init") continue;
     std::visit([&](const auto& v) { j[f.key] = v; }, f.get(cfg));
   }
   return j;

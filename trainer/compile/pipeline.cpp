@@ -15,8 +15,15 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
                   const dist::TransformOptions& options) {
   dist::TransformPlan plan;
   model = dist::split_into_stages(std::move(model), mesh, plan);
-  dist::shard_tensor_parallel(*model, mesh, options.sequence_parallel, plan);
+  models::DeferredInit* deferred = options.deferred && !options.deferred->empty() ? options.deferred.get() : nullptr;
+  dist::shard_tensor_parallel(*model, mesh, options.sequence_parallel, plan, deferred);
   dist::wrap_recompute(*model, options.recompute, plan);
+  if (deferred && options.deferred_to_data_parallel) {
+    deferred->to(device);  // placeholders: Module::to would make them whole
+    plan.set_deferred(options.deferred);
+  } else if (deferred) {
+    deferred->make_all(model->named_parameters());  // this rank's tp parts
+  }
   model->to(device);
   auto check = [&](const models::NamedTensors& tensors, const char* kind) {
     for (const auto& [name, t] : tensors)
@@ -57,7 +64,9 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
 
 DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> coll, const DistConfig& cfg) && {
   const int64_t ranks = coll->size();
-  auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg, plan_.split_gradients());
+  auto ddp = std::make_unique<dist::DataParallel>(model_, std::move(coll), cfg, plan_.split_gradients(),
+                                                  plan_.deferred().get());
+  plan_.set_deferred(nullptr);
   // A split outside data parallelism (tensor parallelism) writes whole tensors from ZeRO's owners.
   if (dist::ShardedParameters* split = plan_.sharded_parameters())
     split->over_data_parallel(ddp->placement(), ddp->fully_shard());

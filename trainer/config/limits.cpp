@@ -214,6 +214,13 @@ ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape,
   m.item = {head + bytes_text(bytes) + " with gradients and " + state_name, culprit_of(keys), bytes};
   m.host_item = {head + bytes_text(m.P) + " in host memory, where it is built before it moves to the GPU",
                  culprit_of(keys), m.P};
+  if (cfg.model.sharded_init && placement.shards_parameters() && shape.sequence()) {
+    // Built as this rank's shards (models/deferred_init.h): its shard, and one whole token
+    // embedding (the largest tensor made whole) at a time.
+    const double built = m.P_held + 4 * static_cast<double>(k.vocab.effective) * static_cast<double>(k.width.effective);
+    m.host_item = {head + bytes_text(built) + " in host memory while it is built as this rank's shards",
+                   culprit_of(keys), built};
+  }
   return m;
 }
 
@@ -329,12 +336,12 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t dp_size, bool on_cuda)
   const double P = model.P_held, G = model.G, S = model.S;
   const bool several_steps = cfg.train.epochs == 0 && cfg.train.steps >= 2;
   const double state_and_activations = several_steps ? P + G + S + A : P + std::max(A, G + S);
-  double host = model.P + data.build;  // built whole, before dist.zero = 3 shards it
+  double host = model.host_item.bytes + data.build;  // built whole (or as its shards: model.sharded_init)
   if (on_cuda) {
     host = std::max(host, data.kept + data.sampler);
     e.device_bytes = state_and_activations;
   } else {
-    host = std::max(host, model.P + data.kept + data.sampler);
+    host = std::max(host, model.host_item.bytes + data.kept + data.sampler);
     host = std::max(host, state_and_activations + data.kept);
   }
   e.host_bytes = host;

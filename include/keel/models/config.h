@@ -36,6 +36,9 @@ struct ModelConfig {
   // (gpt2: embd_pdrop, resid_pdrop, attn_pdrop; llama: attention_dropout), else 0.
   double dropout = -1.0;
   std::string init_from = "";  // safetensors weights to start from (keel/checkpoint/checkpoint.h load_weights)
+  // gpt, gpt2, llama at dist.zero = 3 or parallel.tp > 1: each rank makes only its shards of the
+  // parameters (the same values, bit for bit); false = every rank builds the whole model first.
+  bool sharded_init = true;
 };
 
 }  // namespace keel
