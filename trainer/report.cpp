@@ -12,6 +12,7 @@
 #include "common/atomic_file.h"
 #include "common/file.h"
 #include "common/log.h"
+#include "common/tensor_memory.h"
 #include "keel/common/error.h"
 #include "keel/version.h"
 
@@ -160,6 +161,10 @@ Summary RunReport::summary(const RunCheckpoints& ckpts, int stop_signal) const {
     s.peak_device_memory_mb = static_cast<double>(stats.allocated_bytes[aggregate].peak) / (1024.0 * 1024.0);
   }
 #endif
+  if (const auto counted = tensor_memory()) {
+    s.cpu_tensor_peak_mb = static_cast<double>(counted->peak) / (1024.0 * 1024.0);
+    s.cpu_tensor_end_mb = static_cast<double>(counted->live) / (1024.0 * 1024.0);
+  }
   {
     struct rusage ru {};
     if (::getrusage(RUSAGE_SELF, &ru) == 0) s.peak_rss_mb = static_cast<double>(ru.ru_maxrss) / 1024.0;  // KiB on Linux

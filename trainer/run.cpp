@@ -14,6 +14,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/stop.h"
+#include "common/tensor_memory.h"
 #include "dist/placement.h"
 #include "dist/tp_ops.h"
 #include "keel/common/error.h"
@@ -57,6 +58,7 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
     : cfg(cfg), world(world), cb(cb), loss(cb.loss ? cb.loss : losses().get(cfg.train.loss)) {
   init_logging(cfg.run, world.rank, world.size);
   tune_allocator();
+  if (cfg.run.count_tensor_memory) count_tensor_memory();
   threads = set_threads(cfg.run, world);
   torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
   device = resolve_device(cfg.run, world);

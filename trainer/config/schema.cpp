@@ -107,6 +107,10 @@ void run_keys(SchemaBuilder& b) {
   b.add("run", &C::run, "name", &RunConfig::name, "run name, used in logs and the default run.dir");
   b.add("run", &C::run, "dir", &RunConfig::dir, "output directory (metrics, summary, config); \"\" = runs/<run.name>");
   b.add("run", &C::run, "seed", &RunConfig::seed, "seed for model init, data order and synthetic data");
+  b.add("run", &C::run, "count_tensor_memory", &RunConfig::count_tensor_memory,
+        "count the bytes of live CPU tensors exactly (a counting allocator in place of LibTorch's CPU allocator, "
+        "from the start of the run): summary.json's cpu_tensor_peak_mb and cpu_tensor_end_mb; for measurements "
+        "(peak RSS also counts memory the C library keeps after it is freed)");
   range(b.add("run", &C::run, "threads", &RunConfig::threads, "intra-op threads per rank; 0 = cores / local ranks"), 0,
         1024);
   b.add("run", &C::run, "device", &RunConfig::device, kDeviceChoices,

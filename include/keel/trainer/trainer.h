@@ -102,6 +102,12 @@ struct EvalResult {
   X(double, peak_rss_mb, 0, null, "this process's peak resident set (getrusage), MiB")                                 \
   X(std::optional<double>, peak_device_memory_mb, , null,                                                              \
     "CUDA: the peak memory allocated on this rank's device (the caching allocator's peak), MiB; null on the CPU")      \
+  X(std::optional<double>, cpu_tensor_peak_mb, , null,                                                                 \
+    "run.count_tensor_memory: the most bytes of CPU tensors alive at once on this rank since the run started, MiB; "   \
+    "else null")                                                                                                       \
+  X(std::optional<double>, cpu_tensor_end_mb, , null,                                                                  \
+    "run.count_tensor_memory: the bytes of CPU tensors alive on this rank at the end (model, gradients, optimizer "    \
+    "state, data), MiB; else null")                                                                                    \
   X(ControlTraffic, control_per_step, , null,                                                                          \
     "keel's control traffic per step on this rank over the loop (the consensus, validation probes, checkpoint "        \
     "coordination, evaluation totals; not DDP's gradients)")

@@ -65,6 +65,7 @@ struct RunConfig {
   std::string profile_steps = "";  // "A-B": a profiler trace of those steps (trainer/profiler.h)
   double peak_tflops = 0;          // one rank's peak for MFU; 0 = measured at start (models that report FLOPs)
   SyncDebug sync_debug = SyncDebug::Off;
+  bool count_tensor_memory = false;  // count live CPU tensor bytes (summary.json's cpu_tensor_*_mb)
 };
 
 /// train.activation_checkpointing: what a block's backward recomputes (dist/recompute.h).
