@@ -520,6 +520,7 @@ def ac_bench(args):
             else:
                 summary[f"{n}_activation_mb"] = middle([r["cpu_tensor_peak_mb"] - r["cpu_tensor_end_mb"]
                                                          for r in got[n]])
+                summary[f"{n}_cpu_tensor_end_mb"] = middle([r["cpu_tensor_end_mb"] for r in got[n]])
                 summary[f"{n}_activation_measure"] = "counted: peak live CPU tensor bytes minus those at the end"
         for on, off in (("keel-blocks", "keel"), ("keel-selective", "keel"), ("pytorch-ac", "pytorch"),
                         ("pytorch-sac", "pytorch")):

@@ -8,12 +8,22 @@
 #include <atomic>
 #include <cstring>
 #include <mutex>
+#include <unordered_set>
 
 namespace keel {
 namespace {
 
 std::atomic<int64_t> live_bytes{0}, peak_bytes{0};
 std::atomic<bool> installed{false};
+
+// The blocks this allocator made: oneDNN frees through whatever allocator is current, so a block
+// of LibTorch's own allocator, made before this one was installed, may come back here, and is
+// handed to the default allocator's free instead of being read as one of ours.
+std::mutex blocks_mutex;
+std::unordered_set<void*>& own_blocks() {
+  static auto* blocks = new std::unordered_set<void*>();  // never destroyed (deleters run at exit)
+  return *blocks;
+}
 
 // A block: a header of one alignment unit holding its size, then the tensor's bytes (aligned as
 // LibTorch's own allocator aligns them).
@@ -28,6 +38,10 @@ void count(int64_t delta) {
 
 void free_block(void* data) {
   if (!data) return;
+  {
+    std::lock_guard<std::mutex> lock(blocks_mutex);
+    if (own_blocks().erase(data) == 0) return c10::free_cpu(data);
+  }
   void* raw = static_cast<char*>(data) - kHeader;
   size_t n = 0;
   std::memcpy(&n, raw, sizeof n);
@@ -41,6 +55,10 @@ struct CountingCpuAllocator final : c10::Allocator {
     void* raw = c10::alloc_cpu(n + kHeader);
     std::memcpy(raw, &n, sizeof n);
     void* data = static_cast<char*>(raw) + kHeader;
+    {
+      std::lock_guard<std::mutex> lock(blocks_mutex);
+      own_blocks().insert(data);
+    }
     count(static_cast<int64_t>(n));
     return {data, data, &free_block, c10::Device(c10::DeviceType::CPU)};
   }
@@ -53,8 +71,9 @@ struct CountingCpuAllocator final : c10::Allocator {
 void count_tensor_memory() {
   static std::once_flag once;
   std::call_once(once, [] {
-    static CountingCpuAllocator allocator;
-    c10::SetCPUAllocator(&allocator, /*priority=*/100);
+    // Never destroyed: LibTorch's allocator table points at it until the process ends.
+    static auto* allocator = new CountingCpuAllocator();
+    c10::SetCPUAllocator(allocator, /*priority=*/100);
     installed = true;
   });
 }

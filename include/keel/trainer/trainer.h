@@ -103,8 +103,8 @@ struct EvalResult {
   X(std::optional<double>, peak_device_memory_mb, , null,                                                              \
     "CUDA: the peak memory allocated on this rank's device (the caching allocator's peak), MiB; null on the CPU")      \
   X(std::optional<double>, cpu_tensor_peak_mb, , null,                                                                 \
-    "run.count_tensor_memory: the most bytes of CPU tensors alive at once on this rank since the run started, MiB; "   \
-    "else null")                                                                                                       \
+    "run.count_tensor_memory: the most bytes of CPU tensors alive at once in this process since the count began "      \
+    "(the first run with the key on), MiB; else null")                                                                 \
   X(std::optional<double>, cpu_tensor_end_mb, , null,                                                                  \
     "run.count_tensor_memory: the bytes of CPU tensors alive on this rank at the end (model, gradients, optimizer "    \
     "state, data), MiB; else null")                                                                                    \
