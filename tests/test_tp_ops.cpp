@@ -536,13 +536,22 @@ TEST(TensorParallel, Gpt2AndLlamaWithGqaTrainAtTp2AndAtDp2Tp2AsOneRankDoes) {
 // (65536 to 2^26 over 20 steps), which every mesh must follow as one rank does (summary.json's
 // loss_scale). (A skipped step is not forced here: an overflow near float32's limit depends on
 // how the batch is split, since a dp rank's half batch doubles its per-sample gradients before
-// they are averaged, so one rank and a mesh would rightly skip different steps.)
+// they are averaged, so one rank and a mesh would rightly skip different steps; fault.inject's
+// nonfinite_grad makes the skip instead.)
 TEST(TensorParallel, GradAccumFusedOptimizerAndTheGradScalerAtTp2TrainAsOneRankDoes) {
   const std::string skipped =
       expect_trains_as_one_rank(small_model("gpt", {"--train.grad_accum=2", "--train.fused_optimizer=true",
                                                     "--amp.loss_scaling=dynamic", "--amp.growth_interval=2"}),
                                 "gpt, grad_accum 2, fused AdamW, GradScaler");
   EXPECT_EQ(skipped, "0");
+  // One verdict over the whole mesh: a non-finite gradient on rank 0 alone (fault.inject) at step
+  // 5 makes every rank of every mesh skip that step and back the scale off, as one rank does; a
+  // verdict agreed over the dp axis only would let rank 0's tp peers step, and the losses part.
+  EXPECT_EQ(expect_trains_as_one_rank(
+                small_model("gpt", {"--train.fused_optimizer=true", "--amp.loss_scaling=dynamic",
+                                    "--amp.growth_interval=2", "--fault.inject=nonfinite_grad@step=5,rank=0"}),
+                "gpt, GradScaler, a non-finite gradient on rank 0"),
+            "1");
 }
 
 // Every refusal of the mesh and of what tensor parallelism does not serve yet, exit 2 naming the key.
