@@ -213,7 +213,7 @@ class KeptProducts : public models::DenseTape {
 
   struct Kept {
     torch::Tensor product;
-    uint32_t version = 0;  // its version counter when kept: nothing may change it in place after
+    int64_t version = 0;  // its version counter when kept: nothing may change it in place after
   };
   std::vector<Kept> kept_;
   size_t next_ = 0;

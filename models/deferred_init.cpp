@@ -45,7 +45,6 @@ void DeferredInit::defer(torch::nn::Module& module) {
     Entry e;
     e.param = p;
     e.sizes = p.sizes().vec();
-    e.dtype = p.scalar_type();
     entries_.emplace(p.unsafeGetTensorImpl(), std::move(e));
     freed += p.numel() * static_cast<int64_t>(p.element_size());
     p.set_data(deferred_placeholder(p.sizes().vec(), p.options()));
@@ -69,8 +68,8 @@ void DeferredInit::normal(const torch::Tensor& p, double mean, double std) {
   }
   // The generator moves on as the draw into the whole parameter moves it: the same kernel over a
   // contiguous tensor of its shape and dtype (transient).
-  torch::empty(e.sizes, torch::TensorOptions().dtype(e.dtype)).normal_(mean, std);
-  const int64_t bytes = c10::multiply_integers(e.sizes) * static_cast<int64_t>(c10::elementSize(e.dtype));
+  torch::empty(e.sizes, torch::TensorOptions().dtype(e.param.scalar_type())).normal_(mean, std);
+  const int64_t bytes = c10::multiply_integers(e.sizes) * static_cast<int64_t>(c10::elementSize(e.param.scalar_type()));
   largest_bytes_ = std::max(largest_bytes_, bytes);
   release_transient(bytes);
   e.edits.clear();
@@ -127,7 +126,7 @@ torch::Tensor DeferredInit::value(const torch::Tensor& p, int64_t first, int64_t
     t = e.read();
     if (e.parts.empty() && n >= 0) t = t.reshape({-1}).narrow(0, first, n), first = 0, n = -1;  // (a view)
   } else {
-    t = torch::empty(e.sizes, torch::TensorOptions().dtype(e.dtype));
+    t = torch::empty(e.sizes, torch::TensorOptions().dtype(e.param.scalar_type()));
     for (const auto& edit : e.edits) edit(t);
   }
   const int64_t bytes = e.read ? 0 : t.numel() * static_cast<int64_t>(t.element_size());  // (a file's: mapped)
@@ -135,9 +134,9 @@ torch::Tensor DeferredInit::value(const torch::Tensor& p, int64_t first, int64_t
   for (const auto& part : e.parts) t = part(t);
   if (n >= 0) t = t.reshape({-1}).narrow(0, first, n);
   // A copy of its own in the parameter's dtype (a file's tensor may be a view of its mapping).
-  torch::Tensor made =
-      t.to(torch::TensorOptions().dtype(e.dtype).device(torch::kCPU), /*non_blocking=*/false, /*copy=*/true)
-          .contiguous();
+  torch::Tensor made = t.to(torch::TensorOptions().dtype(e.param.scalar_type()).device(torch::kCPU),
+                            /*non_blocking=*/false, /*copy=*/true)
+                           .contiguous();
   t = torch::Tensor();
   release_transient(bytes);
   return made;

@@ -91,9 +91,8 @@ class DeferredInit {
 
  private:
   struct Entry {
-    torch::Tensor param;         // the parameter (its placeholder until made)
-    std::vector<int64_t> sizes;  // the whole parameter's
-    c10::ScalarType dtype;
+    torch::Tensor param;                  // the parameter (its placeholder until made)
+    std::vector<int64_t> sizes;           // the whole parameter's
     std::vector<Edit> edits;              // in order, on an uninitialised whole tensor (a draw or fill first)
     std::function<torch::Tensor()> read;  // or the file's tensor
     bool initialised = false;

@@ -1,6 +1,5 @@
 #include "trainer/report.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 #ifdef KEEL_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -15,6 +14,7 @@
 #include "common/tensor_memory.h"
 #include "keel/common/error.h"
 #include "keel/version.h"
+#include "trainer/config/limits.h"
 
 namespace keel {
 
@@ -165,10 +165,7 @@ Summary RunReport::summary(const RunCheckpoints& ckpts, int stop_signal) const {
     s.cpu_tensor_peak_mb = static_cast<double>(counted->peak) / (1024.0 * 1024.0);
     s.cpu_tensor_end_mb = static_cast<double>(counted->live) / (1024.0 * 1024.0);
   }
-  {
-    struct rusage ru {};
-    if (::getrusage(RUSAGE_SELF, &ru) == 0) s.peak_rss_mb = static_cast<double>(ru.ru_maxrss) / 1024.0;  // KiB on Linux
-  }
+  s.peak_rss_mb = peak_resident_mib();
   s.rendezvous_ms = run_.rendezvous_ms;
   s.eta_s = metrics_.eta_s();
   s.mfu = metrics_.mfu();

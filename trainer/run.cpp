@@ -1,6 +1,5 @@
 #include "trainer/run.h"
 
-#include <sys/resource.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -20,7 +19,6 @@
 #include "keel/common/error.h"
 #include "models/deferred_init.h"
 #include "models/hf.h"
-#include "models/transformer.h"
 #include "trainer/app/log.h"
 #include "trainer/compile/inductor.h"
 #include "trainer/compile/packaging.h"
@@ -33,12 +31,6 @@ namespace {
 
 // train.steps' documented maximum (trainer/config/schema.cpp).
 constexpr int64_t kMaxPlannedSteps = 1'000'000'000'000;
-
-// The process's peak resident memory so far (MiB).
-double peak_rss_mib() {
-  rusage ru{};
-  return ::getrusage(RUSAGE_SELF, &ru) == 0 ? static_cast<double>(ru.ru_maxrss) / 1024.0 : 0.0;  // KiB on Linux
-}
 
 dist::Recompute recompute_policy(ActivationCheckpointing ac) {
   switch (ac) {
@@ -175,10 +167,8 @@ void Run::build_model_and_data() {
   // The data's native input kind is asked first so that an unknown dataset is reported before
   // a model is built.
   const auto data_kind = data::native_input_kind(cfg.data.name);
-  rss_before_model_mib = peak_rss_mib();
-  if (cfg.model.sharded_init && (mesh.tp() > 1 || dist::Placement(cfg.dist.zero).shards_parameters()) &&
-      models::transformer_family(cfg.model.name))
-    deferred = std::make_shared<models::DeferredInit>();
+  rss_before_model_mib = peak_resident_mib();
+  if (builds_sharded(cfg)) deferred = std::make_shared<models::DeferredInit>();
   {
     models::DeferredInit::Use use(deferred.get());
     model = build_model_on_every_rank(data_kind);
@@ -296,7 +286,7 @@ void Run::check_generators_agree() {
 // What building and placing the model cost this rank: its peak resident memory so far (the
 // process's high-water mark, before the first step allocates gradients and optimizer state).
 void Run::log_build_memory() {
-  const double peak_mib = peak_rss_mib();
+  const double peak_mib = peak_resident_mib();
   char peak[160];
   std::snprintf(peak, sizeof peak, "peak resident memory so far %.0f MiB, %.0f MiB over its peak before the model",
                 peak_mib, peak_mib - rss_before_model_mib);

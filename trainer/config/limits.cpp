@@ -9,6 +9,7 @@
 // models that are built.
 #include "trainer/config/limits.h"
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <c10/core/CachingDeviceAllocator.h>
@@ -25,6 +26,7 @@
 #include "dist/placement.h"
 #include "keel/common/error.h"
 #include "models/hf.h"
+#include "models/transformer.h"
 
 namespace keel {
 namespace {
@@ -214,7 +216,7 @@ ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape,
   m.item = {head + bytes_text(bytes) + " with gradients and " + state_name, culprit_of(keys), bytes};
   m.host_item = {head + bytes_text(m.P) + " in host memory, where it is built before it moves to the GPU",
                  culprit_of(keys), m.P};
-  if (cfg.model.sharded_init && placement.shards_parameters() && shape.sequence()) {
+  if (builds_sharded(cfg) && placement.shards_parameters()) {
     // Built as this rank's shards (models/deferred_init.h): its shard, and one whole token
     // embedding (the largest tensor made whole) at a time.
     const double built = m.P_held + 4 * static_cast<double>(k.vocab.effective) * static_cast<double>(k.width.effective);
@@ -363,6 +365,16 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t dp_size, bool on_cuda)
   std::stable_sort(e.items.begin(), e.items.end(), largest_first);
   std::stable_sort(e.device_items.begin(), e.device_items.end(), largest_first);
   return e;
+}
+
+bool builds_sharded(const Config& cfg) {
+  return cfg.model.sharded_init && (cfg.parallel.tp > 1 || dist::Placement(cfg.dist.zero).shards_parameters()) &&
+         models::transformer_family(cfg.model.name) != nullptr;
+}
+
+double peak_resident_mib() {
+  rusage ru{};
+  return ::getrusage(RUSAGE_SELF, &ru) == 0 ? static_cast<double>(ru.ru_maxrss) / 1024.0 : 0.0;  // KiB on Linux
 }
 
 std::optional<double> available_memory_bytes() {

@@ -49,6 +49,13 @@ struct MemoryEstimate {
 /// the data are in host memory; the rest is in device_bytes).
 MemoryEstimate estimate_memory(const Config& cfg, int64_t dp_size, bool on_cuda);
 
+/// Whether the model is built as each rank's shards (models/deferred_init.h): model.sharded_init,
+/// at dist.zero = 3 or parallel.tp > 1, for a transformer family (gpt, gpt2, llama).
+bool builds_sharded(const Config& cfg);
+
+/// This process's peak resident memory so far (getrusage), MiB.
+double peak_resident_mib();
+
 /// Bytes this process can still get: /proc/meminfo's MemAvailable (else the physical memory),
 /// at most the cgroup's memory limit, plus SwapFree. nullopt when nothing can be read.
 std::optional<double> available_memory_bytes();
