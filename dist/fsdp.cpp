@@ -58,6 +58,7 @@ using PostBackward = BlockBoundary<false>;
 // A unit of the placement with its tensors.
 // A unit's tensors; its layout is the placement's (placement_.units(), which outlives it).
 struct FullyShard::Unit {
+  explicit Unit(const Placement::Unit& l) : layout(l) {}
   const Placement::Unit& layout;
   torch::Tensor full;  // world x shard elements; no memory unless gathered or gathering
   torch::Tensor shard_data, shard_grad;
@@ -101,7 +102,7 @@ FullyShard::FullyShard(std::shared_ptr<models::Model> model, std::shared_ptr<Col
     throw std::logic_error("FullyShard: a placement of stage 2 or 3 over this model and world is needed");
   torch::NoGradGuard ng;
   for (const auto& layout : placement_.units()) {
-    units_.push_back(std::unique_ptr<Unit>(new Unit{layout}));
+    units_.push_back(std::make_unique<Unit>(layout));
     Unit& u = *units_.back();
     if (u.layout.params.empty()) continue;
     const auto opts = params_[u.layout.params.front()].second.options().requires_grad(false);

@@ -9,6 +9,8 @@
 #include <stdexcept>
 #include <utility>
 
+#include "models/transformer.h"
+
 namespace keel::models {
 
 namespace {
@@ -27,7 +29,37 @@ void release_transient(int64_t bytes) {
 }
 
 std::string shape_of(const std::vector<int64_t>& sizes) { return c10::str(c10::IntArrayRef(sizes)); }
+
+// Sets the CPU default generator to a state for its lifetime, and back after.
+class GeneratorStateSet {
+ public:
+  explicit GeneratorStateSet(const torch::Tensor& state) : gen_(at::detail::getDefaultCPUGenerator()) {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    before_ = gen_.get_state();
+    gen_.set_state(state);
+  }
+  ~GeneratorStateSet() {
+    std::lock_guard<std::mutex> lock(gen_.mutex());
+    gen_.set_state(before_);
+  }
+  GeneratorStateSet(const GeneratorStateSet&) = delete;
+  GeneratorStateSet& operator=(const GeneratorStateSet&) = delete;
+
+ private:
+  at::Generator gen_;
+  torch::Tensor before_;
+};
 }  // namespace
+
+bool builds_deferred(const std::string& model_name) {
+  return transformer_family(model_name) != nullptr || model_name == "mlp" || model_name == "cnn";
+}
+
+torch::Tensor cpu_generator_state() {
+  at::Generator gen = at::detail::getDefaultCPUGenerator();
+  std::lock_guard<std::mutex> lock(gen.mutex());
+  return gen.get_state();
+}
 
 torch::Tensor deferred_placeholder(const std::vector<int64_t>& sizes, const torch::TensorOptions& options) {
   return torch::zeros({1}, options.requires_grad(false)).expand(sizes);
@@ -60,12 +92,7 @@ DeferredInit::Entry& DeferredInit::entry(const torch::Tensor& p) {
 
 void DeferredInit::normal(const torch::Tensor& p, double mean, double std) {
   Entry& e = entry(p);
-  at::Generator gen = at::detail::getDefaultCPUGenerator();
-  torch::Tensor state;
-  {
-    std::lock_guard<std::mutex> lock(gen.mutex());
-    state = gen.get_state();
-  }
+  const torch::Tensor state = cpu_generator_state();
   // The generator moves on as the draw into the whole parameter moves it: the same kernel over a
   // contiguous tensor of its shape and dtype (transient).
   torch::empty(e.sizes, torch::TensorOptions().dtype(e.param.scalar_type())).normal_(mean, std);
@@ -91,6 +118,18 @@ void DeferredInit::fill(const torch::Tensor& p, double value) {
 }
 
 void DeferredInit::edit(const torch::Tensor& p, Edit edit) { entry(p).edits.push_back(std::move(edit)); }
+
+void DeferredInit::rebuilt(const torch::Tensor& p, torch::Tensor state, std::function<torch::Tensor()> rebuild) {
+  Entry& e = entry(p);
+  e.edits.clear();
+  e.read = nullptr;
+  e.edits.push_back([state = std::move(state), rebuild = std::move(rebuild)](torch::Tensor& whole) {
+    const Use none(nullptr);
+    const GeneratorStateSet from(state);
+    whole.copy_(rebuild());
+  });
+  e.initialised = true;
+}
 
 void DeferredInit::from(const torch::Tensor& p, std::function<torch::Tensor()> read) {
   Entry& e = entry(p);
@@ -154,6 +193,19 @@ void DeferredInit::make_all(const std::vector<std::pair<std::string, torch::Tens
 
 void defer_parameters(torch::nn::Module& module) {
   if (DeferredInit* d = DeferredInit::current()) d->defer(module);
+}
+
+void defer_rebuilt_part(torch::nn::Module& part, const torch::Tensor& state,
+                        std::function<std::shared_ptr<torch::nn::Module>()> rebuild) {
+  DeferredInit* d = DeferredInit::current();
+  if (d == nullptr) return;
+  std::vector<std::pair<std::string, torch::Tensor>> fresh;
+  for (const auto& item : part.named_parameters())
+    if (!d->deferred(item.value())) fresh.emplace_back(item.key(), item.value());
+  d->defer(part);
+  const auto shared = std::make_shared<std::function<std::shared_ptr<torch::nn::Module>()>>(std::move(rebuild));
+  for (const auto& [name, p] : fresh)
+    d->rebuilt(p, state, [shared, name = name] { return (*shared)()->named_parameters()[name].detach(); });
 }
 
 void init_normal_(const torch::Tensor& p, double mean, double std) {

@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -55,6 +56,11 @@ class DeferredInit {
   void normal(const torch::Tensor& p, double mean, double std);
   void fill(const torch::Tensor& p, double value);
   void edit(const torch::Tensor& p, Edit edit);
+  /// The whole value is what `rebuild()` returns when run with the CPU default generator set to
+  /// `state` (the generator is set back after, and no DeferredInit is in use meanwhile): a part
+  /// built by LibTorch's own layers, whose initialisation draws happen inside their constructors,
+  /// is made by building it again from where its build started (build_part()).
+  void rebuilt(const torch::Tensor& p, torch::Tensor state, std::function<torch::Tensor()> rebuild);
   /// The whole value comes from `read` instead (model.init_from), converted to the parameter's
   /// dtype after its parts are cut (`read` may return a view of a mapped file).
   void from(const torch::Tensor& p, std::function<torch::Tensor()> read);
@@ -105,6 +111,35 @@ class DeferredInit {
 
 /// A placeholder of `sizes` (one element of storage, expanded): what a deferred parameter's data is.
 torch::Tensor deferred_placeholder(const std::vector<int64_t>& sizes, const torch::TensorOptions& options);
+
+/// Whether the built-in family `model_name` builds its parameters through defer_parameters() or
+/// build_part(), so that model.sharded_init builds it as each rank's shards: gpt, gpt2, llama,
+/// mlp and cnn. (A registered model that calls them is built sharded too; this names those known
+/// in advance, for the memory pre-check.)
+bool builds_deferred(const std::string& model_name);
+
+/// The CPU default generator's state now (a copy).
+torch::Tensor cpu_generator_state();
+
+/// Defers the parameters of `part` (those not deferred yet) when a DeferredInit is in use, each
+/// recorded as rebuilt(): the same-named parameter of `rebuild()` run from generator `state`.
+void defer_rebuilt_part(torch::nn::Module& part, const torch::Tensor& state,
+                        std::function<std::shared_ptr<torch::nn::Module>()> rebuild);
+
+/// Builds one part of a model with `make` (a copyable callable returning a module holder, e.g.
+/// `[=] { return torch::nn::Linear(in, out); }`) and, while a DeferredInit is in use, defers its
+/// parameters with their initialisation recorded as "build it again from this generator state":
+/// LibTorch's own initialisation of the layer (kaiming-uniform weights, uniform biases) is
+/// replayed for the values, bit for bit, and the generator moves on exactly as the build moved
+/// it. A rank holds the part whole while it is built, and again while one of its values is made.
+template <class Make>
+auto build_part(Make make) -> decltype(make()) {
+  if (DeferredInit::current() == nullptr) return make();
+  const torch::Tensor state = cpu_generator_state();
+  auto part = make();
+  defer_rebuilt_part(*part, state, [make]() -> std::shared_ptr<torch::nn::Module> { return make().ptr(); });
+  return part;
+}
 
 /// What the families call (no-ops, or the operation itself on a parameter that is not deferred,
 /// when no DeferredInit is in use): DeferredInit::defer, and the initialisation of one parameter.

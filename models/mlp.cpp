@@ -1,6 +1,7 @@
 // mlp: flatten 784 -> `depth` hidden Linear(width) layers with ReLU -> Linear(num_classes).
 // Defaults (width 256, depth 8) are the shape bench/ compares against PyTorch.
 #include "keel/models/model.h"
+#include "models/deferred_init.h"
 
 namespace keel::models {
 namespace {
@@ -9,8 +10,10 @@ struct MlpImpl : torch::nn::Module, BlockStructure {
   MlpImpl(int64_t in, int64_t width, int64_t depth, int64_t classes) {
     fc = register_module("fc", torch::nn::ModuleList());
     int64_t d = in;
-    for (int64_t i = 0; i < depth; ++i, d = width) fc->push_back(torch::nn::Linear(d, width));
-    fc->push_back(torch::nn::Linear(d, classes));
+    // Each layer built as a part (model.sharded_init: deferred at dist.zero = 3).
+    for (int64_t i = 0; i < depth; ++i, d = width)
+      fc->push_back(build_part([d, width] { return torch::nn::Linear(d, width); }));
+    fc->push_back(build_part([d, classes] { return torch::nn::Linear(d, classes); }));
     for (size_t i = 0; i < fc->size(); ++i) block_prefixes.push_back("fc." + std::to_string(i) + ".");
   }
   // x: (B, C, H, W) -> (B, classes)

@@ -1,13 +1,15 @@
 // Sharded initialisation (model.sharded_init, issue 45 item 7; models/deferred_init.h): at
 // parallel.tp > 1 and dist.zero = 3 the transformer families are built as each rank's shards,
-// and what they train from is the unsharded build's, bit for bit.
+// and at dist.zero = 3 the image models too; what they train from is the unsharded build's, bit
+// for bit.
 //
 // In one process: a deferred build holds one element per parameter, moves the CPU generator
 // exactly as the whole build does (so every later draw of the run is unchanged), and makes each
-// parameter, and each tensor-parallel slice of one, equal to the whole build's to the last bit.
+// parameter, and each tensor-parallel slice of one, equal to the whole build's to the last bit
+// (mlp and cnn: LibTorch's own layer initialisation, replayed from the generator's state).
 // Through `keel train`: runs with model.sharded_init on and off at the same mesh (tp 2, dp 2 with
-// ZeRO-3, both at 4 ranks; from model.init_from too) write bit-identical steps and losses:
-// the same kernels then run on the same values, so there is no tolerance to derive.
+// ZeRO-3, both at 4 ranks; from model.init_from too; mlp and cnn at dp 2 with ZeRO-3) write bit-identical steps and
+// losses: the same kernels then run on the same values, so there is no tolerance to derive.
 #include <gtest/gtest.h>
 
 #include <ATen/CPUGeneratorImpl.h>
@@ -75,6 +77,11 @@ void expect_deferred_build_equals_whole(const std::string& name) {
   EXPECT_LE(held, static_cast<int64_t>(L.size()) * 8) << name << ": the deferred model holds its parameters";
   EXPECT_EQ(d.largest_transient_bytes(), largest) << name;
 
+  if (keel::models::transformer_family(name) == nullptr) {  // (an image model: no tensor-parallel plan)
+    d.make_all(L);
+    EXPECT_TRUE(d.empty());
+    return;
+  }
   // Each tensor-parallel slice (rank 1 of 2) of a deferred parameter is the whole build's slice.
   const auto& plan = keel::models::transformer_family(name)->tp_plan;
   int sliced = 0;
@@ -139,7 +146,7 @@ const std::vector<std::string> kGpt2 = {"--model.name=gpt2",  "--model.width=32"
 }  // namespace
 
 TEST(ShardedInit, ADeferredBuildHoldsNothingAndMakesTheWholeBuildsParametersAndSlicesBitForBit) {
-  for (const char* name : {"gpt", "gpt2", "llama"}) expect_deferred_build_equals_whole(name);
+  for (const char* name : {"gpt", "gpt2", "llama", "mlp", "cnn"}) expect_deferred_build_equals_whole(name);
 }
 
 TEST(ShardedInit, GptAtTp2AndAtZero3TrainsBitForBitAsTheWholeBuild) {
@@ -150,6 +157,14 @@ TEST(ShardedInit, GptAtTp2AndAtZero3TrainsBitForBitAsTheWholeBuild) {
 TEST(ShardedInit, LlamaWithGqaAtDp2Tp2Zero3TrainsBitForBitAsTheWholeBuild) {
   expect_same_as_whole_build(kLlama, 4, {"--parallel.tp=2", "--dist.zero=3", "--parallel.sequence_parallel=true"},
                              "llama (dp 2, tp 2, zero 3, sp)");
+}
+
+// LibTorch's own layers (Linear, Conv2d) built part by part and made from the generator state each
+// part's build started from: this rank's flat-shard elements only.
+TEST(ShardedInit, MlpAndCnnAtZero3TrainBitForBitAsTheWholeBuild) {
+  expect_same_as_whole_build({"--model.name=mlp", "--model.width=32", "--model.depth=3"}, 2, {"--dist.zero=3"},
+                             "mlp (dp 2, zero 3)");
+  expect_same_as_whole_build({"--model.name=cnn"}, 2, {"--dist.zero=3"}, "cnn (dp 2, zero 3)");
 }
 
 // model.init_from into a sharded build: each rank's slices from the file's mapping, the same

@@ -25,6 +25,7 @@
 
 #include "dist/placement.h"
 #include "keel/common/error.h"
+#include "models/deferred_init.h"
 #include "models/hf.h"
 #include "models/transformer.h"
 
@@ -217,9 +218,13 @@ ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape,
   m.host_item = {head + bytes_text(m.P) + " in host memory, where it is built before it moves to the GPU",
                  culprit_of(keys), m.P};
   if (builds_sharded(cfg) && placement.shards_parameters()) {
-    // Built as this rank's shards (models/deferred_init.h): its shard, and one whole token
-    // embedding (the largest tensor made whole) at a time.
-    const double built = m.P_held + 4 * static_cast<double>(k.vocab.effective) * static_cast<double>(k.width.effective);
+    // Built as this rank's shards (models/deferred_init.h): its shard, and the largest tensor
+    // made whole at a time: a transformer's token embedding; an image model's largest layer,
+    // twice (the whole value, and the layer it is rebuilt from).
+    const double largest = shape.name == "mlp"   ? 2.0 * (std::max(kImageFeatures, shape.width) * shape.width)
+                           : shape.name == "cnn" ? 2.0 * (64.0 * 7 * 7 * 128)
+                                                 : static_cast<double>(k.vocab.effective) * k.width.effective;
+    const double built = m.P_held + 4 * largest;
     m.host_item = {head + bytes_text(built) + " in host memory while it is built as this rank's shards",
                    culprit_of(keys), built};
   }
@@ -369,7 +374,7 @@ MemoryEstimate estimate_memory(const Config& cfg, int64_t dp_size, bool on_cuda)
 
 bool builds_sharded(const Config& cfg) {
   return cfg.model.sharded_init && (cfg.parallel.tp > 1 || dist::Placement(cfg.dist.zero).shards_parameters()) &&
-         models::transformer_family(cfg.model.name) != nullptr;
+         models::builds_deferred(cfg.model.name);
 }
 
 double peak_resident_mib() {

@@ -195,7 +195,8 @@ void model_keys(SchemaBuilder& b) {
         "gpt2, llama: the output projection is the token embedding (tie_word_embeddings); false = an lm_head of "
         "its own");
   b.add("model", &C::model, "sharded_init", &ModelConfig::sharded_init,
-        "gpt, gpt2, llama at dist.zero = 3 or parallel.tp > 1: build the model as this rank's shards only (no "
+        "gpt, gpt2, llama at dist.zero = 3 or parallel.tp > 1, mlp and cnn at dist.zero = 3: build the model as "
+        "this rank's shards only (no "
         "rank holds it whole; the parameters equal the unsharded build's from run.seed bit for bit, and "
         "model.init_from reads this rank's slices); false = every rank builds the whole model first");
 }
