@@ -147,7 +147,8 @@ def parse_args():
     ap.add_argument("--tp-rounds", type=int, default=0,
                     help="instead: N rounds on gpt at 2 ranks and a global batch of 16 (order rotating): keel dp 2, "
                          "tp 2, tp 2 + sequence parallel; PyTorch DDP and DTensor tensor parallel (with and without "
-                         "SequenceParallel): step time, per-rank parameters, activation estimate, peak RSS")
+                         "SequenceParallel): step time, per-rank parameters, peak RSS, and each step's tensor memory counted "
+                         "exactly in a run of its own")
     ap.add_argument("--ac-rounds", type=int, default=0,
                     help="instead: N rounds on gpt at context 512, 1 rank, batch 4 (and 1, for the activation "
                          "estimate), order rotating: keel train.activation_checkpointing none / blocks / "
@@ -444,37 +445,50 @@ def tp_bench(args):
     parallelism beside PyTorch 2.11's DDP and DTensor tensor parallelism (parallelize_module with
     ColwiseParallel / RowwiseParallel, and SequenceParallel; bench/torch_ref.py --tp). N rounds,
     the order rotating; per configuration the median step time, its ratio to PyTorch's best tp
-    step, rank 0's parameter bytes, peak RSS and an activation estimate (peak RSS at the global
-    batch minus at a quarter of it, scaled; keel evaluates 4 samples only, as the peer none)."""
+    step, rank 0's parameter bytes, peak RSS, and its step memory counted in a run of its own
+    (`@count`): the peak bytes of live CPU tensors over those alive at the end (keel:
+    run.count_tensor_memory, cpu_tensor_peak_mb - cpu_tensor_end_mb, the highest over the whole
+    run, its first step and small evaluation included, on every thread; PyTorch: one warm step
+    under torch.profiler's memory tracking, torch_ref.py --count-memory, the allocations of the
+    threads the profiler follows). keel evaluates 4 samples only, as the peer none."""
     steps = max(args.steps // 5, 12)
     sp = ["--parallel.sequence_parallel=true"]
     small_eval = ["--data.eval_samples=4", "--data.eval_batch_size=4"]  # (PyTorch's peer does not evaluate)
     keel_runs = {"keel-dp2": (8, []), "keel-tp2": (16, ["--parallel.tp=2"]),
                  "keel-tp2-sp": (16, ["--parallel.tp=2"] + sp)}
     torch_runs = {"pytorch-ddp": (8, []), "pytorch-tp2": (16, ["--tp"]), "pytorch-tp2-sp": (16, ["--tp", "--sp"])}
+    count_steps = 8
     configs = {}
     for name, (b, extra) in keel_runs.items():
         extra = extra + small_eval
         configs[name] = lambda w, b=b, extra=extra: run_keel("gpt", b, steps, w, args.keel, extra=extra)
-        configs[name + "@quarter"] = lambda w, b=b, extra=extra: run_keel("gpt", b // 4, steps, w, args.keel, extra=extra)
+        configs[name + "@count"] = lambda w, b=b, extra=extra: run_keel(
+            "gpt", b, count_steps, w, args.keel, extra=extra + ["--run.count_tensor_memory=true"])
     for name, (b, extra) in torch_runs.items():
         configs[name] = lambda w, b=b, extra=extra: run_torch("gpt", b, steps, w, extra=extra)
-        configs[name + "@quarter"] = lambda w, b=b, extra=extra: run_torch("gpt", b // 4, steps, w, extra=extra)
+        configs[name + "@count"] = lambda w, b=b, extra=extra: run_torch("gpt", b, count_steps, w,
+                                                                         extra=list(extra) + ["--count-memory"])
+
+    def step_memory(r):
+        return r["tensor_step_peak_mb"] if "tensor_step_peak_mb" in r else r["cpu_tensor_peak_mb"] - r["cpu_tensor_end_mb"]
 
     def finish(summary, got):
         summary["steps"] = steps
         summary["global_batch"] = 16
         best_torch = min(summary["pytorch-tp2_median_step_ms"], summary["pytorch-tp2-sp_median_step_ms"])
-        summary["pytorch_best_tp"] = ("pytorch-tp2" if best_torch == summary["pytorch-tp2_median_step_ms"]
-                                      else "pytorch-tp2-sp")
+        best = "pytorch-tp2" if best_torch == summary["pytorch-tp2_median_step_ms"] else "pytorch-tp2-sp"
+        summary["pytorch_best_tp"] = best
+        summary["step_memory_measure"] = ("counted: the peak bytes of live CPU tensors over those alive at a step's "
+                                          "end (keel run.count_tensor_memory; PyTorch torch.profiler memory events)")
         for n in list(keel_runs) + list(torch_runs):
             summary[f"{n}_parameter_bytes"] = got[n][0]["parameter_bytes"]
-            summary[f"{n}_activation_mb"] = middle([activation_mb(got[n][k], got[n + "@quarter"][k], 16, 4)
-                                                     for k in range(len(got[n]))])
+            summary[f"{n}_step_memory_mb"] = middle([step_memory(r) for r in got[n + "@count"]])
             summary[f"{n}_step_time_over_pytorch_best_tp"] = summary[f"{n}_median_step_ms"] / best_torch
-        for n in ("keel-tp2", "keel-tp2-sp"):
-            summary[f"{n}_peak_rss_over_{summary['pytorch_best_tp']}"] = (
-                summary[f"{n}_peak_rss_mb"] / summary[f"{summary['pytorch_best_tp']}_peak_rss_mb"])
+        for n, peer in (("keel-tp2", "pytorch-tp2"), ("keel-tp2-sp", "pytorch-tp2-sp"), ("keel-dp2", "pytorch-ddp")):
+            summary[f"{n}_peak_rss_over_{best}"] = summary[f"{n}_peak_rss_mb"] / summary[f"{best}_peak_rss_mb"]
+            if summary[f"{peer}_step_memory_mb"] > 0:  # (0: the profiler saw no CPU allocation)
+                summary[f"{n}_step_memory_over_{peer}"] = (summary[f"{n}_step_memory_mb"] /
+                                                           summary[f"{peer}_step_memory_mb"])
             summary[f"{n}_step_time_over_keel_dp2"] = summary[f"{n}_median_step_ms"] / summary["keel-dp2_median_step_ms"]
 
     args.worlds = "2"

@@ -15,6 +15,10 @@ first 5 steps).
   ... --tp --sp            # and SequenceParallel norms (torchtitan's plan)
   ... --context 512 --ac   # gpt at another context; --ac: every block checkpointed (torch.utils.checkpoint)
   ... --context 512 --ac selective   # every block checkpointed, its matmuls' outputs saved
+  ... --count-memory       # CPU: after the timed steps, one step under torch.profiler's memory
+                           # tracking: tensor_step_peak_mb, the peak bytes of live CPU tensors
+                           # over those alive when that step ends (keel: cpu_tensor_peak_mb -
+                           # cpu_tensor_end_mb, run.count_tensor_memory)
 
 Prints one JSON line. Under a launcher (WORLD_SIZE > 1, or MASTER_ADDR set) the model is
 wrapped in DistributedDataParallel (Gloo on CPU, NCCL on CUDA) and each rank uses --batch
@@ -69,6 +73,9 @@ def parse_args():
                     help="activation checkpointing of every block (torch.utils.checkpoint, non-reentrant); "
                          "selective: its matmuls' outputs saved, the rest recomputed (selective activation "
                          "checkpointing, torchtitan's op policy for mm and addmm)")
+    ap.add_argument("--count-memory", action="store_true",
+                    help="CPU: after the timed steps, one more step with torch.profiler's memory tracking, whose "
+                         "peak bytes of live tensors over those at its end is printed (tensor_step_peak_mb)")
     return ap.parse_args()
 
 
@@ -189,11 +196,11 @@ def make_optimizer(model, args, world):
     return torch.optim.AdamW(model.parameters(), lr=args.lr, fused=True if args.fused else None)
 
 
-def run_steps(model, opt, data, labels, args, rank, device):
-    """The step times in milliseconds, one per step."""
-    gen = torch.Generator().manual_seed(0 if args.tp else rank)  # tp ranks read the same batch
+def run_steps(model, opt, data, labels, args, rank, device, steps=None, gen=None):
+    """The step times in milliseconds, one per step, and the losses."""
+    gen = gen or torch.Generator().manual_seed(0 if args.tp else rank)  # tp ranks read the same batch
     times, losses = [], []
-    for step in range(args.steps):
+    for step in range(args.steps if steps is None else steps):
         t0 = time.perf_counter()
         idx = torch.randint(0, SAMPLES, (args.batch,), generator=gen).to(device)
         if args.model == "gpt":
@@ -220,6 +227,26 @@ def run_steps(model, opt, data, labels, args, rank, device):
             torch.cuda.synchronize()
         times.append((time.perf_counter() - t0) * 1000.0)
     return times, losses
+
+
+def step_peak_mb(model, opt, data, labels, args, rank, device):
+    """One more training step (zero_grad, forward, backward, optimizer) under torch.profiler's memory
+    tracking: the CPU allocator reports each allocation and free; the peak of their running sum over
+    its value when the step ends, in MiB. This is keel's run.count_tensor_memory figure
+    (cpu_tensor_peak_mb - cpu_tensor_end_mb: the peak bytes of live tensors over those alive at the
+    end, when the model, gradients, optimizer state and data are) for one step: what the step held
+    beyond what it keeps."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        run_steps(model, opt, data, labels, args, rank, device, steps=1)
+    cpu = torch._C._autograd.DeviceType.CPU
+    deltas = [(e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+              if e.name() == "[memory]" and e.device_type() == cpu]
+    live = peak = 0
+    for _, n in sorted(deltas):
+        live += n
+        peak = max(peak, live)
+    return (peak - live) / 2**20
 
 
 def held(t):  # a DTensor's local shard (FSDP2), else the tensor
@@ -301,8 +328,11 @@ def main():
     times, losses = run_steps(model, opt, data, labels, args, rank, device)
     med = statistics.median(times[5:] if len(times) > 5 else times)
     held_bytes = bytes_held(model, opt)
+    step_peak = step_peak_mb(model, opt, data, labels, args, rank, device) if args.count_memory else None
     if rank == 0:
         out = result(args, world, device, times, med, held_bytes, tokens_per_sample)
+        if step_peak is not None:
+            out["tensor_step_peak_mb"] = step_peak
         if args.losses:
             out["losses"] = losses
         print(json.dumps(out), flush=True)

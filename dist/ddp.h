@@ -100,6 +100,9 @@ class DataParallel {
   /// dist.zero >= 2: FullyShard's conversions of optimizer state between this rank's pieces and
   /// whole parameters (null otherwise; see dist/fsdp.h).
   FullyShard* fully_shard() const { return fsdp_.get(); }
+  /// Whether the parameters' gradients are buffers a reduction writes (DDP's buckets, whose views
+  /// they are, or FullyShard's), which must stay allocated between steps (zeroed, not freed).
+  bool gradients_are_buffers() const { return reducer_ != nullptr || fsdp_ != nullptr; }
   int64_t sharded_parameter_bytes() const;
   int64_t sharded_gradient_bytes() const;
   /// Clips the owned gradients to a global L2 norm of `max_norm` and returns the norm before

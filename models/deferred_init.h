@@ -49,15 +49,16 @@ class DeferredInit {
   /// initialisation says what it is), its data a placeholder of its shape, dtype and device.
   /// A parameter left without a recipe has none: value() throws std::logic_error.
   void defer(torch::nn::Module& module);
-  /// The recorded initialisation of a deferred parameter (the family's): a normal draw (this
-  /// thread's CPU default generator's state recorded, and the generator moved on as the draw
+  /// The recorded initialisation of a deferred parameter (the family's): a normal draw (the
+  /// process's CPU default generator's state recorded, and the generator moved on as the draw
   /// moves it), a fill, or an edit of the whole value without random numbers (a padding row).
   /// A draw or a fill replaces what was recorded before it.
   void normal(const torch::Tensor& p, double mean, double std);
   void fill(const torch::Tensor& p, double value);
   void edit(const torch::Tensor& p, Edit edit);
   /// The whole value is what `rebuild()` returns when run with the CPU default generator set to
-  /// `state` (the generator is set back after, and no DeferredInit is in use meanwhile): a part
+  /// `state` (the generator is set back after, and no DeferredInit is in use meanwhile; the
+  /// generator is the process's, so no other thread may draw from it while values are made): a part
   /// built by LibTorch's own layers, whose initialisation draws happen inside their constructors,
   /// is made by building it again from where its build started (build_part()).
   void rebuilt(const torch::Tensor& p, torch::Tensor state, std::function<torch::Tensor()> rebuild);

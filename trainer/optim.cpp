@@ -475,6 +475,10 @@ void zero_grads(const std::vector<torch::Tensor>& params) {
     if (p.grad().defined()) p.grad().zero_();
 }
 
+void free_grads(const std::vector<torch::Tensor>& params) {
+  for (auto p : params) p.mutable_grad() = torch::Tensor();
+}
+
 std::map<std::string, std::string> optimizer_fields(torch::optim::Optimizer& opt, const OptimizerCodec& codec) {
   if (codec) return codec.fields;
   if (dynamic_cast<torch::optim::AdamW*>(&opt) || dynamic_cast<FusedAdamW*>(&opt)) {

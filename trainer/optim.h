@@ -82,6 +82,8 @@ class LrSchedule {
 /// Zeroes gradients in place (torch::optim::Optimizer::zero_grad() would detach or drop them,
 /// unlinking DDP's gradients-as-bucket-views from their buckets).
 void zero_grads(const std::vector<torch::Tensor>& params);
+/// Every gradient of `params` undefined (its memory freed; the backward makes it anew).
+void free_grads(const std::vector<torch::Tensor>& params);
 
 /// Sets the learning rate of every parameter group.
 void set_lr(torch::optim::Optimizer& opt, double lr);

@@ -136,6 +136,7 @@ class DistributedModel {
   void hold_parameters() { ddp_->hold_parameters(); }
   void release_parameters() { ddp_->release_parameters(); }
   dist::FullyShard* fully_shard() const { return ddp_->fully_shard(); }
+  bool gradients_are_buffers() const { return ddp_->gradients_are_buffers(); }
   int64_t sharded_parameter_bytes() const { return ddp_->sharded_parameter_bytes(); }
   int64_t sharded_gradient_bytes() const { return ddp_->sharded_gradient_bytes(); }
   /// The gradient shards this rank keeps (dist.zero >= 2; the full gradients are freed), zeroed

@@ -221,9 +221,11 @@ ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape,
     // Built as this rank's shards (models/deferred_init.h): its shard, and the largest tensor
     // made whole at a time: a transformer's token embedding; an image model's largest layer,
     // twice (the whole value, and the layer it is rebuilt from).
-    const double largest = shape.name == "mlp"   ? 2.0 * (std::max(kImageFeatures, shape.width) * shape.width)
-                           : shape.name == "cnn" ? 2.0 * (64.0 * 7 * 7 * 128)
-                                                 : static_cast<double>(k.vocab.effective) * k.width.effective;
+    const double classes = static_cast<double>(cfg.model.num_classes);
+    const double largest =
+        shape.name == "mlp" ? 2.0 * std::max(std::max(kImageFeatures, shape.width) * shape.width, shape.width * classes)
+        : shape.name == "cnn" ? 2.0 * std::max(64.0 * 7 * 7 * 128, 128 * classes)
+                              : static_cast<double>(k.vocab.effective) * k.width.effective;
     const double built = m.P_held + 4 * largest;
     m.host_item = {head + bytes_text(built) + " in host memory while it is built as this rank's shards",
                    culprit_of(keys), built};

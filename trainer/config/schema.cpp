@@ -282,6 +282,13 @@ void train_keys(SchemaBuilder& b) {
         1, 1e12);
   b.add("train", &C::train, "skip_nonfinite", &TrainConfig::skip_nonfinite,
         "skip, on every rank, a step whose gradients hold inf/NaN (default: stop with an error)");
+  b.add("train", &C::train, "grads_to_none", &TrainConfig::grads_to_none,
+        "before a step, free the gradients that no DDP bucket or ZeRO shard holds (as PyTorch's "
+        "zero_grad(set_to_none=True)), so that a step holds no gradient memory until its backward makes it; a "
+        "parameter that then gets no gradient in a step is not updated by it (no decay, no momentum), as in "
+        "PyTorch. false: they are zeroed and kept. (Gradients that are views of DDP's buckets, whenever a Reducer "
+        "runs: dist.zero 0-1 at dp > 1, or at one rank with dist.backend named, and ZeRO-2/3's shards are always "
+        "zeroed, so there a parameter without a gradient is still updated, as under PyTorch's DDP)");
   b.add("train", &C::train, "fused_optimizer", &TrainConfig::fused_optimizer,
         "update every parameter with one fused ATen kernel (at::_fused_adamw_ / at::_fused_sgd_, as PyTorch's "
         "fused=True; CPU and CUDA); false: torch::optim's per-parameter loop. The checkpointed state is the same "

@@ -46,7 +46,12 @@ torch::Tensor Step::eager_loss(const torch::Tensor& input, const torch::Tensor& 
 // it into *loss_now (the sum in double, as the tensor's) and returns nothing.
 torch::Tensor Step::forward_backward(double* loss_now) {
   const int64_t accum = run_.cfg.train.grad_accum;
-  zero_grads(run_.params);
+  // train.grads_to_none: gradients nothing else holds are freed, so that the forward runs without
+  // them (PyTorch's zero_grad(set_to_none=True)); DDP's bucket views and ZeRO's are zeroed.
+  if (run_.cfg.train.grads_to_none && !run_.dmodel->gradients_are_buffers())
+    free_grads(run_.params);
+  else
+    zero_grads(run_.params);
   run_.dmodel->zero_gradient_shards();
   torch::Tensor loss_sum;
   double host_sum = 0;

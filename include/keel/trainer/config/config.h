@@ -95,6 +95,7 @@ struct TrainConfig {
   int64_t eval_interval = 0;
   int64_t log_interval = 50;
   bool skip_nonfinite = false;
+  bool grads_to_none = true;  // free gradients no DDP bucket or ZeRO shard holds between steps (zero_grad(set_to_none))
   bool fused_optimizer = true;  // one ATen kernel per step (_fused_adamw_ / _fused_sgd_); false: torch::optim's loop
   ActivationCheckpointing activation_checkpointing = ActivationCheckpointing::None;
 };
