@@ -13,8 +13,9 @@
   $PY bench/bench.py --inductor             # keel compile.mode = inductor beside eager and torch.compile'd PyTorch
 
 For each model and world size: runs `build/keel train` on synthetic data and
-bench/torch_ref.py twice, PyTorch eager and torch.compile (Inductor; place -> compile -> DDP),
-both with DistributedDataParallel over Gloo when world > 1, with the same model, per-rank
+bench/torch_ref.py, PyTorch eager and torch.compile (Inductor) in both orders under DDP
+(DDP(torch.compile(m)), and torch.compile(DDP(m)), whose DDPOptimizer splits the graph at the
+buckets; the faster is named and taken for the ratio), with DistributedDataParallel over Gloo when world > 1, with the same model, per-rank
 batch (mlp 32, cnn 64, gpt 8), AdamW, and one intra-op thread per rank. The PyTorch peers run
 with the Python running this script (sys.executable), which must hold torch. Ranks
 are started directly with torchrun's environment variables (RANK, WORLD_SIZE, MASTER_ADDR, ...)
@@ -212,6 +213,9 @@ def main():
                     runs.setdefault(("pytorch", world), []).append(run_torch(model, BATCH[model], steps, world))
                     runs.setdefault(("pytorch-compile", world), []).append(
                         run_torch(model, BATCH[model], steps, world, compiled=True))
+                    if world > 1:  # torch.compile(DDP(m)) too: PyTorch's documented order
+                        runs.setdefault(("pytorch-compile-of-ddp", world), []).append(
+                            run_torch(model, BATCH[model], steps, world, compiled=True, extra=["--compile-order", "ddp"]))
                 if 1 in worlds and 2 in worlds:
                     runs.setdefault(("keel-off", 2), []).append(
                         run_keel(model, BATCH[model], steps, 2, args.keel, validate="off"))
@@ -219,7 +223,13 @@ def main():
             for line in med.values():
                 emit(line)
             summary = {"model": model, "steps": steps, "repeats": args.repeat}
+            compiled_best = {}
             for world in worlds:
+                compiled_best[world] = min([k for k in med if k[1] == world and k[0].startswith("pytorch-compile")],
+                                           key=lambda k: med[k]["median_step_ms"])
+                summary[f"pytorch_compile_best_w{world}"] = compiled_best[world][0]
+                summary[f"keel_over_pytorch_compile_best_step_time_w{world}"] = (
+                    med[("keel", world)]["median_step_ms"] / med[compiled_best[world]]["median_step_ms"])
                 summary[f"keel_over_pytorch_step_time_w{world}"] = (
                     med[("keel", world)]["median_step_ms"] / med[("pytorch", world)]["median_step_ms"])
                 summary[f"keel_over_pytorch_compile_step_time_w{world}"] = (
@@ -232,7 +242,7 @@ def main():
                     med[("keel", 2)]["median_step_ms"] / med[("keel-off", 2)]["median_step_ms"])
             emit(summary)
             rows += [(f"{model} {w} rank{'s' if w > 1 else ''}", med[("keel", w)]["median_step_ms"],
-                      med[("pytorch", w)]["median_step_ms"], med[("pytorch-compile", w)]["median_step_ms"])
+                      med[("pytorch", w)]["median_step_ms"], med[compiled_best[w]]["median_step_ms"])
                      for w in worlds]
     print(f"# results: {log_path}", file=sys.stderr)
     png = write_png(rows, log_path[:-len(".jsonl")] + ".png")
@@ -258,7 +268,7 @@ set logscale y
 set ylabel 'ms per step (log scale)'
 set grid ytics
 set xtics rotate by -20
-plot '{dat}' using 2:xtic(1) title 'keel', '' using 3 title 'PyTorch eager DDP', '' using 4 title 'PyTorch compiled DDP'
+plot '{dat}' using 2:xtic(1) title 'keel', '' using 3 title 'PyTorch eager DDP', '' using 4 title 'PyTorch compiled DDP (the faster order)'
 """
     subprocess.run(["gnuplot"], input=script, text=True, check=True)
     return path
@@ -415,20 +425,28 @@ def held(run):
 
 def fsdp_bench(args):
     """dist.zero = 3 on gpt (per-rank batch 8, AdamW) beside keel's stage 0, PyTorch's DDP and
-    PyTorch's FSDP2 (fully_shard per block, then the root), N rounds with the order rotating.
-    Per round each step time over keel zero=0's; per configuration rank 0's held bytes."""
+    PyTorch's FSDP2 (fully_shard per block, then the root), eager and with each block
+    torch.compile'd first (torchtitan's way), N rounds with the order rotating. Per round each step
+    time over keel zero=0's; per configuration rank 0's held bytes; keel zero 3 over the faster
+    FSDP2 variant, named."""
     steps = max(args.steps // 5, 12)
     b = BATCH["gpt"]
     configs = {"keel-zero0": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=0"]),
                "keel-zero3": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=3"]),
                "pytorch": lambda w: run_torch("gpt", b, steps, w),
-               "pytorch-fsdp2": lambda w: run_torch("gpt", b, steps, w, fsdp=True)}
+               "pytorch-fsdp2": lambda w: run_torch("gpt", b, steps, w, fsdp=True),
+               # torchtitan's way: each block torch.compile'd, then fully_shard
+               "pytorch-fsdp2-compile": lambda w: run_torch("gpt", b, steps, w, compiled=True, fsdp=True)}
 
     def finish(summary, got):
         summary["steps"] = steps
         for n in got:
             summary[f"{n}_held_bytes"] = held(got[n][0])
             summary[f"{n}_held_over_keel_zero0"] = held(got[n][0]) / held(got["keel-zero0"][0])
+        best = min(("pytorch-fsdp2", "pytorch-fsdp2-compile"), key=lambda n: summary[f"{n}_median_step_ms"])
+        summary["pytorch_fsdp2_best"] = best
+        summary["keel-zero3_step_time_over_pytorch_fsdp2_best"] = (summary["keel-zero3_median_step_ms"] /
+                                                                   summary[f"{best}_median_step_ms"])
 
     rounds_on_gpt(args, args.fsdp_rounds, "-fsdp", configs, finish)
 
@@ -634,9 +652,11 @@ def compile_bench(args):
 
 def inductor_bench(args):
     """keel compile.mode = inductor (and off) beside PyTorch 2.11 eager DDP and torch.compile'd DDP
-    (default and max-autotune-no-cudagraphs): same models, batches, AdamW, one thread per rank;
-    each configuration --repeat times, interleaved; the median run of each is reported with the
-    ratios keel inductor / torch.compile default and keel's best / PyTorch's best compiled mode."""
+    (default and max-autotune-no-cudagraphs, as DDP(torch.compile(m)); and under DDP also
+    torch.compile(DDP(m)), PyTorch's documented order): same models, batches, AdamW, one thread
+    per rank; each configuration --repeat times, interleaved; the median run of each is reported
+    with the ratios keel inductor / torch.compile default, keel's best / PyTorch's best compiled
+    variant and keel's best / PyTorch's best of all, each best named."""
     worlds = [int(w) for w in args.worlds.split(",")]
     cache = args.inductor_cache or os.path.join(tempfile.gettempdir(), "keel-bench-inductor-cache")
     systems = [("keel-off", lambda m, b, s, w: run_keel(m, b, s, w, args.keel)),
@@ -645,7 +665,12 @@ def inductor_bench(args):
                ("pytorch", lambda m, b, s, w: run_torch(m, b, s, w)),
                ("pytorch-compile", lambda m, b, s, w: run_torch(m, b, s, w, compiled=True)),
                ("pytorch-compile-max-autotune-no-cudagraphs",
-                lambda m, b, s, w: run_torch(m, b, s, w, compiled=True, compile_mode="max-autotune-no-cudagraphs"))]
+                lambda m, b, s, w: run_torch(m, b, s, w, compiled=True, compile_mode="max-autotune-no-cudagraphs")),
+               # torch.compile(DDP(m)), PyTorch's documented order (DDPOptimizer); at one rank the same
+               # as pytorch-compile, so run only under DDP
+               ("pytorch-compile-of-ddp",
+                lambda m, b, s, w: run_torch(m, b, s, w, compiled=True, extra=["--compile-order", "ddp"]))]
+    of_ddp = "pytorch-compile-of-ddp"
     with results("-inductor") as emit:
         for model in args.models.split(","):
             steps = max(args.steps // 3, 25) if model == "gpt" else args.steps
@@ -658,20 +683,27 @@ def inductor_bench(args):
                 order = systems if r % 2 == 0 else list(reversed(systems))
                 for world in worlds:
                     for name, fn in order:
-                        runs.setdefault((name, world), []).append(fn(model, BATCH[model], steps, world))
+                        if name != of_ddp or world > 1:
+                            runs.setdefault((name, world), []).append(fn(model, BATCH[model], steps, world))
             for world in worlds:
-                med = {name: median_run(runs[(name, world)]) for name, _ in systems}
-                for name, _ in systems:
+                med = {name: median_run(runs[(name, world)]) for name, _ in systems if (name, world) in runs}
+                for name in med:
                     med[name]["system"] = name
                     emit(med[name])
                 t = {name: med[name]["median_step_ms"] for name in med}
                 keel_best = min(t["keel-off"], t["keel-inductor"])
-                torch_compiled_best = min(t["pytorch-compile"], t["pytorch-compile-max-autotune-no-cudagraphs"])
+                compiled = [n for n in t if n.startswith("pytorch-compile")]
+                torch_compiled_best = min(compiled, key=lambda n: t[n])
+                torch_best = min([n for n in t if n.startswith("pytorch")], key=lambda n: t[n])
                 emit({"model": model, "world": world, "batch": BATCH[model], "steps": steps, "repeats": args.repeat,
                       "median_step_ms": t,
+                      "keel_best": min(("keel-off", "keel-inductor"), key=lambda n: t[n]),
                       "keel_inductor_over_torch_compile_default": t["keel-inductor"] / t["pytorch-compile"],
                       "keel_best_over_torch_compile_default": keel_best / t["pytorch-compile"],
-                      "keel_best_over_torch_compile_best": keel_best / torch_compiled_best,
+                      "pytorch_compiled_best": torch_compiled_best,
+                      "keel_best_over_torch_compile_best": keel_best / t[torch_compiled_best],
+                      "pytorch_best": torch_best,
+                      "keel_best_over_pytorch_best": keel_best / t[torch_best],
                       "keel_inductor_over_torch_eager": t["keel-inductor"] / t["pytorch"],
                       "keel_inductor_over_keel_off": t["keel-inductor"] / t["keel-off"]})
 

@@ -3,7 +3,11 @@ thread count and synthetic data as a keel run, timed the same way (median step t
 first 5 steps).
 
   ~/.cache/keel/venv/bin/python bench/torch_ref.py --model cnn --batch 64 --steps 60 --threads 1
-  ... --compile            # torch.compile (Inductor), in the order place -> compile -> DDP
+  ... --compile            # torch.compile (Inductor), in the order place -> compile -> DDP: DDP(torch.compile(m))
+  ... --compile --compile-order ddp   # torch.compile(DDP(m)): PyTorch's documented order, whose
+                           # DDPOptimizer splits the graph at the bucket boundaries so that the
+                           # all-reduces overlap the backward (the same as the default at one rank)
+  ... --compile --fsdp     # FSDP2 with every block compiled on its own before fully_shard (torchtitan's way)
   ... --compile --compile-mode max-autotune-no-cudagraphs   # another torch.compile mode
   ... --device cuda        # on the GPU (DDP over NCCL under torchrun)
   ... --fused              # torch.optim.AdamW(fused=True) instead of PyTorch's default implementation
@@ -54,6 +58,9 @@ def parse_args():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--compile", action="store_true", help="torch.compile the model before wrapping it in DDP")
+    ap.add_argument("--compile-order", default="model", choices=["model", "ddp"],
+                    help="with --compile under DDP: model = DDP(torch.compile(m)) (compile, then distribute); "
+                         "ddp = torch.compile(DDP(m)) (DDPOptimizer: the graph split at the bucket boundaries)")
     ap.add_argument("--compile-mode", default="default",
                     help="torch.compile's mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
@@ -168,24 +175,36 @@ def tensor_parallel(model, sp, rank, world):
     return model
 
 
+def distributed(args, world):
+    return world > 1 or "MASTER_ADDR" in os.environ
+
+
 def compile_and_distribute(model, args, world, device, local_rank):
-    if args.compile:
+    mode = None if args.compile_mode == "default" else args.compile_mode
+    blocks = model.h if hasattr(model, "h") else getattr(model, "fc", [])
+    if args.compile and args.fsdp and distributed(args, world):
+        # torchtitan's way: each block compiled on its own (its own graph, between whose runs
+        # FSDP2's all-gathers and reduce-scatters go), then fully_shard on each block and the root
+        for block in blocks:
+            block.compile(mode=mode)
+    elif args.compile and (args.compile_order == "model" or not distributed(args, world)):
         # compile, then distribute (as keel's pipeline)
-        model = torch.compile(model, mode=None if args.compile_mode == "default" else args.compile_mode)
-    if world > 1 or "MASTER_ADDR" in os.environ:
+        model = torch.compile(model, mode=mode)
+    if distributed(args, world):
         import torch.distributed as dist
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         if args.tp:
             return tensor_parallel(model, args.sp, dist.get_rank(), world)
         if args.fsdp:
             from torch.distributed.fsdp import fully_shard
-            blocks = model.h if hasattr(model, "h") else getattr(model, "fc", [])
             for block in blocks:
                 fully_shard(block)
             fully_shard(model)
         else:
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[local_rank] if device.type == "cuda" else None)
+            if args.compile and args.compile_order == "ddp":
+                model = torch.compile(model, mode=mode)  # DDPOptimizer (torch._dynamo.config.optimize_ddp)
     return model
 
 
@@ -272,6 +291,8 @@ def result(args, world, device, times, med, held_bytes, tokens_per_sample):
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
     if args.compile and args.compile_mode != "default":
         out["impl"] += "-" + args.compile_mode
+    if args.compile and args.compile_order == "ddp" and distributed(args, world) and not args.fsdp:
+        out["impl"] += "-of-ddp"
     if args.fused:
         out["impl"] += "-fused"
     if args.zero:
