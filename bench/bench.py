@@ -9,6 +9,7 @@
   $PY bench/bench.py --fsdp-rounds 5 --worlds 2,3   # dist.zero = 3 beside stage 0, PyTorch DDP and FSDP2 on gpt
   $PY bench/bench.py --tp-rounds 3          # tp 2 (with and without sp) beside dp 2, PyTorch DDP and DTensor TP on gpt
   $PY bench/bench.py --ac-rounds 3          # activation checkpointing at gpt context 512, keel and PyTorch
+  $PY bench/bench.py --small-gpt-rounds 3   # a small GPT at one rank, where per-op overhead dominates
   $PY bench/bench.py --baseline /tmp/keel-old --worlds 2   # this build vs another keel binary
   $PY bench/bench.py --inductor             # keel compile.mode = inductor beside eager and torch.compile'd PyTorch
 
@@ -150,6 +151,9 @@ def parse_args():
                          "tp 2, tp 2 + sequence parallel; PyTorch DDP and DTensor tensor parallel (with and without "
                          "SequenceParallel): step time, per-rank parameters, peak RSS, and each step's tensor memory counted "
                          "exactly in a run of its own")
+    ap.add_argument("--small-gpt-rounds", type=int, default=0,
+                    help="instead: N rounds of a small GPT (4 blocks, width 128, context 64, vocab 65, batch 12) at one "
+                         "rank: keel off and inductor beside PyTorch eager and torch.compile (order rotating)")
     ap.add_argument("--ac-rounds", type=int, default=0,
                     help="instead: N rounds on gpt at context 512, 1 rank, batch 4 (and 1, for the activation "
                          "estimate), order rotating: keel train.activation_checkpointing none / blocks / "
@@ -187,6 +191,8 @@ def main():
         return tp_bench(args)
     if args.ac_rounds:
         return ac_bench(args)
+    if args.small_gpt_rounds:
+        return small_gpt_bench(args)
     if args.inductor:
         return inductor_bench(args)
     if args.compile:
@@ -511,6 +517,36 @@ def tp_bench(args):
 
     args.worlds = "2"
     rounds_on_gpt(args, args.tp_rounds, "-tp", configs, finish, base="keel-dp2")
+
+
+def small_gpt_bench(args):
+    """Where per-op overhead dominates (issue 46 item 3's last target): a small GPT (4 blocks,
+    width 128, 4 heads, context 64, vocab 65, batch 12, AdamW, one rank, one thread), keel off and
+    inductor beside PyTorch 2.11 eager and torch.compile, N rounds with the order rotating; the
+    ratio of keel's best mode to PyTorch eager (target <= 0.8x) and to PyTorch's best."""
+    steps = max(args.steps, 60)
+    shape = ["--model.width=128", "--model.depth=4", "--model.heads=4", "--model.context=64", "--model.vocab=65",
+             "--data.eval_samples=12", "--data.eval_batch_size=12"]
+    ref = ["--width", "128", "--depth", "4", "--context", "64", "--vocab", "65"]
+    cache = args.inductor_cache or os.path.join(tempfile.gettempdir(), "keel-bench-inductor-cache")
+    run_keel("gpt", 12, 6, 1, args.keel, compile_mode="inductor", cache_dir=cache, extra=shape)  # the package, once
+    configs = {"keel-off": lambda w: run_keel("gpt", 12, steps, 1, args.keel, extra=shape),
+               "keel-inductor": lambda w: run_keel("gpt", 12, steps, 1, args.keel, compile_mode="inductor",
+                                                   cache_dir=cache, extra=shape),
+               "pytorch": lambda w: run_torch("gpt", 12, steps, 1, extra=ref),
+               "pytorch-compile": lambda w: run_torch("gpt", 12, steps, 1, compiled=True, extra=ref)}
+
+    def finish(summary, got):
+        summary.update({"steps": steps, "batch": 12, "shape": "4 blocks, width 128, 4 heads, context 64, vocab 65"})
+        t = {n: summary[f"{n}_median_step_ms"] for n in configs}
+        keel_best = min(("keel-off", "keel-inductor"), key=lambda n: t[n])
+        torch_best = min(("pytorch", "pytorch-compile"), key=lambda n: t[n])
+        summary.update({"keel_best": keel_best, "pytorch_best": torch_best,
+                        "keel_best_over_pytorch_eager": t[keel_best] / t["pytorch"],
+                        "keel_best_over_pytorch_best": t[keel_best] / t[torch_best]})
+
+    args.worlds = "1"
+    rounds_on_gpt(args, args.small_gpt_rounds, "-small-gpt", configs, finish, base="keel-off")
 
 
 def ac_bench(args):

@@ -74,6 +74,9 @@ def parse_args():
                     help="gpt: tensor parallelism over the whole world (torch.distributed.tensor.parallel), instead of DDP")
     ap.add_argument("--sp", action="store_true", help="with --tp: sequence parallelism (SequenceParallel norms)")
     ap.add_argument("--context", type=int, default=128, help="gpt's context (and the windows' length)")
+    ap.add_argument("--width", type=int, default=256, help="gpt's width")
+    ap.add_argument("--depth", type=int, default=4, help="gpt's blocks")
+    ap.add_argument("--vocab", type=int, default=256, help="gpt's vocabulary (the tokens drawn below it)")
     ap.add_argument("--losses", action="store_true", help="also print every step's loss (checks: --tp's losses are "
                     "one rank's)")
     ap.add_argument("--ac", nargs="?", const="blocks", choices=["blocks", "selective"],
@@ -86,10 +89,10 @@ def parse_args():
     return ap.parse_args()
 
 
-def synthetic_data(model_name, device, context=128):
+def synthetic_data(model_name, device, context=128, vocab=256):
     """(data, labels or None, tokens per sample): token windows for gpt, images and labels otherwise."""
     if model_name == "gpt":
-        data = torch.randint(0, 256, (SAMPLES, context + 1))
+        data = torch.randint(0, vocab, (SAMPLES, context + 1))
         labels = None
         tokens_per_sample = context
     else:
@@ -305,6 +308,8 @@ def result(args, world, device, times, med, held_bytes, tokens_per_sample):
         out["impl"] += "-ac" if args.ac == "blocks" else "-sac"
     if args.context != 128:
         out["context"] = args.context
+    if args.model == "gpt" and (args.width, args.depth, args.vocab) != (256, 4, 256):
+        out.update({"width": args.width, "depth": args.depth, "vocab": args.vocab})
     if tokens_per_sample:
         out["tokens_per_s"] = out["throughput"] * tokens_per_sample
     return out
@@ -340,10 +345,10 @@ def main():
     device = torch.device("cuda", local_rank) if args.device == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    model = (Gpt(context=args.context) if args.model == "gpt" else {"mlp": Mlp, "cnn": Cnn}[args.model]()).to(device)
+    model = (Gpt(vocab=args.vocab, context=args.context, layers=args.depth, d=args.width) if args.model == "gpt" else {"mlp": Mlp, "cnn": Cnn}[args.model]()).to(device)
     if args.ac:
         checkpoint_blocks(model, args.ac)
-    data, labels, tokens_per_sample = synthetic_data(args.model, device, args.context)
+    data, labels, tokens_per_sample = synthetic_data(args.model, device, args.context, args.vocab)
     model = compile_and_distribute(model, args, world, device, local_rank)
     opt = make_optimizer(model, args, world)
     times, losses = run_steps(model, opt, data, labels, args, rank, device)
