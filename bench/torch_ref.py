@@ -178,22 +178,24 @@ def tensor_parallel(model, sp, rank, world):
     return model
 
 
-def distributed(args, world):
+def distributed(world):
     return world > 1 or "MASTER_ADDR" in os.environ
 
 
 def compile_and_distribute(model, args, world, device, local_rank):
     mode = None if args.compile_mode == "default" else args.compile_mode
     blocks = model.h if hasattr(model, "h") else getattr(model, "fc", [])
-    if args.compile and args.fsdp and distributed(args, world):
+    if args.compile and args.tp:
+        raise SystemExit("torch_ref.py: --compile with --tp is not measured (the tp forward replaces the compiled one)")
+    if args.compile and args.fsdp and distributed(world) and len(blocks) > 0:
         # torchtitan's way: each block compiled on its own (its own graph, between whose runs
         # FSDP2's all-gathers and reduce-scatters go), then fully_shard on each block and the root
         for block in blocks:
             block.compile(mode=mode)
-    elif args.compile and (args.compile_order == "model" or not distributed(args, world)):
-        # compile, then distribute (as keel's pipeline)
+    elif args.compile and (args.compile_order == "model" or not distributed(world) or args.fsdp):
+        # compile, then distribute (as keel's pipeline; a model without blocks under FSDP2 whole)
         model = torch.compile(model, mode=mode)
-    if distributed(args, world):
+    if distributed(world):
         import torch.distributed as dist
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
         if args.tp:
@@ -294,7 +296,7 @@ def result(args, world, device, times, med, held_bytes, tokens_per_sample):
            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0}
     if args.compile and args.compile_mode != "default":
         out["impl"] += "-" + args.compile_mode
-    if args.compile and args.compile_order == "ddp" and distributed(args, world) and not args.fsdp:
+    if args.compile and args.compile_order == "ddp" and distributed(world) and not args.fsdp:
         out["impl"] += "-of-ddp"
     if args.fused:
         out["impl"] += "-fused"
