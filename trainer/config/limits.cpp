@@ -27,7 +27,6 @@
 #include "keel/common/error.h"
 #include "models/deferred_init.h"
 #include "models/hf.h"
-#include "models/transformer.h"
 
 namespace keel {
 namespace {

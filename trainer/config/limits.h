@@ -50,7 +50,8 @@ struct MemoryEstimate {
 MemoryEstimate estimate_memory(const Config& cfg, int64_t dp_size, bool on_cuda);
 
 /// Whether the model is built as each rank's shards (models/deferred_init.h): model.sharded_init,
-/// at dist.zero = 3 or parallel.tp > 1, for a transformer family (gpt, gpt2, llama).
+/// at dist.zero = 3 or parallel.tp > 1, for a family that builds deferred (models::builds_deferred:
+/// gpt, gpt2, llama; mlp and cnn, which have no tp plan, at dist.zero = 3).
 bool builds_sharded(const Config& cfg);
 
 /// This process's peak resident memory so far (getrusage), MiB.
