@@ -14,6 +14,7 @@
 #include <ATen/autocast_mode.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <map>
 #include <string>
 #include <vector>
@@ -350,15 +351,22 @@ TEST(GradsToNone, AStepHoldsNoGradientUntilItsBackwardAndTrainsBitForBitAsWithZe
     const std::string at = std::to_string(ranks) + " rank(s)";
     for (const char* kind : {"model", "optimizer"}) EXPECT_EQ(max_diff(dirs[true], dirs[false], 2, kind), 0.0) << at;
     EXPECT_EQ(metrics_losses(dirs[true] + "/run"), metrics_losses(dirs[false] + "/run")) << at;
-    EXPECT_EQ(end[true], end[false]) << at << ": the gradients are alive at the end either way";
     const double gradients_mb = std::stod(summary_field(dirs[true] + "/run", "gradient_bytes")) / (1 << 20);
+    // Over Gloo the count is not the same bytes every run: a collective's Work, holding its small
+    // tensors (8-byte scalars), is released by Gloo's worker thread after the waiting thread has
+    // gone on, so one may still be alive when the count is read. That is bytes against the
+    // gradients' megabytes, so at 2 ranks "the same" means within a 4 KiB slack, 800 times below
+    // the 3.3 MiB the gradients would move the count by.
+    const double slack_mb = ranks == 1 ? 0.0 : 4096.0 / (1 << 20);
+    EXPECT_LE(std::abs(end[true] - end[false]), slack_mb) << at << ": the gradients are alive at the end either way";
+    ASSERT_GT(gradients_mb, 100 * slack_mb) << at;
     std::printf("%s: counted peak %.3f MiB with grads_to_none, %.3f without; gradients %.3f MiB\n", at.c_str(),
                 peak[true], peak[false], gradients_mb);
     if (ranks == 1) {
       EXPECT_LT(peak[true], peak[false]) << at;
       EXPECT_LE(peak[false] - peak[true], gradients_mb + 1e-9) << at;
     } else {
-      EXPECT_EQ(peak[true], peak[false]) << at << ": DDP's bucket views are zeroed, not freed";
+      EXPECT_LE(std::abs(peak[true] - peak[false]), slack_mb) << at << ": DDP's bucket views are zeroed, not freed";
     }
   }
 }
