@@ -430,15 +430,21 @@ def held(run):
 
 
 def fsdp_bench(args):
-    """dist.zero = 3 on gpt (per-rank batch 8, AdamW) beside keel's stage 0, PyTorch's DDP and
+    """dist.zero = 3 on gpt (per-rank batch 8, AdamW), eager and with each block compiled by
+    AOTInductor (compile.mode = inductor: granularity "auto" is blocks at zero 3), beside keel's stage 0, PyTorch's DDP and
     PyTorch's FSDP2 (fully_shard per block, then the root), eager and with each block
     torch.compile'd first (torchtitan's way), N rounds with the order rotating. Per round each step
     time over keel zero=0's; per configuration rank 0's held bytes; keel zero 3 over the faster
     FSDP2 variant, named."""
     steps = max(args.steps // 5, 12)
     b = BATCH["gpt"]
+    cache = args.inductor_cache or os.path.join(tempfile.gettempdir(), "keel-bench-inductor-cache")
+    for w in [int(w) for w in args.worlds.split(",")]:  # the block package, once (compile.granularity "auto": blocks at zero 3)
+        run_keel("gpt", b, 2, w, args.keel, compile_mode="inductor", cache_dir=cache, extra=["--dist.zero=3"])
     configs = {"keel-zero0": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=0"]),
                "keel-zero3": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.zero=3"]),
+               "keel-zero3-inductor": lambda w: run_keel("gpt", b, steps, w, args.keel, compile_mode="inductor",
+                                                         cache_dir=cache, extra=["--dist.zero=3"]),
                "pytorch": lambda w: run_torch("gpt", b, steps, w),
                "pytorch-fsdp2": lambda w: run_torch("gpt", b, steps, w, fsdp=True),
                # torchtitan's way: each block torch.compile'd, then fully_shard
@@ -452,8 +458,9 @@ def fsdp_bench(args):
         if summary["world"] > 1:  # (at one rank torch_ref runs no FSDP2: a single process)
             best = min(("pytorch-fsdp2", "pytorch-fsdp2-compile"), key=lambda n: summary[f"{n}_median_step_ms"])
             summary["pytorch_fsdp2_best"] = best
-            summary["keel-zero3_step_time_over_pytorch_fsdp2_best"] = (summary["keel-zero3_median_step_ms"] /
-                                                                       summary[f"{best}_median_step_ms"])
+            for k in ("keel-zero3", "keel-zero3-inductor"):
+                summary[f"{k}_step_time_over_pytorch_fsdp2_best"] = (summary[f"{k}_median_step_ms"] /
+                                                                     summary[f"{best}_median_step_ms"])
 
     rounds_on_gpt(args, args.fsdp_rounds, "-fsdp", configs, finish)
 

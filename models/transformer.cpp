@@ -244,8 +244,8 @@ torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structur
     const auto in = structure ? structure->block_enter(i, x) : x;
     TransformerBlockImpl* block = blocks[i]->as<TransformerBlock>();
     const auto out = structure
-                         ? structure->block_run(
-                               [block, cos, sin](const torch::Tensor& t) { return block->forward(t, cos, sin); }, in)
+                         ? structure->block_call(
+                               i, [block, cos, sin](const torch::Tensor& t) { return block->forward(t, cos, sin); }, in)
                          : block->forward(in, cos, sin);
     x = structure ? structure->block_leave(i, out) : out;
   }

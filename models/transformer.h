@@ -165,7 +165,8 @@ struct TransformerBlockImpl : torch::nn::Module {
 TORCH_MODULE(TransformerBlock);
 
 /// Runs blocks[0..n) in order, each between the model's BlockStructure hooks (dist.zero = 3
-/// gathers a block's parameters there) and through its block_run (activation checkpointing);
+/// gathers a block's parameters there) and through its block_call (a compiled block, or
+/// block_run: activation checkpointing);
 /// `structure` may be null.
 torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,
                          const torch::Tensor& cos = {}, const torch::Tensor& sin = {});

@@ -19,6 +19,7 @@
 #include "keel/trainer/data/data.h"
 #include "models/hf.h"
 #include "trainer/compile/compile_cache.h"
+#include "trainer/compile/inductor_block.h"
 #include "trainer/compile/packaging.h"
 
 namespace keel {
@@ -157,6 +158,7 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   r.device = device;
   r.threads = threads;
   r.cfg = cfg.compile;
+  if (compiles_blocks(cfg)) r.granularity = "blocks";
   for (const auto& [n, p] : model.named_parameters())
     r.param_names.push_back(n), r.param_specs.push_back(tensor_spec(p));
   for (const auto& [n, b] : model.named_buffers())
@@ -211,11 +213,14 @@ CompileReport package_training_step(const Config& cfg) {
   aot::load_libraries(cfg.compile.libraries);
   check_dropout(cfg);
   auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
-  CompileReport report;
-  InductorStep::load_or_compile(inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
-                                                 dynamic_cast<const PythonModel*>(model.get())),
-                                report);
-  return report;
+  const InductorRequest req = inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
+                                               dynamic_cast<const PythonModel*>(model.get()));
+  auto report = std::make_shared<CompileReport>();
+  if (req.granularity == "blocks")  // packaged and checked to fit the model's blocks
+    compile_blocks(*model, req, report, cfg.compile.max_recompiles);
+  else
+    InductorStep::load_or_compile(req, *report);
+  return *report;
 }
 
 }  // namespace keel

@@ -63,6 +63,9 @@ import time
 import traceback
 
 FORMAT = "keel-aoti-step/1"
+# The models whose transformer block --granularity blocks packages (their block at index 0 and
+# the prefix of its parameters in the whole model's names).
+BLOCK_MODELS = ("gpt", "gpt2")
 EXIT_ERROR, EXIT_USAGE, EXIT_GRAPH_BREAK, EXIT_NONDETERMINISTIC, EXIT_CHECK, EXIT_NO_FAKE_KERNEL = 1, 2, 3, 4, 5, 6
 
 # keel's [model] keys (trainer/config/schema.cpp). Those that do not change the graph
@@ -170,6 +173,9 @@ def parse_args(argv):
                    help="--check: see --check-rtol (default 1e-7; 1e-5 with --amp), for outputs that are ~0 "
                         "(e.g. the gradient of a bias followed by a normalisation)")
     p.add_argument("--seed", type=int, default=0, help="seed of the --check inputs and initial weights")
+    p.add_argument("--granularity", choices=["step", "blocks"], default="step",
+                   help="step: the whole training step as one model; blocks: a transformer block's forward and "
+                        "backward as two models (block_forward, block_backward), reused for every block")
     p.add_argument("--verbose", action="store_true", help="Python tracebacks on failure")
     a = p.parse_args(argv)
     if a.out is None and not a.init_out:
@@ -186,6 +192,8 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.threads < 0:
         p.error("--threads must be >= 0")
+    if a.granularity == "blocks" and (a.module or a.check or a.model not in BLOCK_MODELS):
+        p.error("--granularity blocks packages the block of " + ", ".join(BLOCK_MODELS) + " (not --module, --check)")
     if a.amp == "fp16":
         if a.device != "cuda":
             p.error("--amp fp16 needs --device cuda (keel's amp.dtype = fp16 is CUDA only)")
@@ -1235,6 +1243,133 @@ def trace_forward(job: Job) -> None:
                                  "batch": eval_batch, "amp": "off", "mode": "eval"}
 
 
+def tuple_module(gm):
+    """A GraphModule as an nn.Module returning a tuple (what torch.export takes)."""
+    import torch
+
+    class TupleOut(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *args):
+            return tuple(self.gm(*args))
+
+    return TupleOut()
+
+
+def block_of(job: Job):
+    """(block module, example input) of --granularity blocks: block 0 of the model and a hidden
+    state of the training batch's shape (every block of the model has the same shapes)."""
+    import torch
+
+    cfg = job.ident["model_config"]
+    if job.args.model == "gpt":
+        block, width = job.module.h[0], cfg["width"]
+    else:  # transformers' GPT2Block: the hidden state first of what it returns
+        block, width = job.module.transformer.h[0], job.module.config.n_embd
+    x = torch.randn(job.batch, cfg["context"], width, device=job.device)
+    return block, x
+
+
+def partition_block(block, params, x, amp_dtype, device_type):
+    """AOTAutograd's forward and backward graphs of the block (min-cut partitioned, views of
+    inputs recomputed in backward rather than saved): (fw gm, bw gm)."""
+    import torch
+    import torch._functorch.config as functorch_config
+    from torch._functorch.aot_autograd import aot_function
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    names = [n for n, _ in block.named_parameters()]
+
+    def fn(*args):
+        ctx = torch.autocast(device_type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        with ctx:
+            out = torch.func.functional_call(block, dict(zip(names, args[:-1])), (args[-1],))
+        return out[0] if isinstance(out, tuple) else out
+
+    graphs = {}
+
+    def capture(which):
+        def compiler(gm, _example):
+            graphs[which] = gm
+            return gm
+
+        return compiler
+
+    with functorch_config.patch(recompute_views=True):
+        f = aot_function(fn, capture("fw"), capture("bw"), partition_fn=min_cut_rematerialization_partition)
+        y = f(*[p.detach().clone().requires_grad_(True) for p in params], x.detach().clone().requires_grad_(True))
+        y.backward(torch.ones_like(y))
+    return graphs["fw"], graphs["bw"]
+
+
+def trace_blocks(job: Job) -> None:
+    """--granularity blocks: job.models["block_forward"] (params, input) -> (output, *saved) and
+    job.models["block_backward"] (what it reads: parameters, the input, saved tensors; the
+    output's gradient) -> (each parameter's gradient, the input's). A saved tensor that is a
+    parameter or the input is not returned by the forward: keel passes the live tensor (with
+    dist.zero = 3, the block's parameters gathered again for the backward)."""
+    import torch
+
+    args = job.args
+    block, x = block_of(job)
+    block.train()
+    names = [n for n, _ in block.named_parameters()]
+    params = [p.detach() for p in block.parameters()]
+    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    t0 = time.perf_counter()
+    fw, bw = partition_block(block, params, x, amp_dtype, args.device)
+    fw_in = [n for n in fw.graph.nodes if n.op == "placeholder"]
+    if len(fw_in) != len(params) + 1:
+        raise Refusal(EXIT_ERROR, f"block forward graph has {len(fw_in)} inputs, expected {len(params) + 1}")
+    source_of_input = {node.name: (names[i] if i < len(names) else "input") for i, node in enumerate(fw_in)}
+    out_node = [n for n in fw.graph.nodes if n.op == "output"][0]
+    y_node, saved_nodes = out_node.args[0][0], list(out_node.args[0][1:])
+    kept = [n for n in saved_nodes if n.op != "placeholder"]
+    out_node.args = ((y_node, *kept),)
+    fw.recompile()
+    kept_index = {n.name: k for k, n in enumerate(kept)}
+    fw_example = [*params, x]
+    fw_out = fw(*fw_example)
+    fw_in_specs = [tensor_spec(n, p, "parameter") for n, p in zip(names, params)] + [tensor_spec("input", x, "input")]
+    fw_out_specs = [tensor_spec("output", fw_out[0], "output")]
+    fw_out_specs += [tensor_spec(f"saved:{k}", v, "saved") for k, v in enumerate(fw_out[1:])]
+    bw_in = [n for n in bw.graph.nodes if n.op == "placeholder"]
+    bw_example, bw_in_specs = [], []
+    for node in bw_in:
+        if node.name.startswith("tangents"):
+            dy = torch.randn_like(fw_out[0])
+            bw_example.append(dy)
+            bw_in_specs.append(tensor_spec("grad:output", dy, "grad_output"))
+        elif node.name in source_of_input:
+            src = source_of_input[node.name]
+            t = x if src == "input" else params[names.index(src)]
+            bw_example.append(t)
+            bw_in_specs.append(tensor_spec(src, t, "input" if src == "input" else "parameter"))
+        elif node.name in kept_index:
+            k = kept_index[node.name]
+            bw_example.append(fw_out[1 + k])
+            bw_in_specs.append(tensor_spec(f"saved:{k}", fw_out[1 + k], "saved"))
+        else:
+            raise Refusal(EXIT_ERROR, f"block backward graph reads {node.name}, which the forward does not give")
+    bw_out = bw(*bw_example)
+    if len(bw_out) != len(params) + 1 or any(g is None for g in bw_out):
+        raise Refusal(EXIT_ERROR, "block backward graph does not give every parameter and the input a gradient")
+    bw_out_specs = [tensor_spec(f"grad:{n}", g, "grad") for n, g in zip(names, bw_out[:-1])]
+    bw_out_specs.append(tensor_spec("grad:input", bw_out[-1], "grad_input"))
+    job.timings["trace_s"] = time.perf_counter() - t0
+    job.forward_skipped = "--granularity blocks"
+    job.findings = {}
+    mode = {"batch": job.batch, "amp": args.amp, "mode": "train"}
+    job.models = {
+        "block_forward": {"gm": tuple_module(fw), "example": fw_example, "inputs": fw_in_specs, "outputs": fw_out_specs,
+                          **mode},
+        "block_backward": {"gm": tuple_module(bw), "example": bw_example, "inputs": bw_in_specs, "outputs": bw_out_specs,
+                           **mode},
+    }
+
+
 def export_models(job: Job) -> None:
     """torch.export of every traced model (m["ep"]), each checked to take the inputs it lists."""
     import torch
@@ -1404,8 +1539,12 @@ def main(argv=None) -> int:
         return 0
     job = Job(args, threads, device, *loaded)
     place_on_device(job)
-    trace_train_step(job)
-    trace_forward(job)
+    if args.granularity == "blocks":
+        job.ident["granularity"] = "blocks"
+        trace_blocks(job)
+    else:
+        trace_train_step(job)
+        trace_forward(job)
     export_models(job)
     options, env, signature = describe_models(job)
     timings = job.timings

@@ -114,6 +114,7 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
     k["buffers"] = req.buffer_names;
   }
   if (req.eval_batch > 0) k["eval_batch"] = req.eval_batch;
+  if (req.granularity != "step") k["granularity"] = req.granularity;  // packages of before kept
   // Inductor picks its CPU vector code from ATEN_CPU_CAPABILITY when it is set (cpu_vec_isa.py):
   // a package built for AVX-512 is another entry than one held to AVX2 (the CPU's own best is in
   // the device identity).
@@ -171,6 +172,7 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
     argv.insert(argv.end(), {"--model", req.model});
   else
     argv.insert(argv.end(), {"--module", req.module, "--example", req.example.dump()});
+  if (req.granularity != "step") argv.insert(argv.end(), {"--granularity", req.granularity});
   if (req.eval_batch > 0)
     argv.insert(argv.end(), {"--eval-batch", std::to_string(req.eval_batch)});
   else
@@ -183,8 +185,8 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   if (req.cfg.max_autotune) argv.push_back("--max-autotune");
   if (req.grad_scale) argv.push_back("--grad-scale-input");
   for (auto& a : library_args(req.cfg.libraries)) argv.push_back(std::move(a));
-  logging::info("compile: packaging the {} training step (batch {}, amp {}) with AOTInductor: {} (log: {})", req.model,
-                req.batch, req.amp, pt2, log);
+  logging::info("compile: packaging the {} {} (batch {}, amp {}) with AOTInductor: {} (log: {})", req.model,
+                req.granularity == "blocks" ? "transformer block" : "training step", req.batch, req.amp, pt2, log);
   // Inductor's own cache beside keel's: a second key for the same graph reuses its kernels. Its
   // temporary files (precompiled headers, which ignore TORCHINDUCTOR_CACHE_DIR) stay under
   // compile.cache_dir too.
@@ -210,19 +212,24 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   }
 }
 
-std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorRequest& req, CompileReport& report) {
+PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
   if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt" && req.model != "gpt2" && req.model != "llama" &&
       req.module.empty())
     throw InputError(
         "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
         "(model.name = \"python\"); model.name = \"" +
         req.model + "\" is not one (use compile.mode = \"off\")");
+  if (req.granularity == "blocks" && req.model != "gpt" && req.model != "gpt2")
+    throw InputError(
+        "compile.granularity = \"blocks\" packages the transformer block of gpt and gpt2 so far; "
+        "model.name = \"" +
+        req.model + "\" is not served yet (use compile.granularity = \"step\")");
   if (req.amp != "off" && req.amp != "bf16" && !(req.amp == "fp16" && req.device.is_cuda()))
     throw InputError("compile.mode = \"inductor\" with amp.dtype = \"" + req.amp + "\" on " + req.device.str() +
                      ": packages take off, bf16, and fp16 on CUDA (with the loss scale inside the package)");
   const auto t0 = Clock::now();
   load_libraries(req.cfg.libraries);  // before the key (which hashes them) and the package (which calls their ops)
-  const std::string key = cache_key(req);
+  const std::string key = InductorStep::cache_key(req);
   const std::string dir = cache_root(req.cfg) + "/inductor";
   if (const std::string err = make_dirs(dir); !err.empty()) throw InputError("compile.cache_dir: " + err);
   const std::string base = dir + "/" + key.substr(0, 32);
@@ -264,21 +271,30 @@ std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorReques
             "compile.mode = \"inductor\": the packaging step wrote no usable package (log: " + log + ")");
     }
   }
-  auto step = std::shared_ptr<InductorStep>(new InductorStep());
-  step->path_ = pt2;
-  step->sha256_ = manifest.at("sha256").get<std::string>();
-  step->manifest_ = manifest;
-  step->manifest_["cache_key"] = key;
-  step->read_signature(req);
+  manifest["cache_key"] = key;
   report.mode = "inductor";
-  report.compile_ms = ms_since(t0);
   report.package = pt2;
-  report.package_sha256 = step->sha256_;
+  report.package_sha256 = manifest.at("sha256").get<std::string>();
+  return {pt2, std::move(manifest), t0};
+}
+
+void PackageEntry::loaded(CompileReport& report) const {
+  report.compile_ms = ms_since(started);
   logging::info("compile: {} the inductor package {} ({:.0f} ms)",
                 report.cache == "hit"          ? "cache hit:"
                 : report.cache == "checkpoint" ? "from the checkpoint:"
                                                : "built",
-                pt2, report.compile_ms);
+                path, report.compile_ms);
+}
+
+std::shared_ptr<InductorStep> InductorStep::load_or_compile(const InductorRequest& req, CompileReport& report) {
+  PackageEntry entry = fetch_package(req, report);
+  auto step = std::shared_ptr<InductorStep>(new InductorStep());
+  step->path_ = entry.path;
+  step->sha256_ = entry.manifest.at("sha256").get<std::string>();
+  step->manifest_ = std::move(entry.manifest);
+  step->read_signature(req);
+  entry.loaded(report);
   return step;
 }
 

@@ -20,6 +20,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <chrono>
 #include <memory>
 #include <string>
 #include <vector>
@@ -62,7 +63,23 @@ struct InductorRequest {
   /// may serve this request when the cache has none: used when its cache key is this request's
   /// and both files have the SHA-256 meta.json lists; otherwise the step is packaged anew.
   std::string seed_dir;
+  /// "step": the whole training step (InductorStep); "blocks": a transformer block's forward and
+  /// backward, reused for every block of the model (trainer/compile/inductor_block.h).
+  std::string granularity = "step";
 };
+
+/// A package in the compile cache: found, taken from a checkpoint or built (under the entry's
+/// lock), its SHA-256 checked against its manifest.
+struct PackageEntry {
+  std::string path;
+  nlohmann::json manifest;  // with "cache_key"
+  std::chrono::steady_clock::time_point started;
+  /// Logs the load and sets report.compile_ms (call once the package's loaders exist).
+  void loaded(CompileReport& report) const;
+};
+/// The package for `req` from the cache, or compiled into it; sets report.cache, mode, package
+/// and package_sha256. Throws as InductorStep::load_or_compile.
+PackageEntry fetch_package(const InductorRequest& req, CompileReport& report);
 
 /// "[2, 3] float32": a tensor's shape and dtype as InductorRequest and the package's manifest name them.
 std::string tensor_spec(const torch::Tensor& t);

@@ -6,6 +6,7 @@
 #include "dist/stages.h"
 #include "dist/tensor_parallel.h"
 #include "keel/common/error.h"
+#include "trainer/compile/inductor_block.h"
 #include "trainer/optim.h"
 #include "trainer/state.h"
 
@@ -44,7 +45,10 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
     if (!inductor) throw std::logic_error("PlacedModel::compile: compile.mode = \"inductor\" needs its request");
     std::shared_ptr<InductorStep> step;
     try {
-      step = InductorStep::load_or_compile(*inductor, *report);
+      if (inductor->granularity == "blocks")
+        compile_blocks(*model_, *inductor, report, cfg.max_recompiles);  // the model's blocks run it
+      else
+        step = InductorStep::load_or_compile(*inductor, *report);
     } catch (const CompileError& e) {
       // The request's fullgraph: compile.fullgraph, or a Python module (no eager C++ code to fall back to).
       if (inductor->cfg.fullgraph) throw;
@@ -52,7 +56,10 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
       report->warnings.push_back(e.what());
       logging::warn("{}; training the eager model instead (compile.fullgraph = true makes this an error)", e.what());
     }
-    plan_.applied(dist::Transform::Compile, report->mode);
+    plan_.applied(
+        dist::Transform::Compile,
+        report->mode +
+            (inductor->granularity == "blocks" && !step && report->mode == "inductor" ? " (each block)" : ""));
     CompiledModel m(std::move(model_), device_, std::move(report), std::move(plan_), std::move(step));
     m.max_recompiles = cfg.max_recompiles;
     return m;

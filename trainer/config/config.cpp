@@ -446,11 +446,14 @@ static void validate_placement(const Config& cfg) {
                      "\" (compressed all-reduce); use dist.zero = 1 or comm_hook = \"allreduce\"");
   if (!placement.shards_parameters()) return;
   auto fail = [&](const std::string& m) { throw InputError("config: " + placement.key() + " " + m); };
-  if (cfg.compile.mode != CompileMode::Off)
-    fail(std::string("gathers each block's parameters around it, which compile.mode = \"") +
-         choice_name(kCompileModes, cfg.compile.mode) +
-         "\" does not let it do (the compiled step takes the whole model): set compile.mode = \"off\", or dist.zero = "
-         "2");
+  if (cfg.compile.mode == CompileMode::Trace)
+    fail(
+        "gathers each block's parameters around it, which compile.mode = \"trace\" does not let it do (the traced "
+        "forward takes the whole model): set compile.mode = \"inductor\" (its blocks compiled) or \"off\"");
+  if (cfg.compile.mode == CompileMode::Inductor && cfg.compile.granularity == CompileGranularity::Step)
+    fail(
+        "gathers each block's parameters around it, which compile.granularity = \"step\" does not let it do (one "
+        "package takes the whole model): set compile.granularity = \"blocks\" or \"auto\"");
   if (cfg.model.name == "torchscript")
     fail("shards a model's parameters behind its back, which a TorchScript module does not take: use dist.zero = 2");
 }
@@ -500,6 +503,26 @@ static void validate_parallel(const Config& cfg) {
   not_yet(cfg.run.sync_debug != SyncDebug::Off, "run.sync_debug (each tp collective's validation reads the host)");
   for (const auto& entry : cfg.fault.inject)
     not_yet(entry.rfind("graph_break", 0) == 0, "fault.inject = \"" + entry + "\" (a wrapped model cannot be sharded)");
+}
+
+bool compiles_blocks(const Config& cfg) {
+  return cfg.compile.mode == CompileMode::Inductor &&
+         (cfg.compile.granularity == CompileGranularity::Blocks ||
+          (cfg.compile.granularity == CompileGranularity::Auto && dist::Placement(cfg.dist.zero).shards_parameters()));
+}
+
+// compile.granularity = "blocks" (or "auto" resolving to it): what it serves so far.
+static void validate_granularity(const Config& cfg) {
+  if (!compiles_blocks(cfg)) return;
+  const std::string key = cfg.compile.granularity == CompileGranularity::Blocks
+                              ? "compile.granularity = \"blocks\""
+                              : "compile.granularity = \"auto\" (blocks at dist.zero = 3)";
+  auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
+  if (cfg.model.name != "gpt" && cfg.model.name != "gpt2")
+    fail("packages the transformer block of gpt and gpt2 so far; model.name = \"" + cfg.model.name +
+         "\" is not served yet (use dist.zero <= 2 with compile.granularity = \"step\", or compile.mode = \"off\")");
+  if (cfg.checkpoint.save_graph)
+    fail("cannot be combined with checkpoint.save_graph = true yet (it stores the whole-step package)");
 }
 
 // train.activation_checkpointing: what it does not serve is refused by name (the model's kind is
@@ -610,6 +633,7 @@ void validate(Config& cfg) {
     fail("checkpoint.save_graph = true needs checkpoint.dir");
   parse_profile_steps(cfg.run.profile_steps);
   validate_placement(cfg);
+  validate_granularity(cfg);
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
   try {  // the same verdict at every world size (the 2-rank path chooses an interface from it)

@@ -76,6 +76,18 @@ class BlockStructure {
   torch::Tensor block_run(BlockFunction f, const torch::Tensor& x) {
     return block_runner ? block_runner(std::move(f), x) : f(x);
   }
+
+  /// Block i's computation compiled (compile.granularity = "blocks", trainer/compile/
+  /// inductor_block.h): its output on `x`, or an undefined tensor where the compiled block does
+  /// not run (another shape, no gradient wanted: evaluation), so that the block runs as above.
+  /// Empty: never. The compile stage sets it for the families whose block it packages.
+  using BlockCompiled = std::function<torch::Tensor(size_t i, const torch::Tensor& x)>;
+  BlockCompiled block_compiled;
+  torch::Tensor block_call(size_t i, BlockFunction f, const torch::Tensor& x) {
+    if (block_compiled)
+      if (torch::Tensor y = block_compiled(i, x); y.defined()) return y;
+    return block_run(std::move(f), x);
+  }
 };
 
 /// A trainable network. Implementations: a torch::nn::Module (ModuleModel) or a TorchScript
@@ -104,6 +116,8 @@ class Model {
   virtual void set_block_hooks(BlockHooks* /*hooks*/) {}
   /// Sets BlockStructure::block_runner (a model without blocks ignores it).
   virtual void set_block_runner(BlockStructure::BlockRun /*run*/) {}
+  /// Sets BlockStructure::block_compiled; returns false for a model without blocks.
+  virtual bool set_block_compiled(BlockStructure::BlockCompiled /*run*/) { return false; }
 
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
@@ -140,6 +154,11 @@ class ModuleModel : public Model {
   }
   void set_block_runner(BlockStructure::BlockRun run) override {
     if (auto* b = dynamic_cast<BlockStructure*>(module_.get())) b->block_runner = std::move(run);
+  }
+  bool set_block_compiled(BlockStructure::BlockCompiled run) override {
+    auto* b = dynamic_cast<BlockStructure*>(module_.get());
+    if (b) b->block_compiled = std::move(run);
+    return b != nullptr;
   }
   ModuleHolder& module() { return module_; }
 

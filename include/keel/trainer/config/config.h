@@ -124,8 +124,15 @@ enum class CompileMode { Off, Trace, Inductor };
 inline constexpr Choices<CompileMode, 3> kCompileModes{
     {{"off", CompileMode::Off}, {"trace", CompileMode::Trace}, {"inductor", CompileMode::Inductor}}};
 
+/// compile.granularity: what one inductor package holds. auto: blocks where the placement needs
+/// them (dist.zero = 3 gathers each block's parameters around it), else step.
+enum class CompileGranularity { Auto, Step, Blocks };
+inline constexpr Choices<CompileGranularity, 3> kCompileGranularities{
+    {{"auto", CompileGranularity::Auto}, {"step", CompileGranularity::Step}, {"blocks", CompileGranularity::Blocks}}};
+
 struct CompileConfig {
   CompileMode mode = CompileMode::Off;
+  CompileGranularity granularity = CompileGranularity::Auto;
   bool fullgraph = false;
   bool deterministic = false;
   int64_t max_recompiles = 8;
@@ -212,6 +219,10 @@ void apply_override(Config& cfg, const std::string& dotted, const std::string& t
 
 /// Cross-field validation and defaults that depend on other keys (run.dir). Throws InputError.
 void validate(Config& cfg);
+
+/// Whether compile.mode = "inductor" packages the transformer block rather than the whole step:
+/// compile.granularity = "blocks", or "auto" at dist.zero = 3.
+bool compiles_blocks(const Config& cfg);
 
 /// run.profile_steps: "A-B" -> (A, B) with 1 <= A <= B; "" -> nullopt. Throws InputError
 /// naming the key.

@@ -1,0 +1,232 @@
+#include "trainer/compile/inductor_block.h"
+
+#include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+
+#include <set>
+
+#include "common/log.h"
+#include "keel/common/error.h"
+
+namespace keel {
+namespace {
+
+std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shape").get<std::vector<int64_t>>(); }
+
+std::string spec_of(const nlohmann::json& spec) {
+  return c10::str(c10::IntArrayRef(shape_of(spec))) + " " + spec.value("dtype", std::string("?"));
+}
+
+// The block's forward in the package; its backward hands each parameter and the input their
+// gradients. The parameters are kept as the tensors themselves (not saved variables): with
+// dist.zero = 3 their memory is freed after the block and gathered again before its backward,
+// which reads them as they are then.
+struct BlockFunction : public torch::autograd::Function<BlockFunction> {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList params, InductorBlock* block,
+                               const torch::Tensor& x) {
+    std::vector<torch::Tensor> in(params.begin(), params.end());
+    in.push_back(x);
+    auto out = block->run_forward(std::move(in));
+    ctx->saved_data["saved"] = std::vector<torch::Tensor>(out.begin() + 1, out.end());
+    ctx->saved_data["params"] = params.vec();
+    ctx->saved_data["input"] = x;
+    ctx->saved_data["block"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(block));
+    return out[0];
+  }
+  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
+                                                 torch::autograd::variable_list grad_out) {
+    auto* block = reinterpret_cast<InductorBlock*>(static_cast<intptr_t>(ctx->saved_data["block"].toInt()));
+    const auto params = ctx->saved_data["params"].toTensorVector();
+    auto grads = block->run_backward(params, ctx->saved_data["input"].toTensor(),
+                                     ctx->saved_data["saved"].toTensorVector(), grad_out[0].contiguous());
+    ctx->saved_data.clear();  // the saved activations go now, not with the graph
+    torch::Tensor dx = grads.back();
+    grads.pop_back();
+    grads.emplace_back();  // the block gets none
+    grads.push_back(std::move(dx));
+    return grads;
+  }
+};
+
+std::string first_difference(const std::vector<std::string>& names, const std::vector<std::string>& specs,
+                             const std::vector<std::string>& want_names, const std::vector<std::string>& want_specs) {
+  if (names.size() != want_names.size())
+    return std::to_string(names.size()) + " parameters in the package, " + std::to_string(want_names.size()) +
+           " in the model's block";
+  for (size_t i = 0; i < names.size(); ++i) {
+    if (names[i] != want_names[i])
+      return "parameter " + std::to_string(i) + " is " + names[i] + " in the package, " + want_names[i] +
+             " in the model's block";
+    if (specs[i] != want_specs[i])
+      return "parameter " + names[i] + " is " + specs[i] + " in the package, " + want_specs[i] +
+             " in the model's block";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::shared_ptr<InductorBlock> InductorBlock::load_or_compile(const InductorRequest& req,
+                                                              const std::vector<std::string>& block_params,
+                                                              const std::vector<std::string>& block_specs,
+                                                              CompileReport& report) {
+  if (req.granularity != "blocks") throw std::logic_error("InductorBlock: a request of granularity " + req.granularity);
+  PackageEntry entry = fetch_package(req, report);
+  auto block = std::shared_ptr<InductorBlock>(new InductorBlock());
+  block->path_ = entry.path;
+  block->sha256_ = entry.manifest.at("sha256").get<std::string>();
+  block->manifest_ = std::move(entry.manifest);
+  block->read_signature(block_params, block_specs, req.device);
+  entry.loaded(report);
+  return block;
+}
+
+InductorBlock::~InductorBlock() = default;
+
+void InductorBlock::read_signature(const std::vector<std::string>& block_params,
+                                   const std::vector<std::string>& block_specs, const torch::Device& device) {
+  const auto& models = manifest_.at("models");
+  if (!models.contains("block_forward") || !models.contains("block_backward"))
+    throw std::runtime_error(path_ + ": not a block package (no block_forward and block_backward)");
+  std::vector<std::string> names, specs;
+  for (const auto& in : models["block_forward"].at("inputs")) {
+    const std::string kind = in.value("kind", "");
+    if (kind == "parameter") {
+      names.push_back(in.at("name").get<std::string>()), specs.push_back(spec_of(in));
+    } else if (kind == "input") {
+      input_shape_ = shape_of(in);
+      input_dtype_ =
+          in.at("dtype").get<std::string>() == "bfloat16" ? c10::ScalarType::BFloat16 : c10::ScalarType::Float;
+    } else {
+      throw std::runtime_error(path_ + ": a block input keel does not pass: " + in.dump());
+    }
+  }
+  if (const std::string d = first_difference(names, specs, block_params, block_specs); !d.empty())
+    throw std::runtime_error(path_ + " does not fit the model: " + d);
+  num_params_ = names.size();
+  size_t saved = 0;
+  for (const auto& out : models["block_forward"].at("outputs")) saved += out.value("kind", "") == "saved";
+  for (const auto& in : models["block_backward"].at("inputs")) {
+    const std::string kind = in.value("kind", ""), name = in.at("name").get<std::string>();
+    Source s{Source::Kind::GradOutput, 0};
+    if (kind == "parameter") {
+      const auto it = std::find(names.begin(), names.end(), name);
+      if (it == names.end()) throw std::runtime_error(path_ + ": the block's backward reads an unknown " + name);
+      s = {Source::Kind::Parameter, static_cast<size_t>(it - names.begin())};
+    } else if (kind == "input") {
+      s = {Source::Kind::Input, 0};
+    } else if (kind == "saved") {
+      s = {Source::Kind::Saved, std::stoul(name.substr(std::string("saved:").size()))};
+      if (s.index >= saved)
+        throw std::runtime_error(path_ + ": the block's backward reads " + name + " of " + std::to_string(saved) +
+                                 " saved tensors");
+    } else if (kind != "grad_output") {
+      throw std::runtime_error(path_ + ": a block backward input keel does not pass: " + in.dump());
+    }
+    backward_inputs_.push_back(s);
+  }
+  const auto index = device.is_cuda() ? static_cast<c10::DeviceIndex>(device.index()) : c10::DeviceIndex(-1);
+  forward_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, "block_forward", true, 1, index);
+  backward_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, "block_backward", true, 1, index);
+}
+
+bool InductorBlock::fits(const torch::Tensor& x) const {
+  return x.sizes().vec() == input_shape_ && x.scalar_type() == input_dtype_;
+}
+
+torch::Tensor InductorBlock::forward(const std::vector<torch::Tensor>& params, const torch::Tensor& x) {
+  if (params.size() != num_params_)
+    throw std::runtime_error("inductor block: " + std::to_string(params.size()) + " parameters; the package takes " +
+                             std::to_string(num_params_));
+  return BlockFunction::apply(at::TensorList(params), this, x.contiguous());
+}
+
+std::vector<torch::Tensor> InductorBlock::run_forward(std::vector<torch::Tensor> inputs) {
+  return forward_->run(inputs);
+}
+
+std::vector<torch::Tensor> InductorBlock::run_backward(const std::vector<torch::Tensor>& params, const torch::Tensor& x,
+                                                       const std::vector<torch::Tensor>& saved,
+                                                       const torch::Tensor& grad_output) {
+  std::vector<torch::Tensor> in;
+  in.reserve(backward_inputs_.size());
+  for (const Source& s : backward_inputs_) {
+    switch (s.kind) {
+      case Source::Kind::Parameter:
+        in.push_back(params.at(s.index));
+        break;
+      case Source::Kind::Input:
+        in.push_back(x);
+        break;
+      case Source::Kind::Saved:
+        in.push_back(saved.at(s.index));
+        break;
+      case Source::Kind::GradOutput:
+        in.push_back(grad_output);
+        break;
+    }
+  }
+  torch::NoGradGuard no_grad;
+  return backward_->run(in);
+}
+
+namespace {
+
+// Each block's parameter names, relative to the block, and the tensors, in the model's order.
+struct BlockParameters {
+  std::vector<std::vector<std::string>> names;
+  std::vector<std::vector<torch::Tensor>> tensors;
+};
+
+BlockParameters block_parameters(const models::Model& model, const std::vector<std::string>& prefixes) {
+  BlockParameters b{std::vector<std::vector<std::string>>(prefixes.size()),
+                    std::vector<std::vector<torch::Tensor>>(prefixes.size())};
+  for (const auto& [name, p] : model.named_parameters())
+    for (size_t i = 0; i < prefixes.size(); ++i)
+      if (name.rfind(prefixes[i], 0) == 0) {
+        b.names[i].push_back(name.substr(prefixes[i].size()));
+        b.tensors[i].push_back(p);
+        break;
+      }
+  return b;
+}
+
+}  // namespace
+
+std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const InductorRequest& req,
+                                              std::shared_ptr<CompileReport> report, int64_t max_recompiles) {
+  const std::vector<std::string> prefixes = model.block_prefixes();
+  if (prefixes.empty())
+    throw InputError("compile.granularity = \"blocks\": model " + model.name() + " has no transformer blocks");
+  const BlockParameters first = block_parameters(model, prefixes);
+  for (size_t i = 1; i < prefixes.size(); ++i)
+    if (first.names[i] != first.names[0])
+      throw InputError("compile.granularity = \"blocks\": block " + prefixes[i] + " has other parameters than " +
+                       prefixes[0] + " (one package serves blocks of one shape)");
+  std::vector<std::string> specs;
+  for (const auto& t : first.tensors[0]) specs.push_back(tensor_spec(t));
+  auto block = InductorBlock::load_or_compile(req, first.names[0], specs, *report);
+  auto other_shapes = std::make_shared<std::set<std::vector<int64_t>>>();
+  // The parameters are looked up at each call: a transform after compile (ZeRO-3) may give them
+  // other data, never other tensors, but the lookup keeps that an implementation detail.
+  models::Model* m = &model;
+  const bool ok = model.set_block_compiled([=](size_t i, const torch::Tensor& x) -> torch::Tensor {
+    if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager block
+    if (!block->fits(x)) {
+      if (other_shapes->insert(x.sizes().vec()).second) {
+        if (++report->recompiles > max_recompiles)
+          throw InputError("compile: a block input of shape " + c10::str(x.sizes()) + " makes " +
+                           std::to_string(report->recompiles) +
+                           " shapes the block package does not take, more than compile.max_recompiles = " +
+                           std::to_string(max_recompiles) + "; keep batch shapes static (data.drop_last = true)");
+        logging::warn("compile: a block input of shape {} is not the package's: the blocks run eager for it",
+                      c10::str(x.sizes()));
+      }
+      return {};
+    }
+    return block->forward(block_parameters(*m, {prefixes[i]}).tensors[0], x);
+  });
+  if (!ok) throw InputError("compile.granularity = \"blocks\": model " + model.name() + " has no blocks to compile");
+  return block;
+}
+
+}  // namespace keel

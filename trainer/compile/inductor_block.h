@@ -1,0 +1,86 @@
+// trainer/compile/inductor_block.h: compile.granularity = "blocks": a transformer block's forward
+// and backward compiled ahead of time by AOTInductor (one package, reused for every block of the
+// same shape, so compile time does not grow with depth) and run from C++ inside a C++ autograd
+// function, between the collectives that keel runs around each block.
+//
+// Owns: loading the block package (trainer/compile/aot_package.py --granularity blocks: the
+// block traced by AOTAutograd, min-cut partitioned into a forward that returns the output and
+// the tensors its backward reads, and a backward that returns every parameter's gradient and
+// the input's), checking it takes the model's block parameters (names, shapes, dtypes), and
+// running it: the forward keeps the saved tensors; the backward reads the block's parameters
+// as they are then (with dist.zero = 3, gathered again for the backward), never a copy held
+// from the forward. Everything around the block stays eager autograd: c10d's Reducer sees each
+// block's gradients as its backward finishes (DDP's buckets all-reduced while earlier blocks
+// run theirs), ZeRO-3 gathers and reduce-scatters around each block (dist/fsdp.h), and the
+// root (embeddings, final norm, head, loss) runs eager.
+// Does not own: the package cache and the packaging step (trainer/compile/inductor.h), which
+// blocks run compiled (models::BlockStructure::block_compiled, set by the compile stage).
+#pragma once
+
+#include <torch/torch.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "keel/models/model.h"
+#include "trainer/compile/inductor.h"
+
+namespace keel {
+
+class InductorBlock {
+ public:
+  /// The block package of `req` (granularity "blocks") from the cache, or compiled into it.
+  /// `block_params`: the names, in order, of the parameters of the model's first block, relative
+  /// to the block ("ln_1.weight"), and their specs ("[2, 3] float32"): a package that takes
+  /// others is refused before it runs, naming the first difference.
+  static std::shared_ptr<InductorBlock> load_or_compile(const InductorRequest& req,
+                                                        const std::vector<std::string>& block_params,
+                                                        const std::vector<std::string>& block_specs,
+                                                        CompileReport& report);
+  ~InductorBlock();
+
+  /// Whether an input of this shape and dtype runs in the package (else the block runs eager).
+  bool fits(const torch::Tensor& x) const;
+  /// The block on `x` with `params` (the block's, in the package's order): its output, whose
+  /// backward gives every parameter and `x` their gradients.
+  torch::Tensor forward(const std::vector<torch::Tensor>& params, const torch::Tensor& x);
+  const std::string& sha256() const { return sha256_; }
+  const std::string& path() const { return path_; }
+  /// Its manifest with "cache_key" (checkpoint.save_graph stores it as graph.json).
+  std::string manifest_for_checkpoint() const { return manifest_.dump(2) + "\n"; }
+
+  /// For the autograd function (internal): the forward's outputs (output, then the saved
+  /// tensors), and the backward's (each parameter's gradient, then the input's).
+  std::vector<torch::Tensor> run_forward(std::vector<torch::Tensor> inputs);
+  std::vector<torch::Tensor> run_backward(const std::vector<torch::Tensor>& params, const torch::Tensor& x,
+                                          const std::vector<torch::Tensor>& saved, const torch::Tensor& grad_output);
+
+ private:
+  InductorBlock() = default;
+  void read_signature(const std::vector<std::string>& block_params, const std::vector<std::string>& block_specs,
+                      const torch::Device& device);
+  /// Where each input of the backward comes from.
+  struct Source {
+    enum class Kind { Parameter, Input, Saved, GradOutput } kind;
+    size_t index = 0;  // the parameter's or the saved tensor's
+  };
+  std::unique_ptr<torch::inductor::AOTIModelPackageLoader> forward_, backward_;
+  std::string path_, sha256_;
+  nlohmann::json manifest_;
+  std::vector<int64_t> input_shape_;
+  c10::ScalarType input_dtype_ = c10::ScalarType::Float;
+  size_t num_params_ = 0;
+  std::vector<Source> backward_inputs_;
+};
+
+/// compile.granularity = "blocks": loads (or packages) the block package for `model` and sets
+/// every block to run it (models::BlockStructure::block_compiled) where the block's input fits
+/// the package and a gradient is wanted; elsewhere the block runs eager. A training input of
+/// another shape is warned once per shape and counted in report->recompiles; more than
+/// `max_recompiles` is an InputError naming compile.max_recompiles. Throws as fetch_package;
+/// InputError for a model without blocks or whose blocks' parameters differ from block 0's.
+std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const InductorRequest& req,
+                                              std::shared_ptr<CompileReport> report, int64_t max_recompiles);
+
+}  // namespace keel
