@@ -243,10 +243,11 @@ torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structur
   for (size_t i = 0; i < blocks->size(); ++i) {
     const auto in = structure ? structure->block_enter(i, x) : x;
     TransformerBlockImpl* block = blocks[i]->as<TransformerBlock>();
-    const auto out = structure
-                         ? structure->block_call(
-                               i, [block, cos, sin](const torch::Tensor& t) { return block->forward(t, cos, sin); }, in)
-                         : block->forward(in, cos, sin);
+    const auto out =
+        structure
+            ? structure->block_call(
+                  i, [block, cos, sin](const torch::Tensor& t) { return block->forward(t, cos, sin); }, in, cos, sin)
+            : block->forward(in, cos, sin);
     x = structure ? structure->block_leave(i, out) : out;
   }
   return x;

@@ -734,7 +734,8 @@ TEST(InductorBlocks, AnInputOfAnotherShapeRunsTheEagerBlockIsCountedAndPastTheCa
   auto ok = run_keel(args("one", 1), {}, 900);
   ASSERT_EQ(ok.exit_code, 0) << ok.output;
   EXPECT_EQ(summary(d.file("one"))["recompiles"], 1) << ok.output;
-  const auto first = ok.output.find("a block input of shape [4, 32, 64] is not the package's");
+  const auto first =
+      ok.output.find("a block input of shape [4, 32, 64] float32 is not the package's ([8, 32, 64] float32)");
   EXPECT_NE(first, std::string::npos) << ok.output;
   EXPECT_EQ(ok.output.find("a block input of shape", first + 1), std::string::npos) << "warned once\n" << ok.output;
   for (const auto& [step, loss] : metrics_losses(d.file("one"))) EXPECT_TRUE(std::isfinite(loss)) << "step " << step;
@@ -759,10 +760,11 @@ TEST(InductorBlocks, WhatBlocksDoNotServeAndAStepAtZero3AreRefusedByName) {
   };
   expect_input_error(
       run({"--model.name=mlp", "--compile.granularity=blocks"}),
-      "compile.granularity = \"blocks\" packages the transformer block of gpt and gpt2 so far; model.name = \"mlp\"");
+      "compile.granularity = \"blocks\" packages the transformer block of gpt, gpt2 and llama; model.name = \"mlp\"");
   expect_input_error(
-      run({"--model.name=llama", "--dist.zero=3"}),
-      "compile.granularity = \"auto\" (blocks at dist.zero = 3) packages the transformer block of gpt and gpt2");
+      run({"--model.name=cnn", "--dist.zero=3"}),
+      "compile.granularity = \"auto\" (blocks at dist.zero = 3) packages the transformer block of gpt, gpt2 and "
+      "llama; model.name = \"cnn\" has no transformer blocks");
   expect_input_error(run({"--model.name=gpt", "--dist.zero=3", "--compile.granularity=step"}),
                      "dist.zero = 3 gathers each block's parameters around it, which compile.granularity = \"step\"");
   expect_input_error(run({"--model.name=gpt", "--compile.granularity=blocks", "--checkpoint.save_graph=true",
@@ -793,17 +795,17 @@ TEST(InductorBlocks, ThePackagedBlocksGiveTheEagerBlocksLogitsAndGradients) {
   auto block = keel::compile_blocks(*model, req, report, 8);
   ASSERT_TRUE(block);
   const auto tokens = torch::randint(0, cfg.model.vocab, {8, 32}, torch::kLong);
-  auto run = [&](bool& saw_package) {
+  auto run = [&](int& packaged_blocks) {
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
     const auto logits = model->forward(tokens);
-    saw_package = false;
+    packaged_blocks = 0;
     std::vector<torch::autograd::Node*> todo = {logits.grad_fn().get()};
     std::set<torch::autograd::Node*> seen;
     while (!todo.empty()) {
       auto* n = todo.back();
       todo.pop_back();
       if (!n || !seen.insert(n).second) continue;
-      if (n->name().find("BlockFunction") != std::string::npos) saw_package = true;
+      packaged_blocks += n->name().find("BlockFunction") != std::string::npos;
       for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
     }
     logits.pow(2).mean().backward();
@@ -811,12 +813,12 @@ TEST(InductorBlocks, ThePackagedBlocksGiveTheEagerBlocksLogitsAndGradients) {
     for (auto& p : model->parameters()) out.push_back(p.grad().clone());
     return out;
   };
-  bool saw = false;
-  const auto packaged = run(saw);
-  EXPECT_TRUE(saw) << "no block ran in the package";
+  int packaged_blocks = 0;
+  const auto packaged = run(packaged_blocks);
+  EXPECT_EQ(packaged_blocks, cfg.model.depth) << "every block runs in the package";
   model->set_block_compiled(nullptr);
-  const auto eager = run(saw);
-  EXPECT_FALSE(saw);
+  const auto eager = run(packaged_blocks);
+  EXPECT_EQ(packaged_blocks, 0);
   const auto names = model->named_parameters();
   ASSERT_EQ(packaged.size(), eager.size());
   for (size_t i = 0; i < eager.size(); ++i) {

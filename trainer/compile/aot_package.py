@@ -65,7 +65,7 @@ import traceback
 FORMAT = "keel-aoti-step/1"
 # The models whose transformer block --granularity blocks packages (their block at index 0 and
 # the prefix of its parameters in the whole model's names).
-BLOCK_MODELS = ("gpt", "gpt2")
+BLOCK_MODELS = ("gpt", "gpt2", "llama")
 EXIT_ERROR, EXIT_USAGE, EXIT_GRAPH_BREAK, EXIT_NONDETERMINISTIC, EXIT_CHECK, EXIT_NO_FAKE_KERNEL = 1, 2, 3, 4, 5, 6
 
 # keel's [model] keys (trainer/config/schema.cpp). Those that do not change the graph
@@ -1259,33 +1259,45 @@ def tuple_module(gm):
 
 
 def block_of(job: Job):
-    """(block module, example input) of --granularity blocks: block 0 of the model and a hidden
-    state of the training batch's shape (every block of the model has the same shapes)."""
+    """(block module, example input, extra inputs) of --granularity blocks: block 0 of the model,
+    a hidden state of the training batch's shape (every block of the model has the same shapes)
+    and what else the block takes: llama's rotary cos and sin, (1, T, head_dim) float32, as
+    keel's C++ model computes them."""
     import torch
 
     cfg = job.ident["model_config"]
+    extra = {}
     if job.args.model == "gpt":
         block, width = job.module.h[0], cfg["width"]
-    else:  # transformers' GPT2Block: the hidden state first of what it returns
+    elif job.args.model == "gpt2":  # transformers' GPT2Block
         block, width = job.module.transformer.h[0], job.module.config.n_embd
+    else:  # transformers' LlamaDecoderLayer, given position_embeddings = (cos, sin)
+        block, width = job.module.model.layers[0], job.module.config.hidden_size
+        pos = torch.arange(cfg["context"], device=job.device)[None]
+        probe = torch.zeros(1, device=job.device)
+        cos, sin = job.module.model.rotary_emb(probe, pos)
+        extra = {"cos": cos.float(), "sin": sin.float()}
     x = torch.randn(job.batch, cfg["context"], width, device=job.device)
-    return block, x
+    return block, x, extra
 
 
-def partition_block(block, params, x, amp_dtype, device_type):
+def partition_block(block, params, x, extra, amp_dtype, device_type):
     """AOTAutograd's forward and backward graphs of the block (min-cut partitioned, views of
-    inputs recomputed in backward rather than saved): (fw gm, bw gm)."""
+    inputs recomputed in backward rather than saved): (fw gm, bw gm). The graphs' inputs are
+    the parameters, the block's input, then `extra`'s tensors."""
     import torch
     import torch._functorch.config as functorch_config
     from torch._functorch.aot_autograd import aot_function
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     names = [n for n, _ in block.named_parameters()]
+    n = len(names)
 
     def fn(*args):
         ctx = torch.autocast(device_type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        kwargs = {"position_embeddings": tuple(args[n + 1:])} if extra else {}
         with ctx:
-            out = torch.func.functional_call(block, dict(zip(names, args[:-1])), (args[-1],))
+            out = torch.func.functional_call(block, dict(zip(names, args[:n])), (args[n],), kwargs)
         return out[0] if isinstance(out, tuple) else out
 
     graphs = {}
@@ -1299,74 +1311,81 @@ def partition_block(block, params, x, amp_dtype, device_type):
 
     with functorch_config.patch(recompute_views=True):
         f = aot_function(fn, capture("fw"), capture("bw"), partition_fn=min_cut_rematerialization_partition)
-        y = f(*[p.detach().clone().requires_grad_(True) for p in params], x.detach().clone().requires_grad_(True))
+        y = f(*[p.detach().clone().requires_grad_(True) for p in params], x.detach().clone().requires_grad_(True),
+              *extra.values())
         y.backward(torch.ones_like(y))
     return graphs["fw"], graphs["bw"]
 
 
+def keep_outputs(gm, keep) -> list:
+    """Rewrites `gm`'s output to the nodes `keep(outputs)` returns; returns them."""
+    out_node = [n for n in gm.graph.nodes if n.op == "output"][0]
+    kept = keep(list(out_node.args[0]))
+    out_node.args = (tuple(kept),)
+    gm.recompile()
+    return kept
+
+
 def trace_blocks(job: Job) -> None:
-    """--granularity blocks: job.models["block_forward"] (params, input) -> (output, *saved) and
-    job.models["block_backward"] (what it reads: parameters, the input, saved tensors; the
-    output's gradient) -> (each parameter's gradient, the input's). A saved tensor that is a
-    parameter or the input is not returned by the forward: keel passes the live tensor (with
+    """--granularity blocks: job.models["block_forward"] (params, input, extra) -> (output,
+    *saved) and job.models["block_backward"] (what it reads: parameters, the input, extra, saved
+    tensors; the output's gradient) -> (each parameter's gradient, the input's). A saved tensor
+    that is an input of the forward is not returned by it: keel passes the live tensor (with
     dist.zero = 3, the block's parameters gathered again for the backward)."""
     import torch
 
     args = job.args
-    block, x = block_of(job)
+    block, x, extra = block_of(job)
     block.train()
     names = [n for n, _ in block.named_parameters()]
     params = [p.detach() for p in block.parameters()]
     amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     t0 = time.perf_counter()
-    fw, bw = partition_block(block, params, x, amp_dtype, args.device)
+    fw, bw = partition_block(block, params, x, extra, amp_dtype, args.device)
+    inputs = [(nm, p, "parameter") for nm, p in zip(names, params)] + [("input", x, "input")]
+    inputs += [(nm, t, "rotary") for nm, t in extra.items()]
     fw_in = [n for n in fw.graph.nodes if n.op == "placeholder"]
-    if len(fw_in) != len(params) + 1:
-        raise Refusal(EXIT_ERROR, f"block forward graph has {len(fw_in)} inputs, expected {len(params) + 1}")
-    source_of_input = {node.name: (names[i] if i < len(names) else "input") for i, node in enumerate(fw_in)}
-    out_node = [n for n in fw.graph.nodes if n.op == "output"][0]
-    y_node, saved_nodes = out_node.args[0][0], list(out_node.args[0][1:])
-    kept = [n for n in saved_nodes if n.op != "placeholder"]
-    out_node.args = ((y_node, *kept),)
-    fw.recompile()
-    kept_index = {n.name: k for k, n in enumerate(kept)}
-    fw_example = [*params, x]
+    if len(fw_in) != len(inputs):
+        raise Refusal(EXIT_ERROR, f"block forward graph has {len(fw_in)} inputs, expected {len(inputs)}")
+    source_of_input = {node.name: inputs[i] for i, node in enumerate(fw_in)}
+    kept = keep_outputs(fw, lambda outs: [outs[0]] + [o for o in outs[1:] if o.op != "placeholder"])
+    kept_index = {node.name: k for k, node in enumerate(kept[1:])}
+    fw_example = [t for _, t, _ in inputs]
     fw_out = fw(*fw_example)
-    fw_in_specs = [tensor_spec(n, p, "parameter") for n, p in zip(names, params)] + [tensor_spec("input", x, "input")]
+    fw_in_specs = [tensor_spec(nm, t, kind) for nm, t, kind in inputs]
     fw_out_specs = [tensor_spec("output", fw_out[0], "output")]
     fw_out_specs += [tensor_spec(f"saved:{k}", v, "saved") for k, v in enumerate(fw_out[1:])]
-    bw_in = [n for n in bw.graph.nodes if n.op == "placeholder"]
     bw_example, bw_in_specs = [], []
-    for node in bw_in:
+    for node in [n for n in bw.graph.nodes if n.op == "placeholder"]:
         if node.name.startswith("tangents"):
-            dy = torch.randn_like(fw_out[0])
-            bw_example.append(dy)
-            bw_in_specs.append(tensor_spec("grad:output", dy, "grad_output"))
+            # keel hands the backward a contiguous gradient: traced as one
+            spec = ("grad:output", torch.randn(fw_out[0].shape, dtype=fw_out[0].dtype, device=fw_out[0].device),
+                    "grad_output")
         elif node.name in source_of_input:
-            src = source_of_input[node.name]
-            t = x if src == "input" else params[names.index(src)]
-            bw_example.append(t)
-            bw_in_specs.append(tensor_spec(src, t, "input" if src == "input" else "parameter"))
+            spec = source_of_input[node.name]
         elif node.name in kept_index:
             k = kept_index[node.name]
-            bw_example.append(fw_out[1 + k])
-            bw_in_specs.append(tensor_spec(f"saved:{k}", fw_out[1 + k], "saved"))
+            spec = (f"saved:{k}", fw_out[1 + k], "saved")
         else:
             raise Refusal(EXIT_ERROR, f"block backward graph reads {node.name}, which the forward does not give")
+        bw_example.append(spec[1])
+        bw_in_specs.append(tensor_spec(*spec))
+    n_grads = len(params) + 1  # the parameters' and the input's; extra inputs take none
+    grads = keep_outputs(bw, lambda outs: outs[:n_grads] if all(o is None for o in outs[n_grads:]) else outs)
     bw_out = bw(*bw_example)
-    if len(bw_out) != len(params) + 1 or any(g is None for g in bw_out):
-        raise Refusal(EXIT_ERROR, "block backward graph does not give every parameter and the input a gradient")
-    bw_out_specs = [tensor_spec(f"grad:{n}", g, "grad") for n, g in zip(names, bw_out[:-1])]
+    if len(bw_out) != n_grads or any(g is None for g in grads):
+        raise Refusal(EXIT_ERROR, "block backward graph does not give exactly every parameter and the input a gradient")
+    bw_out_specs = [tensor_spec(f"grad:{nm}", g, "grad") for nm, g in zip(names, bw_out[:-1])]
     bw_out_specs.append(tensor_spec("grad:input", bw_out[-1], "grad_input"))
     job.timings["trace_s"] = time.perf_counter() - t0
     job.forward_skipped = "--granularity blocks"
     job.findings = {}
     mode = {"batch": job.batch, "amp": args.amp, "mode": "train"}
     job.models = {
-        "block_forward": {"gm": tuple_module(fw), "example": fw_example, "inputs": fw_in_specs, "outputs": fw_out_specs,
-                          **mode},
-        "block_backward": {"gm": tuple_module(bw), "example": bw_example, "inputs": bw_in_specs, "outputs": bw_out_specs,
-                           **mode},
+        "block_forward": {"gm": tuple_module(fw), "example": fw_example, "inputs": fw_in_specs,
+                          "outputs": fw_out_specs, **mode},
+        "block_backward": {"gm": tuple_module(bw), "example": bw_example, "inputs": bw_in_specs,
+                           "outputs": bw_out_specs, **mode},
     }
 
 

@@ -219,11 +219,10 @@ PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
         "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
         "(model.name = \"python\"); model.name = \"" +
         req.model + "\" is not one (use compile.mode = \"off\")");
-  if (req.granularity == "blocks" && req.model != "gpt" && req.model != "gpt2")
+  if (req.granularity == "blocks" && req.model != "gpt" && req.model != "gpt2" && req.model != "llama")
     throw InputError(
-        "compile.granularity = \"blocks\" packages the transformer block of gpt and gpt2 so far; "
-        "model.name = \"" +
-        req.model + "\" is not served yet (use compile.granularity = \"step\")");
+        "compile.granularity = \"blocks\" packages the transformer block of gpt, gpt2 and llama; model.name = \"" +
+        req.model + "\" has none (use compile.granularity = \"step\")");
   if (req.amp != "off" && req.amp != "bf16" && !(req.amp == "fp16" && req.device.is_cuda()))
     throw InputError("compile.mode = \"inductor\" with amp.dtype = \"" + req.amp + "\" on " + req.device.str() +
                      ": packages take off, bf16, and fp16 on CUDA (with the loss scale inside the package)");

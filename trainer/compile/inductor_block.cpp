@@ -2,6 +2,8 @@
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
 
+#include <ATen/autocast_mode.h>
+
 #include <set>
 
 #include "common/log.h"
@@ -16,33 +18,54 @@ std::string spec_of(const nlohmann::json& spec) {
   return c10::str(c10::IntArrayRef(shape_of(spec))) + " " + spec.value("dtype", std::string("?"));
 }
 
+// What the autograd node keeps of its package: the package itself, so that a graph held past
+// the model (a loss kept by a callback) never runs a freed one.
+struct BlockHolder : torch::CustomClassHolder {
+  explicit BlockHolder(std::shared_ptr<InductorBlock> b) : block(std::move(b)) {}
+  std::shared_ptr<InductorBlock> block;
+};
+
 // The block's forward in the package; its backward hands each parameter and the input their
-// gradients. The parameters are kept as the tensors themselves (not saved variables): with
-// dist.zero = 3 their memory is freed after the block and gathered again before its backward,
-// which reads them as they are then.
+// gradients. Everything the backward reads is saved as autograd saves eager tensors (version
+// checked, released after the backward): the parameters as the tensors themselves, so that with
+// dist.zero = 3 (their memory freed after the block and gathered again before its backward) the
+// package reads them as they are then, as an eager block would.
 struct BlockFunction : public torch::autograd::Function<BlockFunction> {
-  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList params, InductorBlock* block,
-                               const torch::Tensor& x) {
+  static torch::Tensor forward(torch::autograd::AutogradContext* ctx, at::TensorList params,
+                               const std::shared_ptr<InductorBlock>& block, const torch::Tensor& x,
+                               at::TensorList extra) {
     std::vector<torch::Tensor> in(params.begin(), params.end());
     in.push_back(x);
+    in.insert(in.end(), extra.begin(), extra.end());
     auto out = block->run_forward(std::move(in));
-    ctx->saved_data["saved"] = std::vector<torch::Tensor>(out.begin() + 1, out.end());
-    ctx->saved_data["params"] = params.vec();
-    ctx->saved_data["input"] = x;
-    ctx->saved_data["block"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(block));
+    std::vector<torch::Tensor> keep(params.begin(), params.end());
+    keep.push_back(x);
+    keep.insert(keep.end(), extra.begin(), extra.end());
+    keep.insert(keep.end(), out.begin() + 1, out.end());
+    ctx->save_for_backward(keep);
+    ctx->saved_data["block"] = c10::IValue::make_capsule(c10::make_intrusive<BlockHolder>(block));
+    ctx->saved_data["counts"] =
+        std::vector<int64_t>{static_cast<int64_t>(params.size()), static_cast<int64_t>(extra.size())};
     return out[0];
   }
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
                                                  torch::autograd::variable_list grad_out) {
-    auto* block = reinterpret_cast<InductorBlock*>(static_cast<intptr_t>(ctx->saved_data["block"].toInt()));
-    const auto params = ctx->saved_data["params"].toTensorVector();
-    auto grads = block->run_backward(params, ctx->saved_data["input"].toTensor(),
-                                     ctx->saved_data["saved"].toTensorVector(), grad_out[0].contiguous());
-    ctx->saved_data.clear();  // the saved activations go now, not with the graph
+    const auto block = static_cast<BlockHolder*>(ctx->saved_data.at("block").toCapsule().get())->block;
+    const auto counts = ctx->saved_data.at("counts").toIntVector();
+    const auto n = static_cast<size_t>(counts[0]), e = static_cast<size_t>(counts[1]);
+    const auto kept = ctx->get_saved_variables();  // the parameters, the input, the extra, the saved
+    const auto at = [&](size_t from, size_t count) {
+      return std::vector<torch::Tensor>(kept.begin() + static_cast<std::ptrdiff_t>(from),
+                                        kept.begin() + static_cast<std::ptrdiff_t>(from + count));
+    };
+    const auto extra = at(n + 1, e);
+    auto grads =
+        block->run_backward(at(0, n), kept[n], extra, at(n + 1 + e, kept.size() - n - 1 - e), grad_out[0].contiguous());
     torch::Tensor dx = grads.back();
     grads.pop_back();
     grads.emplace_back();  // the block gets none
     grads.push_back(std::move(dx));
+    grads.resize(grads.size() + extra.size());  // nor do the extra inputs
     return grads;
   }
 };
@@ -92,17 +115,23 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
     const std::string kind = in.value("kind", "");
     if (kind == "parameter") {
       names.push_back(in.at("name").get<std::string>()), specs.push_back(spec_of(in));
+    } else if (kind == "rotary") {
+      extra_names_.push_back(in.at("name").get<std::string>());
     } else if (kind == "input") {
       input_shape_ = shape_of(in);
-      input_dtype_ =
-          in.at("dtype").get<std::string>() == "bfloat16" ? c10::ScalarType::BFloat16 : c10::ScalarType::Float;
+      const std::string dtype = in.at("dtype").get<std::string>();
+      if (dtype != "float32" && dtype != "bfloat16")
+        throw std::runtime_error(path_ + ": a block input of dtype " + dtype + ", which keel does not pass");
+      input_dtype_ = dtype == "bfloat16" ? c10::ScalarType::BFloat16 : c10::ScalarType::Float;
     } else {
       throw std::runtime_error(path_ + ": a block input keel does not pass: " + in.dump());
     }
   }
   if (const std::string d = first_difference(names, specs, block_params, block_specs); !d.empty())
     throw std::runtime_error(path_ + " does not fit the model: " + d);
+  amp_ = models.at("block_forward").value("amp", std::string("off"));
   num_params_ = names.size();
+  num_extra_ = extra_names_.size();
   size_t saved = 0;
   for (const auto& out : models["block_forward"].at("outputs")) saved += out.value("kind", "") == "saved";
   for (const auto& in : models["block_backward"].at("inputs")) {
@@ -114,6 +143,10 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
       s = {Source::Kind::Parameter, static_cast<size_t>(it - names.begin())};
     } else if (kind == "input") {
       s = {Source::Kind::Input, 0};
+    } else if (kind == "rotary") {
+      const auto it = std::find(extra_names_.begin(), extra_names_.end(), name);
+      if (it == extra_names_.end()) throw std::runtime_error(path_ + ": the block's backward reads an unknown " + name);
+      s = {Source::Kind::Extra, static_cast<size_t>(it - extra_names_.begin())};
     } else if (kind == "saved") {
       s = {Source::Kind::Saved, std::stoul(name.substr(std::string("saved:").size()))};
       if (s.index >= saved)
@@ -130,14 +163,27 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
 }
 
 bool InductorBlock::fits(const torch::Tensor& x) const {
-  return x.sizes().vec() == input_shape_ && x.scalar_type() == input_dtype_;
+  // The package's precision is traced in: it runs only under the autocast it was traced with.
+  const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
+  return x.sizes().vec() == input_shape_ && x.scalar_type() == input_dtype_ && autocast == (amp_ != "off");
 }
 
-torch::Tensor InductorBlock::forward(const std::vector<torch::Tensor>& params, const torch::Tensor& x) {
-  if (params.size() != num_params_)
-    throw std::runtime_error("inductor block: " + std::to_string(params.size()) + " parameters; the package takes " +
-                             std::to_string(num_params_));
-  return BlockFunction::apply(at::TensorList(params), this, x.contiguous());
+std::string InductorBlock::input_spec() const {
+  return c10::str(c10::IntArrayRef(input_shape_)) + " " + c10::getDtypeNames(input_dtype_).first +
+         (amp_ != "off" ? " under autocast" : "");
+}
+
+torch::Tensor InductorBlock::forward(const std::vector<torch::Tensor>& params, const torch::Tensor& x,
+                                     const std::vector<torch::Tensor>& extra) {
+  if (params.size() != num_params_ || extra.size() != num_extra_)
+    throw std::runtime_error("inductor block: " + std::to_string(params.size()) + " parameters and " +
+                             std::to_string(extra.size()) + " extra inputs; the package takes " +
+                             std::to_string(num_params_) + " and " + std::to_string(num_extra_));
+  for (size_t i = 0; i < params.size(); ++i)  // the package reads them as traced: dense, row-major
+    if (!params[i].is_contiguous())
+      throw std::runtime_error("inductor block: parameter " + std::to_string(i) +
+                               " is not contiguous; the package reads its parameters as they were traced");
+  return BlockFunction::apply(at::TensorList(params), shared_from_this(), x.contiguous(), at::TensorList(extra));
 }
 
 std::vector<torch::Tensor> InductorBlock::run_forward(std::vector<torch::Tensor> inputs) {
@@ -145,6 +191,7 @@ std::vector<torch::Tensor> InductorBlock::run_forward(std::vector<torch::Tensor>
 }
 
 std::vector<torch::Tensor> InductorBlock::run_backward(const std::vector<torch::Tensor>& params, const torch::Tensor& x,
+                                                       const std::vector<torch::Tensor>& extra,
                                                        const std::vector<torch::Tensor>& saved,
                                                        const torch::Tensor& grad_output) {
   std::vector<torch::Tensor> in;
@@ -156,6 +203,9 @@ std::vector<torch::Tensor> InductorBlock::run_backward(const std::vector<torch::
         break;
       case Source::Kind::Input:
         in.push_back(x);
+        break;
+      case Source::Kind::Extra:
+        in.push_back(extra.at(s.index));
         break;
       case Source::Kind::Saved:
         in.push_back(saved.at(s.index));
@@ -205,25 +255,30 @@ std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const Induct
   std::vector<std::string> specs;
   for (const auto& t : first.tensors[0]) specs.push_back(tensor_spec(t));
   auto block = InductorBlock::load_or_compile(req, first.names[0], specs, *report);
-  auto other_shapes = std::make_shared<std::set<std::vector<int64_t>>>();
+  auto other_shapes = std::make_shared<std::set<std::string>>();
   // The parameters are looked up at each call: a transform after compile (ZeRO-3) may give them
   // other data, never other tensors, but the lookup keeps that an implementation detail.
   models::Model* m = &model;
-  const bool ok = model.set_block_compiled([=](size_t i, const torch::Tensor& x) -> torch::Tensor {
+  const bool ok = model.set_block_compiled([=](size_t i, const torch::Tensor& x, const torch::Tensor& cos,
+                                               const torch::Tensor& sin) -> torch::Tensor {
     if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager block
     if (!block->fits(x)) {
-      if (other_shapes->insert(x.sizes().vec()).second) {
+      const std::string what =
+          tensor_spec(x) + (at::autocast::is_autocast_enabled(x.device().type()) ? " under autocast" : "");
+      if (other_shapes->insert(what).second) {
         if (++report->recompiles > max_recompiles)
-          throw InputError("compile: a block input of shape " + c10::str(x.sizes()) + " makes " +
-                           std::to_string(report->recompiles) +
+          throw InputError("compile: a block input of shape " + what + " makes " + std::to_string(report->recompiles) +
                            " shapes the block package does not take, more than compile.max_recompiles = " +
                            std::to_string(max_recompiles) + "; keep batch shapes static (data.drop_last = true)");
-        logging::warn("compile: a block input of shape {} is not the package's: the blocks run eager for it",
-                      c10::str(x.sizes()));
+        logging::warn("compile: a block input of shape {} is not the package's ({}): the blocks run eager for it", what,
+                      block->input_spec());
       }
       return {};
     }
-    return block->forward(block_parameters(*m, {prefixes[i]}).tensors[0], x);
+    std::vector<torch::Tensor> extra;  // llama's rotary cos and sin, (1, T, head_dim) float32 as traced
+    if (block->num_extra() > 0 && cos.defined() && sin.defined())
+      extra = {cos.unsqueeze(0).to(torch::kFloat).contiguous(), sin.unsqueeze(0).to(torch::kFloat).contiguous()};
+    return block->forward(block_parameters(*m, {prefixes[i]}).tensors[0], x, extra);
   });
   if (!ok) throw InputError("compile.granularity = \"blocks\": model " + model.name() + " has no blocks to compile");
   return block;

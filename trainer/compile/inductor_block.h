@@ -28,7 +28,7 @@
 
 namespace keel {
 
-class InductorBlock {
+class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
  public:
   /// The block package of `req` (granularity "blocks") from the cache, or compiled into it.
   /// `block_params`: the names, in order, of the parameters of the model's first block, relative
@@ -40,11 +40,18 @@ class InductorBlock {
                                                         CompileReport& report);
   ~InductorBlock();
 
-  /// Whether an input of this shape and dtype runs in the package (else the block runs eager).
+  /// Whether an input of this shape and dtype, under the autocast now in effect, runs in the
+  /// package (else the block runs eager).
   bool fits(const torch::Tensor& x) const;
-  /// The block on `x` with `params` (the block's, in the package's order): its output, whose
+  /// The input the package takes: "[8, 32, 64] float32" (with " under autocast" when traced so).
+  std::string input_spec() const;
+  /// The block on `x` with `params` (the block's, in the package's order) and `extra` (what
+  /// else it takes: llama's rotary cos and sin, as the package names them): its output, whose
   /// backward gives every parameter and `x` their gradients.
-  torch::Tensor forward(const std::vector<torch::Tensor>& params, const torch::Tensor& x);
+  torch::Tensor forward(const std::vector<torch::Tensor>& params, const torch::Tensor& x,
+                        const std::vector<torch::Tensor>& extra = {});
+  /// How many extra inputs the package takes (0, or 2: cos and sin).
+  size_t num_extra() const { return num_extra_; }
   const std::string& sha256() const { return sha256_; }
   const std::string& path() const { return path_; }
   /// Its manifest with "cache_key" (checkpoint.save_graph stores it as graph.json).
@@ -54,6 +61,7 @@ class InductorBlock {
   /// tensors), and the backward's (each parameter's gradient, then the input's).
   std::vector<torch::Tensor> run_forward(std::vector<torch::Tensor> inputs);
   std::vector<torch::Tensor> run_backward(const std::vector<torch::Tensor>& params, const torch::Tensor& x,
+                                          const std::vector<torch::Tensor>& extra,
                                           const std::vector<torch::Tensor>& saved, const torch::Tensor& grad_output);
 
  private:
@@ -62,15 +70,17 @@ class InductorBlock {
                       const torch::Device& device);
   /// Where each input of the backward comes from.
   struct Source {
-    enum class Kind { Parameter, Input, Saved, GradOutput } kind;
-    size_t index = 0;  // the parameter's or the saved tensor's
+    enum class Kind { Parameter, Input, Extra, Saved, GradOutput } kind;
+    size_t index = 0;  // the parameter's, the extra input's or the saved tensor's
   };
   std::unique_ptr<torch::inductor::AOTIModelPackageLoader> forward_, backward_;
   std::string path_, sha256_;
   nlohmann::json manifest_;
   std::vector<int64_t> input_shape_;
   c10::ScalarType input_dtype_ = c10::ScalarType::Float;
-  size_t num_params_ = 0;
+  size_t num_params_ = 0, num_extra_ = 0;
+  std::string amp_ = "off";
+  std::vector<std::string> extra_names_;
   std::vector<Source> backward_inputs_;
 };
 

@@ -449,7 +449,8 @@ static void validate_placement(const Config& cfg) {
   if (cfg.compile.mode == CompileMode::Trace)
     fail(
         "gathers each block's parameters around it, which compile.mode = \"trace\" does not let it do (the traced "
-        "forward takes the whole model): set compile.mode = \"inductor\" (its blocks compiled) or \"off\"");
+        "forward takes the whole model): set compile.mode = \"off\", or \"inductor\" for gpt, gpt2 and llama (their "
+        "blocks compiled)");
   if (cfg.compile.mode == CompileMode::Inductor && cfg.compile.granularity == CompileGranularity::Step)
     fail(
         "gathers each block's parameters around it, which compile.granularity = \"step\" does not let it do (one "
@@ -518,9 +519,10 @@ static void validate_granularity(const Config& cfg) {
                               ? "compile.granularity = \"blocks\""
                               : "compile.granularity = \"auto\" (blocks at dist.zero = 3)";
   auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
-  if (cfg.model.name != "gpt" && cfg.model.name != "gpt2")
-    fail("packages the transformer block of gpt and gpt2 so far; model.name = \"" + cfg.model.name +
-         "\" is not served yet (use dist.zero <= 2 with compile.granularity = \"step\", or compile.mode = \"off\")");
+  if (cfg.model.name != "gpt" && cfg.model.name != "gpt2" && cfg.model.name != "llama")
+    fail("packages the transformer block of gpt, gpt2 and llama; model.name = \"" + cfg.model.name +
+         "\" has no transformer blocks (use dist.zero <= 2 with compile.granularity = \"step\", or compile.mode = "
+         "\"off\")");
   if (cfg.checkpoint.save_graph)
     fail("cannot be combined with checkpoint.save_graph = true yet (it stores the whole-step package)");
 }

@@ -379,12 +379,12 @@ void parallel_keys(SchemaBuilder& b) {
 void compile_keys(SchemaBuilder& b) {
   using C = Config;
   b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes,
-        "off | trace (deprecated: forward as a TorchScript graph) | inductor (the whole training step compiled ahead "
-        "of time by Inductor, run from C++)");
+        "off | trace (deprecated: forward as a TorchScript graph) | inductor (compiled ahead of time by Inductor, run "
+        "from C++: the whole training step, or each transformer block: compile.granularity)");
   b.add("compile", &C::compile, "granularity", &CompileConfig::granularity, kCompileGranularities,
         "inductor: step (the whole training step, one package) | blocks (a transformer block's forward and backward, "
         "one package reused for every block; the root runs eager; DDP's buckets overlap the backward, dist.zero = 3 "
-        "gathers around each block; gpt and gpt2 so far) | auto (blocks at dist.zero = 3, else step)");
+        "gathers around each block; gpt, gpt2, llama) | auto (blocks at dist.zero = 3, else step)");
   b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph,
         "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
   b.add("compile", &C::compile, "deterministic", &CompileConfig::deterministic,

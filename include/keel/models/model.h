@@ -78,14 +78,17 @@ class BlockStructure {
   }
 
   /// Block i's computation compiled (compile.granularity = "blocks", trainer/compile/
-  /// inductor_block.h): its output on `x`, or an undefined tensor where the compiled block does
-  /// not run (another shape, no gradient wanted: evaluation), so that the block runs as above.
-  /// Empty: never. The compile stage sets it for the families whose block it packages.
-  using BlockCompiled = std::function<torch::Tensor(size_t i, const torch::Tensor& x)>;
+  /// inductor_block.h): its output on `x` (with the rotary angles' cos and sin, (T, head_dim),
+  /// where the family has them; else undefined), or an undefined tensor where the compiled
+  /// block does not run (another shape, no gradient wanted: evaluation), so that the block runs
+  /// as above. Empty: never. The compile stage sets it for the families whose block it packages.
+  using BlockCompiled = std::function<torch::Tensor(size_t i, const torch::Tensor& x, const torch::Tensor& cos,
+                                                    const torch::Tensor& sin)>;
   BlockCompiled block_compiled;
-  torch::Tensor block_call(size_t i, BlockFunction f, const torch::Tensor& x) {
+  torch::Tensor block_call(size_t i, BlockFunction f, const torch::Tensor& x, const torch::Tensor& cos = {},
+                           const torch::Tensor& sin = {}) {
     if (block_compiled)
-      if (torch::Tensor y = block_compiled(i, x); y.defined()) return y;
+      if (torch::Tensor y = block_compiled(i, x, cos, sin); y.defined()) return y;
     return block_run(std::move(f), x);
   }
 };
