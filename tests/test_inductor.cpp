@@ -767,10 +767,44 @@ TEST(InductorBlocks, WhatBlocksDoNotServeAndAStepAtZero3AreRefusedByName) {
       "llama; model.name = \"cnn\" has no transformer blocks");
   expect_input_error(run({"--model.name=gpt", "--dist.zero=3", "--compile.granularity=step"}),
                      "dist.zero = 3 gathers each block's parameters around it, which compile.granularity = \"step\"");
-  expect_input_error(run({"--model.name=gpt", "--compile.granularity=blocks", "--checkpoint.save_graph=true",
-                          "--checkpoint.dir=" + d.file("ckpt")}),
-                     "cannot be combined with checkpoint.save_graph = true yet");
   EXPECT_FALSE(exists(d.file("run/summary.json")));
+}
+
+// checkpoint.save_graph with the blocks at ZeRO-3 over 2 ranks: each step stores the block
+// package (graph.pt2, graph.json, "the transformer block" in keel inspect); a resume on an empty
+// compile cache takes it from the checkpoint instead of packaging, and trains on bit for bit as
+// the uninterrupted run (the same parameters at step 6).
+TEST(InductorBlocks, SaveGraphStoresTheBlockPackageAndAZero3ResumeLoadsItAndIsBitExact) {
+  TempDir d;
+  auto args = [&](const std::string& run, int steps, const std::string& ckpt, const std::string& cache) {
+    auto a = model_args("gpt", d.file(run), "inductor", steps,
+                        {"--dist.zero=3", "--checkpoint.dir=" + d.file(ckpt), "--checkpoint.interval=2",
+                         "--checkpoint.save_graph=true", "--train.schedule=constant"});
+    if (!cache.empty())
+      for (auto& x : a)
+        if (x.rfind("--compile.cache_dir=", 0) == 0) x = "--compile.cache_dir=" + d.file(cache);
+    return a;
+  };
+  expect_all_ok(run_keel_ranks(2, args("whole", 6, "ckpt-whole", ""), 900));
+  expect_all_ok(run_keel_ranks(2, args("first", 4, "ckpt", ""), 900));
+  const std::string step = d.file("ckpt/step_4");
+  const auto meta = nlohmann::json::parse(read_text(step + "/meta.json"));
+  for (const char* f : {"graph.pt2", "graph.json"})
+    EXPECT_EQ(meta["files"][f]["sha256"], keel::checkpoint::sha256_file(step + "/" + f)) << f << meta.dump(2);
+  EXPECT_TRUE(nlohmann::json::parse(read_text(step + "/graph.json"))["models"].contains("block_forward"));
+  auto inspect = run_keel({"inspect", d.file("ckpt")});
+  EXPECT_TRUE(contains(inspect.output, "the AOTInductor package of the transformer block")) << inspect.output;
+
+  const auto resumed = run_keel_ranks(2, args("resumed", 6, "ckpt", "empty-cache"), 900);
+  expect_all_ok(resumed);
+  for (const auto& r : resumed) EXPECT_FALSE(contains(r.output, "compile: packaging")) << r.output;
+  const std::string cache = summary(d.file("resumed"))["compile_cache"];
+  EXPECT_TRUE(cache == "checkpoint" || cache == "hit") << cache << " (the other rank may have seeded it first)";
+  EXPECT_EQ(summary(d.file("resumed"))["resumed_from_step"], 4);
+  const auto a = model_tensors(d.file("ckpt-whole/step_6")), b = model_tensors(d.file("ckpt/step_6"));
+  ASSERT_FALSE(a.empty());
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [n, t] : a) EXPECT_TRUE(torch::equal(t, b.at(n))) << n << " differs after the resume";
 }
 
 // The block package itself, beside the eager block: a gpt of the first test's shape (its cache

@@ -30,7 +30,7 @@ void RunCheckpoints::build() {
   own("rng", std::make_unique<RngState>(run_.device));
   own("user", std::make_unique<UserState>(run_.cb.save_state, run_.cb.load_state));
   if (run_.cfg.checkpoint.save_graph && run_.cfg.compile.mode == CompileMode::Inductor)
-    own("graph", std::make_unique<PackageState>(run_.dmodel->inductor_step(), run_.world.is_main()));
+    own("graph", std::make_unique<PackageState>(run_.dmodel->package_files(), run_.world.is_main()));
   else if (run_.cfg.checkpoint.save_graph)
     own("graph", std::make_unique<GraphState>([this] { return export_traced_module(run_.dmodel->model()); },
                                               run_.world.is_main()));

@@ -123,7 +123,7 @@ void GraphState::save(checkpoint::Component& mine) const {
 
 void PackageState::save(checkpoint::Component& mine) const {
   if (!main_) return;
-  if (!step_) {
+  if (!package_) {
     logging::warn("checkpoint.save_graph: the training step runs eager (no package); no graph.pt2");
     return;
   }
@@ -132,20 +132,20 @@ void PackageState::save(checkpoint::Component& mine) const {
   if (unusable_) return;
   if (bytes_.empty()) {
     try {
-      std::string bytes = read_regular_file(step_->path(), uint64_t{16} << 30);
-      if (sha256_hex(bytes) != step_->sha256())  // the cache entry was replaced under this run
+      std::string bytes = read_regular_file(package_->path, uint64_t{16} << 30);
+      if (sha256_hex(bytes) != package_->sha256)  // the cache entry was replaced under this run
         throw std::runtime_error("it changed since this run loaded it (SHA-256 differs)");
       bytes_ = std::move(bytes);
     } catch (const std::exception& e) {
       logging::warn("checkpoint.save_graph: cannot store {}: {}; the steps of this run have no graph.pt2",
-                    step_->path(), e.what());
+                    package_->path, e.what());
       unusable_ = true;
       return;
     }
   }
   mine.files["graph.pt2"] = bytes_;
-  mine.files["graph.json"] = step_->manifest_for_checkpoint();
-  mine.values["files"] = {{"graph.pt2", "the AOTInductor package of the training step"},
+  mine.files["graph.json"] = package_->manifest;
+  mine.values["files"] = {{"graph.pt2", "the AOTInductor package of " + package_->what},
                           {"graph.json", "its manifest"}};
 }
 

@@ -13,18 +13,18 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 
 #include "checkpoint/stateful.h"
 #include "keel/models/model.h"
+#include "trainer/compile/inductor.h"
 
 namespace keel::dist {
 class ShardedParameters;
 }
 
 namespace keel {
-
-class InductorStep;
 
 /// Parameters and buffers, by name. Loading requires every name, shape and dtype to match and
 /// throws InputError listing the differences (the user chose a checkpoint of another model).
@@ -88,12 +88,12 @@ class GraphState : public checkpoint::Stateful {
 /// training step runs eager (a warning then, once per save).
 class PackageState : public checkpoint::Stateful {
  public:
-  PackageState(std::shared_ptr<InductorStep> step, bool main) : step_(std::move(step)), main_(main) {}
+  PackageState(std::optional<PackageFiles> package, bool main) : package_(std::move(package)), main_(main) {}
   void save(checkpoint::Component& mine) const override;
   void load(const checkpoint::Loaded&, const checkpoint::LoadedComponent&) override {}
 
  private:
-  std::shared_ptr<InductorStep> step_;
+  std::optional<PackageFiles> package_;
   bool main_;
   mutable std::string bytes_;  // the package, read and verified once (it never changes in a run)
   mutable bool unusable_ = false;

@@ -68,6 +68,13 @@ struct InductorRequest {
   std::string granularity = "step";
 };
 
+/// A loaded package as checkpoint.save_graph stores it (graph.pt2, graph.json).
+struct PackageFiles {
+  std::string path, sha256;
+  std::string manifest;  // with "cache_key": what a resume seeds the compile cache from
+  std::string what;      // "the training step", "the transformer block"
+};
+
 /// A package in the compile cache: found, taken from a checkpoint or built (under the entry's
 /// lock), its SHA-256 checked against its manifest.
 struct PackageEntry {

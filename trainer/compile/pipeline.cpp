@@ -44,9 +44,10 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
   if (cfg.mode == CompileMode::Inductor) {
     if (!inductor) throw std::logic_error("PlacedModel::compile: compile.mode = \"inductor\" needs its request");
     std::shared_ptr<InductorStep> step;
+    std::shared_ptr<InductorBlock> block;
     try {
       if (inductor->granularity == "blocks")
-        compile_blocks(*model_, *inductor, report, cfg.max_recompiles);  // the model's blocks run it
+        block = compile_blocks(*model_, *inductor, report, cfg.max_recompiles);  // the model's blocks run it
       else
         step = InductorStep::load_or_compile(*inductor, *report);
     } catch (const CompileError& e) {
@@ -61,6 +62,7 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
         report->mode +
             (inductor->granularity == "blocks" && !step && report->mode == "inductor" ? " (each block)" : ""));
     CompiledModel m(std::move(model_), device_, std::move(report), std::move(plan_), std::move(step));
+    m.block_ = std::move(block);
     m.max_recompiles = cfg.max_recompiles;
     return m;
   }
@@ -79,8 +81,20 @@ DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> co
     split->over_data_parallel(ddp->placement(), ddp->fully_shard());
   plan_.applied(dist::Transform::DataParallel, "zero " + std::to_string(ddp->placement().stage()) + " over " +
                                                    std::to_string(ranks) + (ranks == 1 ? " rank" : " ranks"));
-  return DistributedModel(std::move(model_), device_, std::move(report_), std::move(ddp), std::move(step_),
-                          max_recompiles, std::move(plan_));
+  DistributedModel dm(std::move(model_), device_, std::move(report_), std::move(ddp), std::move(step_), max_recompiles,
+                      std::move(plan_));
+  if (block_) {  // ranks agree on the block package as on a step's (the per-step consensus)
+    dm.package_fingerprint_ = std::stoull(block_->sha256().substr(0, 15), nullptr, 16);
+    dm.block_ = std::move(block_);
+  }
+  return dm;
+}
+
+std::optional<PackageFiles> DistributedModel::package_files() const {
+  if (step_) return PackageFiles{step_->path(), step_->sha256(), step_->manifest_for_checkpoint(), "the training step"};
+  if (block_)
+    return PackageFiles{block_->path(), block_->sha256(), block_->manifest_for_checkpoint(), "the transformer block"};
+  return std::nullopt;
 }
 
 DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,

@@ -34,6 +34,7 @@
 #include "keel/trainer/config/config.h"
 #include "trainer/compile/compile.h"
 #include "trainer/compile/inductor.h"
+#include "trainer/compile/inductor_block.h"
 #include "trainer/optim.h"
 
 namespace keel {
@@ -90,7 +91,8 @@ class CompiledModel {
   torch::Device device_;
   std::shared_ptr<CompileReport> report_;
   dist::TransformPlan plan_;
-  std::shared_ptr<InductorStep> step_;  // compile.mode = "inductor"
+  std::shared_ptr<InductorStep> step_;    // compile.mode = "inductor"
+  std::shared_ptr<InductorBlock> block_;  // compile.granularity = "blocks"
 };
 
 /// Stage 3: trainable across ranks. Per micro-batch: forward(input, sync) then
@@ -167,6 +169,10 @@ class DistributedModel {
   Residency residency(const models::Model& eager) const;
   /// compile.mode = "inductor": the loaded package (null when the step runs eager).
   const std::shared_ptr<InductorStep>& inductor_step() const { return step_; }
+  /// compile.granularity = "blocks": the block package the model's blocks run (null otherwise).
+  const std::shared_ptr<InductorBlock>& inductor_block() const { return block_; }
+  /// The package checkpoint.save_graph stores (the step's or the blocks'); nullopt when none runs.
+  std::optional<PackageFiles> package_files() const;
   /// Compile results; recompiles keep counting while training.
   const CompileReport& compile_report() const { return *report_; }
   /// What each of the five transforms did to this model, in order.
@@ -182,6 +188,7 @@ class DistributedModel {
   std::shared_ptr<CompileReport> report_;
   std::unique_ptr<dist::DataParallel> ddp_;
   std::shared_ptr<InductorStep> step_;
+  std::shared_ptr<InductorBlock> block_;
   std::vector<torch::Tensor> params_, buffers_;  // the model's, in the package's order
   std::vector<torch::Tensor> owned_;             // zero_gradient_shards(): this rank's pieces
   std::set<std::vector<int64_t>> eager_shapes_;  // batch shapes seen that the package does not take

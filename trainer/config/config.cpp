@@ -523,8 +523,6 @@ static void validate_granularity(const Config& cfg) {
     fail("packages the transformer block of gpt, gpt2 and llama; model.name = \"" + cfg.model.name +
          "\" has no transformer blocks (use dist.zero <= 2 with compile.granularity = \"step\", or compile.mode = "
          "\"off\")");
-  if (cfg.checkpoint.save_graph)
-    fail("cannot be combined with checkpoint.save_graph = true yet (it stores the whole-step package)");
 }
 
 // train.activation_checkpointing: what it does not serve is refused by name (the model's kind is
