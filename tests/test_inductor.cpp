@@ -807,6 +807,27 @@ TEST(InductorBlocks, SaveGraphStoresTheBlockPackageAndAZero3ResumeLoadsItAndIsBi
   for (const auto& [n, t] : a) EXPECT_TRUE(torch::equal(t, b.at(n))) << n << " differs after the resume";
 }
 
+// bf16 autocast traced into the block package (it runs only under the autocast it was traced
+// with: no block falls back), at ZeRO-3 over 2 ranks, with an injected inf gradient (rank 1, step
+// 3) skipped on every rank as in eager mode; the final loss within the whole-step package's bf16
+// bound (2e-2 relative: bf16's rounding in other kernels).
+TEST(InductorBlocks, Bf16InTheBlocksAndAnInfGradientIsSkippedOnEveryRankAtZero3) {
+  TempDir d;
+  const std::vector<std::string> extra = {"--amp.dtype=bf16", "--dist.zero=3", "--train.skip_nonfinite=true",
+                                          "--fault.inject=nonfinite_grad@step=3,rank=1"};
+  expect_all_ok(run_keel_ranks(2, model_args("gpt", d.file("eager"), "off", 10, extra), 900));
+  const auto rs = run_keel_ranks(2, model_args("gpt", d.file("inductor"), "inductor", 10, extra), 900);
+  expect_all_ok(rs);
+  EXPECT_TRUE(contains(rs[0].output, "compile: inductor (each block)")) << rs[0].output;
+  for (const auto& r : rs) EXPECT_FALSE(contains(r.output, "is not the package's")) << r.output;
+  const auto s = summary(d.file("inductor"));
+  EXPECT_EQ(s["amp_dtype"], "bf16");
+  EXPECT_EQ(s["skipped_steps"], 1);
+  EXPECT_EQ(summary(d.file("eager"))["skipped_steps"], 1);
+  const double a = final_loss(d.file("eager")), b = final_loss(d.file("inductor"));
+  EXPECT_LE(std::abs(a - b), 2e-2 * std::abs(a)) << "eager " << a << ", blocks " << b;
+}
+
 // The block package itself, beside the eager block: a gpt of the first test's shape (its cache
 // entry), one forward and backward with every block run by the package (its autograd node is
 // in the graph) and one with none. The logits and every parameter's gradient agree within 1e-4
