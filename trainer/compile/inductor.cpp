@@ -23,13 +23,6 @@ constexpr const char* kFormat = "keel-aoti-step/1";
 
 using namespace aot;
 
-std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shape").get<std::vector<int64_t>>(); }
-
-// A manifest input's shape and dtype, as tensor_spec() names a tensor's.
-std::string spec_of(const nlohmann::json& spec) {
-  return c10::str(c10::IntArrayRef(shape_of(spec))) + " " + spec.value("dtype", std::string("?"));
-}
-
 // The autograd function around one run of the package: forward runs the whole step and keeps
 // the gradients; backward returns them times the gradient of the loss. A package that takes the
 // loss scale (`scale` given, by pointer: autograd takes no undefined tensor) returned gradients

@@ -8,15 +8,13 @@
 
 #include "common/log.h"
 #include "keel/common/error.h"
+#include "trainer/compile/packaging.h"
 
 namespace keel {
 namespace {
 
-std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shape").get<std::vector<int64_t>>(); }
-
-std::string spec_of(const nlohmann::json& spec) {
-  return c10::str(c10::IntArrayRef(shape_of(spec))) + " " + spec.value("dtype", std::string("?"));
-}
+using aot::shape_of;
+using aot::spec_of;
 
 // What the autograd node keeps of its package: the package itself, so that a graph held past
 // the model (a loss kept by a callback) never runs a freed one.
@@ -256,9 +254,9 @@ std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const Induct
   for (const auto& t : first.tensors[0]) specs.push_back(tensor_spec(t));
   auto block = InductorBlock::load_or_compile(req, first.names[0], specs, *report);
   auto other_shapes = std::make_shared<std::set<std::string>>();
-  // The parameters are looked up at each call: a transform after compile (ZeRO-3) may give them
-  // other data, never other tensors, but the lookup keeps that an implementation detail.
-  models::Model* m = &model;
+  // Each block's parameter tensors, taken once: a transform after compile (ZeRO-3's gathers and
+  // frees, sharded initialisation) gives them other data with set_data, never other tensors.
+  const std::vector<std::vector<torch::Tensor>> tensors = first.tensors;
   const bool ok = model.set_block_compiled([=](size_t i, const torch::Tensor& x, const torch::Tensor& cos,
                                                const torch::Tensor& sin) -> torch::Tensor {
     if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager block
@@ -278,7 +276,7 @@ std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const Induct
     std::vector<torch::Tensor> extra;  // llama's rotary cos and sin, (1, T, head_dim) float32 as traced
     if (block->num_extra() > 0 && cos.defined() && sin.defined())
       extra = {cos.unsqueeze(0).to(torch::kFloat).contiguous(), sin.unsqueeze(0).to(torch::kFloat).contiguous()};
-    return block->forward(block_parameters(*m, {prefixes[i]}).tensors[0], x, extra);
+    return block->forward(tensors[i], x, extra);
   });
   if (!ok) throw InputError("compile.granularity = \"blocks\": model " + model.name() + " has no blocks to compile");
   return block;

@@ -32,6 +32,12 @@
 
 namespace keel::aot {
 
+std::vector<int64_t> shape_of(const nlohmann::json& spec) { return spec.at("shape").get<std::vector<int64_t>>(); }
+
+std::string spec_of(const nlohmann::json& spec) {
+  return c10::str(c10::IntArrayRef(shape_of(spec))) + " " + spec.value("dtype", std::string("?"));
+}
+
 std::string env_or(const char* name, const std::string& fallback) {
   const char* v = std::getenv(name);
   return v && *v ? std::string(v) : fallback;

@@ -11,12 +11,19 @@
 
 #include <torch/torch.h>
 
+#include <nlohmann/json.hpp>
+
 #include <string>
 #include <vector>
 
 #include "keel/trainer/config/config.h"
 
 namespace keel::aot {
+
+/// A manifest input's or output's shape, and its shape and dtype as "[2, 3] float32" (how
+/// packages and models are compared).
+std::vector<int64_t> shape_of(const nlohmann::json& spec);
+std::string spec_of(const nlohmann::json& spec);
 
 std::string env_or(const char* name, const std::string& fallback);
 bool is_file(const std::string& path);
