@@ -54,6 +54,9 @@ class GradScaler : public checkpoint::Stateful {
   void update(bool found_inf);
   /// The same with the verdict as a tensor of one element (non-zero = inf/NaN), on the device.
   void update(const torch::Tensor& found_inf);
+  /// update()'s host part alone (unscale_ may be called again): compile.cuda_graphs replays
+  /// update()'s kernels, and the host code that ran at the capture does not run again.
+  void end_step() { unscaled_ = false; }
 
   /// The scale (the host waits for it).
   double scale_value() const;

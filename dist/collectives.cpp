@@ -3,6 +3,7 @@
 #include "common/host_copy.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -280,7 +281,16 @@ torch::Tensor Collectives::on_comm_device(const torch::Tensor& t) const {
   return t.device() == dev ? t.contiguous() : t.to(dev).contiguous();
 }
 
+namespace {
+std::atomic<int> g_capturing{0};
+}  // namespace
+
+CaptureScope::CaptureScope() { g_capturing.fetch_add(1); }
+CaptureScope::~CaptureScope() { g_capturing.fetch_sub(1); }
+bool CaptureScope::active() { return g_capturing.load() > 0; }
+
 bool Collectives::validating() const {
+  if (CaptureScope::active()) return false;
   return mode_ == Validate::Always || (mode_ == Validate::FirstStep && step_ <= 1);
 }
 
@@ -378,7 +388,7 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
   const auto t0 = std::chrono::steady_clock::now();
   try {
     // dist.timeout_s bounds the whole failure: the wait, then the grace to name missing ranks.
-    if (d.stream_wait)
+    if (d.stream_wait || (CaptureScope::active() && group_->comm_device().is_cuda()))
       w->wait();
     else
       w->wait(group_->timeout() - report_grace());

@@ -32,6 +32,8 @@
 #   inductor_gpt  compile.mode = inductor (the step packaged by AOTInductor on this GPU), gpt
 #   inductor_fp16 compile.mode = inductor with amp.dtype = fp16: the loss scale inside the
 #              package, initial scale 2^40: real fp16 overflows skipped, the scale backed off
+#   cuda_graphs   compile.cuda_graphs: 50 steps of gpt (dropout) with graphs byte-identical to 50
+#              without, and a run killed at step 25 and resumed with graphs the same (issue 46 item 4)
 #   bench      step time: keel (eager and inductor) vs PyTorch 2.11 eager DDP and torch.compile'd
 #              DDP, cnn 64 and 512, gpt 8 and 64, one rank on the GPU (NCCL), same batch, data and
 #              optimizer; the verdict of issue 24's target (keel inductor <= 0.9x torch.compile)
@@ -244,7 +246,7 @@ common=(--data.name=synthetic --data.synthetic_size=4096 --train.lr=1e-3 --train
 want() { [[ "$1" =~ ${KEEL_GPU_CHECK_ONLY:-.} ]]; }
 # Seconds each step takes on the H200 (the last full run, with margin); 30 for the others.
 declare -A est=([cnn_nccl]=15 [gpt_nccl]=15 [sync_debug]=15 [gloo_2r]=20 [zero0_gloo_2r]=25 [zero3_gloo_2r]=35
-                [fp16]=15 [bf16]=15 [resume]=45 [inductor_gpt]=20 [inductor_fp16]=20)
+                [fp16]=15 [bf16]=15 [resume]=45 [inductor_gpt]=20 [inductor_fp16]=20 [cuda_graphs]=60)
 # runs STEP: whether STEP is wanted and fits in what is left of the budget beyond the reserve
 # (if it is wanted and does not fit, it is recorded as skipped).
 runs() {
@@ -347,6 +349,40 @@ PY
 )
   [ -n "$zero_memory" ] || zero_memory='{"ok": false, "error": "no verdict"}'
   record zero3_memory "$(verdict_ok "$zero_memory")" "\"detail\": $zero_memory"
+fi
+
+# Whole-step CUDA graphs (issue 46, item 4): 50 steps of gpt with dropout captured and replayed end
+# with the shards of the same 50 steps without graphs, byte for byte; killed at step 25 and resumed
+# from step 20 with graphs, the same again. The rehearsal (CPU) replays by re-running the step.
+if runs cuda_graphs; then
+  # A learning rate float32 holds exactly (2^-10, no warm-up): on CUDA the captured fused kernel
+  # reads it from a float32 tensor, the run without graphs from a double.
+  graph_args=(--model.name=gpt --train.batch_size=8 --train.steps=50 --dist.backend=$nccl --dist.consensus=late
+              --model.dropout=0.1 --train.grad_clip=1.0 --checkpoint.interval=10 --checkpoint.keep=5
+              --train.lr=0.0009765625 --train.warmup_steps=0)
+  graphs_on=(--compile.cuda_graphs=true)
+  [ "$dev" = cpu ] && graphs_on+=(--compile.cuda_graphs_rehearsal=true)
+  launch 1 "$out/graphs_off" "$keel" train "${common[@]}" "${graph_args[@]}" \
+    --checkpoint.dir="$out/graphs_off/ckpt" > "$out/cuda_graphs.log" 2>&1
+  rc_off=$?
+  launch 1 "$out/graphs_on" "$keel" train "${common[@]}" "${graph_args[@]}" "${graphs_on[@]}" \
+    --checkpoint.dir="$out/graphs_on/ckpt" >> "$out/cuda_graphs.log" 2>&1
+  rc_on=$?
+  launch 1 "$out/graphs_resume" --max_restarts 1 "$keel" train "${common[@]}" "${graph_args[@]}" "${graphs_on[@]}" \
+    --checkpoint.dir="$out/graphs_resume/ckpt" --fault.inject=crash@step=25,rank=0 >> "$out/cuda_graphs.log" 2>&1
+  rc_resume=$?
+  sums50() { (cd "$1/ckpt/step_50" 2>/dev/null && sha256sum model-*.safetensors optimizer-*.safetensors 2>/dev/null); }
+  a=$(sums50 "$out/graphs_off"); b=$(sums50 "$out/graphs_on"); c=$(sums50 "$out/graphs_resume")
+  replays=$(field "$out/graphs_on/run/summary.json" cuda_graph_replays)
+  resumed=$(field "$out/graphs_resume/run/summary.json" resumed_from_step)
+  ms_off=$(field "$out/graphs_off/run/summary.json" median_step_ms)
+  ms_on=$(field "$out/graphs_on/run/summary.json" median_step_ms)
+  same_on=$([ -n "$a" ] && [ "$a" = "$b" ] && echo true || echo false)
+  same_resume=$([ -n "$a" ] && [ "$a" = "$c" ] && echo true || echo false)
+  # 3 warm-up steps at one rank, then steps 4-50: a forward-backward and an update replay each.
+  if [ $rc_off -eq 0 ] && [ $rc_on -eq 0 ] && [ $rc_resume -eq 0 ] && [ "$same_on" = true ] &&
+     [ "$same_resume" = true ] && [ "$resumed" = 20 ] && [ "$replays" = 94 ]; then ok=true; else ok=false; fi
+  record cuda_graphs "$ok" "\"rehearsal\": $([ "$dev" = cpu ] && echo true || echo false), \"rc\": [$rc_off, $rc_on, $rc_resume], \"replays\": ${replays:-null}, \"resumed_from_step\": ${resumed:-null}, \"shards_identical\": $same_on, \"resumed_shards_identical\": $same_resume, \"median_step_ms_off\": ${ms_off:-null}, \"median_step_ms_on\": ${ms_on:-null}"
 fi
 
 # The regression steps (they passed on the last GPU run): each only while the inductor steps and

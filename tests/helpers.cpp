@@ -181,7 +181,7 @@ std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir, 
   std::string line;
   while (std::getline(in, line)) {
     auto j = nlohmann::json::parse(line);
-    if (j.contains(field)) out.emplace_back(j["step"].get<long>(), j[field].get<double>());
+    if (j.contains(field) && !j[field].is_null()) out.emplace_back(j["step"].get<long>(), j[field].get<double>());
   }
   return out;
 }

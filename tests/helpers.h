@@ -58,7 +58,8 @@ ProcResult run_torchrun_keel(int nproc, const std::vector<std::string>& args, co
 /// A training run's files: RUN/summary.json, and (step, loss) of every line of RUN/metrics.jsonl.
 std::string summary_field(const std::string& run_dir, const std::string& key);
 /// Each step's `field` (default the loss) from run_dir/metrics.jsonl, for the steps that have it.
-std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir, const std::string& field = "loss");
+std::vector<std::pair<long, double>> metrics_losses(const std::string& run_dir,
+                                                    const std::string& field = "loss");  // null (NaN) values left out
 
 // How far a run's parameters may drift from a control that differs only in the order in which
 // its gradients are summed (issue 44; docs/building.md): derived from the computation, never a

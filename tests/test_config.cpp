@@ -165,22 +165,44 @@ TEST(ConfigErrors, CudaOnlySettingsInACpuBuild) {
   EXPECT_NE(load_error("[amp]\ndtype = \"fp16\"\n").find("CUDA"), std::string::npos);
 }
 
-// compile.cuda_graphs: each combination a captured step cannot serve is refused by its keys.
+// compile.cuda_graphs: each combination a captured step cannot serve is refused by its keys; the
+// rehearsal (compile.cuda_graphs_rehearsal) takes the same refusals on the CPU, with Gloo.
 TEST(ConfigErrors, CudaGraphsRefuseWhatAGraphCannotServe) {
   const std::string on = "[compile]\ncuda_graphs = true\n";
+  const std::string rehearsed = "[compile]\ncuda_graphs = true\ncuda_graphs_rehearsal = true\n";
   if (!KEEL_CUDA_BUILD) {
-    EXPECT_NE(load_error(on).find("needs a CUDA build"), std::string::npos);
-    return;
+    const std::string m = load_error(on);
+    EXPECT_NE(m.find("needs a CUDA build"), std::string::npos) << m;
+    EXPECT_NE(m.find("compile.cuda_graphs_rehearsal = true"), std::string::npos) << m;
+  } else {
+    const std::string cpu = load_error(on + "[run]\ndevice = \"cpu\"\n");
+    EXPECT_NE(cpu.find("compile.cuda_graphs"), std::string::npos) << cpu;
+    EXPECT_NE(cpu.find("run.device = \"cpu\""), std::string::npos) << cpu;
+    const std::string gloo = load_error(on + "[dist]\nbackend = \"gloo\"\n");
+    EXPECT_NE(gloo.find("dist.backend = \"gloo\""), std::string::npos) << gloo;
   }
-  const std::string cpu = load_error(on + "[run]\ndevice = \"cpu\"\n");
-  EXPECT_NE(cpu.find("compile.cuda_graphs"), std::string::npos) << cpu;
-  EXPECT_NE(cpu.find("run.device = \"cpu\""), std::string::npos) << cpu;
-  const std::string gloo = load_error(on + "[dist]\nbackend = \"gloo\"\n");
-  EXPECT_NE(gloo.find("dist.backend = \"gloo\""), std::string::npos) << gloo;
-  const std::string unused = load_error(on + "[dist]\nfind_unused_parameters = true\n");
-  EXPECT_NE(unused.find("dist.find_unused_parameters = true"), std::string::npos) << unused;
-  // What it could serve is still refused: not built yet.
-  EXPECT_NE(load_error(on).find("not implemented"), std::string::npos);
+  const std::string cpu = "[run]\ndevice = \"cpu\"\n";
+  EXPECT_NE(load_error(rehearsed).find("set run.device = \"cpu\""), std::string::npos);
+  EXPECT_NE(load_error("[compile]\ncuda_graphs_rehearsal = true\n" + cpu).find("set both, or neither"),
+            std::string::npos);
+  const std::vector<std::pair<std::string, std::string>> refused = {
+      {"[dist]\nfind_unused_parameters = true\n", "dist.find_unused_parameters = true"},
+      {"[dist]\nconsensus = \"step\"\n", "dist.consensus = \"step\""},
+      {"[dist]\nzero = 3\n", "dist.zero = 3"},
+      {"[train]\nfused_optimizer = false\n", "train.fused_optimizer = true"},
+      {"[train]\ngrads_to_none = true\n", "train.grads_to_none = true"},
+      {"[train]\nactivation_checkpointing = \"blocks\"\n", "train.activation_checkpointing = \"blocks\""},
+      {"[model]\nname = \"gpt\"\ndropout = 0.1\n[parallel]\ntp = 2\n", "model.dropout > 0"},
+  };
+  for (const auto& [toml, key] : refused) {
+    const std::string m = load_error(rehearsed + cpu + toml);
+    EXPECT_NE(m.find("compile.cuda_graphs = true"), std::string::npos) << toml << ": " << m;
+    EXPECT_NE(m.find(key), std::string::npos) << toml << ": " << m;
+  }
+  // What it serves loads.
+  Config ok;
+  keel::load_toml_string(rehearsed + cpu + "[dist]\nzero = 2\n", "t.toml", ok);
+  EXPECT_NO_THROW(keel::validate(ok));
 }
 
 TEST(ConfigOverrides, ParsesEachType) {

@@ -140,9 +140,13 @@ void FusedAdamW::step_unless(const torch::Tensor& found_inf) {
       // As torch.optim's _fused_adamw: the kernel reads the counts after the increment, and
       // leaves everything else alone when found_inf is set; the increment is undone then.
       at::_foreach_add_(steps, 1);
-      at::_fused_adamw_(params, grads_of(params), m, v, vmax, steps, o.lr(), std::get<0>(o.betas()),
-                        std::get<1>(o.betas()), o.weight_decay(), o.eps(), o.amsgrad(), /*maximize=*/false,
-                        /*grad_scale=*/std::nullopt, inf);
+      const auto [b1, b2] = o.betas();
+      if (lr_.defined())
+        at::_fused_adamw_(params, grads_of(params), m, v, vmax, steps, lr_, b1, b2, o.weight_decay(), o.eps(),
+                          o.amsgrad(), /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
+      else
+        at::_fused_adamw_(params, grads_of(params), m, v, vmax, steps, o.lr(), b1, b2, o.weight_decay(), o.eps(),
+                          o.amsgrad(), /*maximize=*/false, /*grad_scale=*/std::nullopt, inf);
       if (inf) at::_foreach_sub_(steps, std::vector<torch::Tensor>(steps.size(), inf->reshape({})));
     }
   }
@@ -173,9 +177,15 @@ void FusedSgd::step_unless(const torch::Tensor& found_inf) {
           buffers.push_back(static_cast<ParamState&>(*slot).momentum_buffer);
         }
       }
-      at::_fused_sgd_(params, grads_of(params), buffers, o.weight_decay(), o.momentum(), o.lr(), /*dampening=*/0.0,
-                      /*nesterov=*/false, /*maximize=*/false, /*is_first_step=*/false, /*grad_scale=*/std::nullopt,
-                      on_device(found_inf, params.front().device()));
+      const auto inf = on_device(found_inf, params.front().device());
+      if (lr_.defined())
+        at::_fused_sgd_(params, grads_of(params), buffers, o.weight_decay(), o.momentum(), lr_, /*dampening=*/0.0,
+                        /*nesterov=*/false, /*maximize=*/false, /*is_first_step=*/false, /*grad_scale=*/std::nullopt,
+                        inf);
+      else
+        at::_fused_sgd_(params, grads_of(params), buffers, o.weight_decay(), o.momentum(), o.lr(), /*dampening=*/0.0,
+                        /*nesterov=*/false, /*maximize=*/false, /*is_first_step=*/false, /*grad_scale=*/std::nullopt,
+                        inf);
     }
   }
 }

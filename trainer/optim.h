@@ -38,6 +38,13 @@ class FusedOptimizer : public torch::optim::Optimizer {
   /// state are left as they were (the step counts too).
   virtual void step_unless(const torch::Tensor& found_inf) = 0;
   torch::Tensor step(LossClosure closure = nullptr) override;
+  /// compile.cuda_graphs: the kernels read the learning rate from `lr` (one element on the
+  /// parameters' device, every group's, which the step fills before the update) instead of the
+  /// options' value, which a captured kernel would keep for ever. Undefined: the options' value.
+  void read_lr_from(torch::Tensor lr) { lr_ = std::move(lr); }
+
+ protected:
+  torch::Tensor lr_;
 };
 
 /// AdamW through at::_fused_adamw_ (CPU and CUDA): torch.optim.AdamW(fused=True)'s arithmetic.

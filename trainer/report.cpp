@@ -142,6 +142,10 @@ Summary RunReport::summary(const RunCheckpoints& ckpts, int stop_signal) const {
   s.compile_ms = cr.compile_ms;
   s.compile_cache = cr.cache;
   s.recompiles = cr.recompiles;
+  if (run_.cfg.compile.cuda_graphs) {
+    s.cuda_graph_captures = run_.cuda_graph_captures;
+    s.cuda_graph_replays = run_.cuda_graph_replays;
+  }
   s.amp_dtype = choice_name(kAmpDtypes, run_.cfg.amp.dtype);
   s.consensus = run_.late ? "late" : "step";
   if (run_.scaler) s.loss_scale = run_.scaler->scale_value();

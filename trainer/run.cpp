@@ -325,8 +325,9 @@ void Run::build_optimizer() {
   const Consensus mode = cfg.dist.consensus;
   if (mode == Consensus::Late && !fused)
     throw InputError("dist.consensus = \"late\" needs a fused optimizer (train.fused_optimizer = true)");
-  late =
-      fused && (mode == Consensus::Late || (mode == Consensus::Auto && device.is_cuda() && group->backend() == "nccl"));
+  // compile.cuda_graphs captures the device-decided update (config.cpp refuses dist.consensus = step).
+  late = fused && (mode == Consensus::Late || cfg.compile.cuda_graphs ||
+                   (mode == Consensus::Auto && device.is_cuda() && group->backend() == "nccl"));
 }
 
 }  // namespace keel

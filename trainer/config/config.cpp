@@ -545,6 +545,61 @@ static void validate_recompute(const Config& cfg) {
                      "find_unused_parameters = false, or dist.zero = 2 or 3");
 }
 
+// compile.cuda_graphs: a captured step replays the same kernels on the same memory, so what
+// cannot be captured, or changes from step to step, is refused by its keys. The rehearsal
+// (compile.cuda_graphs_rehearsal, on the CPU) takes the same refusals, except the device and
+// the backend it runs on.
+static void validate_cuda_graphs(const Config& cfg) {
+  auto fail = [](const std::string& m) { throw InputError("config: " + m); };
+  const CompileConfig& c = cfg.compile;
+  if (c.cuda_graphs_rehearsal && !c.cuda_graphs)
+    fail("compile.cuda_graphs_rehearsal = true rehearses compile.cuda_graphs, which is false: set both, or neither");
+  if (!c.cuda_graphs) return;
+  const std::string on = "compile.cuda_graphs = true";
+  if (c.cuda_graphs_rehearsal) {
+    if (cfg.run.device != DeviceChoice::Cpu)
+      fail("compile.cuda_graphs_rehearsal = true runs on the CPU: set run.device = \"cpu\"");
+  } else {
+    if (cfg.run.device == DeviceChoice::Cpu)
+      fail(on +
+           " needs a GPU: run.device = \"cpu\" has no CUDA graphs (set run.device = \"cuda\" or \"auto\", or "
+           "compile.cuda_graphs = false; compile.cuda_graphs_rehearsal = true runs its orchestration on the CPU)");
+    if (cfg.dist.backend == Backend::Gloo)
+      fail(on +
+           " needs NCCL: a dist.backend = \"gloo\" collective runs on the host and cannot be captured in a CUDA "
+           "graph (set dist.backend = \"nccl\" or \"auto\", or compile.cuda_graphs = false)");
+  }
+  if (cfg.dist.find_unused_parameters)
+    fail(on +
+         " cannot serve dist.find_unused_parameters = true: which gradients are reduced changes from step to step, "
+         "and a graph replays one step (set one of them to false)");
+  if (cfg.dist.consensus == Consensus::Step)
+    fail(on +
+         " needs the update decided on the device (the host reads nothing inside a captured step): "
+         "dist.consensus = \"step\" reads the verdict before the update (set dist.consensus = \"late\" or \"auto\")");
+  if (!cfg.train.fused_optimizer)
+    fail(on +
+         " captures the update as the fused optimizer's kernel, which reads the learning rate and the verdict from "
+         "the device: set train.fused_optimizer = true");
+  if (cfg.train.grads_to_none && cfg.is_explicit("train.grads_to_none"))
+    fail(on +
+         " replays a backward that accumulates into the gradients it was captured with: train.grads_to_none = true "
+         "frees them every step (set it to false, or leave it unset: graphs zero them in place)");
+  if (cfg.dist.zero >= 3)
+    fail(on +
+         " replays kernels on the memory they were captured with; dist.zero = 3 gathers and frees each block's "
+         "parameters anew every step (use dist.zero 0-2, or compile.cuda_graphs = false)");
+  // Both read and set the CUDA generator's state on the host inside the step, which a capture
+  // cannot take (and a replay would not repeat).
+  if (cfg.train.activation_checkpointing != ActivationCheckpointing::None)
+    fail(on + " cannot capture train.activation_checkpointing = \"" +
+         choice_name(kActivationCheckpointing, cfg.train.activation_checkpointing) +
+         "\": its recomputation sets the generators' state on the host (set it to \"none\")");
+  if (cfg.parallel.tp > 1 && cfg.model.dropout > 0)
+    fail(on + " cannot capture parallel.tp > 1 with model.dropout > 0: each tp rank's own masks seed the generator " +
+         "from the host every step (set model.dropout = 0)");
+}
+
 void validate(Config& cfg) {
   auto fail = [](const std::string& m) { throw InputError("config: " + m); };
   if (cfg.run.name.empty()) fail("run.name must not be empty");
@@ -593,31 +648,14 @@ void validate(Config& cfg) {
         "(use \"gloo\" or \"auto\")");
   if (cfg.run.device == DeviceChoice::Cuda)
     fail("run.device = \"cuda\" needs a CUDA build of keel; this build is CPU-only");
-  if (cfg.compile.cuda_graphs)
+  if (cfg.compile.cuda_graphs && !cfg.compile.cuda_graphs_rehearsal)
     fail(
-        "compile.cuda_graphs = true needs a CUDA build of keel (CUDA graphs capture GPU work); this build is CPU-only");
+        "compile.cuda_graphs = true needs a CUDA build of keel (CUDA graphs capture GPU work); this build is CPU-only "
+        "(compile.cuda_graphs_rehearsal = true with run.device = \"cpu\" runs its orchestration here)");
   if (cfg.amp.dtype == AmpDtype::Fp16)
     fail("amp.dtype = \"fp16\" needs CUDA (fp16 autocast is CUDA-only); this build is CPU-only: use \"bf16\"");
-#else
-  // Whole-step CUDA graphs replay one captured step: what cannot be captured, or changes from
-  // step to step, is refused by name, before the rest.
-  if (cfg.compile.cuda_graphs) {
-    if (cfg.run.device == DeviceChoice::Cpu)
-      fail(
-          "compile.cuda_graphs = true needs a GPU: run.device = \"cpu\" has no CUDA graphs (set run.device = "
-          "\"cuda\" or \"auto\", or compile.cuda_graphs = false)");
-    if (cfg.dist.backend == Backend::Gloo)
-      fail(
-          "compile.cuda_graphs = true needs NCCL: a dist.backend = \"gloo\" collective runs on the host and cannot "
-          "be captured in a CUDA graph (set dist.backend = \"nccl\" or \"auto\", or compile.cuda_graphs = false)");
-    if (cfg.dist.find_unused_parameters)
-      fail(
-          "compile.cuda_graphs = true cannot serve dist.find_unused_parameters = true: which gradients are "
-          "reduced changes from step to step, and a graph replays one step (set one of them to false)");
-    // Not built yet (it needs a GPU to develop and verify): refused rather than ignored.
-    fail("compile.cuda_graphs = true is not implemented in keel yet (issue 25 waits for a GPU); remove it");
-  }
 #endif
+  validate_cuda_graphs(cfg);
   if (cfg.dist.consensus == Consensus::Late && !cfg.train.fused_optimizer)
     fail(
         "dist.consensus = \"late\" needs train.fused_optimizer = true: the update is skipped on the device through "

@@ -395,7 +395,11 @@ void compile_keys(SchemaBuilder& b) {
   b.add("compile", &C::compile, "cache_dir", &CompileConfig::cache_dir,
         "persistent compile cache directory; \"\" = no cache (trace), ~/.cache/keel/compile (inductor)");
   b.add("compile", &C::compile, "cuda_graphs", &CompileConfig::cuda_graphs,
-        "capture the whole step as a CUDA graph (CUDA builds)");
+        "capture the step as CUDA graphs after a warm-up and replay them from static input buffers (CUDA builds, "
+        "NCCL, dist.consensus late; a new batch shape is captured anew, counted against compile.max_recompiles)");
+  b.add("compile", &C::compile, "cuda_graphs_rehearsal", &CompileConfig::cuda_graphs_rehearsal,
+        "with compile.cuda_graphs on run.device = \"cpu\" (any build, Gloo too): the same warm-up, static buffers, "
+        "captures and refusals, each replay re-running the captured step: checks a config without a GPU, no speed-up");
   b.add("compile", &C::compile, "max_autotune", &CompileConfig::max_autotune,
         "inductor: autotune kernels while compiling (slower compile, maybe faster steps)");
   b.add("compile", &C::compile, "python", &CompileConfig::python,

@@ -11,6 +11,7 @@
 #include "trainer/run.h"
 #include "trainer/step/compiled.h"
 #include "trainer/step/eager.h"
+#include "trainer/step/graphs.h"
 
 namespace keel {
 
@@ -19,12 +20,22 @@ std::unique_ptr<Step> make_step(Run& run) {
   return std::make_unique<EagerStep>(run);
 }
 
+Step::Step(Run& run) : run_(run) {
+  if (run.cfg.compile.cuda_graphs) graphs_ = std::make_unique<StepGraphs>(run);
+}
+
+Step::~Step() = default;
+
 Launched Step::launch(StepResult& r) {
   r.lr = run_.schedule->at(r.step - 1);
   set_lr(*run_.optimizer, r.lr);
-  Launched l;
-  l.loss = forward_backward(run_.late ? nullptr : &r.local_loss);
+  const std::vector<data::Batch> batches = next_batches();
   r.epoch = run_.sampler->position().epoch;
+  Launched l;
+  if (graphs_)
+    l.loss = graphs_->forward_backward(batches, [this](const auto& b) { return forward_backward(b, nullptr); });
+  else
+    l.loss = forward_backward(batches, run_.late ? nullptr : &r.local_loss);
   run_.faults->after_backward(r.step, run_.owned);
   // The verdict on the device (late), or read now (step: the host decides, as cheaply as it can).
   if (run_.late) {
@@ -41,14 +52,27 @@ torch::Tensor Step::eager_loss(const torch::Tensor& input, const torch::Tensor& 
   return run_.loss(out, target).to(torch::kFloat);
 }
 
+// The step's micro-batches, on the device (on a GPU through pinned memory, without making the
+// host wait for the copy).
+std::vector<data::Batch> Step::next_batches() {
+  RECORD_USER_SCOPE("keel::data");
+  std::vector<data::Batch> batches;
+  for (int64_t micro = 0; micro < run_.cfg.train.grad_accum; ++micro) {
+    data::Batch b = run_.splits.train->get(run_.sampler->next());
+    batches.push_back({to_device(b.input), to_device(b.target)});
+  }
+  return batches;
+}
+
 // Forward and backward over the step's micro-batches; returns this rank's mean loss, a float64
 // tensor of one element on the device (nothing is read by the host), or, given `loss_now`, reads
 // it into *loss_now (the sum in double, as the tensor's) and returns nothing.
-torch::Tensor Step::forward_backward(double* loss_now) {
-  const int64_t accum = run_.cfg.train.grad_accum;
+torch::Tensor Step::forward_backward(const std::vector<data::Batch>& batches, double* loss_now) {
+  const auto accum = static_cast<int64_t>(batches.size());
   // train.grads_to_none: gradients nothing else holds are freed, so that the forward runs without
-  // them (PyTorch's zero_grad(set_to_none=True)); DDP's bucket views and ZeRO's are zeroed.
-  if (run_.cfg.train.grads_to_none && !run_.dmodel->gradients_are_buffers())
+  // them (PyTorch's zero_grad(set_to_none=True)); DDP's bucket views and ZeRO's are zeroed, and so
+  // is every gradient under compile.cuda_graphs (a captured backward writes where they are).
+  if (run_.cfg.train.grads_to_none && !run_.cfg.compile.cuda_graphs && !run_.dmodel->gradients_are_buffers())
     free_grads(run_.params);
   else
     zero_grads(run_.params);
@@ -58,13 +82,11 @@ torch::Tensor Step::forward_backward(double* loss_now) {
   for (int64_t micro = 0; micro < accum; ++micro) {
     // Gradients are all-reduced only on the last micro-batch of the step.
     const bool sync = micro + 1 == accum;
-    data::Batch b = run_.splits.train->get(run_.sampler->next());
+    const data::Batch& b = batches[static_cast<size_t>(micro)];
     torch::Tensor loss;
     {
       RECORD_USER_SCOPE("keel::forward");
-      // On a GPU through pinned memory, without making the host wait for the copy.
-      const torch::Tensor input = to_device(b.input), target = to_device(b.target);
-      loss = micro_batch_loss(input, target, sync);
+      loss = micro_batch_loss(b.input, b.target, sync);
     }
     auto scaled = loss / static_cast<double>(accum);
     {
@@ -143,10 +165,21 @@ void Step::host_decided_update(StepResult& r) {
 }
 
 void Step::device_decided_update(InFlight& f) {
+  const torch::Tensor found = f.record.found_inf().to(run_.params.front().device());
+  const torch::Tensor extras = graphs_
+                                   ? graphs_->update(found, f.r.lr, [this](const auto& v) { return device_update(v); })
+                                   : device_update(found);
+  if (run_.scaler) run_.scaler->end_step();  // a replayed update() ran its kernels only
+  f.extras = HostCopy::start(extras);
+}
+
+// The update the device decides on `found` (float32, one element: skip when non-zero); returns
+// float64 [grad norm, loss scale before the update, after it] (NaN where there is none), on the
+// device.
+torch::Tensor Step::device_update(const torch::Tensor& found) {
   amp::GradScaler* scaler = run_.scaler.get();
-  const torch::Device dev = run_.params.front().device();
+  const torch::Device dev = found.device();
   const auto nan = torch::full({1}, std::nan(""), torch::TensorOptions().dtype(torch::kDouble).device(dev));
-  const torch::Tensor found = f.record.found_inf().to(dev);
   torch::Tensor norm = nan;
   if (run_.cfg.train.grad_clip > 0)  // NaN on a skipped step, as when the host decides
     norm = torch::where(found.ne(0), nan,
@@ -156,7 +189,7 @@ void Step::device_decided_update(InFlight& f) {
   run_.dmodel->sync_parameters();  // dist.zero >= 1: each owner's update (or its old values) to every rank
   if (scaler) scaler->update(found);
   const torch::Tensor scale_after = scaler ? scaler->scale_tensor().to(dev, torch::kDouble).reshape({1}) : nan;
-  f.extras = HostCopy::start(torch::cat({norm, scale_before, scale_after}));
+  return torch::cat({norm, scale_before, scale_after});
 }
 
 EvalResult Step::evaluate(int64_t step) {

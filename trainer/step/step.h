@@ -22,6 +22,7 @@
 #include <cmath>
 #include <cstdint>
 #include <memory>
+#include <vector>
 
 #include "common/clock.h"
 #include "common/host_copy.h"
@@ -68,10 +69,14 @@ struct Launched {
   bool nonfinite_now = false;
 };
 
+class StepGraphs;
+
 class Step {
  public:
-  explicit Step(Run& run) : run_(run) {}
-  virtual ~Step() = default;
+  /// With compile.cuda_graphs, the step's forward-backward and update run as graphs
+  /// (trainer/step/graphs.h).
+  explicit Step(Run& run);
+  virtual ~Step();
   Step(const Step&) = delete;
   Step& operator=(const Step&) = delete;
 
@@ -93,7 +98,9 @@ class Step {
   Run& run_;
 
  private:
-  torch::Tensor forward_backward(double* loss_now);
+  std::vector<data::Batch> next_batches();
+  torch::Tensor forward_backward(const std::vector<data::Batch>& batches, double* loss_now);
+  torch::Tensor device_update(const torch::Tensor& found);
   torch::Tensor to_device(const torch::Tensor& t) const;
   torch::Tensor grad_verdict();
   torch::Tensor local_nonfinite(const torch::Tensor& local_loss);
@@ -102,6 +109,7 @@ class Step {
   void device_decided_update(InFlight& f);
   void evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
                       double& count);
+  std::unique_ptr<StepGraphs> graphs_;  // compile.cuda_graphs
 };
 
 /// The step the run's model takes: CompiledStep with an Inductor package, else EagerStep.

@@ -290,6 +290,20 @@ struct RankError {
   explicit operator bool() const { return rank >= 0; }
 };
 
+/// compile.cuda_graphs: while one lives (in any thread: the count is the process's), every
+/// Collectives skips its cross-rank check (the captured step's collectives were checked when it
+/// ran eagerly, and a capture cannot wait for a check's answer) and, on a CUDA device, makes the
+/// stream wait for a collective, never the host (a capture cannot query its events). Nests.
+class CaptureScope {
+ public:
+  CaptureScope();
+  ~CaptureScope();
+  CaptureScope(const CaptureScope&) = delete;
+  CaptureScope& operator=(const CaptureScope&) = delete;
+  /// Whether one lives.
+  static bool active();
+};
+
 /// Collective, the one way to fail together: each rank passes its own error ("" when it has
 /// none); every rank gets the same answer, every rank's error in rank order (empty: none had
 /// one), so every rank makes the same decision and can name the ranks and their reasons. One

@@ -79,6 +79,9 @@ struct EvalResult {
   X(double, compile_ms, 0, null, "time spent compiling (or loading a compiled package)")                               \
   X(std::string, compile_cache, , null, "off, hit, miss, or checkpoint (the package stored with the checkpoint)")      \
   X(int64_t, recompiles, 0, null, "recompilations after the first compile")                                            \
+  X(std::optional<int64_t>, cuda_graph_captures, , null,                                                               \
+    "compile.cuda_graphs: graphs captured (a forward-backward per batch shape, the update), else null")                \
+  X(std::optional<int64_t>, cuda_graph_replays, , null, "compile.cuda_graphs: graph replays, else null")               \
   X(std::string, amp_dtype, , null, "off, bf16 or fp16")                                                               \
   X(std::string, consensus, , null, "step or late: when the host read the per-step consensus (dist.consensus)")        \
   X(std::optional<double>, loss_scale, , null, "the GradScaler's scale at the end (fp16), else null")                  \

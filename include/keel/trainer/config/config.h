@@ -138,8 +138,9 @@ struct CompileConfig {
   int64_t max_recompiles = 8;
   std::string cache_dir = "";
   bool cuda_graphs = false;
-  bool max_autotune = false;  // inductor: autotune kernels (a slower compile)
-  std::string python = "";    // inductor: the packaging step's Python; "" = $KEEL_PYTHON, else keel's venv
+  bool cuda_graphs_rehearsal = false;  // cuda_graphs' orchestration on the CPU, each replay re-running the step
+  bool max_autotune = false;           // inductor: autotune kernels (a slower compile)
+  std::string python = "";             // inductor: the packaging step's Python; "" = $KEEL_PYTHON, else keel's venv
   std::vector<std::string>
       libraries;  // inductor: shared libraries of custom ops (TORCH_LIBRARY), loaded here and there
 };
