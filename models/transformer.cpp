@@ -146,14 +146,18 @@ TransformerBlockImpl::TransformerBlockImpl(const BlockOptions& options) : o(opti
   }
 }
 
-torch::Tensor TransformerBlockImpl::forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin) {
-  x = x + attention(norm_1.forward(x), cos, sin);
-  return x + mlp_forward(norm_2.forward(x));
+torch::Tensor TransformerBlockImpl::forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& sin,
+                                            const RegionCall& regions) {
+  x = x + attention(norm_1.forward(x), cos, sin, regions);
+  return x + mlp_forward(norm_2.forward(x), regions);
 }
 
 torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x_in, const torch::Tensor& cos,
-                                              const torch::Tensor& sin) {
+                                              const torch::Tensor& sin, const RegionCall& regions) {
   const torch::Tensor x = tp.size > 1 ? tp.enter(x_in) : x_in;
+  if (tp.size > 1)
+    if (const torch::Tensor partial = regions(BlockStructure::Region::Attention, x, cos, sin); partial.defined())
+      return residual_drop(reduce_row_parallel(out, partial));
   // This rank's heads: all of them, or 1/tp under tensor parallelism.
   const int64_t B = x.size(0), T = x.size(1), H = o.heads / tp.size, KV = o.kv_heads / tp.size, hd = o.head_dim;
   torch::Tensor qt, kt, vt;  // (B, T, H x hd), (B, T, KV x hd) twice
@@ -206,7 +210,12 @@ std::pair<torch::Tensor, torch::Tensor> dense_parameters(const torch::nn::AnyMod
 }  // namespace
 
 torch::Tensor TransformerBlockImpl::row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const {
-  torch::Tensor y = tp.leave(project(dense, x, /*with_bias=*/false));
+  return reduce_row_parallel(dense, project(dense, x, /*with_bias=*/false));
+}
+
+torch::Tensor TransformerBlockImpl::reduce_row_parallel(const torch::nn::AnyModule& dense,
+                                                        const torch::Tensor& partial) const {
+  torch::Tensor y = tp.leave(partial);
   if (const torch::Tensor b = dense_parameters(dense, o.dense == BlockOptions::Dense::Conv1D).second; b.defined())
     y = y + b;
   return y;
@@ -221,8 +230,11 @@ torch::Tensor TransformerBlockImpl::project(const torch::nn::AnyModule& dense, c
   return tape ? tape->project(x, weight, bias, conv1d) : dense_product(x, weight, bias, conv1d);
 }
 
-torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in) {
+torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in, const RegionCall& regions) {
   const torch::Tensor x = tp.size > 1 ? tp.enter(x_in) : x_in;
+  if (tp.size > 1)
+    if (const torch::Tensor partial = regions(BlockStructure::Region::Mlp, x); partial.defined())
+      return residual_drop(reduce_row_parallel(down, partial));
   torch::Tensor h;
   switch (o.mlp) {
     case BlockOptions::Mlp::SwiGlu:
@@ -243,10 +255,13 @@ torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structur
   for (size_t i = 0; i < blocks->size(); ++i) {
     const auto in = structure ? structure->block_enter(i, x) : x;
     TransformerBlockImpl* block = blocks[i]->as<TransformerBlock>();
+    const RegionCall regions{structure ? &structure->region_compiled : nullptr, i};
     const auto out =
         structure
             ? structure->block_call(
-                  i, [block, cos, sin](const torch::Tensor& t) { return block->forward(t, cos, sin); }, in, cos, sin)
+                  i,
+                  [block, cos, sin, regions](const torch::Tensor& t) { return block->forward(t, cos, sin, regions); },
+                  in, cos, sin)
             : block->forward(in, cos, sin);
     x = structure ? structure->block_leave(i, out) : out;
   }

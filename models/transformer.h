@@ -136,6 +136,18 @@ struct TpRegion {
   bool own_positions = false;
 };
 
+/// Where a block's tensor-parallel regions may run compiled: the model's
+/// BlockStructure::region_compiled and the block's index (no function: eager).
+struct RegionCall {
+  const BlockStructure::RegionCompiled* compiled = nullptr;
+  size_t index = 0;
+  /// The region's partial product from the package, or undefined: run it eager.
+  torch::Tensor operator()(BlockStructure::Region r, const torch::Tensor& x, const torch::Tensor& cos = {},
+                           const torch::Tensor& sin = {}) const {
+    return compiled && *compiled ? (*compiled)(index, r, x, cos, sin) : torch::Tensor();
+  }
+};
+
 /// Pre-norm decoder block: x + attn(norm_1(x)), then + mlp(norm_2(x)); causal
 /// scaled_dot_product_attention scaled by 1/sqrt(head_dim). Under tensor parallelism (tp) the
 /// block holds heads / tp query heads, kv_heads / tp key/value heads and ffn / tp of the MLP,
@@ -143,12 +155,17 @@ struct TpRegion {
 struct TransformerBlockImpl : torch::nn::Module {
   explicit TransformerBlockImpl(const BlockOptions& o);
   // x (B, T, C); cos, sin (T, head_dim) when o.rotary, else undefined -> (B, T, C)
-  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos = {}, const torch::Tensor& sin = {});
+  // `regions`: under tp, the attention's and the MLP's regions compiled where they fit.
+  torch::Tensor forward(torch::Tensor x, const torch::Tensor& cos = {}, const torch::Tensor& sin = {},
+                        const RegionCall& regions = {});
 
-  torch::Tensor attention(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin);
-  torch::Tensor mlp_forward(const torch::Tensor& x);
+  torch::Tensor attention(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                          const RegionCall& regions = {});
+  torch::Tensor mlp_forward(const torch::Tensor& x, const RegionCall& regions = {});
   /// A row-parallel projection under tp: the partial product, `leave`, then the bias once.
   torch::Tensor row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const;
+  /// row_parallel's second half, from the partial product `partial` (a compiled region's).
+  torch::Tensor reduce_row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& partial) const;
   /// x through a dense layer (with its bias, or without it for row_parallel's partial product):
   /// dense_product() (the layer's forward), or the DenseTape in use.
   torch::Tensor project(const torch::nn::AnyModule& dense, const torch::Tensor& x, bool with_bias = true) const;

@@ -537,6 +537,40 @@ TEST(HfModels, Gpt2AndLlamaWithTheirBlocksCompiledTrainAtZero3Over2And3RanksAsTh
   }
 }
 
+// Issue 46 item 2 under tensor parallelism: at parallel.tp = 2 compile.granularity = "auto" packages
+// the regions between the block's collectives as keel computes them for GPT-2 (Conv1D's layout,
+// GELU tanh, biases) and Llama (separate q, k, v, rotary angles, grouped-query heads, SwiGLU), and
+// each family trains over 2 ranks as its eager model does: every loss within 1e-4 relative, no
+// input missing the package.
+TEST(HfModels, Gpt2AndLlamaWithTheirTpRegionsCompiledTrainAtTp2AsTheEagerModels) {
+  for (const std::string name : {"gpt2", "llama"}) {
+    TempDir d;
+    write_token_file(d.file("train.bin"), random_tokens(3000, 96, 8), 2, true);
+    std::string log;
+    for (const std::string mode : {"off", "inductor"}) {
+      auto a = small_run(name, 2, d.file("train.bin"));
+      a.insert(a.end(), {"--train.steps=5", "--run.threads=1", "--parallel.tp=2", "--compile.mode=" + mode,
+                         "--compile.cache_dir=" + d.file("cache"), "--run.dir=" + d.file(mode)});
+      const auto rs = run_keel_ranks(2, a, 900);
+      expect_all_ok(rs);
+      log = rs[0].output;
+    }
+    for (const char* region : {"attention", "MLP"})
+      EXPECT_NE(log.find(std::string("compile: the blocks' ") + region + " regions run from the package"),
+                std::string::npos)
+          << name << "\n"
+          << log;
+    EXPECT_EQ(summary_field(d.file("inductor"), "compile_mode"), "\"inductor\"") << name;
+    EXPECT_EQ(summary_field(d.file("inductor"), "recompiles"), "0") << name;
+    const auto eager = metrics_losses(d.file("off")), compiled = metrics_losses(d.file("inductor"));
+    ASSERT_EQ(eager.size(), 5u) << name;
+    ASSERT_EQ(compiled.size(), 5u) << name;
+    for (size_t i = 0; i < eager.size(); ++i)
+      EXPECT_LE(std::abs(eager[i].second - compiled[i].second), 1e-4 * std::abs(eager[i].second))
+          << name << ", step " << eager[i].first << ": eager " << eager[i].second << ", regions " << compiled[i].second;
+  }
+}
+
 // Item 7: compile.mode = "inductor" packages transformers' own model of the run's config.json
 // (the same tensor names; Llama's rotary frequencies as constants) and trains as keel's eager
 // C++ model does: every loss within 1e-4 relative, gpt2 at 1 rank, llama (GQA) at 2.

@@ -708,6 +708,57 @@ TEST(InductorBlocks, GptTrainsAsEagerAt1RankUnderDdpAndAtZero3Over2And3Ranks) {
   }
 }
 
+// compile.granularity = "auto" under parallel.tp = 2 (issue 46 item 2): the block's two regions
+// between its collectives (attention: the rank's heads' q, k, v, causal attention and the output
+// projection's partial product; the MLP: its ffn / tp columns and the down projection's partial
+// product) packaged once, forward and backward, and run from C++ in every block; the norms, tp's
+// all-reduce (or, with sequence parallelism, all-gather and reduce-scatter), the row-parallel
+// biases and the residuals eager around them. Trains like eager within the blocks' tolerance, at
+// tp 2 with and without sequence parallelism, and at dp 2 x tp 2 with ZeRO-3 and sequence
+// parallelism (4 ranks: each block gathered around its regions); no input misses the package
+// (recompiles 0). `keel compile` does not package the regions yet: exit 2 naming parallel.tp.
+TEST(InductorBlocks, GptRegionsTrainAsEagerAtTp2WithSequenceParallelismAndAtDp2Tp2) {
+  struct Case {
+    int ranks;
+    std::vector<std::string> both;
+    const char* placement;
+  };
+  const std::vector<Case> cases = {
+      {2, {"--parallel.tp=2"}, "tp 2"},
+      {2, {"--parallel.tp=2", "--parallel.sequence_parallel=true"}, "tp 2, sequence parallel"},
+      {4, {"--parallel.tp=2", "--dist.zero=3", "--parallel.sequence_parallel=true"}, "dp 2 x tp 2, zero 3, sp"}};
+  for (const Case& c : cases) {
+    TempDir d;
+    std::string log;
+    for (const std::string mode : {"off", "inductor"}) {
+      const auto rs = run_keel_ranks(c.ranks, model_args("gpt", d.file(mode), mode, 10, c.both), 900);
+      expect_all_ok(rs);
+      log = rs[0].output;
+    }
+    EXPECT_TRUE(contains(log, "compile: inductor (each block)")) << c.placement << "\n" << log;
+    for (const char* region : {"attention", "MLP"})
+      EXPECT_TRUE(contains(log, std::string("compile: the blocks' ") + region + " regions run from the package"))
+          << c.placement << "\n"
+          << log;
+    const auto s = summary(d.file("inductor"));
+    EXPECT_EQ(s["compile_mode"], "inductor") << c.placement;
+    EXPECT_EQ(s["recompiles"], 0) << c.placement;
+    const auto la = metrics_losses(d.file("off")), lb = metrics_losses(d.file("inductor"));
+    ASSERT_EQ(la.size(), 10u) << c.placement;
+    ASSERT_EQ(la.size(), lb.size()) << c.placement;
+    for (size_t i = 0; i < la.size(); ++i)
+      EXPECT_LE(std::abs(la[i].second - lb[i].second), 1e-4 * std::abs(la[i].second))
+          << c.placement << ", step " << la[i].first;
+  }
+  TempDir d;
+  auto args = model_args("gpt", d.file("compile"), "inductor", 1, {"--parallel.tp=2"});
+  args[0] = "compile";
+  const auto r = run_keel(args);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "keel compile does not package the tensor-parallel regions (parallel.tp = 2)"))
+      << r.output;
+}
+
 // A block input of another shape (the tail batch of data.drop_last = false) runs the eager
 // block, warned once and counted in recompiles; past compile.max_recompiles it is exit 2.
 TEST(InductorBlocks, AnInputOfAnotherShapeRunsTheEagerBlockIsCountedAndPastTheCapIsAnError) {
@@ -763,8 +814,8 @@ TEST(InductorBlocks, WhatBlocksDoNotServeAndAStepAtZero3AreRefusedByName) {
       "compile.granularity = \"blocks\" packages the transformer block of gpt, gpt2 and llama; model.name = \"mlp\"");
   expect_input_error(
       run({"--model.name=cnn", "--dist.zero=3"}),
-      "compile.granularity = \"auto\" (blocks at dist.zero = 3) packages the transformer block of gpt, gpt2 and "
-      "llama; model.name = \"cnn\" has no transformer blocks");
+      "compile.granularity = \"auto\" (blocks at dist.zero = 3 or parallel.tp > 1) packages the transformer block "
+      "of gpt, gpt2 and llama; model.name = \"cnn\" has no transformer blocks");
   expect_input_error(run({"--model.name=gpt", "--dist.zero=3", "--compile.granularity=step"}),
                      "dist.zero = 3 gathers each block's parameters around it, which compile.granularity = \"step\"");
   EXPECT_FALSE(exists(d.file("run/summary.json")));

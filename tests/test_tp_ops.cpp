@@ -582,6 +582,8 @@ TEST(TensorParallel, BadMeshesAndWhatTpDoesNotServeYetAreRefusedByName) {
            {{"--parallel.sequence_parallel=true", "--model.context=15"},
             "with parallel.sequence_parallel = true splits model.context = 15 positions"},
            {{"--compile.mode=trace"}, "cannot be combined with compile.mode = \"trace\" yet"},
+           {{"--compile.mode=inductor", "--compile.granularity=step"},
+            "has collectives inside each block, which compile.granularity = \"step\""},
            {{"--fault.inject=graph_break@step=1,rank=1"}, "cannot be combined with fault.inject"}}) {
     auto a = base;
     a.insert(a.end(), extra.begin(), extra.end());

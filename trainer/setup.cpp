@@ -159,6 +159,7 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   r.threads = threads;
   r.cfg = cfg.compile;
   if (compiles_blocks(cfg)) r.granularity = "blocks";
+  if (r.granularity == "blocks") r.tp = cfg.parallel.tp;
   for (const auto& [n, p] : model.named_parameters())
     r.param_names.push_back(n), r.param_specs.push_back(tensor_spec(p));
   for (const auto& [n, b] : model.named_buffers())
@@ -210,6 +211,9 @@ CompileReport package_training_step(const Config& cfg) {
   const dist::World world = dist::detect_world(dist::current_env());
   const int64_t threads = set_threads(cfg.run, world);
   const torch::Device device = resolve_device(cfg.run, world);
+  if (compiles_blocks(cfg) && cfg.parallel.tp > 1)
+    throw InputError("keel compile does not package the tensor-parallel regions (parallel.tp = " +
+                     std::to_string(cfg.parallel.tp) + ") yet: keel train packages them at start, into the same cache");
   aot::load_libraries(cfg.compile.libraries);
   check_dropout(cfg);
   auto model = make_model(cfg, data::native_input_kind(cfg.data.name));

@@ -176,6 +176,9 @@ def parse_args(argv):
     p.add_argument("--granularity", choices=["step", "blocks"], default="step",
                    help="step: the whole training step as one model; blocks: a transformer block's forward and "
                         "backward as two models (block_forward, block_backward), reused for every block")
+    p.add_argument("--tp", type=int, default=1,
+                   help="--granularity blocks under tensor parallelism: the block's two regions between its "
+                        "collectives as one of N tp ranks holds them (attention_*, mlp_* models), not the block")
     p.add_argument("--verbose", action="store_true", help="Python tracebacks on failure")
     a = p.parse_args(argv)
     if a.out is None and not a.init_out:
@@ -194,6 +197,8 @@ def parse_args(argv):
         p.error("--threads must be >= 0")
     if a.granularity == "blocks" and (a.module or a.check or a.model not in BLOCK_MODELS):
         p.error("--granularity blocks packages the block of " + ", ".join(BLOCK_MODELS) + " (not --module, --check)")
+    if a.tp < 1 or (a.tp > 1 and a.granularity != "blocks"):
+        p.error("--tp N > 1 goes with --granularity blocks")
     if a.amp == "fp16":
         if a.device != "cuda":
             p.error("--amp fp16 needs --device cuda (keel's amp.dtype = fp16 is CUDA only)")
@@ -1326,27 +1331,25 @@ def keep_outputs(gm, keep) -> list:
     return kept
 
 
-def trace_blocks(job: Job) -> None:
-    """--granularity blocks: job.models["block_forward"] (params, input, extra) -> (output,
-    *saved) and job.models["block_backward"] (what it reads: parameters, the input, extra, saved
-    tensors; the output's gradient) -> (each parameter's gradient, the input's). A saved tensor
-    that is an input of the forward is not returned by it: keel passes the live tensor (with
-    dist.zero = 3, the block's parameters gathered again for the backward)."""
+def trace_unit(job: Job, unit: str, module, x, extra) -> dict:
+    """{unit}_forward (params, input, extra) -> (output, *saved) and {unit}_backward (what it
+    reads: parameters, the input, extra, saved tensors; the output's gradient) -> (each
+    parameter's gradient, the input's), traced from `module` on `x`. A saved tensor that is an
+    input of the forward is not returned by it: keel passes the live tensor (with dist.zero = 3,
+    the block's parameters gathered again for the backward)."""
     import torch
 
     args = job.args
-    block, x, extra = block_of(job)
-    block.train()
-    names = [n for n, _ in block.named_parameters()]
-    params = [p.detach() for p in block.parameters()]
+    module.train()
+    names = getattr(module, "keel_names", None) or [n for n, _ in module.named_parameters()]
+    params = [p.detach() for p in module.parameters()]
     amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
-    t0 = time.perf_counter()
-    fw, bw = partition_block(block, params, x, extra, amp_dtype, args.device)
+    fw, bw = partition_block(module, params, x, extra, amp_dtype, args.device)
     inputs = [(nm, p, "parameter") for nm, p in zip(names, params)] + [("input", x, "input")]
     inputs += [(nm, t, "rotary") for nm, t in extra.items()]
     fw_in = [n for n in fw.graph.nodes if n.op == "placeholder"]
     if len(fw_in) != len(inputs):
-        raise Refusal(EXIT_ERROR, f"block forward graph has {len(fw_in)} inputs, expected {len(inputs)}")
+        raise Refusal(EXIT_ERROR, f"{unit} forward graph has {len(fw_in)} inputs, expected {len(inputs)}")
     source_of_input = {node.name: inputs[i] for i, node in enumerate(fw_in)}
     kept = keep_outputs(fw, lambda outs: [outs[0]] + [o for o in outs[1:] if o.op != "placeholder"])
     kept_index = {node.name: k for k, node in enumerate(kept[1:])}
@@ -1367,26 +1370,176 @@ def trace_blocks(job: Job) -> None:
             k = kept_index[node.name]
             spec = (f"saved:{k}", fw_out[1 + k], "saved")
         else:
-            raise Refusal(EXIT_ERROR, f"block backward graph reads {node.name}, which the forward does not give")
+            raise Refusal(EXIT_ERROR, f"{unit} backward graph reads {node.name}, which the forward does not give")
         bw_example.append(spec[1])
         bw_in_specs.append(tensor_spec(*spec))
     n_grads = len(params) + 1  # the parameters' and the input's; extra inputs take none
     grads = keep_outputs(bw, lambda outs: outs[:n_grads] if all(o is None for o in outs[n_grads:]) else outs)
     bw_out = bw(*bw_example)
     if len(bw_out) != n_grads or any(g is None for g in grads):
-        raise Refusal(EXIT_ERROR, "block backward graph does not give exactly every parameter and the input a gradient")
+        raise Refusal(EXIT_ERROR, f"{unit} backward graph does not give exactly every parameter and the input a "
+                                  "gradient")
     bw_out_specs = [tensor_spec(f"grad:{nm}", g, "grad") for nm, g in zip(names, bw_out[:-1])]
     bw_out_specs.append(tensor_spec("grad:input", bw_out[-1], "grad_input"))
+    mode = {"batch": job.batch, "amp": args.amp, "mode": "train"}
+    return {
+        f"{unit}_forward": {"gm": tuple_module(fw), "example": fw_example, "inputs": fw_in_specs,
+                            "outputs": fw_out_specs, **mode},
+        f"{unit}_backward": {"gm": tuple_module(bw), "example": bw_example, "inputs": bw_in_specs,
+                             "outputs": bw_out_specs, **mode},
+    }
+
+
+def trace_blocks(job: Job) -> None:
+    """--granularity blocks: job.models["block_forward"] and ["block_backward"] (trace_unit) of
+    the model's block 0."""
+    t0 = time.perf_counter()
+    block, x, extra = block_of(job)
+    job.models = trace_unit(job, "block", block, x, extra)
     job.timings["trace_s"] = time.perf_counter() - t0
     job.forward_skipped = "--granularity blocks"
     job.findings = {}
-    mode = {"batch": job.batch, "amp": args.amp, "mode": "train"}
-    job.models = {
-        "block_forward": {"gm": tuple_module(fw), "example": fw_example, "inputs": fw_in_specs,
-                          "outputs": fw_out_specs, **mode},
-        "block_backward": {"gm": tuple_module(bw), "example": bw_example, "inputs": bw_in_specs,
-                           "outputs": bw_out_specs, **mode},
-    }
+
+
+class TpRegion:
+    """Builds the two regions of a transformer block that one tensor-parallel rank computes between
+    the block's collectives (models/transformer.cpp: after tp.enter, before tp.leave): attention
+    (its heads' q, k and v, causal attention, the output projection's partial product without its
+    bias) and the MLP (its ffn / tp columns, the down projection's partial product). Parameters are
+    named as keel's block names them, with one rank's shapes (the values are the tracer's own: every
+    rank's regions have the same shapes, and the package reads the parameters as inputs)."""
+
+    def __init__(self, job: Job, tp: int):
+        import torch
+
+        cfg = job.ident["model_config"]
+        self.torch, self.tp, self.model = torch, tp, job.args.model
+        self.config = getattr(job.module, "config", None)  # transformers' config (gpt2, llama)
+        if self.model == "gpt":
+            self.block = job.module.h[0]
+            self.C, self.H = cfg["width"], cfg["heads"]
+            self.KV, self.hd = self.H, self.C // self.H
+        else:
+            c = job.module.config
+            self.block = job.module.transformer.h[0] if self.model == "gpt2" else job.module.model.layers[0]
+            self.C = c.n_embd if self.model == "gpt2" else c.hidden_size
+            self.H = c.n_head if self.model == "gpt2" else c.num_attention_heads
+            self.KV = self.H if self.model == "gpt2" else c.num_key_value_heads
+            self.hd = self.C // self.H if self.model == "gpt2" else getattr(c, "head_dim", None) or self.C // self.H
+        for what, n in (("heads", self.H), ("key/value heads", self.KV)):
+            if n % tp:
+                raise Refusal(EXIT_USAGE, f"--tp {tp}: the block's {what} ({n}) do not divide by it")
+        self.full = dict(self.block.named_parameters())
+
+    def local(self, name, dim, parts=1):
+        """A parameter of `name` with one rank's share along `dim` (each of `parts` equal parts split
+        on its own, as a fused q, k, v projection), or whole (dim None)."""
+        t = self.full[name].detach()
+        shape = list(t.shape)
+        if dim is not None:
+            if shape[dim] % (self.tp * parts):
+                raise Refusal(EXIT_USAGE, f"--tp {self.tp}: {name} {shape} does not split along dim {dim}")
+            shape[dim] //= self.tp
+        return self.torch.nn.Parameter(self.torch.randn(shape, dtype=t.dtype, device=t.device) * 0.02)
+
+    def modules(self):
+        """(attention region, mlp region) as nn.Modules: forward(x[, position_embeddings]) -> partial."""
+        torch, F, region = self.torch, self.torch.nn.functional, self
+        job_config = self.config
+        conv1d = self.model == "gpt2"
+        H, KV, hd = self.H // self.tp, self.KV // self.tp, self.hd
+
+        def dense(x, w, b):  # keel's dense_product: Linear x W^T + b, or GPT-2's Conv1D x W + b
+            if conv1d:
+                y = torch.addmm(b, x.reshape(-1, x.shape[-1]), w) if b is not None else x.reshape(-1, x.shape[-1]) @ w
+                return y.view(*x.shape[:-1], w.shape[-1])
+            return F.linear(x, w, b)
+
+        class Region(torch.nn.Module):
+            def __init__(self, spec, fn):
+                super().__init__()
+                self.keel_names = []  # the package's parameter names: keel's, relative to the block
+                for name, dim, parts in spec:
+                    if name not in region.full:
+                        continue  # a bias the family does not have
+                    self.register_parameter(name.replace(".", "__"), region.local(name, dim, parts))
+                    self.keel_names.append(name)
+                self.fn = fn
+
+            def forward(self, x, position_embeddings=None):
+                p = {n: getattr(self, n.replace(".", "__")) for n in self.keel_names}
+                return self.fn(p, x, position_embeddings)
+
+        def attend(q, k, v, B, T):
+            qh = q.view(B, T, H, hd).transpose(1, 2)
+            kh = k.view(B, T, KV, hd).transpose(1, 2)
+            vh = v.view(B, T, KV, hd).transpose(1, 2)
+            return qh, kh, vh
+
+        def rotate_half(t):
+            a, b = t.chunk(2, dim=-1)
+            return torch.cat((-b, a), dim=-1)
+
+        col, row = (1, 0) if conv1d else (0, 1)  # the output and input dims of a dense weight
+        if self.model in ("gpt", "gpt2"):
+            a = "attn"
+            attn_spec = [(f"{a}.c_attn.weight", col, 3), (f"{a}.c_attn.bias", 0, 3), (f"{a}.c_proj.weight", row, 1)]
+
+            def attn_fn(p, x, _pos):
+                B, T = x.shape[0], x.shape[1]
+                q, k, v = dense(x, p[f"{a}.c_attn.weight"], p.get(f"{a}.c_attn.bias")).split(H * hd, dim=2)
+                qh, kh, vh = attend(q, k, v, B, T)
+                y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2).reshape(B, T, H * hd)
+                return dense(y, p[f"{a}.c_proj.weight"], None)
+
+            mlp_spec = [("mlp.c_fc.weight", col, 1), ("mlp.c_fc.bias", 0, 1), ("mlp.c_proj.weight", row, 1)]
+            # keel's gpt: exact GELU; gpt2: its config.json's (gelu_new and gelu_pytorch_tanh: tanh; gelu: exact)
+            act = getattr(job_config, "activation_function", "gelu_new") if self.model == "gpt2" else "gelu"
+            approximate = "none" if act == "gelu" else "tanh"
+
+            def mlp_fn(p, x, _pos):
+                h = F.gelu(dense(x, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias")), approximate=approximate)
+                return dense(h, p["mlp.c_proj.weight"], None)
+        else:  # llama: separate q, k, v, rotary angles, grouped-query heads, SwiGLU
+            a = "self_attn"
+            attn_spec = [(f"{a}.{n}.{w}", 0, 1) for n in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")]
+            attn_spec.append((f"{a}.o_proj.weight", 1, 1))
+
+            def attn_fn(p, x, pos):
+                B, T = x.shape[0], x.shape[1]
+                q, k, v = (dense(x, p[f"{a}.{n}.weight"], p.get(f"{a}.{n}.bias")) for n in ("q_proj", "k_proj", "v_proj"))
+                qh, kh, vh = attend(q, k, v, B, T)
+                cos, sin = pos
+                qh = qh * cos + rotate_half(qh) * sin
+                kh = kh * cos + rotate_half(kh) * sin
+                if KV != H:
+                    kh = kh.repeat_interleave(H // KV, 1)
+                    vh = vh.repeat_interleave(H // KV, 1)
+                y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2).reshape(B, T, H * hd)
+                return dense(y, p[f"{a}.o_proj.weight"], None)
+
+            mlp_spec = [(f"mlp.{n}.{w}", 0, 1) for n in ("gate_proj", "up_proj") for w in ("weight", "bias")]
+            mlp_spec.append(("mlp.down_proj.weight", 1, 1))
+
+            def mlp_fn(p, x, _pos):
+                g = dense(x, p["mlp.gate_proj.weight"], p.get("mlp.gate_proj.bias"))
+                u = dense(x, p["mlp.up_proj.weight"], p.get("mlp.up_proj.bias"))
+                return dense(F.silu(g) * u, p["mlp.down_proj.weight"], None)
+
+        return Region(attn_spec, attn_fn), Region(mlp_spec, mlp_fn)
+
+
+def trace_tp_regions(job: Job) -> None:
+    """--granularity blocks --tp N: the block's attention and MLP regions as one tp rank computes
+    them (TpRegion), each traced by trace_unit: attention_forward/_backward (the input after
+    tp's enter, the whole sequence; llama's rotary cos and sin) and mlp_forward/_backward."""
+    t0 = time.perf_counter()
+    _block, x, extra = block_of(job)
+    attention, mlp = TpRegion(job, job.args.tp).modules()
+    job.models = {**trace_unit(job, "attention", attention, x, extra), **trace_unit(job, "mlp", mlp, x, {})}
+    job.timings["trace_s"] = time.perf_counter() - t0
+    job.forward_skipped = "--granularity blocks --tp"
+    job.findings = {}
 
 
 def export_models(job: Job) -> None:
@@ -1560,7 +1713,11 @@ def main(argv=None) -> int:
     place_on_device(job)
     if args.granularity == "blocks":
         job.ident["granularity"] = "blocks"
-        trace_blocks(job)
+        if args.tp > 1:
+            job.ident["tp"] = args.tp
+            trace_tp_regions(job)
+        else:
+            trace_blocks(job)
     else:
         trace_train_step(job)
         trace_forward(job)

@@ -108,6 +108,7 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
   }
   if (req.eval_batch > 0) k["eval_batch"] = req.eval_batch;
   if (req.granularity != "step") k["granularity"] = req.granularity;  // packages of before kept
+  if (req.tp > 1) k["tp"] = req.tp;
   // Inductor picks its CPU vector code from ATEN_CPU_CAPABILITY when it is set (cpu_vec_isa.py):
   // a package built for AVX-512 is another entry than one held to AVX2 (the CPU's own best is in
   // the device identity).
@@ -166,6 +167,7 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   else
     argv.insert(argv.end(), {"--module", req.module, "--example", req.example.dump()});
   if (req.granularity != "step") argv.insert(argv.end(), {"--granularity", req.granularity});
+  if (req.tp > 1) argv.insert(argv.end(), {"--tp", std::to_string(req.tp)});
   if (req.eval_batch > 0)
     argv.insert(argv.end(), {"--eval-batch", std::to_string(req.eval_batch)});
   else
@@ -179,7 +181,10 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   if (req.grad_scale) argv.push_back("--grad-scale-input");
   for (auto& a : library_args(req.cfg.libraries)) argv.push_back(std::move(a));
   logging::info("compile: packaging the {} {} (batch {}, amp {}) with AOTInductor: {} (log: {})", req.model,
-                req.granularity == "blocks" ? "transformer block" : "training step", req.batch, req.amp, pt2, log);
+                req.granularity != "blocks" ? std::string("training step")
+                : req.tp > 1 ? "transformer block's tensor-parallel regions (tp " + std::to_string(req.tp) + ")"
+                             : std::string("transformer block"),
+                req.batch, req.amp, pt2, log);
   // Inductor's own cache beside keel's: a second key for the same graph reuses its kernels. Its
   // temporary files (precompiled headers, which ignore TORCHINDUCTOR_CACHE_DIR) stay under
   // compile.cache_dir too.

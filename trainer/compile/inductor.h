@@ -66,6 +66,7 @@ struct InductorRequest {
   /// "step": the whole training step (InductorStep); "blocks": a transformer block's forward and
   /// backward, reused for every block of the model (trainer/compile/inductor_block.h).
   std::string granularity = "step";
+  int64_t tp = 1;  // blocks under parallel.tp = N: the block's tensor-parallel regions, as one rank holds them
 };
 
 /// A loaded package as checkpoint.save_graph stores it (graph.pt2, graph.json).

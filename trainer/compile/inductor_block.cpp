@@ -4,6 +4,7 @@
 
 #include <ATen/autocast_mode.h>
 
+#include <array>
 #include <set>
 
 #include "common/log.h"
@@ -90,26 +91,41 @@ std::shared_ptr<InductorBlock> InductorBlock::load_or_compile(const InductorRequ
                                                               const std::vector<std::string>& block_params,
                                                               const std::vector<std::string>& block_specs,
                                                               CompileReport& report) {
+  return load_units(req, block_params, block_specs, report, {"block"}).at(0);
+}
+
+std::vector<std::shared_ptr<InductorBlock>> InductorBlock::load_units(const InductorRequest& req,
+                                                                      const std::vector<std::string>& block_params,
+                                                                      const std::vector<std::string>& block_specs,
+                                                                      CompileReport& report,
+                                                                      const std::vector<std::string>& units) {
   if (req.granularity != "blocks") throw std::logic_error("InductorBlock: a request of granularity " + req.granularity);
   PackageEntry entry = fetch_package(req, report);
-  auto block = std::shared_ptr<InductorBlock>(new InductorBlock());
-  block->path_ = entry.path;
-  block->sha256_ = entry.manifest.at("sha256").get<std::string>();
-  block->manifest_ = std::move(entry.manifest);
-  block->read_signature(block_params, block_specs, req.device);
+  std::vector<std::shared_ptr<InductorBlock>> out;
+  for (const std::string& unit : units) {
+    auto block = std::shared_ptr<InductorBlock>(new InductorBlock());
+    block->path_ = entry.path;
+    block->sha256_ = entry.manifest.at("sha256").get<std::string>();
+    block->manifest_ = entry.manifest;
+    block->read_signature(block_params, block_specs, req.device, unit);
+    out.push_back(std::move(block));
+  }
   entry.loaded(report);
-  return block;
+  return out;
 }
 
 InductorBlock::~InductorBlock() = default;
 
 void InductorBlock::read_signature(const std::vector<std::string>& block_params,
-                                   const std::vector<std::string>& block_specs, const torch::Device& device) {
+                                   const std::vector<std::string>& block_specs, const torch::Device& device,
+                                   const std::string& unit) {
+  unit_ = unit;
+  const std::string fw = unit + "_forward", bw = unit + "_backward";
   const auto& models = manifest_.at("models");
-  if (!models.contains("block_forward") || !models.contains("block_backward"))
-    throw std::runtime_error(path_ + ": not a block package (no block_forward and block_backward)");
+  if (!models.contains(fw) || !models.contains(bw))
+    throw std::runtime_error(path_ + ": not a package of " + unit + "s (no " + fw + " and " + bw + ")");
   std::vector<std::string> names, specs;
-  for (const auto& in : models["block_forward"].at("inputs")) {
+  for (const auto& in : models[fw].at("inputs")) {
     const std::string kind = in.value("kind", "");
     if (kind == "parameter") {
       names.push_back(in.at("name").get<std::string>()), specs.push_back(spec_of(in));
@@ -125,14 +141,27 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
       throw std::runtime_error(path_ + ": a block input keel does not pass: " + in.dump());
     }
   }
-  if (const std::string d = first_difference(names, specs, block_params, block_specs); !d.empty())
-    throw std::runtime_error(path_ + " does not fit the model: " + d);
-  amp_ = models.at("block_forward").value("amp", std::string("off"));
+  if (unit == "block") {
+    if (const std::string d = first_difference(names, specs, block_params, block_specs); !d.empty())
+      throw std::runtime_error(path_ + " does not fit the model: " + d);
+  } else {  // a region takes some of the block's parameters
+    for (size_t i = 0; i < names.size(); ++i) {
+      const auto it = std::find(block_params.begin(), block_params.end(), names[i]);
+      if (it == block_params.end() || block_specs[static_cast<size_t>(it - block_params.begin())] != specs[i])
+        throw std::runtime_error(path_ + " does not fit the model: its " + unit + " region's parameter " + names[i] +
+                                 " (" + specs[i] + ") is " +
+                                 (it == block_params.end()
+                                      ? std::string("not the block's")
+                                      : block_specs[static_cast<size_t>(it - block_params.begin())] + " in the block"));
+    }
+  }
+  param_names_ = names;
+  amp_ = models.at(fw).value("amp", std::string("off"));
   num_params_ = names.size();
   num_extra_ = extra_names_.size();
   size_t saved = 0;
-  for (const auto& out : models["block_forward"].at("outputs")) saved += out.value("kind", "") == "saved";
-  for (const auto& in : models["block_backward"].at("inputs")) {
+  for (const auto& out : models[fw].at("outputs")) saved += out.value("kind", "") == "saved";
+  for (const auto& in : models[bw].at("inputs")) {
     const std::string kind = in.value("kind", ""), name = in.at("name").get<std::string>();
     Source s{Source::Kind::GradOutput, 0};
     if (kind == "parameter") {
@@ -156,8 +185,8 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
     backward_inputs_.push_back(s);
   }
   const auto index = device.is_cuda() ? static_cast<c10::DeviceIndex>(device.index()) : c10::DeviceIndex(-1);
-  forward_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, "block_forward", true, 1, index);
-  backward_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, "block_backward", true, 1, index);
+  forward_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, fw, true, 1, index);
+  backward_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, bw, true, 1, index);
 }
 
 bool InductorBlock::fits(const torch::Tensor& x) const {
@@ -240,6 +269,79 @@ BlockParameters block_parameters(const models::Model& model, const std::vector<s
 
 }  // namespace
 
+namespace {
+
+// A compiled unit's input of another shape than the package's: warned once per shape, counted in
+// report->recompiles, InputError past max_recompiles.
+class OtherShapes {
+ public:
+  OtherShapes(std::shared_ptr<CompileReport> report, int64_t max_recompiles)
+      : report_(std::move(report)), max_(max_recompiles) {}
+  void seen(const torch::Tensor& x, const InductorBlock& unit, const std::string& what_runs) {
+    const std::string what =
+        tensor_spec(x) + (at::autocast::is_autocast_enabled(x.device().type()) ? " under autocast" : "");
+    if (!shapes_.insert(what).second) return;
+    if (++report_->recompiles > max_)
+      throw InputError("compile: a block input of shape " + what + " makes " + std::to_string(report_->recompiles) +
+                       " shapes the package of the blocks does not take, more than compile.max_recompiles = " +
+                       std::to_string(max_) + "; keep batch shapes static (data.drop_last = true)");
+    logging::warn("compile: a block input of shape {} is not the package's ({}): {} eager for it", what,
+                  unit.input_spec(), what_runs);
+  }
+
+ private:
+  std::shared_ptr<CompileReport> report_;
+  int64_t max_;
+  std::set<std::string> shapes_;
+};
+
+// llama's rotary cos and sin, (1, T, head_dim) float32 as traced, when the unit takes them.
+std::vector<torch::Tensor> rotary_inputs(const InductorBlock& unit, const torch::Tensor& cos,
+                                         const torch::Tensor& sin) {
+  if (unit.num_extra() == 0 || !cos.defined() || !sin.defined()) return {};
+  return {cos.unsqueeze(0).to(torch::kFloat).contiguous(), sin.unsqueeze(0).to(torch::kFloat).contiguous()};
+}
+
+// parallel.tp > 1: the package's attention and MLP regions, each block's parameters taken once in
+// each region's order.
+std::shared_ptr<InductorBlock> compile_regions(models::Model& model, const InductorRequest& req,
+                                               const BlockParameters& blocks, const std::vector<std::string>& specs,
+                                               std::shared_ptr<CompileReport> report, int64_t max_recompiles) {
+  const auto units = InductorBlock::load_units(req, blocks.names[0], specs, *report, {"attention", "mlp"});
+  // tensors[u][i]: unit u's parameters of block i.
+  std::vector<std::vector<std::vector<torch::Tensor>>> tensors(units.size());
+  for (size_t u = 0; u < units.size(); ++u)
+    for (size_t i = 0; i < blocks.names.size(); ++i) {
+      std::vector<torch::Tensor> mine;
+      for (const auto& n : units[u]->param_names()) {
+        const auto it = std::find(blocks.names[i].begin(), blocks.names[i].end(), n);
+        mine.push_back(blocks.tensors[i][static_cast<size_t>(it - blocks.names[i].begin())]);
+      }
+      tensors[u].push_back(std::move(mine));
+    }
+  auto other = std::make_shared<OtherShapes>(report, max_recompiles);
+  auto ran = std::make_shared<std::array<bool, 2>>();  // each region's first run from the package, said once
+  const bool ok = model.set_region_compiled([=](size_t i, models::BlockStructure::Region region, const torch::Tensor& x,
+                                                const torch::Tensor& cos, const torch::Tensor& sin) -> torch::Tensor {
+    if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager regions
+    const size_t u = region == models::BlockStructure::Region::Attention ? 0 : 1;
+    if (!units[u]->fits(x)) {
+      other->seen(x, *units[u], "the tensor-parallel regions run");
+      return {};
+    }
+    if (!(*ran)[u]) {
+      (*ran)[u] = true;
+      logging::info("compile: the blocks' {} regions run from the package (input {})", u == 0 ? "attention" : "MLP",
+                    units[u]->input_spec());
+    }
+    return units[u]->forward(tensors[u][i], x, rotary_inputs(*units[u], cos, sin));
+  });
+  if (!ok) throw InputError("compile.granularity = \"blocks\": model " + model.name() + " has no blocks to compile");
+  return units[0];
+}
+
+}  // namespace
+
 std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const InductorRequest& req,
                                               std::shared_ptr<CompileReport> report, int64_t max_recompiles) {
   const std::vector<std::string> prefixes = model.block_prefixes();
@@ -252,32 +354,21 @@ std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const Induct
                        prefixes[0] + " (one package serves blocks of one shape)");
   std::vector<std::string> specs;
   for (const auto& t : first.tensors[0]) specs.push_back(tensor_spec(t));
+  if (req.tp > 1) return compile_regions(model, req, first, specs, report, max_recompiles);
   auto block = InductorBlock::load_or_compile(req, first.names[0], specs, *report);
-  auto other_shapes = std::make_shared<std::set<std::string>>();
+  auto other = std::make_shared<OtherShapes>(report, max_recompiles);
   // Each block's parameter tensors, taken once: a transform after compile (ZeRO-3's gathers and
   // frees, sharded initialisation) gives them other data with set_data, never other tensors.
   const std::vector<std::vector<torch::Tensor>> tensors = first.tensors;
-  const bool ok = model.set_block_compiled([=](size_t i, const torch::Tensor& x, const torch::Tensor& cos,
-                                               const torch::Tensor& sin) -> torch::Tensor {
-    if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager block
-    if (!block->fits(x)) {
-      const std::string what =
-          tensor_spec(x) + (at::autocast::is_autocast_enabled(x.device().type()) ? " under autocast" : "");
-      if (other_shapes->insert(what).second) {
-        if (++report->recompiles > max_recompiles)
-          throw InputError("compile: a block input of shape " + what + " makes " + std::to_string(report->recompiles) +
-                           " shapes the block package does not take, more than compile.max_recompiles = " +
-                           std::to_string(max_recompiles) + "; keep batch shapes static (data.drop_last = true)");
-        logging::warn("compile: a block input of shape {} is not the package's ({}): the blocks run eager for it", what,
-                      block->input_spec());
-      }
-      return {};
-    }
-    std::vector<torch::Tensor> extra;  // llama's rotary cos and sin, (1, T, head_dim) float32 as traced
-    if (block->num_extra() > 0 && cos.defined() && sin.defined())
-      extra = {cos.unsqueeze(0).to(torch::kFloat).contiguous(), sin.unsqueeze(0).to(torch::kFloat).contiguous()};
-    return block->forward(tensors[i], x, extra);
-  });
+  const bool ok = model.set_block_compiled(
+      [=](size_t i, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) -> torch::Tensor {
+        if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager block
+        if (!block->fits(x)) {
+          other->seen(x, *block, "the blocks run");
+          return {};
+        }
+        return block->forward(tensors[i], x, rotary_inputs(*block, cos, sin));
+      });
   if (!ok) throw InputError("compile.granularity = \"blocks\": model " + model.name() + " has no blocks to compile");
   return block;
 }

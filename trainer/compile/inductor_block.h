@@ -38,6 +38,17 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
                                                         const std::vector<std::string>& block_params,
                                                         const std::vector<std::string>& block_specs,
                                                         CompileReport& report);
+  /// The same for each of `units` of one package (req.tp > 1: "attention" and "mlp", the block's
+  /// tensor-parallel regions): models <unit>_forward and <unit>_backward, whose parameters are
+  /// some of the block's (each named as the block names it, of the same spec), in param_names()
+  /// order.
+  static std::vector<std::shared_ptr<InductorBlock>> load_units(const InductorRequest& req,
+                                                                const std::vector<std::string>& block_params,
+                                                                const std::vector<std::string>& block_specs,
+                                                                CompileReport& report,
+                                                                const std::vector<std::string>& units);
+  /// The parameters the package takes, in its order, named relative to the block.
+  const std::vector<std::string>& param_names() const { return param_names_; }
   ~InductorBlock();
 
   /// Whether an input of this shape and dtype, under the autocast now in effect, runs in the
@@ -67,7 +78,7 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
  private:
   InductorBlock() = default;
   void read_signature(const std::vector<std::string>& block_params, const std::vector<std::string>& block_specs,
-                      const torch::Device& device);
+                      const torch::Device& device, const std::string& unit);
   /// Where each input of the backward comes from.
   struct Source {
     enum class Kind { Parameter, Input, Extra, Saved, GradOutput } kind;
@@ -80,13 +91,17 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
   c10::ScalarType input_dtype_ = c10::ScalarType::Float;
   size_t num_params_ = 0, num_extra_ = 0;
   std::string amp_ = "off";
-  std::vector<std::string> extra_names_;
+  std::vector<std::string> extra_names_, param_names_;
+  std::string unit_ = "block";
   std::vector<Source> backward_inputs_;
 };
 
 /// compile.granularity = "blocks": loads (or packages) the block package for `model` and sets
 /// every block to run it (models::BlockStructure::block_compiled) where the block's input fits
-/// the package and a gradient is wanted; elsewhere the block runs eager. A training input of
+/// the package and a gradient is wanted; elsewhere the block runs eager. Under tensor parallelism
+/// (req.tp > 1) the package holds the block's two regions between its collectives instead, set
+/// as BlockStructure::region_compiled: the block runs eager around them (norms, tp's
+/// collectives, the row-parallel biases, the residuals). A training input of
 /// another shape is warned once per shape and counted in report->recompiles; more than
 /// `max_recompiles` is an InputError naming compile.max_recompiles. Throws as fetch_package;
 /// InputError for a model without blocks or whose blocks' parameters differ from block 0's.

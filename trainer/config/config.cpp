@@ -459,9 +459,9 @@ static void validate_placement(const Config& cfg) {
     fail("shards a model's parameters behind its back, which a TorchScript module does not take: use dist.zero = 2");
 }
 
-// [parallel]: what tensor parallelism serves yet (issue 45) is gpt, gpt2 and llama, eager, over
-// DDP or ZeRO 1-3; everything else with parallel.tp > 1 is refused by name. The product with the world size
-// is checked when the mesh is built (the world is not known here).
+// [parallel]: what tensor parallelism serves yet (issue 45) is gpt, gpt2 and llama, eager or with
+// their blocks' regions compiled (inductor), over DDP or ZeRO 1-3; everything else with parallel.tp > 1 is refused by
+// name. The product with the world size is checked when the mesh is built (the world is not known here).
 static void validate_parallel(const Config& cfg) {
   const int64_t tp = cfg.parallel.tp;
   if (tp < 1 || cfg.parallel.dp < 0)  // (a Config built in code skips the parser's ranges)
@@ -495,10 +495,16 @@ static void validate_parallel(const Config& cfg) {
     fail("with parallel.sequence_parallel = true splits model.context = " + std::to_string(m.context) +
          " positions over tp ranks: it does not divide by " + std::to_string(tp));
   auto not_yet = [&](bool set, const std::string& what) {
-    if (set) fail("cannot be combined with " + what + " yet (tensor parallelism is eager so far)");
+    if (set)
+      fail("cannot be combined with " + what + " yet (tensor parallelism runs eager or compile.mode = \"inductor\")");
   };
-  not_yet(cfg.compile.mode != CompileMode::Off,
+  // compile.mode = "inductor" packages the block's regions between tp's collectives (blocks).
+  not_yet(cfg.compile.mode != CompileMode::Off && cfg.compile.mode != CompileMode::Inductor,
           "compile.mode = \"" + std::string(choice_name(kCompileModes, cfg.compile.mode)) + "\"");
+  if (cfg.compile.mode == CompileMode::Inductor && cfg.compile.granularity == CompileGranularity::Step)
+    fail(
+        "has collectives inside each block, which compile.granularity = \"step\" (one package for the whole step) "
+        "cannot run between: set compile.granularity = \"blocks\" or \"auto\"");
   not_yet(cfg.train.loss != "cross_entropy",
           "train.loss = \"" + cfg.train.loss + "\" (the loss is computed over vocabulary shards)");
   not_yet(cfg.run.sync_debug != SyncDebug::Off, "run.sync_debug (each tp collective's validation reads the host)");
@@ -509,7 +515,8 @@ static void validate_parallel(const Config& cfg) {
 bool compiles_blocks(const Config& cfg) {
   return cfg.compile.mode == CompileMode::Inductor &&
          (cfg.compile.granularity == CompileGranularity::Blocks ||
-          (cfg.compile.granularity == CompileGranularity::Auto && dist::Placement(cfg.dist.zero).shards_parameters()));
+          (cfg.compile.granularity == CompileGranularity::Auto &&
+           (dist::Placement(cfg.dist.zero).shards_parameters() || cfg.parallel.tp > 1)));
 }
 
 // compile.granularity = "blocks" (or "auto" resolving to it): what it serves so far.
@@ -517,7 +524,7 @@ static void validate_granularity(const Config& cfg) {
   if (!compiles_blocks(cfg)) return;
   const std::string key = cfg.compile.granularity == CompileGranularity::Blocks
                               ? "compile.granularity = \"blocks\""
-                              : "compile.granularity = \"auto\" (blocks at dist.zero = 3)";
+                              : "compile.granularity = \"auto\" (blocks at dist.zero = 3 or parallel.tp > 1)";
   auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
   if (cfg.model.name != "gpt" && cfg.model.name != "gpt2" && cfg.model.name != "llama")
     fail("packages the transformer block of gpt, gpt2 and llama; model.name = \"" + cfg.model.name +

@@ -365,7 +365,8 @@ void parallel_keys(SchemaBuilder& b) {
               "parallel.dp x parallel.tp = the world size; DDP or dist.zero 1-3 over the dp ranks (ZeRO shards the tp "
               "shards). Models gpt, gpt2 and llama; dropout masks are shared by the tp ranks where they hold a tensor "
               "whole and each rank's own where it holds a part (its heads; with sequence parallelism its positions). "
-              "So far with compile.mode = \"off\", and no custom loss or run.sync_debug (each refused by name); "
+              "Eager, or with compile.mode = \"inductor\" (each block's regions between its collectives packaged: "
+              "compile.granularity); no custom loss or run.sync_debug (each refused by name); "
               "checkpoints hold whole tensors, as at tp = 1, and resume at any parallel.tp and dist.zero"),
         1, 1 << 20);
   b.add("parallel", &C::parallel, "sequence_parallel", &ParallelConfig::sequence_parallel,
@@ -384,7 +385,8 @@ void compile_keys(SchemaBuilder& b) {
   b.add("compile", &C::compile, "granularity", &CompileConfig::granularity, kCompileGranularities,
         "inductor: step (the whole training step, one package) | blocks (a transformer block's forward and backward, "
         "one package reused for every block; the root runs eager; DDP's buckets overlap the backward, dist.zero = 3 "
-        "gathers around each block; gpt, gpt2, llama) | auto (blocks at dist.zero = 3, else step)");
+        "gathers around each block; under parallel.tp > 1 the block's regions between its collectives; gpt, gpt2, "
+        "llama) | auto (blocks at dist.zero = 3 or parallel.tp > 1, else step)");
   b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph,
         "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
   b.add("compile", &C::compile, "deterministic", &CompileConfig::deterministic,

@@ -85,6 +85,15 @@ class BlockStructure {
   using BlockCompiled = std::function<torch::Tensor(size_t i, const torch::Tensor& x, const torch::Tensor& cos,
                                                     const torch::Tensor& sin)>;
   BlockCompiled block_compiled;
+  /// Under tensor parallelism (compile.granularity = "blocks" with parallel.tp > 1), block i's two
+  /// regions between its collectives compiled: the attention's (`x` after tp's enter; the rotary
+  /// cos and sin where the family has them) or the MLP's (`x` after its enter) -> the
+  /// row-parallel projection's partial product, before tp's leave; or an undefined tensor where
+  /// the package does not run (the region then runs eager). Empty: never.
+  enum class Region { Attention, Mlp };
+  using RegionCompiled = std::function<torch::Tensor(size_t i, Region region, const torch::Tensor& x,
+                                                     const torch::Tensor& cos, const torch::Tensor& sin)>;
+  RegionCompiled region_compiled;
   torch::Tensor block_call(size_t i, BlockFunction f, const torch::Tensor& x, const torch::Tensor& cos = {},
                            const torch::Tensor& sin = {}) {
     if (block_compiled)
@@ -121,6 +130,8 @@ class Model {
   virtual void set_block_runner(BlockStructure::BlockRun /*run*/) {}
   /// Sets BlockStructure::block_compiled; returns false for a model without blocks.
   virtual bool set_block_compiled(BlockStructure::BlockCompiled /*run*/) { return false; }
+  /// Sets BlockStructure::region_compiled; returns false for a model without blocks.
+  virtual bool set_region_compiled(BlockStructure::RegionCompiled /*run*/) { return false; }
 
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
@@ -161,6 +172,11 @@ class ModuleModel : public Model {
   bool set_block_compiled(BlockStructure::BlockCompiled run) override {
     auto* b = dynamic_cast<BlockStructure*>(module_.get());
     if (b) b->block_compiled = std::move(run);
+    return b != nullptr;
+  }
+  bool set_region_compiled(BlockStructure::RegionCompiled run) override {
+    auto* b = dynamic_cast<BlockStructure*>(module_.get());
+    if (b) b->region_compiled = std::move(run);
     return b != nullptr;
   }
   ModuleHolder& module() { return module_; }
