@@ -76,8 +76,8 @@ struct Run {
   LossFn loss;
   bool late = false;  // dist.consensus resolved: the consensus is read one step late
   // compile.cuda_graphs (trainer/step/graphs.h): graphs captured (forward-backward per batch shape,
-  // the update), forward-backwards captured after the first (against compile.max_recompiles), replays.
-  int64_t cuda_graph_captures = 0, cuda_graph_recaptures = 0, cuda_graph_replays = 0;
+  // the update) and replayed, for the summary.
+  int64_t cuda_graph_captures = 0, cuda_graph_replays = 0;
   Progress progress;
   DirLock run_dir_lock, checkpoint_dir_lock;  // rank 0 holds them for the job
 

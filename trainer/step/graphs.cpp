@@ -121,8 +121,7 @@ StepGraphs::StepGraphs(Run& run) : run_(run) {
   found_ = torch::zeros({1}, torch::TensorOptions().device(dev).dtype(torch::kFloat));
   run.fused->read_lr_from(lr_);
   logging::info("compile.cuda_graphs{}: {} eager warm-up steps, then the step is captured and replayed",
-                run.cfg.compile.cuda_graphs_rehearsal ? " (rehearsed on the CPU: a replay re-runs the step)" : "",
-                warmup_);
+                rehearsal ? " (rehearsed on the CPU: a replay re-runs the step)" : "", warmup_);
 }
 
 std::string StepGraphs::shape_key(const std::vector<data::Batch>& batches) const {
@@ -137,9 +136,9 @@ torch::Tensor StepGraphs::forward_backward(const std::vector<data::Batch>& batch
   ++steps_;
   const std::string key = shape_key(batches);
   auto it = captured_.find(key);
-  if (it == captured_.end() && (steps_ <= warmup_ || ran_eagerly_.insert(key).second)) {
-    ran_eagerly_.insert(key);
-    return body(batches);
+  if (it == captured_.end()) {
+    const bool new_shape = ran_eagerly_.insert(key).second;
+    if (steps_ <= warmup_ || new_shape) return body(batches);
   }
   Captured& c = it != captured_.end() ? *it->second : capture_forward_backward(key, batches, body);
   for (size_t i = 0; i < batches.size(); ++i) {
@@ -158,11 +157,11 @@ StepGraphs::Captured& StepGraphs::capture_forward_backward(const std::string& ke
                                                            const std::vector<data::Batch>& batches,
                                                            const ForwardBackward& body) {
   Run& run = run_;
-  if (!captured_.empty()) {
-    ++run.cuda_graph_recaptures;
-    if (run.cuda_graph_recaptures > run.cfg.compile.max_recompiles)
+  const auto recaptures = static_cast<int64_t>(captured_.size());  // this one, after the first
+  if (recaptures > 0) {
+    if (recaptures > run.cfg.compile.max_recompiles)
       throw InputError("compile.cuda_graphs: a step of batch shape " + describe(batches) + " would be captured " +
-                       std::to_string(run.cuda_graph_recaptures) + " times after the first, more than " +
+                       std::to_string(recaptures) + " times after the first, more than " +
                        "compile.max_recompiles = " + std::to_string(run.cfg.compile.max_recompiles) +
                        " (keep the batch shape fixed: data.drop_last = true, or raise compile.max_recompiles)");
   }
