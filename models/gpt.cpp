@@ -44,12 +44,17 @@ struct GptImpl : torch::nn::Module, BlockStructure {
     TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= context, "gpt expects tokens (B, T<=", context, "), got ",
                 idx.sizes());
     const int64_t T = idx.size(1);
-    const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
-    auto x =
-        tp_vocab.drop(tokens + wpe->forward(tp_vocab.positions(T, idx.device())), dropout, is_training());  // (B, T, C)
-    x = ln_f->forward(run_blocks(h, this, x));
-    if (tp_vocab) x = tp_vocab.enter_head(x);
-    return torch::matmul(x, wte->weight.t());  // tied output projection (tp: this rank's vocabulary)
+    auto x = root_call(RootPart::Embed, idx, [&] {
+      const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
+      return tp_vocab.drop(tokens + wpe->forward(tp_vocab.positions(T, idx.device())), dropout,
+                           is_training());  // (B, T, C)
+    });
+    x = run_blocks(h, this, x);
+    return root_call(RootPart::Head, x, [&] {
+      auto y = ln_f->forward(x);
+      if (tp_vocab) y = tp_vocab.enter_head(y);
+      return torch::matmul(y, wte->weight.t());  // tied output projection (tp: this rank's vocabulary)
+    });
   }
   int64_t context;
   double dropout;

@@ -44,26 +44,28 @@ struct Gpt2BodyImpl : torch::nn::Module {
       h->push_back(block);
     }
   }
-  torch::Tensor forward(const torch::Tensor& idx) {
+  // The root's two parts around the blocks (Gpt2Impl::forward runs the blocks between them):
+  // token ids -> the first block's input; the last block's output -> the head's input.
+  torch::Tensor embed(const torch::Tensor& idx) {
     const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
     const auto pos = tp_vocab.positions(idx.size(1), idx.device());
-    auto x = tp_vocab.drop(tokens + wpe->forward(pos), embd_pdrop, is_training());
-    x = ln_f->forward(run_blocks(h, blocks, x));
-    return tp_vocab ? tp_vocab.enter_head(x) : x;
+    return tp_vocab.drop(tokens + wpe->forward(pos), embd_pdrop, is_training());
+  }
+  torch::Tensor final_norm(const torch::Tensor& x) {
+    const auto y = ln_f->forward(x);
+    return tp_vocab ? tp_vocab.enter_head(y) : y;
   }
   double embd_pdrop;
   TpVocab tp_vocab;  // tensor parallel: wte (and lm_head) hold this rank's vocabulary rows
   torch::nn::Embedding wte, wpe;
   torch::nn::ModuleList h;
   torch::nn::LayerNorm ln_f;
-  BlockStructure* blocks = nullptr;  // the model's, for dist.zero = 3
 };
 TORCH_MODULE(Gpt2Body);
 
 struct Gpt2Impl : torch::nn::Module, BlockStructure {
   explicit Gpt2Impl(const HfShape& s)
       : positions(s.positions), transformer(register_module("transformer", Gpt2Body(s))) {
-    transformer->blocks = this;
     for (int64_t i = 0; i < s.layers; ++i)
       block_prefixes.push_back(gpt2_family().block_prefix + std::to_string(i) + ".");
     if (!s.tied)
@@ -75,8 +77,12 @@ struct Gpt2Impl : torch::nn::Module, BlockStructure {
   torch::Tensor forward(const torch::Tensor& idx) {
     TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= positions, "gpt2 expects tokens (B, T<=", positions, "), got ",
                 idx.sizes());
-    auto x = transformer->forward(idx);
-    return lm_head ? lm_head->forward(x) : torch::matmul(x, transformer->wte->weight.t());
+    auto x = root_call(RootPart::Embed, idx, [&] { return transformer->embed(idx); });
+    x = run_blocks(transformer->h, this, x);
+    return root_call(RootPart::Head, x, [&] {
+      const auto y = transformer->final_norm(x);
+      return lm_head ? lm_head->forward(y) : torch::matmul(y, transformer->wte->weight.t());
+    });
   }
   int64_t positions;
   Gpt2Body transformer;

@@ -54,14 +54,20 @@ struct LlamaBodyImpl : torch::nn::Module {
       layers->push_back(block);
     }
   }
-  torch::Tensor forward(const torch::Tensor& idx) {
-    auto emb = rotary_angles(idx.size(1), hd, theta, idx.device());  // (T, hd) float32
-    auto x = tp_vocab ? tp_vocab.embed(idx, embed_tokens->weight, embed_tokens->options.padding_idx().value_or(-1))
-                      : embed_tokens->forward(idx);
+  // The root's two parts and the blocks between them (LlamaImpl::forward runs them).
+  torch::Tensor embed(const torch::Tensor& idx) {
+    return tp_vocab ? tp_vocab.embed(idx, embed_tokens->weight, embed_tokens->options.padding_idx().value_or(-1))
+                    : embed_tokens->forward(idx);
+  }
+  torch::Tensor run_layers(const torch::Tensor& x, int64_t T) {
+    auto emb = rotary_angles(T, hd, theta, x.device());  // (T, hd) float32
     // In the embedding's dtype, as transformers does (float32 under autocast too).
     const auto cos = emb.cos().to(x.scalar_type()), sin = emb.sin().to(x.scalar_type());
-    x = norm->forward(run_blocks(layers, blocks, x, cos, sin));
-    return tp_vocab ? tp_vocab.enter_head(x) : x;
+    return run_blocks(layers, blocks, x, cos, sin);
+  }
+  torch::Tensor final_norm(const torch::Tensor& x) {
+    const auto y = norm->forward(x);
+    return tp_vocab ? tp_vocab.enter_head(y) : y;
   }
   int64_t hd;
   double theta;
@@ -96,8 +102,12 @@ struct LlamaImpl : torch::nn::Module, BlockStructure {
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     TORCH_CHECK(idx.dim() == 2, "llama expects tokens (B, T), got ", idx.sizes());
-    auto x = model->forward(idx);
-    return lm_head ? lm_head->forward(x) : torch::matmul(x, model->embed_tokens->weight.t());
+    auto x = root_call(RootPart::Embed, idx, [&] { return model->embed(idx); });
+    x = model->run_layers(x, idx.size(1));
+    return root_call(RootPart::Head, x, [&] {
+      const auto y = model->final_norm(x);
+      return lm_head ? lm_head->forward(y) : torch::matmul(y, model->embed_tokens->weight.t());
+    });
   }
   LlamaBody model;
   torch::nn::Linear lm_head{nullptr};

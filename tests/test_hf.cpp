@@ -503,7 +503,8 @@ TEST(HfModels, ShippedConfigsTrainAtReducedSizeAndExport) {
 
 // Issue 46 items 1-2: compile.granularity = "auto" at dist.zero = 3 packages transformers' own
 // block (GPT2Block; LlamaDecoderLayer, with GQA, given the rotary cos and sin keel computes), its
-// forward and backward, one package for both blocks, and each family trains over 2 and over 3
+// forward and backward, one package for both blocks, and the root around them (gpt2's head tied
+// to its embedding, llama's an lm_head of its own), and each family trains over 2 and over 3
 // ranks as its eager model does at the same placement: every loss within 1e-4 relative. The
 // per-rank batch is the same at both world sizes, so the 3-rank run loads the 2-rank run's package
 // (a cache hit).
@@ -518,6 +519,7 @@ TEST(HfModels, Gpt2AndLlamaWithTheirBlocksCompiledTrainAtZero3Over2And3RanksAsTh
         auto a = small_run(name, 2, d.file("train.bin"));
         a.insert(a.end(), {"--train.steps=5", "--run.threads=1", "--dist.zero=3", "--compile.mode=" + mode,
                            "--compile.cache_dir=" + d.file("cache"), "--run.dir=" + d.file(mode + tag)});
+        if (name == "llama") a.push_back("--model.tie_embeddings=false");  // an lm_head of its own in the root
         const auto rs = run_keel_ranks(ranks, a, 900);
         expect_all_ok(rs);
         log = rs[0].output;
@@ -526,6 +528,9 @@ TEST(HfModels, Gpt2AndLlamaWithTheirBlocksCompiledTrainAtZero3Over2And3RanksAsTh
                 std::string::npos)
           << name << "\n"
           << log;
+      for (const char* root :
+           {"compile: the root's embeddings and head run from the package", "compile: the loss runs from the package"})
+        EXPECT_NE(log.find(root), std::string::npos) << name << "\n" << log;
       const auto eager = metrics_losses(d.file("off" + tag)), compiled = metrics_losses(d.file("inductor" + tag));
       ASSERT_EQ(eager.size(), 5u) << name << ", " << ranks << " ranks";
       ASSERT_EQ(compiled.size(), 5u) << name << ", " << ranks << " ranks";

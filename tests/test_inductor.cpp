@@ -664,7 +664,8 @@ TEST(Inductor, ACustomOpWithAFakeKernelCompilesIntoTheStepAndOneWithoutIsRefused
 
 // compile.granularity = "blocks" (issue 46 item 1): gpt's transformer block packaged once, its
 // forward and backward (AOTAutograd's min-cut partition, compiled by AOTInductor), run from C++
-// for every block inside an autograd function, the root eager. Trains like eager within the
+// for every block inside an autograd function, the root's embeddings, head and loss from the same
+// package (each said once in the log). Trains like eager within the
 // whole-step package's tolerance: at 1 rank, under DDP at 2 (the Reducer all-reduces each
 // block's buckets as its backward finishes), and at dist.zero = 3 over 2 and 3 ranks, where
 // "auto" chooses blocks (each block's parameters gathered around the package's forward and
@@ -700,6 +701,9 @@ TEST(InductorBlocks, GptTrainsAsEagerAt1RankUnderDdpAndAtZero3Over2And3Ranks) {
     EXPECT_TRUE(contains(log, std::string("compile: inductor (each block) -> data parallel: ") + c.placement))
         << at << "\n"
         << log;
+    for (const char* root :
+         {"compile: the root's embeddings and head run from the package", "compile: the loss runs from the package"})
+      EXPECT_TRUE(contains(log, root)) << at << "\n" << log;
     EXPECT_EQ(summary(d.file("inductor"))["compile_mode"], "inductor") << at;
     const auto la = metrics_losses(d.file("off")), lb = metrics_losses(d.file("inductor"));
     ASSERT_EQ(la.size(), lb.size()) << at;
@@ -716,7 +720,7 @@ TEST(InductorBlocks, GptTrainsAsEagerAt1RankUnderDdpAndAtZero3Over2And3Ranks) {
 // biases and the residuals eager around them. Trains like eager within the blocks' tolerance, at
 // tp 2 with and without sequence parallelism, and at dp 2 x tp 2 with ZeRO-3 and sequence
 // parallelism (4 ranks: each block gathered around its regions); no input misses the package
-// (recompiles 0). `keel compile` does not package the regions yet: exit 2 naming parallel.tp.
+// (recompiles 0). `keel compile` packages the regions ahead of time, and training loads them.
 TEST(InductorBlocks, GptRegionsTrainAsEagerAtTp2WithSequenceParallelismAndAtDp2Tp2) {
   struct Case {
     int ranks;
@@ -750,13 +754,21 @@ TEST(InductorBlocks, GptRegionsTrainAsEagerAtTp2WithSequenceParallelismAndAtDp2T
       EXPECT_LE(std::abs(la[i].second - lb[i].second), 1e-4 * std::abs(la[i].second))
           << c.placement << ", step " << la[i].first;
   }
+  // `keel compile` packages the regions ahead of time (into an empty cache), and keel train at tp 2
+  // loads them from it.
   TempDir d;
-  auto args = model_args("gpt", d.file("compile"), "inductor", 1, {"--parallel.tp=2"});
-  args[0] = "compile";
-  const auto r = run_keel(args);
-  EXPECT_EQ(r.exit_code, 2) << r.output;
-  EXPECT_TRUE(contains(r.output, "keel compile does not package the tensor-parallel regions (parallel.tp = 2)"))
-      << r.output;
+  auto args = model_args("gpt", d.file("compile"), "inductor", 2, {"--parallel.tp=2"});
+  for (auto& a : args)
+    if (a.rfind("--compile.cache_dir=", 0) == 0) a = "--compile.cache_dir=" + d.file("cache");
+  auto compile_args = args;
+  compile_args[0] = "compile";
+  const auto r = run_keel(compile_args, {}, 900);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "compile: built the inductor package")) << r.output;
+  const auto rs = run_keel_ranks(2, args, 900);
+  expect_all_ok(rs);
+  for (const auto& x : rs) EXPECT_FALSE(contains(x.output, "compile: packaging")) << x.output;
+  EXPECT_EQ(summary(d.file("compile"))["compile_cache"], "hit");
 }
 
 // A block input of another shape (the tail batch of data.drop_last = false) runs the eager
@@ -879,12 +891,14 @@ TEST(InductorBlocks, Bf16InTheBlocksAndAnInfGradientIsSkippedOnEveryRankAtZero3)
   EXPECT_LE(std::abs(a - b), 2e-2 * std::abs(a)) << "eager " << a << ", blocks " << b;
 }
 
-// The block package itself, beside the eager block: a gpt of the first test's shape (its cache
-// entry), one forward and backward with every block run by the package (its autograd node is
-// in the graph) and one with none. The logits and every parameter's gradient agree within 1e-4
-// of the largest magnitude of each, the tolerance the whole-step package's losses meet; a
-// package is fp32 kernels in another order, never another computation.
-TEST(InductorBlocks, ThePackagedBlocksGiveTheEagerBlocksLogitsAndGradients) {
+// The block package itself, beside the eager model: a gpt of the first test's shape (its cache
+// entry), one forward, loss and backward with every block and the root's embed and head run by
+// the package (their autograd nodes are in the graph) and keel's cross-entropy from its loss
+// unit, and one with none of them. The loss, the logits and every parameter's gradient (the tied
+// embedding's gets both the embed's and the head's) agree within 1e-4 of the largest magnitude
+// of each, the tolerance the whole-step package's losses meet; a package is fp32 kernels in
+// another order, never another computation.
+TEST(InductorBlocks, ThePackagedBlocksAndRootGiveTheEagerModelsLossLogitsAndGradients) {
   keel::Config cfg;
   cfg.model.name = "gpt";
   cfg.model.context = 32;
@@ -900,8 +914,10 @@ TEST(InductorBlocks, ThePackagedBlocksGiveTheEagerBlocksLogitsAndGradients) {
   at::set_num_threads(1);
   auto block = keel::compile_blocks(*model, req, report, 8);
   ASSERT_TRUE(block);
+  ASSERT_TRUE(block->root_loss()) << "the root's loss unit is in the package";
   const auto tokens = torch::randint(0, cfg.model.vocab, {8, 32}, torch::kLong);
-  auto run = [&](int& packaged_blocks) {
+  const auto target = torch::randint(0, cfg.model.vocab, {8, 32}, torch::kLong);
+  auto run = [&](int& packaged_blocks, const keel::InductorBlock::Loss& loss) {
     for (auto& p : model->parameters()) p.mutable_grad() = torch::Tensor();
     const auto logits = model->forward(tokens);
     packaged_blocks = 0;
@@ -914,21 +930,27 @@ TEST(InductorBlocks, ThePackagedBlocksGiveTheEagerBlocksLogitsAndGradients) {
       packaged_blocks += n->name().find("BlockFunction") != std::string::npos;
       for (const auto& e : n->next_edges()) todo.push_back(e.function.get());
     }
-    logits.pow(2).mean().backward();
-    std::vector<torch::Tensor> out = {logits.detach()};
+    const auto l = loss(logits, target);
+    EXPECT_TRUE(l.defined());
+    packaged_blocks += l.grad_fn()->name().find("BlockFunction") != std::string::npos;
+    l.backward();
+    std::vector<torch::Tensor> out = {l.detach(), logits.detach()};
     for (auto& p : model->parameters()) out.push_back(p.grad().clone());
     return out;
   };
   int packaged_blocks = 0;
-  const auto packaged = run(packaged_blocks);
-  EXPECT_EQ(packaged_blocks, cfg.model.depth) << "every block runs in the package";
+  const auto packaged = run(packaged_blocks, block->root_loss());
+  EXPECT_EQ(packaged_blocks, cfg.model.depth + 3) << "every block, the embed, the head and the loss in the package";
   model->set_block_compiled(nullptr);
-  const auto eager = run(packaged_blocks);
+  model->set_root_compiled(nullptr);
+  const auto eager = run(packaged_blocks, [](const torch::Tensor& logits, const torch::Tensor& t) {
+    return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), t.reshape({-1}));
+  });
   EXPECT_EQ(packaged_blocks, 0);
   const auto names = model->named_parameters();
   ASSERT_EQ(packaged.size(), eager.size());
   for (size_t i = 0; i < eager.size(); ++i) {
-    const std::string what = i == 0 ? "logits" : "the gradient of " + names[i - 1].first;
+    const std::string what = i == 0 ? "the loss" : i == 1 ? "logits" : "the gradient of " + names[i - 2].first;
     const double scale = eager[i].abs().max().item<double>();
     EXPECT_GT(scale, 0) << what;
     EXPECT_LE((packaged[i] - eager[i]).abs().max().item<double>(), 1e-4 * scale) << what;

@@ -256,6 +256,7 @@ void Run::compile_and_distribute() {
   try {
     dmodel.emplace(compile().distribute(mesh.shared(dist::Axis::Dp), cfg.dist));
     if (python) python->attach(dmodel->inductor_step(), /*evaluates=*/inductor->eval_batch > 0);
+    use_compiled_loss();
     logging::info("model transforms: {}", dmodel->transforms().describe());
     log_build_memory();
   } catch (const CompileError& e) {
@@ -264,6 +265,17 @@ void Run::compile_and_distribute() {
     throw InputError(std::string(e.what()) +
                      (python ? " (model.name = \"python\" runs only compiled)" : " (compile.fullgraph = true)"));
   }
+}
+
+// compile.granularity = "blocks": keel's cross-entropy from the block package's root units where
+// it fits the logits (trainer/compile/inductor_block.h), else the eager loss as before.
+void Run::use_compiled_loss() {
+  const std::shared_ptr<InductorBlock>& block = dmodel->inductor_block();
+  if (!block || !block->root_loss()) return;
+  loss = [compiled = block->root_loss(), eager = loss](const torch::Tensor& logits, const torch::Tensor& target) {
+    const torch::Tensor l = compiled(logits, target);
+    return l.defined() ? l : eager(logits, target);
+  };
 }
 
 // Sharded initialisation broadcasts nothing: every rank makes its shards from the draws it

@@ -93,6 +93,7 @@ struct Run {
   std::shared_ptr<models::Model> build_model_on_every_rank(std::optional<models::InputKind> data_kind);
   void build_model_and_data();
   void compile_and_distribute();
+  void use_compiled_loss();  // compile.granularity = "blocks": the root's loss from the package
   void check_generators_agree();
   void log_build_memory();
   void build_optimizer();

@@ -211,16 +211,19 @@ CompileReport package_training_step(const Config& cfg) {
   const dist::World world = dist::detect_world(dist::current_env());
   const int64_t threads = set_threads(cfg.run, world);
   const torch::Device device = resolve_device(cfg.run, world);
-  if (compiles_blocks(cfg) && cfg.parallel.tp > 1)
-    throw InputError("keel compile does not package the tensor-parallel regions (parallel.tp = " +
-                     std::to_string(cfg.parallel.tp) + ") yet: keel train packages them at start, into the same cache");
   aot::load_libraries(cfg.compile.libraries);
   check_dropout(cfg);
   auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
   const InductorRequest req = inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
                                                dynamic_cast<const PythonModel*>(model.get()));
   auto report = std::make_shared<CompileReport>();
-  if (req.granularity == "blocks")  // packaged and checked to fit the model's blocks
+  if (req.granularity == "blocks" && req.tp > 1) {
+    // The regions take one tp rank's shards, which only a sharded model has: keel train checks
+    // them against its model as it loads them.
+    if (model->block_prefixes().empty())
+      throw InputError("compile.granularity = \"blocks\": model " + model->name() + " has no transformer blocks");
+    fetch_package(req, *report).loaded(*report);
+  } else if (req.granularity == "blocks")  // packaged and checked to fit the model's blocks
     compile_blocks(*model, req, report, cfg.compile.max_recompiles);
   else
     InductorStep::load_or_compile(req, *report);

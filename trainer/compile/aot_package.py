@@ -175,7 +175,8 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0, help="seed of the --check inputs and initial weights")
     p.add_argument("--granularity", choices=["step", "blocks"], default="step",
                    help="step: the whole training step as one model; blocks: a transformer block's forward and "
-                        "backward as two models (block_forward, block_backward), reused for every block")
+                        "backward as two models (block_forward, block_backward), reused for every block, and the "
+                        "root's around them (embed_*, head_*, loss_*)")
     p.add_argument("--tp", type=int, default=1,
                    help="--granularity blocks under tensor parallelism: the block's two regions between its "
                         "collectives as one of N tp ranks holds them (attention_*, mlp_* models), not the block")
@@ -1300,6 +1301,7 @@ def partition_block(block, params, x, extra, amp_dtype, device_type):
 
     def fn(*args):
         ctx = torch.autocast(device_type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
+        # the extra inputs: llama's rotary (cos, sin); the loss's target (RootPart)
         kwargs = {"position_embeddings": tuple(args[n + 1:])} if extra else {}
         with ctx:
             out = torch.func.functional_call(block, dict(zip(names, args[:n])), (args[n],), kwargs)
@@ -1316,8 +1318,9 @@ def partition_block(block, params, x, extra, amp_dtype, device_type):
 
     with functorch_config.patch(recompute_views=True):
         f = aot_function(fn, capture("fw"), capture("bw"), partition_fn=min_cut_rematerialization_partition)
-        y = f(*[p.detach().clone().requires_grad_(True) for p in params], x.detach().clone().requires_grad_(True),
-              *extra.values())
+        # token ids (the root's embed) take no gradient
+        x_in = x.detach().clone().requires_grad_(x.is_floating_point())
+        y = f(*[p.detach().clone().requires_grad_(True) for p in params], x_in, *extra.values())
         y.backward(torch.ones_like(y))
     return graphs["fw"], graphs["bw"]
 
@@ -1331,12 +1334,14 @@ def keep_outputs(gm, keep) -> list:
     return kept
 
 
-def trace_unit(job: Job, unit: str, module, x, extra) -> dict:
+def trace_unit(job: Job, unit: str, module, x, extra, extra_kind="rotary") -> dict:
     """{unit}_forward (params, input, extra) -> (output, *saved) and {unit}_backward (what it
     reads: parameters, the input, extra, saved tensors; the output's gradient) -> (each
-    parameter's gradient, the input's), traced from `module` on `x`. A saved tensor that is an
-    input of the forward is not returned by it: keel passes the live tensor (with dist.zero = 3,
-    the block's parameters gathered again for the backward)."""
+    parameter's gradient, the input's: none for an integer input, token ids), traced from
+    `module` on `x`. `extra` (no gradient) are listed as of kind `extra_kind`: "rotary" (llama's
+    cos and sin) or "target" (the loss's). A saved tensor that is an input of the forward is not
+    returned by it: keel passes the live tensor (with dist.zero = 3, the block's parameters
+    gathered again for the backward)."""
     import torch
 
     args = job.args
@@ -1346,7 +1351,7 @@ def trace_unit(job: Job, unit: str, module, x, extra) -> dict:
     amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
     fw, bw = partition_block(module, params, x, extra, amp_dtype, args.device)
     inputs = [(nm, p, "parameter") for nm, p in zip(names, params)] + [("input", x, "input")]
-    inputs += [(nm, t, "rotary") for nm, t in extra.items()]
+    inputs += [(nm, t, extra_kind) for nm, t in extra.items()]
     fw_in = [n for n in fw.graph.nodes if n.op == "placeholder"]
     if len(fw_in) != len(inputs):
         raise Refusal(EXIT_ERROR, f"{unit} forward graph has {len(fw_in)} inputs, expected {len(inputs)}")
@@ -1373,14 +1378,16 @@ def trace_unit(job: Job, unit: str, module, x, extra) -> dict:
             raise Refusal(EXIT_ERROR, f"{unit} backward graph reads {node.name}, which the forward does not give")
         bw_example.append(spec[1])
         bw_in_specs.append(tensor_spec(*spec))
-    n_grads = len(params) + 1  # the parameters' and the input's; extra inputs take none
+    x_grad = x.is_floating_point()
+    n_grads = len(params) + x_grad  # the parameters' and the input's; extra inputs take none
     grads = keep_outputs(bw, lambda outs: outs[:n_grads] if all(o is None for o in outs[n_grads:]) else outs)
     bw_out = bw(*bw_example)
     if len(bw_out) != n_grads or any(g is None for g in grads):
-        raise Refusal(EXIT_ERROR, f"{unit} backward graph does not give exactly every parameter and the input a "
-                                  "gradient")
-    bw_out_specs = [tensor_spec(f"grad:{nm}", g, "grad") for nm, g in zip(names, bw_out[:-1])]
-    bw_out_specs.append(tensor_spec("grad:input", bw_out[-1], "grad_input"))
+        raise Refusal(EXIT_ERROR, f"{unit} backward graph does not give exactly every parameter "
+                                  f"{'and the input ' if x_grad else ''}a gradient")
+    bw_out_specs = [tensor_spec(f"grad:{nm}", g, "grad") for nm, g in zip(names, bw_out[:len(params)])]
+    if x_grad:
+        bw_out_specs.append(tensor_spec("grad:input", bw_out[-1], "grad_input"))
     mode = {"batch": job.batch, "amp": args.amp, "mode": "train"}
     return {
         f"{unit}_forward": {"gm": tuple_module(fw), "example": fw_example, "inputs": fw_in_specs,
@@ -1390,12 +1397,68 @@ def trace_unit(job: Job, unit: str, module, x, extra) -> dict:
     }
 
 
+def root_of(job: Job, hidden):
+    """The root of the model as keel's C++ families split it around their blocks (models/gpt.cpp,
+    gpt2.cpp, llama.cpp: BlockStructure::root_call): embed (token ids -> the first block's input),
+    head (the last block's output -> logits: the final norm and the output projection, tied or
+    not) and loss (logits, target -> keel's cross-entropy, in float32), each an nn.Module whose
+    keel_names are the whole model's names of its parameters (a tied weight under the name it has
+    there); with examples: the token ids, and the logits the head gives `hidden` (in the dtype
+    that the run's autocast gives them), and the target."""
+    import torch
+
+    m, model, args = job.module, job.args.model, job.args
+    owner = {}
+    for n, p in m.named_parameters():  # transformers' tied lm_head.weight is listed once, as the embedding
+        owner.setdefault(id(p), n)
+
+    class Part(torch.nn.Module):
+        def __init__(self, modules, fn):
+            super().__init__()
+            for k, mod in modules.items():
+                self.add_module(k, mod)
+            self.fn = fn
+            self.keel_names = [owner[id(p)] for p in self.parameters()]
+
+        def forward(self, x, position_embeddings=()):  # partition_block passes the extra inputs so
+            return self.fn(self, x, *position_embeddings)
+
+    def positions(idx):
+        return torch.arange(idx.shape[1], device=idx.device)
+
+    if model == "gpt":
+        embed = Part({"wte": m.wte, "wpe": m.wpe}, lambda s, idx: s.wte(idx) + s.wpe(positions(idx)))
+        head = Part({"ln_f": m.ln_f, "wte": m.wte}, lambda s, x: s.ln_f(x) @ s.wte.weight.t())
+        vocab = job.ident["model_config"]["vocab"]
+    elif model == "gpt2":
+        t = m.transformer
+        embed = Part({"wte": t.wte, "wpe": t.wpe}, lambda s, idx: s.wte(idx) + s.wpe(positions(idx)))
+        head = Part({"ln_f": t.ln_f, "lm_head": m.lm_head}, lambda s, x: s.lm_head(s.ln_f(x)))
+        vocab = m.config.vocab_size
+    else:
+        embed = Part({"embed_tokens": m.model.embed_tokens}, lambda s, idx: s.embed_tokens(idx))
+        head = Part({"norm": m.model.norm, "lm_head": m.lm_head}, lambda s, x: s.lm_head(s.norm(x)))
+        vocab = m.config.vocab_size
+    loss = Part({}, lambda s, logits, target: keel_cross_entropy(logits, target).to(torch.float32))
+    ids = torch.randint(0, vocab, tuple(hidden.shape[:2]), device=hidden.device)
+    target = torch.randint(0, vocab, tuple(hidden.shape[:2]), device=hidden.device)
+    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
+    with torch.no_grad(), (torch.autocast(args.device, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()):
+        logits = head(hidden).detach()
+    return embed, head, loss, ids, logits, target
+
+
 def trace_blocks(job: Job) -> None:
     """--granularity blocks: job.models["block_forward"] and ["block_backward"] (trace_unit) of
-    the model's block 0."""
+    the model's block 0, and the root's units around the blocks (root_of): embed_*, head_* and
+    loss_*."""
     t0 = time.perf_counter()
     block, x, extra = block_of(job)
     job.models = trace_unit(job, "block", block, x, extra)
+    embed, head, loss, ids, logits, target = root_of(job, x)
+    job.models.update(trace_unit(job, "embed", embed, ids, {}))
+    job.models.update(trace_unit(job, "head", head, x, {}))
+    job.models.update(trace_unit(job, "loss", loss, logits, {"target": target}, extra_kind="target"))
     job.timings["trace_s"] = time.perf_counter() - t0
     job.forward_skipped = "--granularity blocks"
     job.findings = {}

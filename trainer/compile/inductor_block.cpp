@@ -5,6 +5,7 @@
 #include <ATen/autocast_mode.h>
 
 #include <array>
+#include <map>
 #include <set>
 
 #include "common/log.h"
@@ -60,8 +61,11 @@ struct BlockFunction : public torch::autograd::Function<BlockFunction> {
     const auto extra = at(n + 1, e);
     auto grads =
         block->run_backward(at(0, n), kept[n], extra, at(n + 1 + e, kept.size() - n - 1 - e), grad_out[0].contiguous());
-    torch::Tensor dx = grads.back();
-    grads.pop_back();
+    torch::Tensor dx;  // token ids take none
+    if (block->input_grad()) {
+      dx = grads.back();
+      grads.pop_back();
+    }
     grads.emplace_back();  // the block gets none
     grads.push_back(std::move(dx));
     grads.resize(grads.size() + extra.size());  // nor do the extra inputs
@@ -91,23 +95,26 @@ std::shared_ptr<InductorBlock> InductorBlock::load_or_compile(const InductorRequ
                                                               const std::vector<std::string>& block_params,
                                                               const std::vector<std::string>& block_specs,
                                                               CompileReport& report) {
-  return load_units(req, block_params, block_specs, report, {"block"}).at(0);
+  return load_units(req, {Unit{"block", block_params, block_specs}}, report).at(0);
 }
 
 std::vector<std::shared_ptr<InductorBlock>> InductorBlock::load_units(const InductorRequest& req,
-                                                                      const std::vector<std::string>& block_params,
-                                                                      const std::vector<std::string>& block_specs,
-                                                                      CompileReport& report,
-                                                                      const std::vector<std::string>& units) {
+                                                                      const std::vector<Unit>& units,
+                                                                      CompileReport& report) {
   if (req.granularity != "blocks") throw std::logic_error("InductorBlock: a request of granularity " + req.granularity);
   PackageEntry entry = fetch_package(req, report);
   std::vector<std::shared_ptr<InductorBlock>> out;
-  for (const std::string& unit : units) {
+  for (const Unit& unit : units) {
+    const bool root = unit.name == "embed" || unit.name == "head" || unit.name == "loss";
+    if (root && !entry.manifest.at("models").contains(unit.name + "_forward")) {
+      out.emplace_back();
+      continue;
+    }
     auto block = std::shared_ptr<InductorBlock>(new InductorBlock());
     block->path_ = entry.path;
     block->sha256_ = entry.manifest.at("sha256").get<std::string>();
     block->manifest_ = entry.manifest;
-    block->read_signature(block_params, block_specs, req.device, unit);
+    block->read_signature(unit, req.device);
     out.push_back(std::move(block));
   }
   entry.loaded(report);
@@ -116,9 +123,9 @@ std::vector<std::shared_ptr<InductorBlock>> InductorBlock::load_units(const Indu
 
 InductorBlock::~InductorBlock() = default;
 
-void InductorBlock::read_signature(const std::vector<std::string>& block_params,
-                                   const std::vector<std::string>& block_specs, const torch::Device& device,
-                                   const std::string& unit) {
+void InductorBlock::read_signature(const Unit& u, const torch::Device& device) {
+  const std::string& unit = u.name;
+  const std::vector<std::string>&block_params = u.params, &block_specs = u.specs;
   unit_ = unit;
   const std::string fw = unit + "_forward", bw = unit + "_backward";
   const auto& models = manifest_.at("models");
@@ -129,14 +136,21 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
     const std::string kind = in.value("kind", "");
     if (kind == "parameter") {
       names.push_back(in.at("name").get<std::string>()), specs.push_back(spec_of(in));
-    } else if (kind == "rotary") {
+    } else if (kind == "rotary" || kind == "target") {
       extra_names_.push_back(in.at("name").get<std::string>());
+      extra_shapes_.push_back(shape_of(in));
     } else if (kind == "input") {
       input_shape_ = shape_of(in);
       const std::string dtype = in.at("dtype").get<std::string>();
-      if (dtype != "float32" && dtype != "bfloat16")
-        throw std::runtime_error(path_ + ": a block input of dtype " + dtype + ", which keel does not pass");
-      input_dtype_ = dtype == "bfloat16" ? c10::ScalarType::BFloat16 : c10::ScalarType::Float;
+      // a hidden state; the loss's logits (float16 under fp16 autocast); the embed's token ids
+      static const std::map<std::string, c10::ScalarType> kDtypes = {{"float32", c10::ScalarType::Float},
+                                                                     {"bfloat16", c10::ScalarType::BFloat16},
+                                                                     {"float16", c10::ScalarType::Half},
+                                                                     {"int64", c10::ScalarType::Long}};
+      const auto d = kDtypes.find(dtype);
+      if (d == kDtypes.end() || (dtype == "int64") != (unit == "embed"))
+        throw std::runtime_error(path_ + ": a " + unit + " input of dtype " + dtype + ", which keel does not pass");
+      input_dtype_ = d->second;
     } else {
       throw std::runtime_error(path_ + ": a block input keel does not pass: " + in.dump());
     }
@@ -144,15 +158,17 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
   if (unit == "block") {
     if (const std::string d = first_difference(names, specs, block_params, block_specs); !d.empty())
       throw std::runtime_error(path_ + " does not fit the model: " + d);
-  } else {  // a region takes some of the block's parameters
+  } else {  // a region takes some of the block's parameters; a root unit some of the root's
+    const std::string whose = unit == "attention" || unit == "mlp" ? "block" : "model";
     for (size_t i = 0; i < names.size(); ++i) {
       const auto it = std::find(block_params.begin(), block_params.end(), names[i]);
       if (it == block_params.end() || block_specs[static_cast<size_t>(it - block_params.begin())] != specs[i])
-        throw std::runtime_error(path_ + " does not fit the model: its " + unit + " region's parameter " + names[i] +
-                                 " (" + specs[i] + ") is " +
-                                 (it == block_params.end()
-                                      ? std::string("not the block's")
-                                      : block_specs[static_cast<size_t>(it - block_params.begin())] + " in the block"));
+        throw std::runtime_error(
+            path_ + " does not fit the model: its " + unit + " unit's parameter " + names[i] + " (" + specs[i] +
+            ") is " +
+            (it == block_params.end()
+                 ? "not the " + whose + "'s"
+                 : block_specs[static_cast<size_t>(it - block_params.begin())] + " in the " + whose));
     }
   }
   param_names_ = names;
@@ -170,7 +186,7 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
       s = {Source::Kind::Parameter, static_cast<size_t>(it - names.begin())};
     } else if (kind == "input") {
       s = {Source::Kind::Input, 0};
-    } else if (kind == "rotary") {
+    } else if (kind == "rotary" || kind == "target") {
       const auto it = std::find(extra_names_.begin(), extra_names_.end(), name);
       if (it == extra_names_.end()) throw std::runtime_error(path_ + ": the block's backward reads an unknown " + name);
       s = {Source::Kind::Extra, static_cast<size_t>(it - extra_names_.begin())};
@@ -189,9 +205,12 @@ void InductorBlock::read_signature(const std::vector<std::string>& block_params,
   backward_ = std::make_unique<torch::inductor::AOTIModelPackageLoader>(path_, bw, true, 1, index);
 }
 
-bool InductorBlock::fits(const torch::Tensor& x) const {
+bool InductorBlock::fits(const torch::Tensor& x, const std::vector<torch::Tensor>& extra) const {
   // The package's precision is traced in: it runs only under the autocast it was traced with.
   const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
+  if (extra.size() > extra_shapes_.size()) return false;
+  for (size_t i = 0; i < extra.size(); ++i)
+    if (extra[i].sizes().vec() != extra_shapes_[i]) return false;
   return x.sizes().vec() == input_shape_ && x.scalar_type() == input_dtype_ && autocast == (amp_ != "off");
 }
 
@@ -248,22 +267,35 @@ std::vector<torch::Tensor> InductorBlock::run_backward(const std::vector<torch::
 
 namespace {
 
-// Each block's parameter names, relative to the block, and the tensors, in the model's order.
+// Each block's parameter names, relative to the block, and the tensors, in the model's order;
+// and the root's (every parameter in no block: embeddings, final norm, an untied head).
 struct BlockParameters {
   std::vector<std::vector<std::string>> names;
   std::vector<std::vector<torch::Tensor>> tensors;
+  std::vector<std::string> root_names, root_specs;
+  std::vector<torch::Tensor> root_tensors;
 };
 
 BlockParameters block_parameters(const models::Model& model, const std::vector<std::string>& prefixes) {
   BlockParameters b{std::vector<std::vector<std::string>>(prefixes.size()),
-                    std::vector<std::vector<torch::Tensor>>(prefixes.size())};
-  for (const auto& [name, p] : model.named_parameters())
-    for (size_t i = 0; i < prefixes.size(); ++i)
+                    std::vector<std::vector<torch::Tensor>>(prefixes.size()),
+                    {},
+                    {},
+                    {}};
+  for (const auto& [name, p] : model.named_parameters()) {
+    bool in_block = false;
+    for (size_t i = 0; i < prefixes.size() && !in_block; ++i)
       if (name.rfind(prefixes[i], 0) == 0) {
         b.names[i].push_back(name.substr(prefixes[i].size()));
         b.tensors[i].push_back(p);
-        break;
+        in_block = true;
       }
+    if (!in_block) {
+      b.root_names.push_back(name);
+      b.root_specs.push_back(tensor_spec(p));
+      b.root_tensors.push_back(p);
+    }
+  }
   return b;
 }
 
@@ -307,7 +339,8 @@ std::vector<torch::Tensor> rotary_inputs(const InductorBlock& unit, const torch:
 std::shared_ptr<InductorBlock> compile_regions(models::Model& model, const InductorRequest& req,
                                                const BlockParameters& blocks, const std::vector<std::string>& specs,
                                                std::shared_ptr<CompileReport> report, int64_t max_recompiles) {
-  const auto units = InductorBlock::load_units(req, blocks.names[0], specs, *report, {"attention", "mlp"});
+  const auto units =
+      InductorBlock::load_units(req, {{"attention", blocks.names[0], specs}, {"mlp", blocks.names[0], specs}}, *report);
   // tensors[u][i]: unit u's parameters of block i.
   std::vector<std::vector<std::vector<torch::Tensor>>> tensors(units.size());
   for (size_t u = 0; u < units.size(); ++u)
@@ -340,6 +373,59 @@ std::shared_ptr<InductorBlock> compile_regions(models::Model& model, const Induc
   return units[0];
 }
 
+// The root's units from the package (at tp = 1): embed and head as the model's
+// BlockStructure::root_compiled, the loss as block.root_loss(). Where an input does not fit, the
+// root runs eager, unwarned and uncounted: the blocks, whose input changes with it, warn and count
+// that shape. A package without them (made by another packaging script: the cache key has the
+// script's SHA-256, so not keel's own): the root eager.
+void compile_root(models::Model& model, InductorBlock& block, const std::array<std::shared_ptr<InductorBlock>, 3>& root,
+                  const BlockParameters& params) {
+  const auto& [embed, head, loss] = root;
+  if (!embed || !head || !loss) {
+    logging::info("compile: the package has no root units: the embeddings, head and loss run eager");
+    return;
+  }
+  // Between them the embed and the head take every root parameter: a package traced with a tied
+  // head would otherwise leave an lm_head of the model's own without its gradient.
+  for (const auto& n : params.root_names)
+    if (std::find(embed->param_names().begin(), embed->param_names().end(), n) == embed->param_names().end() &&
+        std::find(head->param_names().begin(), head->param_names().end(), n) == head->param_names().end())
+      throw std::runtime_error(block.path() + " does not fit the model: its root units do not take the model's " + n);
+  const auto tensors_of = [&](const InductorBlock& unit) {
+    std::vector<torch::Tensor> out;
+    for (const auto& n : unit.param_names()) {
+      const auto it = std::find(params.root_names.begin(), params.root_names.end(), n);
+      out.push_back(params.root_tensors[static_cast<size_t>(it - params.root_names.begin())]);
+    }
+    return out;
+  };
+  const std::array<std::vector<torch::Tensor>, 2> tensors = {tensors_of(*embed), tensors_of(*head)};
+  auto ran = std::make_shared<bool>(false);  // said once
+  const bool ok = model.set_root_compiled([=](models::BlockStructure::RootPart part,
+                                              const torch::Tensor& x) -> torch::Tensor {
+    if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager root
+    const bool first = part == models::BlockStructure::RootPart::Embed;
+    const std::shared_ptr<InductorBlock>& unit = first ? embed : head;
+    if (!unit->fits(x)) return {};
+    if (!*ran) {
+      *ran = true;
+      logging::info("compile: the root's embeddings and head run from the package (tokens {})", embed->input_spec());
+    }
+    return unit->forward(tensors[first ? 0 : 1], x);
+  });
+  if (!ok) return;
+  auto said = std::make_shared<bool>(false);
+  block.set_root_loss([loss, said](const torch::Tensor& logits, const torch::Tensor& target) -> torch::Tensor {
+    if (!torch::GradMode::is_enabled() || target.scalar_type() != torch::kLong || !loss->fits(logits, {target}))
+      return {};
+    if (!*said) {
+      *said = true;
+      logging::info("compile: the loss runs from the package (logits {})", loss->input_spec());
+    }
+    return loss->forward({}, logits, {target.contiguous()});
+  });
+}
+
 }  // namespace
 
 std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const InductorRequest& req,
@@ -355,7 +441,14 @@ std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const Induct
   std::vector<std::string> specs;
   for (const auto& t : first.tensors[0]) specs.push_back(tensor_spec(t));
   if (req.tp > 1) return compile_regions(model, req, first, specs, report, max_recompiles);
-  auto block = InductorBlock::load_or_compile(req, first.names[0], specs, *report);
+  const auto units = InductorBlock::load_units(req,
+                                               {{"block", first.names[0], specs},
+                                                {"embed", first.root_names, first.root_specs},
+                                                {"head", first.root_names, first.root_specs},
+                                                {"loss", {}, {}}},
+                                               *report);
+  const std::shared_ptr<InductorBlock>& block = units[0];
+  compile_root(model, *block, {units[1], units[2], units[3]}, first);
   auto other = std::make_shared<OtherShapes>(report, max_recompiles);
   // Each block's parameter tensors, taken once: a transform after compile (ZeRO-3's gathers and
   // frees, sharded initialisation) gives them other data with set_data, never other tensors.
@@ -364,7 +457,7 @@ std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const Induct
       [=](size_t i, const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin) -> torch::Tensor {
         if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager block
         if (!block->fits(x)) {
-          other->seen(x, *block, "the blocks run");
+          other->seen(x, *block, "the blocks (and the root) run");
           return {};
         }
         return block->forward(tensors[i], x, rotary_inputs(*block, cos, sin));

@@ -11,14 +11,17 @@
 // as they are then (with dist.zero = 3, gathered again for the backward), never a copy held
 // from the forward. Everything around the block stays eager autograd: c10d's Reducer sees each
 // block's gradients as its backward finishes (DDP's buckets all-reduced while earlier blocks
-// run theirs), ZeRO-3 gathers and reduce-scatters around each block (dist/fsdp.h), and the
-// root (embeddings, final norm, head, loss) runs eager.
+// run theirs), ZeRO-3 gathers and reduce-scatters around each block (dist/fsdp.h). The root runs
+// from the same package, in three units around the blocks (BlockStructure::root_compiled): embed
+// (token ids -> the first block's input), head (final norm and output projection -> logits) and
+// loss (keel's cross-entropy); under tensor parallelism (vocabulary-parallel) it runs eager.
 // Does not own: the package cache and the packaging step (trainer/compile/inductor.h), which
 // blocks run compiled (models::BlockStructure::block_compiled, set by the compile stage).
 #pragma once
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -38,22 +41,27 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
                                                         const std::vector<std::string>& block_params,
                                                         const std::vector<std::string>& block_specs,
                                                         CompileReport& report);
-  /// The same for each of `units` of one package (req.tp > 1: "attention" and "mlp", the block's
-  /// tensor-parallel regions): models <unit>_forward and <unit>_backward, whose parameters are
-  /// some of the block's (each named as the block names it, of the same spec), in param_names()
-  /// order.
+  /// One unit of a package and the parameters it may take (names and specs, as the model's
+  /// block or root names them): "block" takes exactly these; any other unit some of them.
+  struct Unit {
+    std::string name;
+    std::vector<std::string> params, specs;
+  };
+  /// The same for each of `units` of one package ("attention" and "mlp", the block's
+  /// tensor-parallel regions at req.tp > 1; "embed", "head" and "loss", the root's): models
+  /// <unit>_forward and <unit>_backward, whose parameters are named as the unit's params, of the
+  /// same spec, in param_names() order. A root unit the package lacks is a null entry (a package
+  /// made by another packaging script than keel's); any other missing unit throws.
   static std::vector<std::shared_ptr<InductorBlock>> load_units(const InductorRequest& req,
-                                                                const std::vector<std::string>& block_params,
-                                                                const std::vector<std::string>& block_specs,
-                                                                CompileReport& report,
-                                                                const std::vector<std::string>& units);
-  /// The parameters the package takes, in its order, named relative to the block.
+                                                                const std::vector<Unit>& units, CompileReport& report);
+  /// The parameters the unit takes, in its order, named relative to the block (a root unit: as
+  /// the model names them).
   const std::vector<std::string>& param_names() const { return param_names_; }
   ~InductorBlock();
 
   /// Whether an input of this shape and dtype, under the autocast now in effect, runs in the
-  /// package (else the block runs eager).
-  bool fits(const torch::Tensor& x) const;
+  /// package (else the block runs eager); and `extra` (the loss's target) of the traced shapes.
+  bool fits(const torch::Tensor& x, const std::vector<torch::Tensor>& extra = {}) const;
   /// The input the package takes: "[8, 32, 64] float32" (with " under autocast" when traced so).
   std::string input_spec() const;
   /// The block on `x` with `params` (the block's, in the package's order) and `extra` (what
@@ -61,12 +69,20 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
   /// backward gives every parameter and `x` their gradients.
   torch::Tensor forward(const std::vector<torch::Tensor>& params, const torch::Tensor& x,
                         const std::vector<torch::Tensor>& extra = {});
-  /// How many extra inputs the package takes (0, or 2: cos and sin).
+  /// How many extra inputs the package takes (0; 2: cos and sin; 1: the loss's target).
   size_t num_extra() const { return num_extra_; }
+  /// Whether the input gets a gradient (not for token ids: the root's embed).
+  bool input_grad() const { return input_dtype_ != c10::ScalarType::Long; }
   const std::string& sha256() const { return sha256_; }
   const std::string& path() const { return path_; }
   /// Its manifest with "cache_key" (checkpoint.save_graph stores it as graph.json).
   std::string manifest_for_checkpoint() const { return manifest_.dump(2) + "\n"; }
+  /// The root's loss from the package (set on what compile_blocks returns where the root is
+  /// compiled): keel's cross-entropy of (logits, target) in float32, or an undefined tensor where
+  /// it does not run (another shape, no gradient wanted), for the eager loss to compute.
+  using Loss = std::function<torch::Tensor(const torch::Tensor& logits, const torch::Tensor& target)>;
+  const Loss& root_loss() const { return root_loss_; }
+  void set_root_loss(Loss loss) { root_loss_ = std::move(loss); }
 
   /// For the autograd function (internal): the forward's outputs (output, then the saved
   /// tensors), and the backward's (each parameter's gradient, then the input's).
@@ -77,8 +93,7 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
 
  private:
   InductorBlock() = default;
-  void read_signature(const std::vector<std::string>& block_params, const std::vector<std::string>& block_specs,
-                      const torch::Device& device, const std::string& unit);
+  void read_signature(const Unit& unit, const torch::Device& device);
   /// Where each input of the backward comes from.
   struct Source {
     enum class Kind { Parameter, Input, Extra, Saved, GradOutput } kind;
@@ -92,13 +107,17 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
   size_t num_params_ = 0, num_extra_ = 0;
   std::string amp_ = "off";
   std::vector<std::string> extra_names_, param_names_;
+  std::vector<std::vector<int64_t>> extra_shapes_;
   std::string unit_ = "block";
   std::vector<Source> backward_inputs_;
+  Loss root_loss_;
 };
 
 /// compile.granularity = "blocks": loads (or packages) the block package for `model` and sets
 /// every block to run it (models::BlockStructure::block_compiled) where the block's input fits
-/// the package and a gradient is wanted; elsewhere the block runs eager. Under tensor parallelism
+/// the package and a gradient is wanted; elsewhere the block runs eager. At tp = 1 the root's
+/// embed and head run from it too (BlockStructure::root_compiled), and the returned unit's
+/// root_loss() gives keel's cross-entropy from it. Under tensor parallelism
 /// (req.tp > 1) the package holds the block's two regions between its collectives instead, set
 /// as BlockStructure::region_compiled: the block runs eager around them (norms, tp's
 /// collectives, the row-parallel biases, the residuals). A training input of

@@ -384,9 +384,10 @@ void compile_keys(SchemaBuilder& b) {
         "from C++: the whole training step, or each transformer block: compile.granularity)");
   b.add("compile", &C::compile, "granularity", &CompileConfig::granularity, kCompileGranularities,
         "inductor: step (the whole training step, one package) | blocks (a transformer block's forward and backward, "
-        "one package reused for every block; the root runs eager; DDP's buckets overlap the backward, dist.zero = 3 "
-        "gathers around each block; under parallel.tp > 1 the block's regions between its collectives; gpt, gpt2, "
-        "llama) | auto (blocks at dist.zero = 3 or parallel.tp > 1, else step)");
+        "one package reused for every block, with the root's embedding, head and loss (eager under parallel.tp > 1); "
+        "DDP's buckets overlap the backward, dist.zero = 3 gathers around each block; under parallel.tp > 1 the "
+        "block's regions between its collectives; gpt, gpt2, llama) | auto (blocks at dist.zero = 3 or parallel.tp > "
+        "1, else step)");
   b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph,
         "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
   b.add("compile", &C::compile, "deterministic", &CompileConfig::deterministic,

@@ -100,6 +100,20 @@ class BlockStructure {
       if (torch::Tensor y = block_compiled(i, x, cos, sin); y.defined()) return y;
     return block_run(std::move(f), x);
   }
+
+  /// The root's two parts around the blocks compiled (compile.granularity = "blocks" without
+  /// tensor parallelism): Embed, token ids (B, T) -> the first block's input; Head, the last
+  /// block's output -> logits (the final norm and the output projection). An undefined tensor
+  /// where the package does not run (another shape, evaluation), so that the part runs eager.
+  /// Empty: never. A family's forward calls root_call() with its eager part.
+  enum class RootPart { Embed, Head };
+  using RootCompiled = std::function<torch::Tensor(RootPart part, const torch::Tensor& x)>;
+  RootCompiled root_compiled;
+  torch::Tensor root_call(RootPart part, const torch::Tensor& x, const std::function<torch::Tensor()>& eager) {
+    if (root_compiled)
+      if (torch::Tensor y = root_compiled(part, x); y.defined()) return y;
+    return eager();
+  }
 };
 
 /// A trainable network. Implementations: a torch::nn::Module (ModuleModel) or a TorchScript
@@ -132,6 +146,8 @@ class Model {
   virtual bool set_block_compiled(BlockStructure::BlockCompiled /*run*/) { return false; }
   /// Sets BlockStructure::region_compiled; returns false for a model without blocks.
   virtual bool set_region_compiled(BlockStructure::RegionCompiled /*run*/) { return false; }
+  /// Sets BlockStructure::root_compiled; returns false for a model without blocks.
+  virtual bool set_root_compiled(BlockStructure::RootCompiled /*run*/) { return false; }
 
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
@@ -177,6 +193,11 @@ class ModuleModel : public Model {
   bool set_region_compiled(BlockStructure::RegionCompiled run) override {
     auto* b = dynamic_cast<BlockStructure*>(module_.get());
     if (b) b->region_compiled = std::move(run);
+    return b != nullptr;
+  }
+  bool set_root_compiled(BlockStructure::RootCompiled run) override {
+    auto* b = dynamic_cast<BlockStructure*>(module_.get());
+    if (b) b->root_compiled = std::move(run);
     return b != nullptr;
   }
   ModuleHolder& module() { return module_; }
