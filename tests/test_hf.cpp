@@ -372,6 +372,19 @@ std::vector<std::string> small_run(const std::string& name, int depth, const std
           "--train.batch_size=4"};
 }
 
+// The compiled run in `compiled` trains as the eager run in `eager`: `steps` losses each, every one
+// within 1e-4 relative (the tolerance a package meets: fp32 kernels in another order). `what`
+// names the case in a failure.
+void expect_losses_as_eager(const std::string& eager, const std::string& compiled, size_t steps,
+                            const std::string& what) {
+  const auto a = metrics_losses(eager), b = metrics_losses(compiled);
+  ASSERT_EQ(a.size(), steps) << what;
+  ASSERT_EQ(b.size(), steps) << what;
+  for (size_t i = 0; i < steps; ++i)
+    EXPECT_LE(std::abs(a[i].second - b[i].second), 1e-4 * std::abs(a[i].second))
+        << what << ", step " << a[i].first << ": eager " << a[i].second << ", compiled " << b[i].second;
+}
+
 }  // namespace
 
 // Dropout as transformers reads it: gpt2's three probabilities from config.json (0.1 each when
@@ -531,13 +544,7 @@ TEST(HfModels, Gpt2AndLlamaWithTheirBlocksCompiledTrainAtZero3Over2And3RanksAsTh
       for (const char* root :
            {"compile: the root's embeddings and head run from the package", "compile: the loss runs from the package"})
         EXPECT_NE(log.find(root), std::string::npos) << name << "\n" << log;
-      const auto eager = metrics_losses(d.file("off" + tag)), compiled = metrics_losses(d.file("inductor" + tag));
-      ASSERT_EQ(eager.size(), 5u) << name << ", " << ranks << " ranks";
-      ASSERT_EQ(compiled.size(), 5u) << name << ", " << ranks << " ranks";
-      for (size_t i = 0; i < eager.size(); ++i)
-        EXPECT_LE(std::abs(eager[i].second - compiled[i].second), 1e-4 * std::abs(eager[i].second))
-            << name << ", " << ranks << " ranks, step " << eager[i].first << ": eager " << eager[i].second
-            << ", blocks " << compiled[i].second;
+      expect_losses_as_eager(d.file("off" + tag), d.file("inductor" + tag), 5, name + ", " + tag + " ranks, blocks");
     }
   }
 }
@@ -567,12 +574,7 @@ TEST(HfModels, Gpt2AndLlamaWithTheirTpRegionsCompiledTrainAtTp2AsTheEagerModels)
           << log;
     EXPECT_EQ(summary_field(d.file("inductor"), "compile_mode"), "\"inductor\"") << name;
     EXPECT_EQ(summary_field(d.file("inductor"), "recompiles"), "0") << name;
-    const auto eager = metrics_losses(d.file("off")), compiled = metrics_losses(d.file("inductor"));
-    ASSERT_EQ(eager.size(), 5u) << name;
-    ASSERT_EQ(compiled.size(), 5u) << name;
-    for (size_t i = 0; i < eager.size(); ++i)
-      EXPECT_LE(std::abs(eager[i].second - compiled[i].second), 1e-4 * std::abs(eager[i].second))
-          << name << ", step " << eager[i].first << ": eager " << eager[i].second << ", regions " << compiled[i].second;
+    expect_losses_as_eager(d.file("off"), d.file("inductor"), 5, name + ", regions");
   }
 }
 
@@ -598,12 +600,6 @@ TEST(HfModels, InductorPackagesTrainAsTheEagerModels) {
       }
     }
     EXPECT_EQ(summary_field(d.file("inductor"), "compile_mode"), "\"inductor\"") << name;
-    const auto eager = metrics_losses(d.file("off")), compiled = metrics_losses(d.file("inductor"));
-    ASSERT_EQ(eager.size(), 5u) << name;
-    ASSERT_EQ(compiled.size(), 5u) << name;
-    for (size_t i = 0; i < eager.size(); ++i)
-      EXPECT_LE(std::abs(eager[i].second - compiled[i].second), 1e-4 * std::abs(eager[i].second))
-          << name << ", step " << eager[i].first << ": eager " << eager[i].second << ", inductor "
-          << compiled[i].second;
+    expect_losses_as_eager(d.file("off"), d.file("inductor"), 5, name + ", inductor");
   }
 }

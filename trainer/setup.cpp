@@ -217,13 +217,9 @@ CompileReport package_training_step(const Config& cfg) {
   const InductorRequest req = inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
                                                dynamic_cast<const PythonModel*>(model.get()));
   auto report = std::make_shared<CompileReport>();
-  if (req.granularity == "blocks" && req.tp > 1) {
-    // The regions take one tp rank's shards, which only a sharded model has: keel train checks
-    // them against its model as it loads them.
-    if (model->block_prefixes().empty())
-      throw InputError("compile.granularity = \"blocks\": model " + model->name() + " has no transformer blocks");
-    fetch_package(req, *report).loaded(*report);
-  } else if (req.granularity == "blocks")  // packaged and checked to fit the model's blocks
+  if (req.granularity == "blocks" && req.tp > 1)  // the regions take one tp rank's shards, which only a
+    fetch_package(req, *report).loaded(*report);  // sharded model has: keel train checks them as it loads them
+  else if (req.granularity == "blocks")           // packaged and checked to fit the model's blocks
     compile_blocks(*model, req, report, cfg.compile.max_recompiles);
   else
     InductorStep::load_or_compile(req, *report);

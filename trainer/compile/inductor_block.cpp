@@ -277,11 +277,9 @@ struct BlockParameters {
 };
 
 BlockParameters block_parameters(const models::Model& model, const std::vector<std::string>& prefixes) {
-  BlockParameters b{std::vector<std::vector<std::string>>(prefixes.size()),
-                    std::vector<std::vector<torch::Tensor>>(prefixes.size()),
-                    {},
-                    {},
-                    {}};
+  BlockParameters b;
+  b.names.resize(prefixes.size());
+  b.tensors.resize(prefixes.size());
   for (const auto& [name, p] : model.named_parameters()) {
     bool in_block = false;
     for (size_t i = 0; i < prefixes.size() && !in_block; ++i)
@@ -297,6 +295,16 @@ BlockParameters block_parameters(const models::Model& model, const std::vector<s
     }
   }
   return b;
+}
+
+// The tensors of a unit's parameters `wanted`, each found by name among `names` (a block's, or the
+// root's) and taken from `tensors`, in the unit's order (read_signature checked they are there).
+std::vector<torch::Tensor> tensors_named(const std::vector<std::string>& wanted, const std::vector<std::string>& names,
+                                         const std::vector<torch::Tensor>& tensors) {
+  std::vector<torch::Tensor> out;
+  for (const auto& n : wanted)
+    out.push_back(tensors[static_cast<size_t>(std::find(names.begin(), names.end(), n) - names.begin())]);
+  return out;
 }
 
 }  // namespace
@@ -344,14 +352,8 @@ std::shared_ptr<InductorBlock> compile_regions(models::Model& model, const Induc
   // tensors[u][i]: unit u's parameters of block i.
   std::vector<std::vector<std::vector<torch::Tensor>>> tensors(units.size());
   for (size_t u = 0; u < units.size(); ++u)
-    for (size_t i = 0; i < blocks.names.size(); ++i) {
-      std::vector<torch::Tensor> mine;
-      for (const auto& n : units[u]->param_names()) {
-        const auto it = std::find(blocks.names[i].begin(), blocks.names[i].end(), n);
-        mine.push_back(blocks.tensors[i][static_cast<size_t>(it - blocks.names[i].begin())]);
-      }
-      tensors[u].push_back(std::move(mine));
-    }
+    for (size_t i = 0; i < blocks.names.size(); ++i)
+      tensors[u].push_back(tensors_named(units[u]->param_names(), blocks.names[i], blocks.tensors[i]));
   auto other = std::make_shared<OtherShapes>(report, max_recompiles);
   auto ran = std::make_shared<std::array<bool, 2>>();  // each region's first run from the package, said once
   const bool ok = model.set_region_compiled([=](size_t i, models::BlockStructure::Region region, const torch::Tensor& x,
@@ -391,15 +393,9 @@ void compile_root(models::Model& model, InductorBlock& block, const std::array<s
     if (std::find(embed->param_names().begin(), embed->param_names().end(), n) == embed->param_names().end() &&
         std::find(head->param_names().begin(), head->param_names().end(), n) == head->param_names().end())
       throw std::runtime_error(block.path() + " does not fit the model: its root units do not take the model's " + n);
-  const auto tensors_of = [&](const InductorBlock& unit) {
-    std::vector<torch::Tensor> out;
-    for (const auto& n : unit.param_names()) {
-      const auto it = std::find(params.root_names.begin(), params.root_names.end(), n);
-      out.push_back(params.root_tensors[static_cast<size_t>(it - params.root_names.begin())]);
-    }
-    return out;
-  };
-  const std::array<std::vector<torch::Tensor>, 2> tensors = {tensors_of(*embed), tensors_of(*head)};
+  const std::array<std::vector<torch::Tensor>, 2> tensors = {
+      tensors_named(embed->param_names(), params.root_names, params.root_tensors),
+      tensors_named(head->param_names(), params.root_names, params.root_tensors)};
   auto ran = std::make_shared<bool>(false);  // said once
   const bool ok = model.set_root_compiled([=](models::BlockStructure::RootPart part,
                                               const torch::Tensor& x) -> torch::Tensor {
