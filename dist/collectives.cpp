@@ -522,8 +522,9 @@ Collectives::Started Collectives::start_all_gather_into(const torch::Tensor& ful
                   full.scalar_type() == shard.scalar_type(),
               "start_all_gather_into: full must be world x shard, contiguous, of shard's dtype");
   Started s;
-  if (!group_->pg()) {
+  if (!group_->pg()) {  // one rank: done now, still pending until the caller's wait()
     full.copy_(shard.reshape(full.sizes()));
+    s.finish_ = [] {};
     return s;
   }
   Desc d = Desc::of(OpCode::AllGather, shard);
@@ -558,8 +559,9 @@ Collectives::Started Collectives::start_reduce_scatter(const torch::Tensor& shar
                   full.scalar_type() == shard.scalar_type(),
               "start_reduce_scatter: full must be world x shard, contiguous, of shard's dtype");
   Started s;
-  if (!group_->pg()) {
+  if (!group_->pg()) {  // one rank: as start_all_gather_into's
     shard.copy_(full.reshape(shard.sizes()));
+    s.finish_ = [] {};
     return s;
   }
   Desc d = Desc::of(OpCode::ReduceScatter, shard);

@@ -110,7 +110,8 @@ class DataParallel {
   /// arithmetic of torch.nn.utils.clip_grad_norm_ (dist::clip_grad_norm): with zero >= 1 the
   /// per-parameter norms of the owners are exchanged in one all-reduce, so the result is
   /// bit-identical to zero = 0's. A split model (tensor parallelism): the norm over the whole mesh,
-  /// each part counted once (dist/tensor_parallel.h's clip_grad_norm_tensor_parallel).
+  /// each part counted once (dist/tensor_parallel.h's clip_grad_norm_tensor_parallel). A
+  /// `max_norm` of infinity measures the norm only.
   torch::Tensor clip_grad_norm(double max_norm);
 
  private:

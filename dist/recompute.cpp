@@ -298,6 +298,11 @@ void wrap_recompute(models::Model& model, Recompute policy, TransformPlan& plan)
     throw InputError("train.activation_checkpointing = \"" + name +
                      "\" recomputes a transformer's blocks: model.name = \"" + model.name() +
                      "\" is not one (gpt, gpt2 and llama are)");
+  // A model that reaches here without its blocks (a wrapper that hides them) would recompute
+  // nothing, silently: refused.
+  if (model.block_prefixes().empty())
+    throw std::logic_error("train.activation_checkpointing = \"" + name + "\": model \"" + model.name() +
+                           "\" shows no blocks (a wrapper that does not pass its BlockStructure on)");
   model.set_block_runner([policy](models::BlockStructure::BlockFunction f, const torch::Tensor& x) {
     return recompute(std::move(f), x, policy);
   });

@@ -82,10 +82,11 @@ struct SequenceRegion : torch::autograd::Function<SequenceRegion<Gather>> {
 // The vocabulary-parallel cross-entropy (Megatron's): per token, the maximum logit over the
 // whole vocabulary (one all-reduce), then the sum of exponentials and the target's shifted
 // logit (one all-reduce of both). Backward: softmax minus the target's one-hot, on this rank's
-// columns only.
+// columns only. Tokens whose target is `ignore_index` count for nothing: the loss is the sum over
+// the others divided by their number (at least 1), as trainer/loss.h's cross_entropy.
 struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
   static torch::Tensor forward(AutogradContext* ctx, const torch::Tensor& logits, const torch::Tensor& target,
-                               int64_t first, int64_t tp) {
+                               int64_t first, int64_t tp, int64_t ignore_index) {
     Collectives& g = group_of(tp);
     const torch::Tensor l = logits.scalar_type() == torch::kDouble ? logits : logits.to(torch::kFloat);
     const int64_t n = l.size(1);
@@ -100,8 +101,11 @@ struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
     torch::Tensor sums = torch::cat({exp.sum(1, true), torch::where(mine, shifted.gather(1, index), 0.0)}, 1);
     g.all_reduce(sums, ReduceOp::Sum, "tp: cross-entropy sums");
     const torch::Tensor sum_exp = sums.select(1, 0).unsqueeze(1);
-    const torch::Tensor loss = (sum_exp.log() - sums.select(1, 1).unsqueeze(1)).mean();
-    ctx->save_for_backward({exp / sum_exp, index, mine});
+    const torch::Tensor counted = target.reshape({-1, 1}).ne(ignore_index);
+    const torch::Tensor count = counted.sum().clamp_min(1).to(l.scalar_type());
+    const torch::Tensor per_token = torch::where(counted, sum_exp.log() - sums.select(1, 1).unsqueeze(1), 0.0);
+    const torch::Tensor loss = per_token.sum() / count;
+    ctx->save_for_backward({exp / sum_exp, index, mine, counted, count});
     ctx->saved_data["dtype"] = static_cast<int64_t>(logits.scalar_type());
     return loss;
   }
@@ -109,9 +113,9 @@ struct VocabCrossEntropy : torch::autograd::Function<VocabCrossEntropy> {
     const auto saved = ctx->get_saved_variables();
     torch::Tensor g = saved[0].clone();
     g.scatter_add_(1, saved[1], -saved[2].to(g.scalar_type()));
-    g.mul_(grad[0] / static_cast<double>(g.size(0)));
+    g.mul_(saved[3].to(g.scalar_type())).mul_(grad[0] / saved[4]);
     const auto dtype = static_cast<c10::ScalarType>(ctx->saved_data["dtype"].toInt());
-    return {g.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor()};
+    return {g.to(dtype), torch::Tensor(), torch::Tensor(), torch::Tensor(), torch::Tensor()};
   }
 };
 
@@ -178,12 +182,12 @@ void sum_gradients(const std::vector<torch::Tensor>& params, Collectives& tp) {
 }
 
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, VocabRange range,
-                                           Collectives& tp) {
+                                           Collectives& tp, int64_t ignore_index) {
   const torch::Tensor flat = logits.reshape({-1, logits.size(-1)});
   if (flat.size(1) != range.n)
     throw std::invalid_argument("vocab_parallel_cross_entropy: logits with " + std::to_string(flat.size(1)) +
                                 " columns for a vocabulary range of " + std::to_string(range.n));
-  return VocabCrossEntropy::apply(flat, target.reshape({-1}), range.first, as_int(tp));
+  return VocabCrossEntropy::apply(flat, target.reshape({-1}), range.first, as_int(tp), ignore_index);
 }
 
 torch::Tensor vocab_parallel_argmax(const torch::Tensor& logits, VocabRange range, Collectives& tp) {

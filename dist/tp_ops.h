@@ -14,8 +14,8 @@
 // The vocabulary-parallel pair: an embedding whose rows are split over the tp ranks, and the
 // cross-entropy over logits split the same way, computed from each rank's shard with two
 // all-reduces per token (the maximum; then the sum of exponentials and the target's logit
-// together), never gathering the full logits. Targets must be ids of the vocabulary (no
-// ignore_index): one outside every rank's range is not caught here.
+// together), never gathering the full logits. Targets are ids of the vocabulary or the ignore
+// index; another outside every rank's range is not caught here (trainer/loss.h checks batches).
 //
 // Every call goes through the Collectives' door (validated, counted, observed); each is a
 // collective over the tp group: every rank of the group calls it in the same order with the same
@@ -69,11 +69,13 @@ void sum_gradients(const std::vector<torch::Tensor>& params, Collectives& tp);
 
 /// The mean cross-entropy of `logits` (N x n: this rank's vocabulary columns `range` of each
 /// token's logits) against `target` (N, int64 ids over the whole vocabulary), equal to
-/// torch's cross_entropy over the gathered logits up to rounding. In float32 for 16- and 32-bit
-/// logits (double stays double); returns a scalar of that dtype, the same on every rank of the
-/// group; its backward gives each rank its columns' gradient, in the logits' dtype.
+/// torch's cross_entropy(ignore_index) over the gathered logits up to rounding: tokens whose
+/// target is `ignore_index` add nothing, the mean is over the others (0 when there are none, as
+/// trainer/loss.h's cross_entropy). In float32 for 16- and 32-bit logits (double stays double);
+/// returns a scalar of that dtype, the same on every rank of the group; its backward gives each
+/// rank its columns' gradient, in the logits' dtype.
 torch::Tensor vocab_parallel_cross_entropy(const torch::Tensor& logits, const torch::Tensor& target, VocabRange range,
-                                           Collectives& tp);
+                                           Collectives& tp, int64_t ignore_index = -100);
 
 /// The index over the whole vocabulary of each row's largest logit, from this rank's columns
 /// `range` of `logits` (N x n): the first such index when several are equal, as torch's argmax.

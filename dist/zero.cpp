@@ -1,6 +1,7 @@
 #include "dist/zero.h"
 
 #include <algorithm>
+#include <cmath>
 
 namespace keel::dist {
 
@@ -42,7 +43,8 @@ torch::Tensor clip_grad_norm(const models::NamedTensors& params, const std::vect
   torch::Tensor table = torch::stack(entries);
   if (sharded) coll.all_reduce(table, ReduceOp::Sum, "ZeRO gradient norm");
   const torch::Tensor total = at::linalg_vector_norm(table, 2);
-  if (!grads.empty()) at::_foreach_mul_(grads, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
+  if (!grads.empty() && std::isfinite(max_norm))
+    at::_foreach_mul_(grads, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
   return total;
 }
 
@@ -57,7 +59,8 @@ torch::Tensor clip_by_summed_squares(const std::vector<torch::Tensor>& counted,
   }
   for (Collectives* g : groups) g->all_reduce(squares, ReduceOp::Sum, what);
   const torch::Tensor total = squares.sqrt().reshape({});
-  if (!scaled.empty()) at::_foreach_mul_(scaled, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
+  if (!scaled.empty() && std::isfinite(max_norm))
+    at::_foreach_mul_(scaled, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
   return total;
 }
 

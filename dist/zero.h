@@ -26,7 +26,8 @@ void zero_broadcast_parameters(const models::NamedTensors& params, const std::ve
                                size_t bucket_bytes);
 
 /// Clips the gradients to a global L2 norm of `max_norm` and returns the norm before clipping
-/// (a 0-dim tensor on the gradients' device: nothing is read by the host), with the arithmetic of
+/// (a 0-dim tensor on the gradients' device: nothing is read by the host); a `max_norm` of
+/// infinity only measures the norm (no gradient is written), here and in every clip below. The arithmetic of
 /// torch.nn.utils.clip_grad_norm_ (foreach): per-parameter norms in one _foreach_norm, the norm
 /// of their vector, one _foreach_mul_ by the clamped coefficient. `sharded` (collective; ZeRO):
 /// only the gradients this rank owns (`owner[i] == coll.rank()`) are read and scaled, and the

@@ -31,13 +31,18 @@ struct HfShape {
   bool tied = true;
   bool tanh_gelu = true;                          // gpt2: gelu_new / gelu_pytorch_tanh; false: gelu (erf)
   bool attention_bias = false, mlp_bias = false;  // llama
-  int64_t padding_idx = -1;                       // llama: pad_token_id, whose embedding gets no gradient; -1 none
+  int64_t padding_idx = -1;  // llama: pad_token_id (a negative one from the end), whose row gets no gradient; -1 none
   // Dropout while training (model.dropout, or the file's): gpt2 after the embeddings, on the
   // attention weights, after each residual branch; llama on the attention weights only.
   double embd_pdrop = 0, attn_pdrop = 0, resid_pdrop = 0;
   double max_dropout() const { return std::max({embd_pdrop, attn_pdrop, resid_pdrop}); }
   nlohmann::json config;  // config.json as transformers reads it
   std::string source;     // the config.json the shape came from, or ""
+  /// Where the value keel's `key` stands for came from, for messages: the key itself
+  /// ("model.heads"), or the field of the config.json it was read from ("n_head in
+  /// DIR/config.json"). Keys: model.vocab, model.width, model.depth, model.heads,
+  /// model.kv_heads, model.ffn_width, model.context.
+  std::string origin(const std::string& key) const;
 };
 
 /// Whether model.name is a Hugging Face family (gpt2, llama).
@@ -52,6 +57,11 @@ HfShape hf_shape(const ModelConfig& cfg);
 /// The largest dropout probability the model model.name builds applies while training: gpt's
 /// model.dropout, a Hugging Face family's (model.dropout or its config.json's), else 0.
 double model_dropout(const ModelConfig& cfg);
+
+/// Where model_dropout's probability came from, for messages: "model.dropout", or the
+/// config.json's fields when model.dropout is left to the file ("attn_pdrop = 0.1, ... in
+/// DIR/config.json").
+std::string dropout_origin(const ModelConfig& cfg);
 
 /// Maps a tensor name of a Hugging Face file to the model's: nullopt = not a tensor of the
 /// model that is wanted (a tied lm_head, an old causal-mask or rotary buffer), skipped.

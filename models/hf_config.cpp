@@ -2,6 +2,9 @@
 #include <algorithm>
 #include <cmath>
 #include <filesystem>
+#include <sstream>
+#include <utility>
+#include <vector>
 
 #include "common/file.h"
 #include "models/hf.h"
@@ -103,10 +106,16 @@ void read_llama(const ConfigFile& f, HfShape& s) {
   s.attention_bias = f.flag_or("attention_bias", false);
   s.mlp_bias = f.flag_or("mlp_bias", false);
   s.attn_pdrop = f.probability_or("attention_dropout", 0.0);
-  // transformers' Llama embeds with padding_idx = pad_token_id: that row gets no gradient.
+  // transformers' Llama embeds with torch.nn.Embedding(padding_idx = pad_token_id): that row gets
+  // no gradient. As there, a negative id counts from the end (-1: row vocab_size - 1), and one
+  // outside [-vocab_size, vocab_size) is refused (transformers' embedding asserts it).
   if (f.has("pad_token_id") && f.j["pad_token_id"].is_number_integer()) {
     const int64_t pad = f.j["pad_token_id"].get<int64_t>();
-    if (pad >= 0 && pad < s.vocab) s.padding_idx = pad;
+    if (pad < -s.vocab || pad >= s.vocab)
+      f.fail("pad_token_id", "is " + std::to_string(pad) + ", outside [-vocab_size, vocab_size) = [" +
+                                 std::to_string(-s.vocab) + ", " + std::to_string(s.vocab) +
+                                 "): the embedding has no such row (transformers refuses it too)");
+    s.padding_idx = pad < 0 ? pad + s.vocab : pad;
   }
   const std::string act = f.text_or("hidden_act", "silu");
   if (act != "silu") f.fail("hidden_act", "is \"" + act + "\"; keel's llama has silu (SwiGLU)");
@@ -216,15 +225,19 @@ void from_file(const ModelConfig& cfg, const std::string& path, HfShape& s) {
 void check(const ModelConfig& cfg, const HfShape& s) {
   const std::string from = s.source.empty() ? "" : " (" + s.source + ")";
   if (s.family == "gpt2" && s.width % s.heads != 0)
-    throw InputError("model: width " + std::to_string(s.width) +
-                     " is not divisible by model.heads = " + std::to_string(s.heads) + from);
+    throw InputError("model: the width " + std::to_string(s.width) + " (" + s.origin("model.width") +
+                     ") does not divide by the heads " + std::to_string(s.heads) + " (" + s.origin("model.heads") +
+                     ")");
   if (s.family == "llama") {
     if (s.source.empty() && s.width % s.heads != 0)
       throw InputError("model: width " + std::to_string(s.width) +
                        " is not divisible by model.heads = " + std::to_string(s.heads));
     if (s.heads % s.kv_heads != 0)
-      throw InputError("model.kv_heads = " + std::to_string(s.kv_heads) +
-                       " does not divide model.heads = " + std::to_string(s.heads) + from);
+      throw InputError(s.source.empty() ? "model.kv_heads = " + std::to_string(s.kv_heads) +
+                                              " does not divide model.heads = " + std::to_string(s.heads)
+                                        : "model: the key/value heads " + std::to_string(s.kv_heads) + " (" +
+                                              s.origin("model.kv_heads") + ") do not divide the heads " +
+                                              std::to_string(s.heads) + " (" + s.origin("model.heads") + ")");
     if (s.head_dim % 2 != 0)
       throw InputError("model: the head width " + std::to_string(s.head_dim) +
                        " is odd; the rotary embedding needs it even" + from);
@@ -260,6 +273,48 @@ HfShape hf_shape(const ModelConfig& cfg) {
     from_keys(cfg, s);
   check(cfg, s);
   return s;
+}
+
+std::string HfShape::origin(const std::string& key) const {
+  if (source.empty()) return key;
+  const bool gpt2 = family == "gpt2";
+  const std::pair<const char*, const char*> fields[] = {
+      {"model.vocab", "vocab_size"},
+      {"model.width", gpt2 ? "n_embd" : "hidden_size"},
+      {"model.depth", gpt2 ? "n_layer" : "num_hidden_layers"},
+      {"model.heads", gpt2 ? "n_head" : "num_attention_heads"},
+      {"model.kv_heads", gpt2 ? "n_head" : "num_key_value_heads"},
+      {"model.ffn_width", gpt2 ? "n_inner" : "intermediate_size"},
+      {"model.context", gpt2 ? "n_positions" : "max_position_embeddings"}};
+  for (const auto& [k, field] : fields)
+    if (key == k) {
+      // A field the file leaves out (or null) took transformers' default: said so, not named as
+      // if the file held it (n_inner absent: 4 x n_embd; num_key_value_heads: the heads).
+      if (!config.is_object() || !config.contains(field) || config.at(field).is_null())
+        return std::string(field) + " absent from " + source + ", transformers' default";
+      return std::string(field) + " in " + source;
+    }
+  return key + " (" + source + ")";
+}
+
+std::string dropout_origin(const ModelConfig& cfg) {
+  if (cfg.dropout >= 0 || !is_hf_family(cfg.name)) return "model.dropout";
+  const HfShape s = hf_shape(cfg);
+  if (s.source.empty()) return "model.dropout";
+  std::string fields;
+  const bool gpt2 = s.family == "gpt2";
+  const std::vector<std::pair<const char*, double>> used =
+      gpt2 ? std::vector<std::pair<const char*, double>>{{"embd_pdrop", s.embd_pdrop},
+                                                         {"attn_pdrop", s.attn_pdrop},
+                                                         {"resid_pdrop", s.resid_pdrop}}
+           : std::vector<std::pair<const char*, double>>{{"attention_dropout", s.attn_pdrop}};
+  for (const auto& [f, p] : used) {
+    std::ostringstream os;
+    os << f << " = " << p;
+    if (!s.config.contains(f)) os << " (absent: transformers' default)";
+    fields += (fields.empty() ? "" : ", ") + os.str();
+  }
+  return fields + " in " + s.source + " (model.dropout unset takes the file's)";
 }
 
 double model_dropout(const ModelConfig& cfg) {

@@ -1,6 +1,8 @@
 // The compile stage (compile.mode = trace): each known pitfall reproduced by a small model.
 #include <gtest/gtest.h>
+
 #include <sys/stat.h>
+#include <cstdio>
 
 #include <torch/library.h>
 #include <fstream>
@@ -200,6 +202,21 @@ TEST(CompileCache, MissThenHitThenCorruptEntryIsRebuilt) {
   // Cut the entry in half: detected, removed, traced again and republished.
   const std::string bytes = keel::testing::read_text(entry);
   keel::testing::write_text(entry, bytes.substr(0, bytes.size() / 2));
+  compile("miss");
+  compile("hit");
+  // Issue 64: an entry is read only with the SHA-256 written beside it. Another entry's bytes put
+  // in its place (a loadable TorchScript file), or its checksum file gone: rebuilt, never loaded.
+  ASSERT_TRUE(keel::testing::exists(entry + ".sha256"));
+  CompileConfig other = cfg;
+  other.fullgraph = !cfg.fullgraph;
+  CompileReport r;
+  keel::compile_model(m, other, example, r, "lambda-tanh");
+  const std::string other_entry =
+      keel::CompileCache(cfg.cache_dir).entry_path(keel::compile_cache_key("lambda-tanh", other, example, "off"));
+  ASSERT_NE(other_entry, entry);
+  keel::testing::write_text(entry, keel::testing::read_text(other_entry));
+  compile("miss");
+  std::remove((entry + ".sha256").c_str());
   compile("miss");
   compile("hit");
 }

@@ -1,6 +1,8 @@
 // Config: one test per bad-input class, overrides, and the resolved-config round trip.
 #include <gtest/gtest.h>
 
+#include <filesystem>
+
 #include "helpers.h"
 #include "keel/trainer/config/config.h"
 
@@ -157,6 +159,22 @@ TEST(ConfigErrors, CrossFieldRules) {
   EXPECT_NE(load_error("[checkpoint]\nasync = true\nkeep = 1\n").find("checkpoint.keep"), std::string::npos);
 }
 
+// checkpoint.dir's commits and rotation replace and remove what is in it: a run directory or a
+// compile cache inside it would lose its files to a rotation (issue 64, item 4); refused, named.
+// checkpoint.dir inside run.dir (the usual layout), or the same, is fine.
+TEST(ConfigErrors, DirectoriesInsideCheckpointDirAreRefusedNamingTheKey) {
+  const std::string inside_run = load_error("[run]\ndir = \"x/ckpt/run\"\n[checkpoint]\ndir = \"x/ckpt\"\n");
+  EXPECT_NE(inside_run.find("run.dir = \"x/ckpt/run\" is inside checkpoint.dir = \"x/ckpt\""), std::string::npos)
+      << inside_run;
+  const std::string inside_cache =
+      load_error("[compile]\ncache_dir = \"x/ckpt/./c\"\n[checkpoint]\ndir = \"x/ckpt/\"\n");
+  EXPECT_NE(inside_cache.find("compile.cache_dir = \"x/ckpt/./c\" is inside checkpoint.dir"), std::string::npos)
+      << inside_cache;
+  EXPECT_EQ(load_error("[run]\ndir = \"x\"\n[checkpoint]\ndir = \"x/ckpt\"\n"), "");
+  EXPECT_EQ(load_error("[run]\ndir = \"x/ckpt\"\n[checkpoint]\ndir = \"x/ckpt\"\n"), "");
+  EXPECT_EQ(load_error("[run]\ndir = \"x/ckpt2\"\n[checkpoint]\ndir = \"x/ckpt\"\n"), "");
+}
+
 // A CPU build refuses CUDA-only settings while loading the config; a CUDA build accepts them
 // and refuses them at start where there is no GPU (CliNoGpu.*).
 TEST(ConfigErrors, CudaOnlySettingsInACpuBuild) {
@@ -192,7 +210,7 @@ TEST(ConfigErrors, CudaGraphsRefuseWhatAGraphCannotServe) {
       {"[train]\nfused_optimizer = false\n", "train.fused_optimizer = true"},
       {"[train]\ngrads_to_none = true\n", "train.grads_to_none = true"},
       {"[train]\nactivation_checkpointing = \"blocks\"\n", "train.activation_checkpointing = \"blocks\""},
-      {"[model]\nname = \"gpt\"\ndropout = 0.1\n[parallel]\ntp = 2\n", "model.dropout > 0"},
+      {"[model]\nname = \"gpt\"\ndropout = 0.1\n[parallel]\ntp = 2\n", "dropout 0.1 (model.dropout)"},
   };
   for (const auto& [toml, key] : refused) {
     const std::string m = load_error(rehearsed + cpu + toml);
@@ -203,6 +221,61 @@ TEST(ConfigErrors, CudaGraphsRefuseWhatAGraphCannotServe) {
   Config ok;
   keel::load_toml_string(rehearsed + cpu + "[dist]\nzero = 2\n", "t.toml", ok);
   EXPECT_NO_THROW(keel::validate(ok));
+}
+
+// Issue 64 item 3: every check reads the value the model is built with, and names where it came
+// from. With model.init_from's config.json the heads, the vocabulary and the dropout are the
+// file's: compile.cuda_graphs at tp 2 refused the dropout of model.dropout but took the same
+// dropout from the file (captured and replayed), and a refusal of heads that do not divide named
+// model.heads for the file's n_head.
+TEST(ConfigErrors, ValuesFromInitFromsConfigJsonAreCheckedAndNamedByTheirFile) {
+  keel::testing::TempDir d;
+  std::filesystem::create_directories(d.file("hf"));
+  const std::string file = d.file("hf") + "/config.json";
+  keel::testing::write_text(file, R"({"model_type": "gpt2", "vocab_size": 64, "n_positions": 16, "n_embd": 48,
+                                       "n_layer": 1, "n_head": 6, "attn_pdrop": 0.2, "embd_pdrop": 0.0,
+                                       "resid_pdrop": 0.0})");
+  const std::string model = "[model]\nname = \"gpt2\"\ncontext = 16\ninit_from = \"" + d.file("hf") + "\"\n";
+  const std::string rehearsed =
+      "[compile]\ncuda_graphs = true\ncuda_graphs_rehearsal = true\n[run]\ndevice = \"cpu\"\n";
+  // n_head = 6 does not divide by tp 4: named as the file's field.
+  const std::string heads = load_error(model + "[parallel]\ntp = 4\n");
+  EXPECT_NE(heads.find("model.heads = 6 (n_head in " + file + ")"), std::string::npos) << heads;
+  // The file's attn_pdrop under CUDA graphs at tp 2: refused, naming the file and its fields.
+  const std::string dropout = load_error(model + rehearsed + "[parallel]\ntp = 2\n");
+  for (const std::string& want :
+       std::vector<std::string>{"compile.cuda_graphs = true", "dropout 0.2", "attn_pdrop = 0.2", file})
+    EXPECT_NE(dropout.find(want), std::string::npos) << "'" << want << "' not in: " << dropout;
+  // model.dropout = 0 over the file's: what a graph serves loads.
+  EXPECT_EQ(load_error(model + "dropout = 0.0\n" + rehearsed + "[parallel]\ntp = 2\n"), "");
+  // A [model] key set to another value than the file's is refused naming both, keel's default
+  // value and the keys beyond the sizes included (the adversarial round: taken silently).
+  for (const auto& [toml, want] : std::vector<std::pair<std::string, std::string>>{
+           {"vocab = 256\n", "model.vocab = 256, but " + file + " has vocab_size = 64"},
+           {"tie_embeddings = false\n",
+            "model.tie_embeddings = false, but " + file + " has tie_word_embeddings = true"},
+           {"norm_eps = 0.1\n", "model.norm_eps = 0.1, but " + file + " has layer_norm_epsilon = 1e-05"}}) {
+    const std::string m = load_error(model + toml);
+    EXPECT_NE(m.find(want), std::string::npos) << toml << ": " << m;
+  }
+  EXPECT_EQ(load_error(model + "vocab = 64\nwidth = 48\n"), "") << "the file's own values agree";
+  // The resolved config (run.dir/config.toml: every key written) holds the file's values, so it
+  // replays the run.
+  {
+    Config run;
+    keel::load_toml_string(model, "run.toml", run);
+    keel::validate(run);
+    const std::string resolved = keel::dump_toml(run);
+    EXPECT_NE(resolved.find("heads = 6"), std::string::npos) << resolved;
+    EXPECT_NE(resolved.find("width = 48"), std::string::npos) << resolved;
+    Config replay;
+    keel::load_toml_string(resolved, "config.toml", replay);
+    EXPECT_NO_THROW(keel::validate(replay));
+  }
+  // A [model] key's own value is still named as the key.
+  const std::string key =
+      load_error("[model]\nname = \"gpt2\"\nheads = 6\nwidth = 48\nvocab = 64\n[parallel]\ntp = 4\n");
+  EXPECT_NE(key.find("model.heads = 6 over tp ranks"), std::string::npos) << key;
 }
 
 TEST(ConfigOverrides, ParsesEachType) {

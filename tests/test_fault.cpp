@@ -346,6 +346,21 @@ TEST(FaultGraphBreak, FullgraphStopsEveryRankOtherwiseTheRankFallsBack) {
   EXPECT_NE(soft[1].output.find("training the eager model instead"), std::string::npos) << soft[1].output;
 }
 
+// The wrapper that makes the break keeps the model's blocks its own (issue 64, item 7: it hid
+// them, so train.activation_checkpointing = "blocks" recomputed none, silently): the break lies
+// outside the blocks, in the wrapper's forward, and the blocks are recomputed as without it.
+TEST(FaultGraphBreak, TheBreakingModelKeepsItsBlocksForActivationCheckpointing) {
+  TempDir d;
+  auto r = run_keel({"train", "--model.name=gpt", "--model.width=32", "--model.depth=2", "--model.heads=4",
+                     "--model.context=16", "--data.name=synthetic", "--train.steps=2", "--train.batch_size=8",
+                     "--run.threads=1", "--run.dir=" + d.file("run"), "--train.activation_checkpointing=blocks",
+                     "--fault.inject=graph_break@step=1,rank=0"});
+  EXPECT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("graph_break: rank 0's model branches on a tensor value"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("recompute: blocks (2 blocks' activations recomputed in backward)"), std::string::npos)
+      << r.output;
+}
+
 TEST(FaultStraggler, RunCompletesAndTheSlowRankIsNamed) {
   TempDir d;
   auto ranks = keel_ranks(run_args(d.path(), 40, {"--fault.inject=straggler@step=2,rank=1,ms=40"}));

@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <functional>
 #include <map>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -506,6 +507,14 @@ TEST(Hardening, APackagingPythonThatCannotRunTheStepIsRefusedNamingCompilePython
   EXPECT_EQ(no_torch.exit_code, 2) << no_torch.output;
   EXPECT_TRUE(contains(no_torch.output, "No module named 'torch'")) << no_torch.output;
   EXPECT_TRUE(contains(no_torch.output, "set compile.python to a Python with torch")) << no_torch.output;
+  // Programs that are not a Python (issue 64, item 7: exit 1, "the packaging step wrote no usable
+  // package", the key unnamed): /bin/true ends with status 0 having run nothing, /bin/false with 1.
+  for (const char* program : {"/bin/true", "/bin/false"}) {
+    auto r = run(program, std::string("c") + program);
+    EXPECT_EQ(r.exit_code, 2) << program << ": " << r.output;
+    EXPECT_TRUE(contains(r.output, std::string("compile.python = \"") + program + "\" does not run Python 3"))
+        << r.output;
+  }
 }
 
 // SIGTERM while the step is being packaged (a compile of minutes on a large model) is passed on
@@ -534,4 +543,101 @@ TEST(Hardening, SigtermWhileTheStepIsPackagedEndsTheRunAtOnceWith143) {
   for (const auto& e : std::filesystem::directory_iterator(d.file("cache/inductor")))
     EXPECT_NE(e.path().extension(), ".pt2") << e.path() << ": the compile ran to its end";
   std::printf("exit %d %.1f s after SIGTERM\n", r.exit_code, waited_s);
+}
+
+// Issue 64 item 4, the compile cache's leftovers from the last round:
+//  - a relative compile.cache_dir packages (it failed in Inductor's C++ compile: the packaging
+//    step's compilers run in another directory), here on 2 ranks of a Python module;
+//  - the rank that waited while the other packaged says so (summary.json's compile_cache =
+//    "waited", its log "another process packaged"), instead of "hit";
+//  - the module's initial weights are read back only as their manifest says: changed on disk,
+//    they are taken again (warned), never used silently;
+//  - a module whose import or factory ends the interpreter with status 0 (sys.exit(0), or
+//    os._exit(0), which Python cannot catch) is exit 2 naming model.path, not exit 1 naming a
+//    cache file.
+TEST(Hardening, TheCompileCacheIsRelativeSafeSaysWhoPackagedAndReadsBackOnlyWhatItsManifestSays) {
+  TempDir d;
+  auto module = [&](const std::string& name, const std::string& before) {
+    const std::string file = d.file(name + ".py");
+    write_text(file, "import os, sys\nimport torch\n" + before +
+                         "class Net(torch.nn.Module):\n"
+                         "    def __init__(self):\n"
+                         "        super().__init__()\n"
+                         "        self.fc = torch.nn.Linear(784, 10)\n"
+                         "    def forward(self, x):\n"
+                         "        return self.fc(x.flatten(1))\n"
+                         "def build_model():\n"
+                         "    return Net()\n");
+    return file;
+  };
+  // Relative to the working directory the ranks inherit (the test's), pointing into d.
+  const std::string cache = std::filesystem::relative(d.file("cache")).string();
+  ASSERT_NE(cache.front(), '/');
+  auto args = [&](const std::string& file, const std::string& sub, int steps) {
+    return std::vector<std::string>{"train",
+                                    "--model.name=python",
+                                    "--model.path=" + file,
+                                    "--compile.mode=inductor",
+                                    "--compile.cache_dir=" + cache,
+                                    "--data.name=synthetic",
+                                    "--data.synthetic_size=256",
+                                    "--train.batch_size=8",
+                                    "--train.steps=" + std::to_string(steps),
+                                    "--train.eval_interval=0",
+                                    "--run.threads=1",
+                                    "--run.dir=" + d.file(sub),
+                                    "--dist.timeout_s=600"};
+  };
+  // Two runs at once on the one cache (as two ranks of a job, or two jobs): one packages the
+  // entry, the other waits for its lock and then loads it.
+  const std::string net = module("net", "");
+  Child a = spawn_keel(args(net, "a", 2)), b = spawn_keel(args(net, "b", 2));
+  const ProcResult ra = wait_process(a, 900), rb = wait_process(b, 900);
+  ASSERT_EQ(ra.exit_code, 0) << ra.output;
+  ASSERT_EQ(rb.exit_code, 0) << rb.output;
+  std::multiset<std::string> cached;
+  for (const auto& [run, r] : {std::pair{"a", &ra}, std::pair{"b", &rb}}) {
+    const std::string c = read_json(d.file(run) + "/summary.json")["compile_cache"];
+    cached.insert(c);
+    EXPECT_EQ(contains(r->output, "compile: another process packaged"), c == "waited") << r->output;
+    EXPECT_EQ(contains(r->output, "compile: built the inductor package"), c == "miss") << r->output;
+  }
+  EXPECT_EQ(cached, (std::multiset<std::string>{"miss", "waited"}));
+  // The initial weights changed on disk (a byte of a tensor's data): taken again, warned.
+  std::string weights;
+  for (const auto& e : std::filesystem::directory_iterator(d.file("cache/inductor")))
+    if (e.path().extension() == ".safetensors") weights = e.path().string();
+  ASSERT_FALSE(weights.empty());
+  {
+    std::string bytes = read_text(weights);
+    bytes[bytes.size() - 3] ^= 0x40;
+    write_text(weights, bytes);
+  }
+  auto again = run_keel(args(net, "again", 1), {}, 600);
+  EXPECT_EQ(again.exit_code, 0) << again.output;
+  EXPECT_TRUE(contains(again.output, weights + " cannot be used")) << again.output;
+  EXPECT_TRUE(contains(again.output, "SHA-256 differs from its manifest")) << again.output;
+  EXPECT_EQ(read_json(d.file("again") + "/summary.json")["compile_cache"], "hit") << again.output;
+  // sys.exit(0) in the factory or at import, and os._exit(0): exit 2 naming model.path.
+  for (const auto& [name, before] :
+       std::vector<std::pair<std::string, std::string>>{{"exits_in_factory", "def _boom():\n    sys.exit(0)\n"},
+                                                        {"exits_at_import", "sys.exit(0)\n"},
+                                                        {"os_exit", "os._exit(0)\n"}}) {
+    std::string file = module(name, before);
+    if (name == "exits_in_factory") {  // the factory calls it
+      std::string text = read_text(file);
+      text.replace(text.find("    return Net()"), 16, "    _boom()\n    return Net()");
+      write_text(file, text);
+    }
+    auto r = run_keel(args(file, name, 1), {}, 300);
+    EXPECT_EQ(r.exit_code, 2) << name << "\n" << r.output;
+    EXPECT_TRUE(contains(r.output, "model.path = \"" + file + "\"")) << name << "\n" << r.output;
+    EXPECT_FALSE(contains(r.output, "the packaging step failed")) << name << "\n" << r.output;
+  }
+  // Not the module's doing but compile.python's: a program that is no Python, named as such.
+  auto not_python = args(module("fresh", "x = 1\n"), "true", 1);  // nothing of it cached
+  not_python.push_back("--compile.python=/bin/true");
+  auto r = run_keel(not_python, {}, 300);
+  EXPECT_EQ(r.exit_code, 2) << r.output;
+  EXPECT_TRUE(contains(r.output, "compile.python = \"/bin/true\" does not run Python 3")) << r.output;
 }

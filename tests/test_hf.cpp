@@ -8,6 +8,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <optional>
 #include <random>
 
 #include "checkpoint/safetensors.h"
@@ -124,34 +125,73 @@ TEST(HfModels, SavePretrainedDirectoriesGiveTransformersLogits) {
   }
 }
 
-// Item 2: one training step from a transformers checkpoint (model.init_from) gives the loss
-// transformers gives before it, and the same loss on the next batch after it (plain SGD).
+namespace {
+
+// One training step from a transformers checkpoint (model.init_from) gives the loss transformers
+// gives before it, and the same loss on the next batch after it (plain SGD). `pad`: every 7th
+// token is this id (the rows a padding_idx holds still must be seen to matter).
+void expect_steps_as_transformers(const Family& f, std::optional<uint32_t> pad = std::nullopt) {
+  TempDir d;
+  std::string why;
+  if (!make_model(f, d.file("hf"), why)) GTEST_SKIP() << why;
+  auto tokens = random_tokens(8 * 16 + 1, 96, 1);
+  if (pad)
+    for (size_t i = 0; i < tokens.size(); i += 7) tokens[i] = *pad;
+  write_token_file(d.file("train.bin"), tokens, 2, true);
+  write_token_file(d.file("test.bin"), random_tokens(40, 96, 2), 2, true);
+  auto r =
+      run_keel({"train", "--model.name=" + f.name, "--model.context=16", "--model.init_from=" + d.file("hf"),
+                "--data.name=tokens", "--data.path=" + d.file("train.bin"), "--data.test_path=" + d.file("test.bin"),
+                "--data.shuffle=false", "--train.steps=2", "--train.batch_size=4", "--train.optimizer=sgd",
+                "--train.momentum=0", "--train.schedule=constant", "--train.lr=0.5", "--train.eval_interval=0",
+                "--model.dropout=0",  // the file's (gpt2: 0.1 each) draws other numbers than transformers
+                "--run.threads=1", "--run.dir=" + d.file("run")});
+  ASSERT_EQ(r.exit_code, 0) << f.label << ": " << r.output;
+  const auto keel_losses = metrics_losses(d.file("run"));
+  ASSERT_EQ(keel_losses.size(), 2u) << f.label;
+  auto py = hf({"steps", d.file("hf"), d.file("train.bin"), "4", "16", "0.5"});
+  ASSERT_EQ(py.exit_code, 0) << f.label << ": " << py.output;
+  const auto want = nlohmann::json::parse(py.output.substr(py.output.rfind('{')))["losses"];
+  for (size_t i = 0; i < 2; ++i)
+    EXPECT_NEAR(keel_losses[i].second, want[i].get<double>(), 1e-4 * want[i].get<double>())
+        << f.label << ", step " << i + 1 << ": keel " << keel_losses[i].second << ", transformers " << want[i];
+  std::printf("%s: keel %.7f %.7f, transformers %.7f %.7f\n", f.label.c_str(), keel_losses[0].second,
+              keel_losses[1].second, want[0].get<double>(), want[1].get<double>());
+}
+
+}  // namespace
+
+// Item 2: a keel run from transformers' weights steps as transformers does.
 TEST(HfModels, AKeelRunFromTransformersWeightsStepsAsTransformersDoes) {
-  for (const auto& f : families()) {
-    if (f.legacy || f.label.find("erf") != std::string::npos) continue;
-    TempDir d;
-    std::string why;
-    if (!make_model(f, d.file("hf"), why)) GTEST_SKIP() << why;
-    write_token_file(d.file("train.bin"), random_tokens(8 * 16 + 1, 96, 1), 2, true);
-    write_token_file(d.file("test.bin"), random_tokens(40, 96, 2), 2, true);
-    auto r =
-        run_keel({"train", "--model.name=" + f.name, "--model.context=16", "--model.init_from=" + d.file("hf"),
-                  "--data.name=tokens", "--data.path=" + d.file("train.bin"), "--data.test_path=" + d.file("test.bin"),
-                  "--data.shuffle=false", "--train.steps=2", "--train.batch_size=4", "--train.optimizer=sgd",
-                  "--train.momentum=0", "--train.schedule=constant", "--train.lr=0.5", "--train.eval_interval=0",
-                  "--model.dropout=0",  // the file's (gpt2: 0.1 each) draws other numbers than transformers
-                  "--run.threads=1", "--run.dir=" + d.file("run")});
-    ASSERT_EQ(r.exit_code, 0) << f.label << ": " << r.output;
-    const auto keel_losses = metrics_losses(d.file("run"));
-    ASSERT_EQ(keel_losses.size(), 2u) << f.label;
-    auto py = hf({"steps", d.file("hf"), d.file("train.bin"), "4", "16", "0.5"});
-    ASSERT_EQ(py.exit_code, 0) << f.label << ": " << py.output;
-    const auto want = nlohmann::json::parse(py.output.substr(py.output.rfind('{')))["losses"];
-    for (size_t i = 0; i < 2; ++i)
-      EXPECT_NEAR(keel_losses[i].second, want[i].get<double>(), 1e-4 * want[i].get<double>())
-          << f.label << ", step " << i + 1 << ": keel " << keel_losses[i].second << ", transformers " << want[i];
-    std::printf("%s: keel %.7f %.7f, transformers %.7f %.7f\n", f.label.c_str(), keel_losses[0].second,
-                keel_losses[1].second, want[0].get<double>(), want[1].get<double>());
+  for (const auto& f : families())
+    if (!f.legacy && f.label.find("erf") == std::string::npos) expect_steps_as_transformers(f);
+}
+
+// Issue 64 item 6: a llama whose pad_token_id is negative. transformers' embedding
+// (torch.nn.Embedding(padding_idx=-1)) takes it from the end: row vocab_size - 1 gets no gradient.
+// keel once ignored it, so that row moved where transformers' did not (the second step's loss
+// differs); now it is the same row. One outside [-vocab_size, vocab_size) is refused by name.
+TEST(HfModels, ALlamaWithANegativePadTokenIdFreezesTheRowTransformersDoes) {
+  Family f = families()[3];  // llama gqa untied
+  f.label = "llama pad_token_id -1";
+  f.config["pad_token_id"] = -1;
+  expect_steps_as_transformers(f, 95);
+  TempDir d;
+  std::filesystem::create_directories(d.file("hf"));
+  nlohmann::json config = f.config;
+  config["model_type"] = "llama";
+  config["pad_token_id"] = -97;
+  write_text(d.file("hf/config.json"), config.dump());
+  keel::ModelConfig m;
+  m.name = "llama";
+  m.init_from = d.file("hf");
+  try {
+    keel::models::hf_shape(m);
+    ADD_FAILURE() << "pad_token_id -97 of a vocabulary of 96 was taken";
+  } catch (const keel::InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("\"pad_token_id\" is -97, outside [-vocab_size, vocab_size) = [-96, 96)"),
+              std::string::npos)
+        << e.what();
   }
 }
 

@@ -13,6 +13,7 @@
 #include "helpers.h"
 #include "keel/models/model.h"
 #include "keel/trainer/config/config.h"
+#include "models/transformer.h"
 #include "trainer/config/limits.h"
 
 using keel::testing::run_keel;
@@ -66,6 +67,16 @@ void expect_refused_naming(const std::string& key, const std::vector<std::string
   EXPECT_NE(r.output.find("lower " + key), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("is available"), std::string::npos) << r.output;
   EXPECT_EQ(r.output.find("can't allocate"), std::string::npos) << r.output;
+}
+
+// <d>/hf/config.json: a llama with grouped-query attention, a head_dim of its own and biases.
+void write_llama_with_biases(const TempDir& d) {
+  std::filesystem::create_directories(d.file("hf"));
+  keel::testing::write_text(d.file("hf/config.json"),
+                            R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
+                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+                                "intermediate_size": 48, "attention_bias": true, "mlp_bias": true,
+                                "tie_word_embeddings": false})");
 }
 
 }  // namespace
@@ -176,12 +187,7 @@ TEST(Limits, ParameterEstimateIsWhatTheModelsBuild) {
         << c.name << " width " << c.width << " kv_heads " << c.kv_heads << " tied " << c.tied;
   }
   keel::testing::TempDir d;
-  std::filesystem::create_directories(d.file("hf"));
-  keel::testing::write_text(d.file("hf/config.json"),
-                            R"({"model_type": "llama", "vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2,
-                                "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-                                "intermediate_size": 48, "attention_bias": true, "mlp_bias": true,
-                                "tie_word_embeddings": false})");
+  write_llama_with_biases(d);
   keel::ModelConfig from_file;
   from_file.name = "llama";
   from_file.context = 16;
@@ -247,4 +253,90 @@ TEST(Limits, MemoryEstimateAcceptsTheShippedConfigsAndNamesTheKeyOfOneThatCannot
   const keel::Config big_data = resolved(kSmoke, {"--data.synthetic_size=16777216"});
   const std::string data_problem = keel::memory_problem(big_data, 1, 1, false, 20e9);
   EXPECT_NE(data_problem.find("lower data.synthetic_size"), std::string::npos) << data_problem;
+}
+
+// Issue 64 item 2: the memory pre-check counts a rank of parallel.tp = t as holding its share,
+// (P - P_r) / t + P_r of the parameters (docs/parallel.md), with gradients and optimizer state,
+// and 1/t of what lies inside the regions of a micro-batch's activations. It counted the whole
+// model on every rank and refused, advising a smaller model.width, the configs tp exists for.
+TEST(Limits, AtTpEachRankIsCountedItsShareAndAConfigThatFitsIsNeverRefused) {
+  // P_r is what the family's tp plan leaves whole, counted on the built models.
+  TempDir d;
+  write_llama_with_biases(d);
+  for (const std::string name : {"gpt", "gpt2", "llama", "llama from config.json"}) {
+    keel::ModelConfig m;
+    m.name = name.substr(0, name.find(' '));
+    m.width = 32;
+    m.depth = 2;
+    m.heads = 4;
+    m.context = 16;
+    m.vocab = 64;
+    if (name != m.name) m.init_from = d.file("hf");
+    const auto* family = keel::models::transformer_family(m.name);
+    ASSERT_NE(family, nullptr) << name;
+    int64_t replicated = 0;
+    for (const auto& [n, p] : keel::models::create_model(m)->named_parameters())
+      if (!keel::models::tp_rule(family->tp_plan, n)) replicated += p.numel();
+    const auto estimate = keel::estimate_replicated_parameters(m);
+    ASSERT_TRUE(estimate.has_value()) << name;
+    EXPECT_EQ(static_cast<int64_t>(*estimate), replicated) << name;
+  }
+  keel::ModelConfig mlp;
+  mlp.name = "mlp";
+  EXPECT_FALSE(keel::estimate_replicated_parameters(mlp).has_value());
+
+  // A gpt of 4.9e8 parameters: per rank of tp 2 its share, with gradients and AdamW's two moments.
+  const std::vector<std::string> gpt = {"--model.name=gpt", "--model.width=2048", "--model.depth=8",
+                                        "--model.context=256", "--train.batch_size=2"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), gpt.begin(), gpt.end());
+    return resolved(kSmoke, extra);
+  };
+  const keel::Config tp1 = with({}), tp2 = with({"--parallel.tp=2"}),
+                     tp2_sp = with({"--parallel.tp=2", "--parallel.sequence_parallel=true"});
+  const double P = *keel::estimate_parameters(tp1.model), Pr = *keel::estimate_replicated_parameters(tp1.model);
+  const keel::MemoryEstimate e1 = keel::estimate_memory(tp1, 1, false), e2 = keel::estimate_memory(tp2, 1, false);
+  EXPECT_DOUBLE_EQ(e1.model_bytes, 16 * P);
+  EXPECT_DOUBLE_EQ(e2.model_bytes, 16 * ((P - Pr) / 2 + Pr));
+  EXPECT_LT(e2.activation_bytes, e1.activation_bytes);
+  EXPECT_GT(e2.activation_bytes, e1.activation_bytes / 2) << "the norms' tensors stay whole without sp";
+  EXPECT_LT(keel::estimate_memory(tp2_sp, 1, false).activation_bytes, e2.activation_bytes);
+  EXPECT_LT(e2.host_bytes, 0.6 * e1.host_bytes);
+  // At the edge, both sides: 2 ranks of tp 2 on one host fit in twice a rank's estimate, and not
+  // in a byte less; the whole model on each rank would not fit there (the refusal before the fix).
+  const double fits = 2 * e2.host_bytes + 1, short_by_one = 2 * e2.host_bytes - 1;
+  EXPECT_EQ(keel::memory_problem(tp2, 1, 2, false, fits), "");
+  const std::string refused = keel::memory_problem(tp2, 1, 2, false, short_by_one);
+  for (const char* want : {"one rank of parallel.tp = 2 holds", "per rank x 2 ranks on this host"})
+    EXPECT_NE(refused.find(want), std::string::npos) << "'" << want << "' not in: " << refused;
+  EXPECT_NE(keel::memory_problem(tp1, 1, 2, false, fits), "");
+  // With ZeRO over dp 2 as well: the tp share divided again, and the edge holds on 4 ranks.
+  const keel::Config tp2_zero3 = with({"--parallel.tp=2", "--dist.zero=3"});
+  const keel::MemoryEstimate e4 = keel::estimate_memory(tp2_zero3, 2, false);
+  EXPECT_DOUBLE_EQ(e4.model_bytes, 16 * ((P - Pr) / 2 + Pr) / 2);
+  EXPECT_EQ(keel::memory_problem(tp2_zero3, 2, 4, false, 4 * e4.host_bytes + 1), "");
+  EXPECT_NE(keel::memory_problem(tp2_zero3, 2, 4, false, 4 * e4.host_bytes - 1), "");
+  // Built whole and then sliced (model.sharded_init = false): the whole model in host memory first.
+  const keel::Config whole_build = with({"--parallel.tp=2", "--model.sharded_init=false"});
+  EXPECT_GE(keel::estimate_memory(whole_build, 1, false).host_bytes, 4 * P);
+  // On a GPU, each rank's share against its GPU's free memory.
+  EXPECT_DOUBLE_EQ(keel::estimate_memory(tp2, 1, true).device_bytes, e2.model_bytes + e2.activation_bytes);
+}
+
+// Issue 64 item 3: a Hugging Face family read from model.init_from's config.json is estimated
+// from the file's values and the message names the file's fields (it said "model.vocab = 0 (the
+// default, ...)" for the file's vocab_size).
+TEST(Limits, AModelFromAConfigJsonIsNamedByTheFilesFields) {
+  TempDir d;
+  std::filesystem::create_directories(d.file("hf"));
+  const std::string file = d.file("hf") + "/config.json";
+  keel::testing::write_text(file, R"({"model_type": "gpt2", "vocab_size": 4000000, "n_positions": 64,
+                                      "n_embd": 4096, "n_layer": 2, "n_head": 32})");
+  const keel::Config cfg =
+      resolved(kSmoke, {"--model.name=gpt2", "--model.context=64", "--model.init_from=" + d.file("hf")});
+  const std::string problem = keel::memory_problem(cfg, 1, 1, false, 20e9);
+  for (const std::string& want :
+       {std::string("vocab_size = 4000000 in ") + file, "n_embd = 4096 in " + file, "lower vocab_size in " + file})
+    EXPECT_NE(problem.find(want), std::string::npos) << "'" << want << "' not in: " << problem;
+  EXPECT_EQ(problem.find("model.vocab"), std::string::npos) << problem;
 }

@@ -24,7 +24,10 @@
 #include "trainer/metrics.h"
 #include "trainer/optim.h"
 
+using keel::testing::expect_all_ok;
+using keel::testing::is_rank_process;
 using keel::testing::run_keel;
+using keel::testing::run_ranks;
 using keel::testing::TempDir;
 using keel::testing::write_token_file;
 
@@ -319,6 +322,58 @@ TEST(Registries, AScheduleAndALossRegisteredByNameTrainAndUnknownNamesAreRefused
   EXPECT_NE(unknown_loss.output.find("train.loss = \"mse\" is not a registered loss; known: cross_entropy"),
             std::string::npos)
       << unknown_loss.output;
+}
+
+// Issue 64 item 1: a model that cannot train is never silent. A loss that does not reach the
+// parameters (the output times zero: every gradient exactly 0) at lr > 0 is said in the log, with
+// the step, whether or not train.grad_clip measures the norm (without it the norm is measured on
+// the loop's first step and every train.log_interval-th), on the host-decided and the late
+// (device-decided) consensus; the same loss at lr = 0, and the default loss, say nothing.
+TEST(Registries, ALossThatLeavesEveryGradientZeroAtAPositiveLrIsSaidInTheLog) {
+  auto ranks = run_ranks(1, [](const keel::dist::World& w) {
+    struct Case {
+      const char* name;
+      double lr, clip;
+      bool zero_loss;
+      keel::Consensus consensus;
+    };
+    for (const Case& c : {Case{"zero_loss", 0.05, 0, true, keel::Consensus::Step},
+                          Case{"zero_loss_late_clipped", 0.05, 1.0, true, keel::Consensus::Late},
+                          Case{"zero_loss_at_lr_0", 0, 0, true, keel::Consensus::Step},
+                          Case{"default_loss", 0.05, 0, false, keel::Consensus::Late}}) {
+      TempDir d;
+      keel::Config cfg = small_mlp(d.file("run"), 4, c.lr);
+      cfg.train.min_lr = 0;
+      cfg.train.grad_clip = c.clip;
+      cfg.dist.consensus = c.consensus;
+      keel::validate(cfg);
+      keel::Callbacks cb;
+      if (c.zero_loss) cb.loss = [](const torch::Tensor& out, const torch::Tensor&) { return (out * 0.0).sum(); };
+      std::fprintf(stderr, "=== case %s\n", c.name);
+      std::fflush(stderr);
+      EXPECT_EQ(keel::Trainer(cfg, w, cb).run().steps, 4) << c.name;
+      std::fflush(stderr);
+    }
+    std::fprintf(stderr, "=== end\n");
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+  const std::string& out = ranks[0].output;
+  auto section = [&](const std::string& name) {
+    const auto at = out.find("=== case " + name);
+    const auto end = out.find("=== ", at + 4);
+    return at == std::string::npos ? std::string() : out.substr(at, end - at);
+  };
+  const std::string warning = "every gradient is exactly zero (global norm 0)";
+  for (const char* name : {"zero_loss", "zero_loss_late_clipped"}) {
+    const std::string s = section(name);
+    EXPECT_NE(s.find("step 1: " + warning), std::string::npos) << name << ":\n" << s;
+  }
+  for (const char* name : {"zero_loss_at_lr_0", "default_loss"}) {
+    const std::string s = section(name);
+    EXPECT_FALSE(s.empty()) << name << ":\n" << out;
+    EXPECT_EQ(s.find(warning), std::string::npos) << name << ":\n" << s;
+  }
 }
 
 // A gpt trains on an llm.c token file: each rank's windows come from the sampler, whose position

@@ -10,6 +10,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -224,6 +225,46 @@ TEST(Zero3, Gpt2BlocksGatheredAndReducedAsTheUnshardedModelAtThreeRanks) { in_pr
 TEST(Zero3, LlamaBlocksGatheredAndReducedAsTheUnshardedModelAtThreeRanks) { in_process(3, "llama"); }
 // mlp's first block eats the data (no gradient): its gradients are reduced after the backward.
 TEST(Zero3, MlpLayersGatheredAndReducedAsTheUnshardedModelAtThreeRanks) { in_process(3, "mlp"); }
+
+// Issue 64 item 1: at one data-parallel rank (one rank, or a tp-only mesh) stages 2 and 3 have
+// nothing to shard and must train as stage 0 does. Each piece's gradient after two micro-batches
+// (the first not synced: stage 2 accumulates full gradients, stage 3 reduces every one) equals
+// the unsharded model's, element for element: a one-rank reduce-scatter is a copy of the whole
+// buffer (the division by one world is exact). Before the fix the one-rank reduce-scatter, done at
+// its start, tested false, its result was never added into the shards, every piece's gradient
+// stayed 0 and the optimizer stepped on zeros: a run trained nothing and exited 0.
+TEST(Zero3, AtOneRankEveryPieceGetsTheUnshardedModelsGradientAtStages2And3) {
+  const keel::dist::World w;  // one rank
+  for (const std::string name : {"gpt", "mlp"})
+    for (int stage : {2, 3}) {
+      auto coll = collectives(w);
+      auto sharded = small_model(name), reference = small_model(name);
+      keel::dist::FullyShard fs(sharded, coll, placement_of(sharded, stage, 1));
+      for (int micro = 0; micro < 2; ++micro) {
+        const auto x = batch_for(name, micro);
+        fs.before_forward(/*sync=*/micro == 1, /*step=*/true);
+        loss_of(name, sharded->forward(x), micro).backward();
+        fs.after_backward();
+        loss_of(name, reference->forward(x), micro).backward();
+      }
+      std::map<std::string, torch::Tensor> want;
+      for (const auto& [n, p] : reference->named_parameters()) want[n] = p.grad().reshape({-1});
+      const auto at = fs.placement().pieces(0);
+      ASSERT_EQ(at.size(), fs.pieces().size());
+      double largest = 0;
+      for (size_t k = 0; k < at.size(); ++k) {
+        const auto& [n, piece] = fs.pieces()[k];
+        ASSERT_TRUE(piece.grad().defined()) << name << " stage " << stage << " " << n;
+        const auto expected = want.at(n).narrow(0, at[k].in_param, piece.numel());
+        EXPECT_TRUE(torch::equal(piece.grad(), expected))
+            << name << " stage " << stage << " " << n << ": max |diff| "
+            << (piece.grad() - expected).abs().max().item<double>() << ", largest expected "
+            << expected.abs().max().item<double>();
+        largest = std::max(largest, piece.grad().abs().max().item<double>());
+      }
+      EXPECT_GT(largest, 0) << name << " stage " << stage << ": every gradient is zero";
+    }
+}
 
 // Stage 3's checkpoint path (issue 27, item 6): each rank gets copies of the whole parameters
 // it owns (Placement::owner), equal to the unsharded model's, and its model stays sharded

@@ -69,6 +69,7 @@ void RunCheckpoints::resume() {
     return;
   }
   state_.load(*loaded);  // dist.zero = 3: each rank takes its pieces of the parameters read (ModelState)
+  share_generators(run_.device, run_.mesh.on(dist::Axis::Tp));  // a tp group draws alike, whoever saved
   resumed_from_ = loaded->step;
   logging::info("resumed from {} (step {} of {})", loaded->path, loaded->step, run_.progress.total_steps);
 }

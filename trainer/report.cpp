@@ -62,8 +62,33 @@ RunReport::RunReport(const Run& run, const std::optional<int64_t>& resumed_from)
 // ---------------------------------------------------------------------------------------------
 // The loop.
 
+namespace {
+// The traffic of every Collectives this rank talks through: the world's and each mesh axis's
+// that is not the world's (issue 64: under parallel.tp the tp and dp groups' collectives, and
+// their validation probes, were missing from control_per_step).
+dist::TrafficStats mesh_traffic(const Run& run) {
+  dist::TrafficStats t = run.coll->traffic();
+  std::vector<const dist::Collectives*> seen = {run.coll.get()};
+  for (const dist::Axis a : {dist::Axis::Pp, dist::Axis::Dp, dist::Axis::Tp}) {
+    const dist::Collectives* c = &run.mesh.on(a);
+    if (std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
+    seen.push_back(c);
+    const dist::TrafficStats more = c->traffic();
+    t.collectives += more.collectives;
+    t.probes += more.probes;
+    t.bytes_sent += more.bytes_sent;
+    t.bytes_received += more.bytes_received;
+    t.wait_ms += more.wait_ms;
+    t.replayed += more.replayed;
+    t.gradient_buckets += more.gradient_buckets;
+    t.gradient_bytes += more.gradient_bytes;
+  }
+  return t;
+}
+}  // namespace
+
 void RunReport::loop_begins() {
-  traffic_at_loop_ = run_.coll->traffic();
+  traffic_at_loop_ = mesh_traffic(run_);
   steps_at_loop_ = run_.progress.steps_done;
 }
 
@@ -105,9 +130,24 @@ StepRecord RunReport::step_record(const StepResult& r, const std::optional<EvalR
 // One record of the step feeds metrics.jsonl, TensorBoard, the progress and log lines
 // (RunMetrics), and Callbacks::on_step.
 void RunReport::log_step(const StepResult& r, const std::optional<EvalResult>& eval) {
+  watch_gradients(r);
   StepRecord rec = step_record(r, eval);
   metrics_.record(rec, run_.progress.total_steps);
   if (run_.cb.on_step) run_.cb.on_step(StepInfo{r.step, r.loss, r.lr, r.step_ms, rec.number("samples_per_s")});
+}
+
+// A step that updated with lr > 0 while its global gradient norm (train.grad_clip's, or the one
+// Step measures without it) was exactly 0 changed no parameter: said in the log, not silent
+// (issue 64: ZeRO-2/3 at dp 1 once trained nothing and exited 0). The first few such steps.
+void RunReport::watch_gradients(const StepResult& r) {
+  if (r.skipped || !(r.lr > 0) || r.grad_norm != 0.0) return;
+  constexpr int64_t kTold = 3;
+  if (++zero_gradient_steps_ > kTold) return;
+  logging::warn(
+      "step {}: every gradient is exactly zero (global norm 0) at lr {}: this update changes no parameter and the "
+      "model is not training. The loss does not reach the parameters (a loss that ignores the model's output, every "
+      "target equal to train.ignore_index, a frozen model) or the gradients are lost before the optimizer{}",
+      r.step, r.lr, zero_gradient_steps_ == kTold ? " (later such steps are not logged)" : "");
 }
 
 Summary RunReport::summary(const RunCheckpoints& ckpts, int stop_signal) const {
@@ -174,7 +214,7 @@ Summary RunReport::summary(const RunCheckpoints& ckpts, int stop_signal) const {
   s.eta_s = metrics_.eta_s();
   s.mfu = metrics_.mfu();
   if (metrics_.peak_tflops() > 0) s.peak_tflops = metrics_.peak_tflops();
-  const dist::TrafficStats t = run_.coll->traffic() - traffic_at_loop_;
+  const dist::TrafficStats t = mesh_traffic(run_) - traffic_at_loop_;
   const int64_t n = run_.progress.steps_done - steps_at_loop_;
   if (n > 0)
     s.control_per_step = {static_cast<double>(t.collectives) / n,

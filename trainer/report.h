@@ -43,6 +43,7 @@ class RunReport {
 
  private:
   StepRecord step_record(const StepResult& r, const std::optional<EvalResult>& eval) const;
+  void watch_gradients(const StepResult& r);
 
   const Run& run_;
   RunMetrics metrics_;                      // metrics.jsonl, TensorBoard, the log line, step times
@@ -50,6 +51,7 @@ class RunReport {
   std::optional<EvalResult> last_eval_;
   dist::TrafficStats traffic_at_loop_;  // the control traffic before the loop (setup, resume)
   int64_t steps_at_loop_ = 0;
+  int64_t zero_gradient_steps_ = 0;  // steps with lr > 0 whose gradients were all exactly 0
 };
 
 }  // namespace keel

@@ -48,6 +48,10 @@ dist::Recompute recompute_policy(ActivationCheckpointing ac) {
 
 Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
     : cfg(cfg), world(world), cb(cb), loss(cb.loss ? cb.loss : losses().get(cfg.train.loss)) {
+  if (classifier())  // the default loss, with train.ignore_index
+    loss = [ignore = cfg.train.ignore_index](const torch::Tensor& logits, const torch::Tensor& target) {
+      return cross_entropy(logits, target, ignore);
+    };
   init_logging(cfg.run, world.rank, world.size);
   tune_allocator();
   if (cfg.run.count_tensor_memory) count_tensor_memory();
@@ -92,7 +96,8 @@ void Run::build_mesh() {
                      " computes the loss over vocabulary shards; a custom loss (Callbacks::loss) cannot be");
   // The cross-entropy over this rank's vocabulary columns of the logits (dist/tp_ops.h).
   loss = [this](const torch::Tensor& logits, const torch::Tensor& target) {
-    return dist::tp::vocab_parallel_cross_entropy(logits, target, vocab_range(), mesh.on(dist::Axis::Tp));
+    return dist::tp::vocab_parallel_cross_entropy(logits, target, vocab_range(), mesh.on(dist::Axis::Tp),
+                                                  cfg.train.ignore_index);
   };
 }
 

@@ -132,8 +132,7 @@ double measure_peak_tflops(const torch::Device& device, const AmpContext& amp) {
 void check_dropout(const Config& cfg) {
   const double p = models::model_dropout(cfg.model);
   if (p <= 0) return;
-  const std::string from =
-      cfg.model.dropout < 0 ? " (from " + cfg.model.init_from + "/config.json)" : std::string(" (model.dropout)");
+  const std::string from = " (" + models::dropout_origin(cfg.model) + ")";
   if (cfg.compile.mode != CompileMode::Off)
     throw InputError(
         fmt::format("model.dropout: the model drops out with probability {}{}, which compile.mode = "
@@ -153,6 +152,7 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   // The Hugging Face families are packaged from transformers' own model of this config.json.
   if (models::is_hf_family(cfg.model.name)) r.model_config["hf_config"] = models::hf_shape(cfg.model).config;
   r.batch = cfg.train.batch_size;
+  r.ignore_index = cfg.train.ignore_index;
   r.amp = amp.enabled ? choice_name(kAmpDtypes, cfg.amp.dtype) : "off";
   r.grad_scale = r.amp == "fp16";  // GradScaler's scale goes into the package: fp16 gradients scaled as computed
   r.device = device;

@@ -1,5 +1,7 @@
 #include "trainer/state.h"
 
+#include "keel/dist/collectives.h"
+
 #include <mutex>
 #include <set>
 
@@ -80,6 +82,17 @@ void RngState::load(const checkpoint::Loaded& loaded, const checkpoint::LoadedCo
         std::lock_guard<std::mutex> lock(gen.mutex());
         gen.set_state(t);
       }
+}
+
+void share_generators(const torch::Device& device, dist::Collectives& group) {
+  if (group.size() == 1) return;
+  for (const auto& d : rng_devices(device)) {
+    auto gen = at::globalContext().defaultGenerator(d);
+    std::lock_guard<std::mutex> lock(gen.mutex());
+    torch::Tensor state = gen.get_state().clone();
+    group.broadcast(state, 0, "tp: generator state after a resume");
+    gen.set_state(state);
+  }
 }
 
 std::string RngState::check(const checkpoint::Loaded& loaded, const checkpoint::LoadedComponent& mine) const {

@@ -21,8 +21,9 @@
 #include "trainer/compile/inductor.h"
 
 namespace keel::dist {
+class Collectives;
 class ShardedParameters;
-}
+}  // namespace keel::dist
 
 namespace keel {
 
@@ -56,7 +57,8 @@ class ModelState : public checkpoint::Stateful {
 
 /// The generators a step draws from: the CPU one always, the device's one on CUDA. Saved per
 /// rank (each rank's dropout masks differ once ranks draw different amounts); restored only
-/// when the saved job had this rank.
+/// when the saved job had this rank. Under tensor parallelism the ranks of a tp group must draw
+/// alike (their shared dropout masks): share_generators() after the load.
 class RngState : public checkpoint::Stateful {
  public:
   explicit RngState(torch::Device device) : device_(device) {}
@@ -68,6 +70,12 @@ class RngState : public checkpoint::Stateful {
  private:
   torch::Device device_;
 };
+
+/// Collective over `group` (the tp axis after a resume): every rank takes its first rank's
+/// generator states (the CPU one; the device's on CUDA). Issue 64: a step saved by fewer ranks,
+/// resumed at tp 2, restored rank 0's saved state while rank 1 started from run.seed, and the tp
+/// ranks' dropout masks parted silently.
+void share_generators(const torch::Device& device, dist::Collectives& group);
 
 /// checkpoint.save_graph: the traced module as graph.pt (saved, never loaded: it is for
 /// deployment). `export_graph` returns "" for an eager model.

@@ -20,6 +20,7 @@
 #include "common/clock.h"
 #include "common/log.h"
 #include "common/stop.h"
+#include "keel/common/error.h"
 #include "keel/dist/collectives.h"
 #include "trainer/checkpoints.h"
 #include "trainer/report.h"
@@ -34,6 +35,7 @@ namespace {
 // Bits of the per-step consensus (dist::Collectives::step_sync).
 constexpr uint32_t kFlagStop = 1u << 0;               // this rank received SIGINT/SIGTERM
 constexpr uint32_t kFlagCheckpointWritten = 1u << 1;  // this rank's async checkpoint write is done
+constexpr uint32_t kFlagBadInput = 1u << 2;           // this rank's batches held a bad target (Step::bad_input)
 
 // run.sync_debug: CUDA's sync debug mode while a steady step runs (the previous mode after).
 class SyncDebugScope {
@@ -151,6 +153,7 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
   uint32_t flags = 0;
   if (g_stop_signal.load()) flags |= kFlagStop;
   if (ckpts_.written_uncommitted()) flags |= kFlagCheckpointWritten;
+  if (!step_->bad_input().empty()) flags |= kFlagBadInput;
   // One all-gather per step: every rank is at this step with the same gradient plan, the
   // mean loss, and whether any rank saw inf/NaN (then no rank steps).
   {
@@ -175,6 +178,9 @@ void Trainer::Loop::resolve_step(InFlight& f) {
     SyncDebugScope pause(SyncDebug::Off, /*pause=*/true);  // the commit's agreement waits, rarely
     ckpts_.commit();
   }
+  // A bad target on some rank: every rank fails with the first such rank's message, exit 2.
+  if (r.consensus.any_flags & kFlagBadInput)
+    throw InputError(dist::first_error(*run_.coll, step_->bad_input(), "training targets").message);
   r.loss = r.consensus.mean_loss;
   r.skipped = r.consensus.any_nonfinite;
   r.stop = (r.consensus.any_flags & kFlagStop) != 0;

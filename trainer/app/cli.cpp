@@ -222,6 +222,7 @@ int run_compile(Config cfg) {
     std::cout << r.package << "\n";
     std::cerr << "keel: "
               << (r.cache == "hit"          ? "already in the compile cache"
+                  : r.cache == "waited"     ? "packaged by another process meanwhile"
                   : r.cache == "checkpoint" ? "taken from the checkpoint"
                                             : "compiled")
               << " in " << static_cast<int64_t>(r.compile_ms) << " ms (sha256 " << r.package_sha256 << ")\n";
@@ -375,7 +376,7 @@ int run_cli(int argc, char** argv) {
   std::signal(SIGPIPE, SIG_IGN);
   for (const Command& c : kCommands)
     if (c.raw && argc >= 2 && std::string(argv[1]) == c.name) return c.raw(argc, argv);
-  CLI::App app{"keel: data-parallel training on LibTorch, from C++", "keel"};
+  CLI::App app{"keel: data- and tensor-parallel training (DDP, ZeRO 1-3, tp/sp) on LibTorch, from C++", "keel"};
   app.set_version_flag("--version", version_string());
   app.require_subcommand(1);
   CliArgs args;

@@ -177,6 +177,8 @@ def parse_args(argv):
                    help="step: the whole training step as one model; blocks: a transformer block's forward and "
                         "backward as two models (block_forward, block_backward), reused for every block, and the "
                         "root's around them (embed_*, head_*, loss_*)")
+    p.add_argument("--ignore-index", type=int, default=-100,
+                   help="train.ignore_index: targets equal to it count for nothing in keel's cross-entropy")
     p.add_argument("--tp", type=int, default=1,
                    help="--granularity blocks under tensor parallelism: the block's two regions between its "
                         "collectives as one of N tp ranks holds them (attention_*, mlp_* models), not the block")
@@ -386,6 +388,8 @@ def import_factory(spec: str):
             mod = importlib.import_module(where)
     except Refusal:
         raise
+    except SystemExit as e:  # sys.exit() while the user's module is imported
+        raise Refusal(EXIT_USAGE, f"--module {spec}: importing it ended the interpreter (sys.exit({e.code!r}))")
     except Exception as e:  # the user's module failed to import: name the file and line
         found, _ = user_frame(e.__traceback__)
         at = f" at {found[1].f_code.co_filename}:{found[2]}" if found else ""
@@ -435,6 +439,9 @@ def user_model(spec: str, batch, device: str, example: str = None, model_config:
         kw["config"] = dict(model_config or {})
     try:
         got = factory(**kw)
+    except SystemExit as e:  # sys.exit() in the user's factory: the module's doing, not a status of ours
+        raise Refusal(EXIT_USAGE, f"--module {spec}: the factory ended the interpreter (sys.exit({e.code!r})) "
+                                  f"instead of returning a module")
     except Exception as e:
         found, _ = user_frame(e.__traceback__)
         at = f" at {found[1].f_code.co_filename}:{found[2]}" if found else ""
@@ -503,11 +510,18 @@ def write_init(module, path: str, spec: str) -> None:
     print(f"wrote {out}: {len(pnames)} parameters, {len(bnames)} buffers", flush=True)
 
 
+IGNORE_INDEX = -100  # --ignore-index (main() sets it before anything is traced)
+
+
 def keel_cross_entropy(logits, target):
-    """trainer/loss.cpp cross_entropy(): over the last dimension, mean over all rows."""
+    """trainer/loss.cpp cross_entropy(): over the last dimension, the sum over the targets that are
+    not IGNORE_INDEX divided by their count (at least 1): PyTorch's mean where any target counts,
+    0 where none does."""
     import torch.nn.functional as F
 
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+    t = target.reshape(-1)
+    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), t, reduction="sum", ignore_index=IGNORE_INDEX)
+    return total / t.ne(IGNORE_INDEX).sum().clamp_min(1).to(total.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1723,7 +1737,8 @@ def make_manifest(job: Job, out: str, staged: str, digest: str, options: dict, e
         "fullgraph": args.fullgraph,
         "max_autotune": args.max_autotune,
         "grad_scale_input": args.grad_scale_input,
-        "loss": "custom" if job.loss_fn else "cross_entropy over the last dimension, mean over all rows, float32",
+        "loss": "custom" if job.loss_fn else ("cross_entropy over the last dimension, mean over the targets other "
+                                              f"than {IGNORE_INDEX}, float32"),
         "runtime": {
             "threads": job.threads if args.device == "cpu" else None,
             "deterministic_algorithms": args.deterministic,
@@ -1766,7 +1781,9 @@ def package_and_publish(job: Job, files: dict, options: dict, env: dict, signatu
 
 
 def main(argv=None) -> int:
+    global IGNORE_INDEX
     args = parse_args(argv)
+    IGNORE_INDEX = args.ignore_index
     t_start = time.perf_counter()
     threads, device = set_up_torch(args)
     loaded = load_model(args)

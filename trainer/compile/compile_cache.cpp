@@ -12,11 +12,14 @@
 #include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
+#include "common/atomic_file.h"
 #include "common/file.h"
 #include "keel/common/error.h"
 #include "keel/version.h"
+#include "trainer/compile/packaging.h"
 
 namespace keel {
 namespace {
@@ -76,13 +79,27 @@ std::string compile_cache_key(const std::string& model_identity, const CompileCo
 }
 
 CompileCache::CompileCache(std::string dir) : dir_(std::move(dir)) {
+  std::error_code ec;
+  const auto abs = std::filesystem::absolute(dir_, ec);  // as aot::cache_root: a later chdir changes nothing
+  if (!ec) dir_ = abs.lexically_normal().string();
   if (const std::string err = make_dirs(dir_); !err.empty()) throw InputError("compile.cache_dir: " + err);
 }
+
+namespace {
+// An entry's SHA-256, written beside it when it is stored and checked before it is read (issue 64:
+// nothing is read back from the cache without its manifest).
+std::string checksum_path(const std::string& entry) { return entry + ".sha256"; }
+}  // namespace
 
 std::shared_ptr<torch::jit::Graph> CompileCache::load(const std::string& key) const {
   const std::string path = entry_path(key);
   if (::access(path.c_str(), R_OK) != 0) return nullptr;
+  aot::EntryLock lock(path + ".lock");  // the entry and its checksum as one writer left them
   try {
+    const std::string sums = checksum_path(path);
+    if (::access(sums.c_str(), R_OK) != 0) throw std::runtime_error("no checksum file " + sums);
+    if (read_regular_file(sums, 1 << 10) != sha256_hex(read_regular_file(path, uint64_t(4) << 30)))
+      throw std::runtime_error("its SHA-256 differs from " + sums + " (changed or damaged)");
     torch::jit::ExtraFilesMap extra{{"keel_meta.json", ""}};
     auto m = torch::jit::load(path, c10::nullopt, extra);
     auto meta = nlohmann::json::parse(extra.at("keel_meta.json"));
@@ -95,6 +112,7 @@ std::shared_ptr<torch::jit::Graph> CompileCache::load(const std::string& key) co
     logging::warn("compile cache: entry {} is unreadable ({}); removing it and tracing again", path,
                   what.substr(0, what.find('\n')));
     std::remove(path.c_str());
+    std::remove(checksum_path(path).c_str());
     return nullptr;
   }
 }
@@ -114,6 +132,11 @@ void CompileCache::store(const std::string& key, torch::jit::Graph& graph, const
     int fd = ::open(tmp.c_str(), O_RDONLY);
     if (fd < 0 || ::fsync(fd) != 0) throw std::runtime_error("fsync failed");
     ::close(fd);
+    // The checksum first: an entry is read only with one that matches it. Ranks that store the
+    // same key at once take turns, so an entry never pairs with another writer's checksum.
+    const std::string sum = sha256_hex(read_regular_file(tmp, uint64_t(4) << 30));
+    aot::EntryLock lock(path + ".lock");
+    write_atomic(checksum_path(path), sum);
     if (::rename(tmp.c_str(), path.c_str()) != 0) throw std::runtime_error("rename failed");
   } catch (const std::exception& e) {
     std::remove(tmp.c_str());

@@ -1,9 +1,11 @@
 #include "trainer/compile/inductor.h"
 
 #include <torch/csrc/inductor/aoti_package/model_package_loader.h>
+#include <optional>
 
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 
 #include "checkpoint/io.h"
@@ -109,6 +111,7 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
   if (req.eval_batch > 0) k["eval_batch"] = req.eval_batch;
   if (req.granularity != "step") k["granularity"] = req.granularity;  // packages of before kept
   if (req.tp > 1) k["tp"] = req.tp;
+  if (req.ignore_index != -100) k["ignore_index"] = req.ignore_index;
   // Inductor picks its CPU vector code from ATEN_CPU_CAPABILITY when it is set (cpu_vec_isa.py):
   // a package built for AVX-512 is another entry than one held to AVX2 (the CPU's own best is in
   // the device identity).
@@ -156,11 +159,32 @@ bool seed_cache_from_checkpoint(const std::string& seed_dir, const std::string& 
 
 }  // namespace
 
+// The record of a graph that cannot be captured (exit 3, 4 or 6 of the packaging step), kept
+// beside the entry so that every later try says the same without packaging again. It names its
+// key: a record of another key, or one that does not parse (damaged, edited), is removed and
+// the step packaged again (issue 64: nothing is read back from the cache unchecked).
+static void write_error_record(const std::string& path, const std::string& key, const std::string& what) {
+  write_atomic(path, nlohmann::json{{"format", "keel-compile-error/1"}, {"key", key}, {"error", what}}.dump() + "\n");
+}
+
+static std::optional<std::string> read_error_record(const std::string& path, const std::string& key) {
+  if (!is_file(path)) return std::nullopt;
+  try {
+    const auto j = nlohmann::json::parse(read_regular_file(path, 1 << 20));
+    if (j.at("format").get<std::string>() == "keel-compile-error/1" && j.at("key").get<std::string>() == key)
+      return j.at("error").get<std::string>();
+  } catch (const std::exception&) {
+  }
+  logging::warn("compile cache: {} is not a record of this entry; removing it and packaging again", path);
+  std::remove(path.c_str());
+  return std::nullopt;
+}
+
 // A cache miss: the packaging script (trainer/compile/aot_package.py) run by compile.python into
 // `pt2`, its output in `log`. A failure of the graph itself (it cannot be captured) is recorded
 // in `error_path` for every later try and thrown as CompileError; others as runtime_error.
 static void run_packaging(const InductorRequest& req, const std::string& dir, const std::string& pt2,
-                          const std::string& error_path, const std::string& log) {
+                          const std::string& error_path, const std::string& key, const std::string& log) {
   std::vector<std::string> argv = {python_for(req.cfg), script_path()};
   if (req.module.empty())
     argv.insert(argv.end(), {"--model", req.model});
@@ -175,6 +199,7 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
   argv.insert(argv.end(), {"--model-config", req.model_config.dump(), "--batch", std::to_string(req.batch), "--amp",
                            req.amp, "--device", req.device.is_cuda() ? "cuda" : "cpu", "--threads",
                            std::to_string(req.threads), "--out", pt2});
+  if (req.ignore_index != -100) argv.insert(argv.end(), {"--ignore-index", std::to_string(req.ignore_index)});
   if (req.cfg.fullgraph) argv.push_back("--fullgraph");
   if (req.cfg.deterministic) argv.push_back("--deterministic");
   if (req.cfg.max_autotune) argv.push_back("--max-autotune");
@@ -197,17 +222,28 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
     if (rc == 127 || why.find("No module named 'torch'") != std::string::npos)
       throw InputError("compile.mode = \"inductor\": the packaging step's Python " + argv[0] + " cannot run it (" +
                        why + "); set compile.python to a Python with torch " + TORCH_VERSION);
+    check_runs_python(req.cfg, log);  // a program that is not a Python (compile.python = "/bin/false")
     // A Python module the packaging step refuses (exit 2: its factory fails with the batch or
     // device): the user's input, not recorded (an import may fail for what the user installs next).
     if (rc == 2 && !req.module.empty()) throw CompileError("compile.mode = \"inductor\": " + why);
     if (rc == 3 || rc == 4 || rc == 6) {  // the graph itself: every later try would say the same
       const std::string what = "compile.mode = \"inductor\": " + why;
-      write_atomic(error_path, what);
+      write_error_record(error_path, key, what);
       throw CompileError(what);
     }
     throw std::runtime_error("compile.mode = \"inductor\": the packaging step failed (exit " + std::to_string(rc) +
                              "): " + why + " (its log: " + log + ")");
   }
+}
+
+// Whether the packaging step's log has the script's closing line for `pt2` ("wrote <pt2> ...").
+static bool wrote_package(const std::string& log, const std::string& pt2) {
+  const std::string name = std::filesystem::path(pt2).filename().string();  // the script prints it absolute
+  std::ifstream in(log);
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("wrote ", 0) == 0 && line.find(name) != std::string::npos) return true;
+  return false;
 }
 
 PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
@@ -232,6 +268,9 @@ PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
   const std::string base = dir + "/" + key.substr(0, 32);
   const std::string pt2 = base + ".pt2", manifest_path = base + ".json", error_path = base + ".error";
   nlohmann::json manifest;
+  // Whether the entry was there before this process waited for its lock: if it was not and is
+  // after, another process (a rank of this job, another run) packaged it meanwhile.
+  const bool there_before = is_file(pt2) && is_file(manifest_path);
   {
     EntryLock lock(base + ".lock");  // one process per entry compiles; the others wait here, then load
     auto usable = [&]() -> bool {
@@ -251,21 +290,34 @@ PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
       }
     };
     if (usable()) {
-      report.cache = "hit";
+      report.cache = !there_before && lock.waited() ? "waited" : "hit";
+      if (report.cache == "waited")
+        logging::info("compile: another process packaged {} while this one waited for it ({:.0f} ms)", pt2,
+                      lock.waited_ms());
     } else if (seed_cache_from_checkpoint(req.seed_dir, key, pt2, manifest_path) && usable()) {
       report.cache = "checkpoint";
       logging::info("compile: the package stored with checkpoint {} fits this run; loading it (cache entry {})",
                     req.seed_dir, pt2);
-    } else if (is_file(error_path)) {
+    } else if (const std::optional<std::string> recorded = read_error_record(error_path, key)) {
       // Another process of this job (or an earlier run) found the step cannot be captured.
-      throw CompileError(read_regular_file(error_path, 1 << 20));
+      throw CompileError(*recorded);
     } else {
       report.cache = "miss";
       const std::string log = base + ".log";
-      run_packaging(req, dir, pt2, error_path, log);
-      if (!usable())
+      run_packaging(req, dir, pt2, error_path, key, log);
+      if (!usable()) {
+        check_runs_python(req.cfg, log);  // compile.python = "/bin/true": status 0, nothing run
+        // A user's Python module that ends the interpreter with status 0 (sys.exit(0), os._exit(0) in
+        // its import or factory) leaves nothing: the module's doing, named by its key.
+        // A package the script said it wrote but that cannot be used is not the module's doing.
+        if (!req.module.empty() && !wrote_package(log, pt2))
+          throw InputError("model.path: the packaging step of " + req.module +
+                           " ended with status 0 without writing a package: the module or its factory ended the "
+                           "Python interpreter (sys.exit, os._exit?) (its log: " +
+                           log + ")");
         throw std::runtime_error(
             "compile.mode = \"inductor\": the packaging step wrote no usable package (log: " + log + ")");
+      }
     }
   }
   manifest["cache_key"] = key;
@@ -279,6 +331,7 @@ void PackageEntry::loaded(CompileReport& report) const {
   report.compile_ms = ms_since(started);
   logging::info("compile: {} the inductor package {} ({:.0f} ms)",
                 report.cache == "hit"          ? "cache hit:"
+                : report.cache == "waited"     ? "packaged by another process:"
                 : report.cache == "checkpoint" ? "from the checkpoint:"
                                                : "built",
                 path, report.compile_ms);

@@ -39,6 +39,7 @@ struct InductorRequest {
   std::string model;            // a built-in model: mlp | cnn | gpt; or "python" (with `module`)
   nlohmann::json model_config;  // the [model] section
   int64_t batch = 0;            // per-rank micro-batch of the training step
+  int64_t ignore_index = -100;  // train.ignore_index: the packaged cross-entropy's (trainer/loss.h)
   std::string amp = "off";      // off | bf16 | fp16 (CUDA)
   /// The package takes the loss scale as an input (its gradients are of loss x grad_scale, computed
   /// under autocast already scaled, so that small fp16 gradients do not flush to zero): what

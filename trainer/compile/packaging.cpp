@@ -49,9 +49,14 @@ namespace {
 std::string home() { return env_or("HOME", "/tmp"); }
 }  // namespace
 
+// Absolute: the packaging step gets paths under it while its compilers run elsewhere (issue 64: a
+// relative compile.cache_dir failed in Inductor's C++ compile, where an absolute one worked).
 std::string cache_root(const CompileConfig& c) {
-  if (!c.cache_dir.empty()) return c.cache_dir;
-  return env_or("XDG_CACHE_HOME", home() + "/.cache") + "/keel/compile";
+  const std::string dir =
+      !c.cache_dir.empty() ? c.cache_dir : env_or("XDG_CACHE_HOME", home() + "/.cache") + "/keel/compile";
+  std::error_code ec;
+  const auto abs = std::filesystem::absolute(dir, ec);
+  return ec ? dir : abs.lexically_normal().string();
 }
 
 // The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
@@ -165,8 +170,10 @@ EntryLock::EntryLock(const std::string& path) {
           "packaging the same entry)",
           told_s, path);
     }
+    waited_ = true;
     std::this_thread::sleep_for(std::chrono::milliseconds(waited.count() < 1 ? 10 : 100));
   }
+  waited_ms_ = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
 }
 
 EntryLock::~EntryLock() { ::close(fd_); }
@@ -210,6 +217,24 @@ int run_logged(const std::vector<std::string>& argv, const std::string& log, con
     throw Stopped(signo, "stopped by signal " + std::to_string(signo) + " while " + argv[0] + " ran " +
                              (argv.size() > 1 ? argv[1] : std::string()) + " (its log: " + log + ")");
   return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
+void check_runs_python(const CompileConfig& c, const std::string& log) {
+  const std::string py = python_for(c);
+  const std::string probe = log + ".python";
+  const int rc = run_logged({py, "-c", "import sys; print('keel-python', sys.version_info[0])"}, probe, {});
+  const std::string said = last_line(probe);
+  if (rc == 0 && said == "keel-python 3") return;
+  const std::string setting = !c.python.empty()                    ? "compile.python = \"" + py + "\""
+                              : !env_or("KEEL_PYTHON", "").empty() ? "$KEEL_PYTHON = \"" + py + "\""
+                                                                   : "keel's default Python " + py;
+  const std::string what = setting + " does not run Python 3: asked to print a line it " +
+                           (said.empty() ? std::string("printed nothing") : "printed \"" + said + "\"") +
+                           " and exited " + std::to_string(rc) + " (set compile.python to the Python, with torch " +
+                           TORCH_VERSION + ", that packages the step)";
+  // The user's setting is exit 2; keel's own venv broken is not the user's input (exit 1).
+  if (!c.python.empty() || !env_or("KEEL_PYTHON", "").empty()) throw InputError(what);
+  throw std::runtime_error(what + "; or run scripts/setup.sh again");
 }
 
 // The last line of the log that is not empty (the packaging step's reason on failure).

@@ -27,10 +27,16 @@ std::string spec_of(const nlohmann::json& spec);
 
 std::string env_or(const char* name, const std::string& fallback);
 bool is_file(const std::string& path);
-/// compile.cache_dir, else $XDG_CACHE_HOME/keel/compile (~/.cache/keel/compile).
+/// compile.cache_dir, else $XDG_CACHE_HOME/keel/compile (~/.cache/keel/compile), made absolute
+/// against the working directory.
 std::string cache_root(const CompileConfig& c);
 /// The packaging step's Python: compile.python, $KEEL_PYTHON, the build's venv, keel's venv.
 std::string python_for(const CompileConfig& c);
+/// Called when the packaging step failed or wrote nothing: asks python_for(c) to print one line.
+/// A program that does not (compile.python = "/bin/true", a shell script, a Python 2) is the
+/// user's setting: InputError naming where it came from (compile.python, $KEEL_PYTHON, keel's
+/// venv) and what it did. `log` is the failed step's log; the probe's output goes beside it.
+void check_runs_python(const CompileConfig& c, const std::string& log);
 /// One of keel's Python scripts (`source_relative` in the source tree): $<env_var>, the source
 /// tree keel was built from, or share/keel/ of the install; std::runtime_error naming where it
 /// looked.
@@ -63,9 +69,14 @@ class EntryLock {
   ~EntryLock();
   EntryLock(const EntryLock&) = delete;
   EntryLock& operator=(const EntryLock&) = delete;
+  /// Whether another process held it when this one asked, and how long the wait took.
+  bool waited() const { return waited_; }
+  double waited_ms() const { return waited_ms_; }
 
  private:
   int fd_ = -1;
+  bool waited_ = false;
+  double waited_ms_ = 0;
 };
 
 }  // namespace keel::aot

@@ -21,6 +21,7 @@
 
 #include <torch/torch.h>
 
+#include <limits>
 #include <memory>
 #include <optional>
 #include <set>
@@ -131,6 +132,8 @@ class DistributedModel {
   const dist::Placement& placement() const { return ddp_->placement(); }
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
   torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
+  /// The same global norm, measured only (collective as clip_grad_norm; no gradient is written).
+  torch::Tensor grad_norm() { return ddp_->clip_grad_norm(std::numeric_limits<double>::infinity()); }
   void sync_parameters() { ddp_->sync_parameters(); }
   /// dist.zero = 3 (else no-ops): the whole model in its parameters until release_parameters()
   /// (collective; the end of training, for Callbacks::on_end), and the bytes this rank holds at rest

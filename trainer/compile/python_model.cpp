@@ -4,6 +4,7 @@
 #include <map>
 
 #include "checkpoint/safetensors.h"
+#include "common/atomic_file.h"
 #include "common/file.h"
 #include "common/log.h"
 #include "common/sha256.h"
@@ -88,14 +89,22 @@ std::string initial_weights(const Config& cfg, const std::string& module_spec, c
   const std::string base = dir + "/init-" + sha256_hex(k.dump() + libraries.dump()).substr(0, 32);
   const std::string file = base + ".safetensors", log = base + ".log";
   const std::string what = "model.path = \"" + cfg.model.path + "\", model.factory = \"" + cfg.model.factory + "\": ";
+  const std::string manifest = base + ".json";
   aot::EntryLock lock(base + ".lock");
+  // Used only as its manifest describes it (the SHA-256 written when it was made): a file changed
+  // on disk since, or one without a manifest, is taken again, never used silently.
   if (aot::is_file(file)) {
     try {
+      if (!aot::is_file(manifest)) throw std::runtime_error("no manifest " + manifest);
+      const auto m = nlohmann::json::parse(read_regular_file(manifest, 1 << 20));
+      if (m.value("format", "") != kInitFormat || m.value("sha256", "") != aot::sha256_of_file(file))
+        throw std::runtime_error("its SHA-256 differs from its manifest " + manifest + " (changed or damaged)");
       checkpoint::read_safetensors(file, "", /*load_tensors=*/false);
       return file;
     } catch (const std::exception& e) {
       logging::warn("model: {} cannot be used ({}); taking the initial weights again", file, e.what());
       std::remove(file.c_str());
+      std::remove(manifest.c_str());
     }
   }
   std::vector<std::string> argv = {aot::python_for(cfg.compile),
@@ -113,12 +122,22 @@ std::string initial_weights(const Config& cfg, const std::string& module_spec, c
   for (auto& a : aot::library_args(cfg.compile.libraries)) argv.push_back(std::move(a));
   logging::info("model: taking the initial weights of {} (log: {})", module_spec, log);
   const int rc = aot::run_logged(argv, log, {});
+  if (rc != 0 || !aot::is_file(file))
+    aot::check_runs_python(cfg.compile, log);  // compile.python = "/bin/true" or "/bin/false": named
   // The module itself (not importable, a factory that fails or returns no module): not recorded,
   // since an import may fail for what the user installs next.
   if (rc == 2) throw InputError(what + aot::last_line(log));
   if (rc != 0)
     throw std::runtime_error("model.name = \"python\": the packaging step failed (exit " + std::to_string(rc) +
                              "): " + aot::last_line(log) + " (its log: " + log + ")");
+  // Status 0 and no file: the module or its factory ended the interpreter (sys.exit(0), os._exit(0))
+  // before the weights were written. The module's doing, named by its key.
+  if (!aot::is_file(file))
+    throw InputError(what +
+                     "the packaging step ended with status 0 without writing the module's initial weights: the module "
+                     "or its factory ended the Python interpreter (sys.exit, os._exit?) (its log: " +
+                     log + ")");
+  write_atomic(manifest, nlohmann::json{{"format", kInitFormat}, {"sha256", aot::sha256_of_file(file)}}.dump() + "\n");
   return file;
 }
 

@@ -19,6 +19,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <optional>
@@ -471,24 +472,34 @@ static void validate_parallel(const Config& cfg) {
   const std::string key = "parallel.tp = " + std::to_string(tp);
   auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
   const ModelConfig& m = cfg.model;
-  std::vector<std::pair<std::string, int64_t>> splits;  // what tp splits, by the keys that set it
+  struct Split {
+    std::string what;  // the key that sets it
+    int64_t n;
+    std::string origin;  // where its value came from, when not that key: "n_head in DIR/config.json"
+  };
+  std::vector<Split> splits;  // what tp splits
   if (m.name == "gpt") {
     const int64_t width = m.width > 0 ? m.width : 256;
-    splits = {{"model.heads", m.heads}, {"model.vocab", m.vocab}, {"the MLP's width (4 x model.width)", 4 * width}};
+    splits = {{"model.heads", m.heads, ""},
+              {"model.vocab", m.vocab, ""},
+              {"the MLP's width (4 x model.width)", 4 * width, ""}};
   } else if (models::is_hf_family(m.name)) {
+    // The values the model is built with, each named where it came from: the [model] key, or
+    // init_from's config.json field (issue 64: a refusal named model.heads for the file's n_head).
     const models::HfShape s = models::hf_shape(m);
-    splits = {{"model.heads", s.heads},
-              {"model.kv_heads", s.kv_heads},
-              {"model.vocab", s.vocab},
-              {"the MLP's width (model.ffn_width)", s.ffn}};
+    auto origin = [&](const std::string& key) { return s.source.empty() ? std::string() : s.origin(key); };
+    splits = {{"model.heads", s.heads, origin("model.heads")},
+              {"model.kv_heads", s.kv_heads, origin("model.kv_heads")},
+              {"model.vocab", s.vocab, origin("model.vocab")},
+              {"the MLP's width (model.ffn_width)", s.ffn, origin("model.ffn_width")}};
   } else {
     fail("needs a model with a tensor-parallel plan: model.name = \"" + m.name +
          "\" has none (gpt, gpt2 and llama have one)");
   }
-  for (const auto& [what, n] : splits)
+  for (const auto& [what, n, origin] : splits)
     if (n % tp != 0)
-      fail("splits " + what + " = " + std::to_string(n) + " over tp ranks: it does not divide by " +
-           std::to_string(tp) +
+      fail("splits " + what + " = " + std::to_string(n) + (origin.empty() ? "" : " (" + origin + ")") +
+           " over tp ranks: it does not divide by " + std::to_string(tp) +
            (what == "model.kv_heads" ? " (each tp rank holds whole key/value heads; fewer than tp are not replicated)"
                                      : ""));
   if (cfg.parallel.sequence_parallel && m.context % tp != 0)
@@ -602,9 +613,85 @@ static void validate_cuda_graphs(const Config& cfg) {
     fail(on + " cannot capture train.activation_checkpointing = \"" +
          choice_name(kActivationCheckpointing, cfg.train.activation_checkpointing) +
          "\": its recomputation sets the generators' state on the host (set it to \"none\")");
-  if (cfg.parallel.tp > 1 && cfg.model.dropout > 0)
-    fail(on + " cannot capture parallel.tp > 1 with model.dropout > 0: each tp rank's own masks seed the generator " +
-         "from the host every step (set model.dropout = 0)");
+  // The dropout the model is built with: model.dropout, or init_from's config.json's.
+  if (cfg.parallel.tp > 1 && models::model_dropout(cfg.model) > 0)
+    fail(on + " cannot capture parallel.tp > 1 with dropout " + to_toml_literal(models::model_dropout(cfg.model)) +
+         " (" + models::dropout_origin(cfg.model) +
+         "): each tp rank's own masks seed the generator from the host every step (set model.dropout = 0)");
+}
+
+// model.init_from's config.json decides a Hugging Face family's shape: a [model] key set on the
+// command line or in the file to another value than config.json's is refused, naming both
+// (docs/models.md), whatever the value (issue 64: a key set to keel's default, and rope_theta,
+// norm_eps, tie_embeddings, were taken silently as the file's). model.dropout is the run's choice
+// over the file's, and model.context the run's sequence length: neither is the file's.
+static void validate_init_from_agrees(const Config& cfg) {
+  const ModelConfig& m = cfg.model;
+  if (!models::is_hf_family(m.name) || m.init_from.empty()) return;
+  const models::HfShape s = models::hf_shape(m);
+  if (s.source.empty()) return;
+  const bool llama = s.family == "llama";
+  auto text = [](double v) {
+    std::ostringstream os;
+    os << v;
+    return os.str();
+  };
+  struct Key {
+    const char* key;
+    std::string set, file;  // as text (numbers of 6 digits; differ() compares them whole)
+    const char* field;
+    bool differ = false;
+  };
+  std::vector<Key> keys = {
+      {"vocab", std::to_string(m.vocab), std::to_string(s.vocab), "vocab_size"},
+      {"width", std::to_string(m.width), std::to_string(s.width), llama ? "hidden_size" : "n_embd"},
+      {"depth", std::to_string(m.depth), std::to_string(s.layers), llama ? "num_hidden_layers" : "n_layer"},
+      {"heads", std::to_string(m.heads), std::to_string(s.heads), llama ? "num_attention_heads" : "n_head"},
+      {"ffn_width", std::to_string(m.ffn_width), std::to_string(s.ffn), llama ? "intermediate_size" : "n_inner"},
+      {"norm_eps", text(m.norm_eps), text(s.eps), llama ? "rms_norm_eps" : "layer_norm_epsilon"},
+      {"tie_embeddings", m.tie_embeddings ? "true" : "false", s.tied ? "true" : "false", "tie_word_embeddings"}};
+  if (llama) {
+    keys.push_back({"kv_heads", std::to_string(m.kv_heads), std::to_string(s.kv_heads), "num_key_value_heads"});
+    keys.push_back({"rope_theta", text(m.rope_theta), text(s.rope_theta), "rope_theta"});
+  }
+  for (Key& k : keys)  // kv_heads and ffn_width = 0 say "the default": whatever the file has
+    k.differ =
+        k.set != k.file && !(k.set == "0" && (std::string(k.key) == "kv_heads" || std::string(k.key) == "ffn_width"));
+  keys[5].differ = m.norm_eps != s.eps;  // the floating-point ones, compared as numbers
+  if (llama) keys.back().differ = m.rope_theta != s.rope_theta;
+  for (const Key& k : keys)
+    if (cfg.is_explicit(std::string("model.") + k.key) && k.differ)
+      throw InputError("config: model." + std::string(k.key) + " = " + k.set + ", but " + s.source + " has " + k.field +
+                       " = " + k.file + " (model.init_from's config.json decides the shape): set model." + k.key +
+                       " = " + k.file + ", or leave it out to take the file's");
+}
+
+// A directory a run writes must not lie inside checkpoint.dir: each step's commit renames a
+// step directory into place and the rotation removes old ones whole, with whatever else is in them
+// (issue 64: run.dir = <checkpoint.dir>/step_5 lost its metrics, exit 1). checkpoint.dir inside
+// run.dir is fine (nothing of the run's is removed), and so are the two the same directory.
+static void validate_directories(const Config& cfg) {
+  if (cfg.checkpoint.dir.empty()) return;
+  namespace fs = std::filesystem;
+  auto resolved = [](const std::string& p) {
+    std::error_code ec;
+    fs::path abs = fs::absolute(p, ec);
+    if (ec) return fs::path(p).lexically_normal();
+    fs::path canon = fs::weakly_canonical(abs, ec);  // symbolic links followed where the path exists
+    fs::path r = (ec ? abs : canon).lexically_normal();
+    return !r.has_filename() && r != r.root_path() ? r.parent_path() : r;  // "ckpt/" is "ckpt"
+  };
+  const fs::path ckpt = resolved(cfg.checkpoint.dir);
+  auto inside = [&](const fs::path& p) {
+    const auto [c, q] = std::mismatch(ckpt.begin(), ckpt.end(), p.begin(), p.end());
+    return c == ckpt.end() && q != p.end() && !q->empty();
+  };
+  for (const auto& [key, dir] :
+       {std::pair<const char*, std::string>{"run.dir", cfg.run.dir}, {"compile.cache_dir", cfg.compile.cache_dir}})
+    if (!dir.empty() && inside(resolved(dir)))
+      throw InputError("config: " + std::string(key) + " = \"" + dir + "\" is inside checkpoint.dir = \"" +
+                       cfg.checkpoint.dir + "\", whose commits and rotation replace and remove what is in it: give " +
+                       key + " a directory outside checkpoint.dir (checkpoint.dir may be inside it, or the same)");
 }
 
 void validate(Config& cfg) {
@@ -679,6 +766,8 @@ void validate(Config& cfg) {
   parse_profile_steps(cfg.run.profile_steps);
   validate_placement(cfg);
   validate_granularity(cfg);
+  validate_directories(cfg);
+  validate_init_from_agrees(cfg);
   if (!cfg.checkpoint.resume_from.empty() && cfg.checkpoint.dir.empty())
     fail("checkpoint.resume_from = \"" + cfg.checkpoint.resume_from + "\" needs checkpoint.dir");
   try {  // the same verdict at every world size (the 2-rank path chooses an interface from it)
@@ -721,7 +810,30 @@ std::string config_reference_markdown() {
   return os.str();
 }
 
-std::string dump_toml(const Config& cfg) {
+// The [model] keys init_from's config.json decides, set to the file's values: what the run
+// trains, and what validate_init_from_agrees() accepts when the resolved config is replayed.
+static Config with_init_from_shape(const Config& cfg) {
+  Config c = cfg;
+  ModelConfig& m = c.model;
+  if (!models::is_hf_family(m.name) || m.init_from.empty()) return c;
+  const models::HfShape s = models::hf_shape(m);
+  if (s.source.empty()) return c;
+  m.vocab = s.vocab;
+  m.width = s.width;
+  m.depth = s.layers;
+  m.heads = s.heads;
+  m.ffn_width = s.ffn;
+  m.norm_eps = s.eps;
+  m.tie_embeddings = s.tied;
+  if (s.family == "llama") {
+    m.kv_heads = s.kv_heads;
+    m.rope_theta = s.rope_theta;
+  }
+  return c;
+}
+
+std::string dump_toml(const Config& config) {
+  const Config cfg = with_init_from_shape(config);
   std::ostringstream os;
   os << "# keel resolved configuration: every key, defaults included.\n"
      << "# Replay this run with: keel train --config <this file>\n";

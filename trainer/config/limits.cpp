@@ -60,16 +60,18 @@ std::string count_text(double n) {
 
 // A config key that sizes a part, as written in the message.
 struct KeyUse {
-  std::string name;       // "model.width"
+  std::string name;       // "model.width", or a config.json field ("n_embd")
   int64_t value = 0;      // as configured
   int64_t effective = 0;  // after the model's default (model.width = 0 -> 256)
   double reference = 1;   // its default: the key furthest above it is the one to lower
+  std::string file;       // the config.json (model.init_from) the value came from, or ""
+  std::string where() const { return file.empty() ? name : name + " in " + file; }
 };
 
 std::string key_text(const KeyUse& k) {
   std::string s = k.name + " = " + std::to_string(k.value);
   if (k.value != k.effective) s += " (the default, " + std::to_string(k.effective) + ")";
-  return s;
+  return k.file.empty() ? s : s + " in " + k.file;
 }
 
 std::string keys_text(const std::vector<KeyUse>& keys) {
@@ -86,7 +88,7 @@ std::string culprit_of(const std::vector<KeyUse>& keys) {
   double best_ratio = -1;
   for (const auto& k : keys) {
     const double ratio = static_cast<double>(k.effective) / std::max(1.0, k.reference);
-    if (ratio > best_ratio) best_ratio = ratio, best = k.name;
+    if (ratio > best_ratio) best_ratio = ratio, best = k.where();
   }
   return best;
 }
@@ -152,6 +154,23 @@ std::optional<double> estimate_parameters(const ModelConfig& m) {
   return static_cast<double>(m.vocab) * d + static_cast<double>(m.context) * d + layers * (12 * d * d + 13 * d) + 2 * d;
 }
 
+std::optional<double> estimate_replicated_parameters(const ModelConfig& m) {
+  const auto shape = builtin_shape(m);
+  if (!shape || !shape->sequence()) return std::nullopt;
+  // What each family's tp plan (models/transformer.cpp, tensor_parallel_plan) does not split: per
+  // block the two norms and the row-parallel projections' biases; the position embedding and the
+  // final norm. The token embedding and an lm_head are split by vocabulary rows.
+  if (shape->hf && shape->hf->family == "llama") {
+    const models::HfShape& s = *shape->hf;
+    const double d = double(s.width);
+    return double(s.layers) * (2 * d + (s.attention_bias ? d : 0) + (s.mlp_bias ? d : 0)) + d;
+  }
+  const double d = shape->hf ? double(shape->hf->width) : shape->width;
+  const double layers = shape->hf ? double(shape->hf->layers) : shape->depth;
+  const double positions = shape->hf ? double(shape->hf->positions) : double(m.context);
+  return layers * 6 * d + positions * d + 2 * d;  // ln_1, ln_2 (weight and bias), two biases
+}
+
 // The keys an estimate names, with the values it used.
 struct EstimateKeys {
   KeyUse width, depth, classes, context, vocab, heads, batch, size;
@@ -170,6 +189,20 @@ EstimateKeys estimate_keys(const Config& cfg, const std::optional<Shape>& shape)
   const bool hf = shape && shape->hf;  // a Hugging Face family: its vocabulary and heads (config.json's)
   k.vocab = {"model.vocab", cfg.model.vocab, hf ? shape->hf->vocab : cfg.model.vocab, dflt(defaults.model.vocab)};
   k.heads = {"model.heads", cfg.model.heads, hf ? shape->hf->heads : cfg.model.heads, dflt(defaults.model.heads)};
+  // A Hugging Face family read from init_from's config.json: its values, named by the file's fields.
+  if (hf && !shape->hf->source.empty()) {
+    const models::HfShape& s = *shape->hf;
+    auto from_file = [&](KeyUse& u, const std::string& key) {
+      const std::string o = s.origin(key);  // "n_embd in DIR/config.json"
+      u.name = o.substr(0, o.find(" in "));
+      u.value = u.effective;
+      u.file = s.source;
+    };
+    from_file(k.width, "model.width");
+    from_file(k.depth, "model.depth");
+    from_file(k.vocab, "model.vocab");
+    from_file(k.heads, "model.heads");
+  }
   k.batch = {"train.batch_size", cfg.train.batch_size, cfg.train.batch_size, dflt(defaults.train.batch_size)};
   k.size = {"data.synthetic_size", cfg.data.synthetic_size, cfg.data.synthetic_size,
             dflt(defaults.data.synthetic_size)};
@@ -187,6 +220,14 @@ struct ModelMemory {
 ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape, double params, const EstimateKeys& k) {
   ModelMemory m;
   std::string state_name = "no optimizer state";
+  // parallel.tp: a rank holds its slices of the split parameters and the replicated ones whole
+  // (docs/parallel.md: (P - P_r) / t + P_r); ZeRO then divides that over dp.
+  const double t = static_cast<double>(std::max<int64_t>(1, cfg.parallel.tp));
+  const double whole = params;
+  if (t > 1) {
+    const double replicated = estimate_replicated_parameters(cfg.model).value_or(0);
+    params = (whole - replicated) / t + replicated;
+  }
   m.P = 4 * params;
   m.G = m.P;
   if (cfg.train.optimizer == "adamw")
@@ -211,11 +252,16 @@ ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape,
     keys = {k.classes};
   else
     keys = {k.width, k.depth, k.vocab, k.context};
+  const std::string per_rank =
+      t > 1 ? ", of which one rank of parallel.tp = " + std::to_string(cfg.parallel.tp) + " holds " + count_text(params)
+            : std::string();
   const std::string head = keys_text(keys) + (keys.size() > 1 ? " make" : " makes") + " the " + shape.name + " model " +
-                           count_text(params) + " parameters: ";
+                           count_text(whole) + " parameters" + per_rank + ": ";
   m.item = {head + bytes_text(bytes) + " with gradients and " + state_name, culprit_of(keys), bytes};
-  m.host_item = {head + bytes_text(m.P) + " in host memory, where it is built before it moves to the GPU",
-                 culprit_of(keys), m.P};
+  // Built whole, then sliced (tp > 1 without model.sharded_init); else this rank's slices only.
+  const double built_whole = t > 1 && !builds_sharded(cfg) ? 4 * whole : m.P;
+  m.host_item = {head + bytes_text(built_whole) + " in host memory, where it is built before it moves to the GPU",
+                 culprit_of(keys), built_whole};
   if (builds_sharded(cfg) && placement.shards_parameters()) {
     // Built as this rank's shards (models/deferred_init.h): its shard, and the largest tensor
     // made whole at a time: a transformer's token embedding; an image model's largest layer,
@@ -224,7 +270,7 @@ ModelMemory model_memory(const Config& cfg, int64_t dp_size, const Shape& shape,
     const double largest =
         shape.name == "mlp" ? 2.0 * std::max(std::max(kImageFeatures, shape.width) * shape.width, shape.width * classes)
         : shape.name == "cnn" ? 2.0 * std::max(64.0 * 7 * 7 * 128, 128 * classes)
-                              : static_cast<double>(k.vocab.effective) * k.width.effective;
+                              : static_cast<double>(k.vocab.effective) * k.width.effective / t;
     const double built = m.P_held + 4 * largest;
     m.host_item = {head + bytes_text(built) + " in host memory while it is built as this rank's shards",
                    culprit_of(keys), built};
@@ -254,12 +300,19 @@ MemoryItem activation_memory(const Config& cfg, const std::optional<Shape>& shap
     // of the layer norms and linear layers, q/k/v, GELU's input); one more T x T score tensor
     // while the last block's softmax is made; the final layer norm; the logits and their
     // log-softmax (T x vocab per sample).
+    // Under parallel.tp = t (docs/parallel.md) a rank keeps 1/t of what lies inside the regions:
+    // its heads' probabilities, 12 of the 16 values per token (q, k, v, the attention's output,
+    // the MLP's two hidden tensors) and its vocabulary columns of the logits; the 4 between the
+    // regions (each norm's input and output) and the final norm whole, or 1/t of them with
+    // sequence parallelism.
     const double T = static_cast<double>(cfg.model.context), d = shape->width, L = shape->depth;
     const double H = static_cast<double>(k.heads.effective), V = static_cast<double>(k.vocab.effective);
+    const double t = static_cast<double>(std::max<int64_t>(1, cfg.parallel.tp));
+    const double between = cfg.parallel.sequence_parallel ? t : 1;
     // gpt2 and llama attend with scaled_dot_product_attention, whose fused kernels keep no T x T
     // probabilities: for them only what every path saves (a lower bound, as the whole estimate).
-    const double scores = shape->hf ? 0 : L * (batch * H * T * T * ab + T * T) + batch * H * T * T * ab;
-    A = scores + batch * T * (16 * L * d + 2 * d) * ab + 2 * batch * T * V * ab;
+    const double scores = shape->hf ? 0 : L * (batch * H * T * T * ab / t + T * T) + batch * H * T * T * ab / t;
+    A = scores + batch * T * (12 * L * d / t + (4 * L * d + 2 * d) / between) * ab + 2 * batch * T * V * ab / t;
     keys = {k.batch, k.context, k.heads, k.depth, k.width, k.vocab};
   }
   if (A <= 0) return {};

@@ -1,8 +1,9 @@
 // trainer/config/limits.h: what a config may ask for beyond the schema's per-key ranges.
 //
 // Owns: the memory a config needs before anything is allocated: the parameters, gradients and optimizer
-// state of a built-in model (mlp, cnn, gpt), one micro-batch's activations and the synthetic
-// dataset, all computed from the config alone, against the memory this host has available.
+// state of a built-in model (mlp, cnn, gpt, gpt2, llama), one micro-batch's activations and the
+// synthetic dataset, per rank of the mesh (parallel.tp's slices, ZeRO's shards over dp), all
+// computed from the config alone, against the memory this host has available.
 // A config that cannot fit is bad input (exit 2) naming the keys and the sizes, instead of an
 // allocator failure naming nothing.
 // Does not own: the schema (trainer/config/schema.cpp), the models (models/), the datasets
@@ -22,6 +23,11 @@ namespace keel {
 /// config without building it (the same count as Model::num_parameters()); nullopt for any
 /// other model (torchscript, registered models). A double: the documented maxima reach 10^13.
 std::optional<double> estimate_parameters(const ModelConfig& model);
+
+/// Of those, the parameters a tensor-parallel rank holds whole (what the family's tp plan does not
+/// split: norms, row-parallel biases, a position embedding) for gpt, gpt2 and llama; nullopt for
+/// any other model. docs/parallel.md's P_r: a rank of parallel.tp = t holds (P - P_r) / t + P_r.
+std::optional<double> estimate_replicated_parameters(const ModelConfig& model);
 
 /// One part of what a rank needs, for the message.
 struct MemoryItem {

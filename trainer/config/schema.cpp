@@ -272,6 +272,10 @@ void train_keys(SchemaBuilder& b) {
   b.add("train", &C::train, "loss", &TrainConfig::loss,
         "training (and evaluation) loss: cross_entropy (over the last dimension; evaluation also reports top-1 "
         "accuracy) | a name registered with keel::register_loss");
+  b.add("train", &C::train, "ignore_index", &TrainConfig::ignore_index,
+        "cross_entropy: targets equal to it add nothing to the loss, its gradient or the evaluation (PyTorch's "
+        "ignore_index, Hugging Face's -100 for unlabelled tokens); a micro-batch with no other target has loss 0 "
+        "(PyTorch: NaN). Any other target outside [0, classes) is refused (exit 2)");
   range(b.add("train", &C::train, "grad_clip", &TrainConfig::grad_clip, "max global gradient L2 norm; 0 = no clipping"),
         0.0, 1e12);
   range(b.add("train", &C::train, "eval_interval", &TrainConfig::eval_interval,

@@ -100,7 +100,7 @@ std::string TensorAddresses::first_moved(const std::vector<std::pair<std::string
   return "";
 }
 
-StepGraphs::StepGraphs(Run& run) : run_(run) {
+StepGraphs::StepGraphs(Run& run) : run_(run), first_step_(run.progress.steps_done + 1) {
   // What the config could not tell: the device and backend `auto` resolved to, a registered optimizer.
   const bool rehearsal = run.cfg.compile.cuda_graphs_rehearsal;
   const torch::Device dev = run.params.front().device();
@@ -174,8 +174,10 @@ StepGraphs::Captured& StepGraphs::capture_forward_backward(const std::string& ke
     c->graph->capture([self, body] { self->loss = body(self->inputs); });
   }
   ++run.cuda_graph_captures;
+  // One forward-backward a step: the step number is counted here (with dist.consensus = late
+  // the loop's steps_done is one behind the step in hand).
   logging::info("compile.cuda_graphs: step {} captured the forward and backward of batch shape {}{}",
-                run.progress.steps_done + 1, describe(batches),
+                first_step_ + steps_ - 1, describe(batches),
                 captured_.empty() ? std::string() : " (another shape: counted against compile.max_recompiles)");
   return *captured_.emplace(key, std::move(c)).first->second;
 }

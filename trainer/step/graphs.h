@@ -102,6 +102,7 @@ class StepGraphs {
   Run& run_;
   int64_t warmup_ = 3;
   int64_t steps_ = 0;                  // forward-backwards this process ran
+  int64_t first_step_ = 1;             // the loop's step number of the first of them
   std::set<std::string> ran_eagerly_;  // batch shapes that ran one eager step
   std::map<std::string, std::unique_ptr<Captured>> captured_;
   std::unique_ptr<StepGraph> update_graph_;

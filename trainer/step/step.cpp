@@ -3,11 +3,15 @@
 #include <ATen/record_function.h>
 
 #include <algorithm>
+#include <string>
 #include <vector>
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
 #include "dist/tp_ops.h"
+#include "keel/common/error.h"
+#include "keel/dist/collectives.h"
+#include "trainer/loss.h"
 #include "trainer/run.h"
 #include "trainer/step/compiled.h"
 #include "trainer/step/eager.h"
@@ -20,8 +24,22 @@ std::unique_ptr<Step> make_step(Run& run) {
   return std::make_unique<EagerStep>(run);
 }
 
-Step::Step(Run& run) : run_(run) {
+Step::Step(Run& run) : run_(run), first_step_(run.progress.steps_done + 1) {
   if (run.cfg.compile.cuda_graphs) graphs_ = std::make_unique<StepGraphs>(run);
+}
+
+// Without train.grad_clip the global gradient norm is measured (one norm and one all-reduce of a
+// number) on the loop's first step and every train.log_interval-th, so that a step whose
+// gradients are all exactly zero is said in the log (RunReport::log_step): a model that cannot
+// train is never silent. Under compile.cuda_graphs the update graph keeps what its capture did:
+// the first steps run eagerly, the first step's measurement among them.
+bool Step::measures_norm(int64_t step) const {
+  if (run_.cfg.train.grad_clip > 0) return false;  // the clip measures it every step
+  // compile.cuda_graphs: the update graph replays what its capture did, so every step measures
+  // (a few kernels and one scalar all-reduce inside the graph), or no step after the capture would.
+  if (graphs_) return true;
+  const int64_t every = std::max<int64_t>(1, run_.cfg.train.log_interval);
+  return step == first_step_ || step % every == 0;
 }
 
 Step::~Step() = default;
@@ -29,7 +47,7 @@ Step::~Step() = default;
 Launched Step::launch(StepResult& r) {
   r.lr = run_.schedule->at(r.step - 1);
   set_lr(*run_.optimizer, r.lr);
-  const std::vector<data::Batch> batches = next_batches();
+  const std::vector<data::Batch> batches = next_batches(r.step);
   r.epoch = run_.sampler->position().epoch;
   Launched l;
   if (graphs_)
@@ -53,12 +71,19 @@ torch::Tensor Step::eager_loss(const torch::Tensor& input, const torch::Tensor& 
 }
 
 // The step's micro-batches, on the device (on a GPU through pinned memory, without making the
-// host wait for the copy).
-std::vector<data::Batch> Step::next_batches() {
+// host wait for the copy); with the default loss, their targets checked on the host first.
+std::vector<data::Batch> Step::next_batches(int64_t step) {
   RECORD_USER_SCOPE("keel::data");
   std::vector<data::Batch> batches;
   for (int64_t micro = 0; micro < run_.cfg.train.grad_accum; ++micro) {
     data::Batch b = run_.splits.train->get(run_.sampler->next());
+    if (run_.classifier()) {  // a bad target is carried to the consensus, so every rank fails with it
+      const std::string bad =
+          screen_targets(b.target, run_.spec.num_classes, run_.cfg.train.ignore_index,
+                         "training batch of step " + std::to_string(step) + " (micro-batch " + std::to_string(micro) +
+                             ") on rank " + std::to_string(run_.world.rank));
+      if (bad_input_.empty()) bad_input_ = bad;
+    }
     batches.push_back({to_device(b.input), to_device(b.target)});
   }
   return batches;
@@ -154,6 +179,8 @@ void Step::host_decided_update(StepResult& r) {
   if (!r.skipped) {
     if (run_.cfg.train.grad_clip > 0)
       r.grad_norm = run_.dmodel->clip_grad_norm(run_.cfg.train.grad_clip).item<double>();
+    else if (measures_norm(r.step))
+      r.grad_norm = run_.dmodel->grad_norm().item<double>();
     run_.optimizer->step();
     run_.dmodel->sync_parameters();  // dist.zero >= 1: each owner's update to every rank
   }
@@ -166,17 +193,18 @@ void Step::host_decided_update(StepResult& r) {
 
 void Step::device_decided_update(InFlight& f) {
   const torch::Tensor found = f.record.found_inf().to(run_.params.front().device());
-  const torch::Tensor extras = graphs_
-                                   ? graphs_->update(found, f.r.lr, [this](const auto& v) { return device_update(v); })
-                                   : device_update(found);
+  const bool measure = measures_norm(f.r.step);
+  const torch::Tensor extras =
+      graphs_ ? graphs_->update(found, f.r.lr, [this, measure](const auto& v) { return device_update(v, measure); })
+              : device_update(found, measure);
   if (run_.scaler) run_.scaler->end_step();  // a replayed update() ran its kernels only
   f.extras = HostCopy::start(extras);
 }
 
 // The update the device decides on `found` (float32, one element: skip when non-zero); returns
 // float64 [grad norm, loss scale before the update, after it] (NaN where there is none), on the
-// device.
-torch::Tensor Step::device_update(const torch::Tensor& found) {
+// device. `measure_norm`: without train.grad_clip, the norm measured anyway (measures_norm).
+torch::Tensor Step::device_update(const torch::Tensor& found, bool measure_norm) {
   amp::GradScaler* scaler = run_.scaler.get();
   const torch::Device dev = found.device();
   const auto nan = torch::full({1}, std::nan(""), torch::TensorOptions().dtype(torch::kDouble).device(dev));
@@ -184,6 +212,8 @@ torch::Tensor Step::device_update(const torch::Tensor& found) {
   if (run_.cfg.train.grad_clip > 0)  // NaN on a skipped step, as when the host decides
     norm = torch::where(found.ne(0), nan,
                         run_.dmodel->clip_grad_norm(run_.cfg.train.grad_clip).to(torch::kDouble).reshape({1}));
+  else if (measure_norm)
+    norm = torch::where(found.ne(0), nan, run_.dmodel->grad_norm().to(torch::kDouble).reshape({1}));
   const torch::Tensor scale_before = scaler ? scaler->scale_tensor().to(dev, torch::kDouble).reshape({1}) : nan;
   run_.fused->step_unless(found);
   run_.dmodel->sync_parameters();  // dist.zero >= 1: each owner's update (or its old values) to every rank
@@ -214,17 +244,26 @@ EvalResult Step::evaluate(int64_t step) {
   // as many forwards as the rank with the most batches (one more all-reduce; the extra ones
   // are discarded), and no rank holds the whole model.
   double loss_sum = 0, correct = 0, count = 0;
+  std::string bad;  // this rank's first bad target: summed over dp with the totals, thrown on every rank
   const int64_t rounds = run_.dmodel->evaluation_rounds(static_cast<int64_t>(batches.size()));
   for (int64_t k = 0; k < rounds; ++k) {
     const bool real = k < static_cast<int64_t>(batches.size());
     auto b = splits.test->get(real ? batches[static_cast<size_t>(k)] : std::vector<int64_t>{0});
+    if (real && run_.classifier()) {
+      const std::string b_bad = screen_targets(
+          b.target, run_.spec.num_classes, run_.cfg.train.ignore_index,
+          "evaluation batch at step " + std::to_string(step) + " on rank " + std::to_string(run_.world.rank));
+      if (bad.empty()) bad = b_bad;
+    }
     auto out = run_.dmodel->evaluation_forward(b.input.to(run_.device), *run_.model);
     if (real) evaluate_batch(out, b.target.to(run_.device), loss_sum, correct, count);
   }
   run_.model->train(true);
   run_.dmodel->end_evaluation();
-  auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
+  auto totals = torch::tensor({loss_sum, correct, count, bad.empty() ? 0.0 : 1.0}, torch::kDouble);
   run_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
+  // Every tp rank of a dp rank reads the same batches, so every dp group sums the same verdict.
+  if (totals[3].item<double>() > 0) throw InputError(dist::first_error(*run_.coll, bad, "evaluation targets").message);
   loss_sum = totals[0].item<double>();
   correct = totals[1].item<double>();
   count = totals[2].item<double>();
@@ -235,27 +274,32 @@ EvalResult Step::evaluate(int64_t step) {
 }
 
 // One evaluation batch's sums: the loss over its samples (tokens), and with the default loss
-// the top-1 hits.
+// the top-1 hits; targets equal to train.ignore_index count in neither, nor in `count`.
 void Step::evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
                           double& count) {
+  const int64_t ignore = run_.cfg.train.ignore_index;
   if (run_.mesh.tp() > 1) {  // this rank's vocabulary columns (parallel.tp; the default loss)
     const dist::tp::VocabRange range = run_.vocab_range();
     dist::Collectives& tp = run_.mesh.on(dist::Axis::Tp);
     const auto t = target.reshape({-1});
-    const auto tokens = static_cast<double>(t.numel());
-    loss_sum += dist::tp::vocab_parallel_cross_entropy(out, t, range, tp).item<double>() * tokens;
-    correct += static_cast<double>(dist::tp::vocab_parallel_argmax(out, range, tp).eq(t).sum().item<int64_t>());
+    const auto counted = t.ne(ignore);
+    const auto tokens = static_cast<double>(counted.sum().item<int64_t>());
+    loss_sum += dist::tp::vocab_parallel_cross_entropy(out, t, range, tp, ignore).item<double>() * tokens;
+    correct += static_cast<double>(
+        dist::tp::vocab_parallel_argmax(out, range, tp).eq(t).logical_and(counted).sum().item<int64_t>());
     count += tokens;
     return;
   }
   if (run_.classifier()) {
     auto flat = out.reshape({-1, out.size(-1)});
     auto t = target.reshape({-1});
-    loss_sum += torch::nn::functional::cross_entropy(
-                    flat, t, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum))
-                    .item<double>();
-    correct += static_cast<double>(flat.argmax(1).eq(t).sum().item<int64_t>());
-    count += static_cast<double>(t.numel());
+    const auto counted = t.ne(ignore);
+    loss_sum +=
+        torch::nn::functional::cross_entropy(
+            flat, t, torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kSum).ignore_index(ignore))
+            .item<double>();
+    correct += static_cast<double>(flat.argmax(1).eq(t).logical_and(counted).sum().item<int64_t>());
+    count += static_cast<double>(counted.sum().item<int64_t>());
   } else {
     const auto rows = static_cast<double>(out.size(0));
     loss_sum += run_.loss(out, target).item<double>() * rows;

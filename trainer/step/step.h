@@ -41,7 +41,7 @@ struct StepResult {
   double local_loss = 0;  // this rank's
   double lr = 0;
   double step_ms = 0;
-  double grad_norm = std::nan("");   // before clipping (train.grad_clip > 0)
+  double grad_norm = std::nan("");   // before clipping (train.grad_clip > 0; else on the steps measures_norm says)
   double loss_scale = std::nan("");  // after the step's update (with a GradScaler)
   double loss_scale_before = std::nan("");
   int64_t epoch = 0;     // the sampler's epoch after the step's batches
@@ -89,6 +89,10 @@ class Step {
   /// Loss (and, with the default loss, top-1 accuracy) over the test split, each data-parallel
   /// rank taking every dp-th sample; totals are summed over the dp axis. Collective.
   EvalResult evaluate(int64_t step);
+  /// The first bad input this rank's batches held ("" none): a target out of range, replaced by
+  /// train.ignore_index so that the step ran on to the consensus, whose flag makes every rank
+  /// throw it (Trainer; the same for evaluation inside evaluate()).
+  const std::string& bad_input() const { return bad_input_; }
 
  protected:
   /// One micro-batch's loss (float32), on the device; `sync`: its gradients synchronise.
@@ -98,9 +102,10 @@ class Step {
   Run& run_;
 
  private:
-  std::vector<data::Batch> next_batches();
+  std::vector<data::Batch> next_batches(int64_t step);
   torch::Tensor forward_backward(const std::vector<data::Batch>& batches, double* loss_now);
-  torch::Tensor device_update(const torch::Tensor& found);
+  torch::Tensor device_update(const torch::Tensor& found, bool measure_norm);
+  bool measures_norm(int64_t step) const;
   torch::Tensor to_device(const torch::Tensor& t) const;
   torch::Tensor grad_verdict();
   torch::Tensor local_nonfinite(const torch::Tensor& local_loss);
@@ -110,6 +115,8 @@ class Step {
   void evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
                       double& count);
   std::unique_ptr<StepGraphs> graphs_;  // compile.cuda_graphs
+  std::string bad_input_;               // bad_input()
+  int64_t first_step_ = 1;              // the loop's first (after a resume, the step after it)
 };
 
 /// The step the run's model takes: CompiledStep with an Inductor package, else EagerStep.

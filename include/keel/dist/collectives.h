@@ -160,7 +160,10 @@ class Collectives {
                            const char* what = "broadcast_coalesced", size_t bucket_bytes = size_t{256} << 20);
 
   /// A collective started and not yet finished: wait() finishes it (once; later calls and an
-  /// empty Started do nothing), with the blocking calls' errors and traffic counting.
+  /// empty Started do nothing), with the blocking calls' errors and traffic counting. True from
+  /// its start until wait(), whatever the group: a one-rank group's work is done at the start
+  /// (a copy), and the caller's wait() is still where it takes the result (issue 64: a
+  /// reduce-scatter that tested false at dp 1 was never added into ZeRO's gradient shards).
   class Started {
    public:
     Started() = default;

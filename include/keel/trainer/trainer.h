@@ -77,7 +77,9 @@ struct EvalResult {
   X(double, wall_s, 0, null, "run() from start to end, seconds")                                                       \
   X(std::string, compile_mode, , null, "off, trace, inductor or eager-fallback")                                       \
   X(double, compile_ms, 0, null, "time spent compiling (or loading a compiled package)")                               \
-  X(std::string, compile_cache, , null, "off, hit, miss, or checkpoint (the package stored with the checkpoint)")      \
+  X(std::string, compile_cache, , null,                                                                                \
+    "off, hit, miss, waited (another process packaged it while this one waited), or checkpoint (the package stored "   \
+    "with the checkpoint)")                                                                                            \
   X(int64_t, recompiles, 0, null, "recompilations after the first compile")                                            \
   X(std::optional<int64_t>, cuda_graph_captures, , null,                                                               \
     "compile.cuda_graphs: graphs captured (a forward-backward per batch shape, the update), else null")                \
@@ -112,8 +114,9 @@ struct EvalResult {
     "run.count_tensor_memory: the bytes of CPU tensors alive on this rank at the end (model, gradients, optimizer "    \
     "state, data), MiB; else null")                                                                                    \
   X(ControlTraffic, control_per_step, , null,                                                                          \
-    "keel's control traffic per step on this rank over the loop (the consensus, validation probes, checkpoint "        \
-    "coordination, evaluation totals; not DDP's gradients)")
+    "keel's collectives per step on this rank over the loop, on every mesh axis (the consensus, validation probes, "   \
+    "checkpoint coordination, evaluation totals, ZeRO's gathers and reduce-scatters, tensor parallelism's "            \
+    "collectives; not DDP's gradient buckets)")
 
 // summary.json's control_per_step, as KEEL_SUMMARY_FIELDS.
 #define KEEL_CONTROL_TRAFFIC_FIELDS(X)                                                           \

@@ -91,6 +91,7 @@ struct TrainConfig {
   int64_t warmup_steps = 0;
   std::string schedule = "cosine";     // a registered schedule (trainer/trainer.h register_schedule)
   std::string loss = "cross_entropy";  // a registered loss (trainer/trainer.h register_loss)
+  int64_t ignore_index = -100;         // cross_entropy: targets equal to it count for nothing (PyTorch's default)
   double grad_clip = 0.0;
   int64_t eval_interval = 0;
   int64_t log_interval = 50;
