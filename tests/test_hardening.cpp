@@ -549,7 +549,7 @@ TEST(Hardening, SigtermWhileTheStepIsPackagedEndsTheRunAtOnceWith143) {
 //  - a relative compile.cache_dir packages (it failed in Inductor's C++ compile: the packaging
 //    step's compilers run in another directory), here on 2 ranks of a Python module;
 //  - the rank that waited while the other packaged says so (summary.json's compile_cache =
-//    "waited", its log "another process packaged"), instead of "hit";
+//    "waited", its log "another process made"), instead of "hit";
 //  - the module's initial weights are read back only as their manifest says: changed on disk,
 //    they are taken again (warned), never used silently;
 //  - a module whose import or factory ends the interpreter with status 0 (sys.exit(0), or
@@ -599,7 +599,7 @@ TEST(Hardening, TheCompileCacheIsRelativeSafeSaysWhoPackagedAndReadsBackOnlyWhat
   for (const auto& [run, r] : {std::pair{"a", &ra}, std::pair{"b", &rb}}) {
     const std::string c = read_json(d.file(run) + "/summary.json")["compile_cache"];
     cached.insert(c);
-    EXPECT_EQ(contains(r->output, "compile: another process packaged"), c == "waited") << r->output;
+    EXPECT_EQ(contains(r->output, "compile: another process made"), c == "waited") << r->output;
     EXPECT_EQ(contains(r->output, "compile: built the inductor package"), c == "miss") << r->output;
   }
   EXPECT_EQ(cached, (std::multiset<std::string>{"miss", "waited"}));

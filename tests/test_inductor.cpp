@@ -185,7 +185,7 @@ TEST(Inductor, OneCompileForAllRanksThenHitsAndADamagedPackageIsRebuilt) {
   int packaged = 0, waited = 0, hits = 0;
   for (const auto& r : first) {
     packaged += contains(r.output, "compile: packaging the mlp training step") ? 1 : 0;
-    waited += contains(r.output, "compile: another process packaged") ? 1 : 0;
+    waited += contains(r.output, "compile: another process made") ? 1 : 0;
     hits += contains(r.output, "compile: cache hit:") ? 1 : 0;
   }
   EXPECT_EQ(packaged, 1) << first[0].output << "\n----\n" << first[1].output;
@@ -914,7 +914,8 @@ TEST(InductorBlocks, SaveGraphStoresTheBlockPackageAndAZero3ResumeLoadsItAndIsBi
   expect_all_ok(resumed);
   for (const auto& r : resumed) EXPECT_FALSE(contains(r.output, "compile: packaging")) << r.output;
   const std::string cache = summary(d.file("resumed"))["compile_cache"];
-  EXPECT_TRUE(cache == "checkpoint" || cache == "hit") << cache << " (the other rank may have seeded it first)";
+  // Rank 0 seeded the cache from the checkpoint, or the other rank did while it waited (or before).
+  EXPECT_TRUE(cache == "checkpoint" || cache == "waited" || cache == "hit") << cache;
   EXPECT_EQ(summary(d.file("resumed"))["resumed_from_step"], 4);
   const auto a = model_tensors(d.file("ckpt-whole/step_6")), b = model_tensors(d.file("ckpt/step_6"));
   ASSERT_FALSE(a.empty());

@@ -93,30 +93,31 @@ bool on_rank1() {
 // targets is the ignore index, so only the second half is learned and evaluated; `bad` says
 // where one target is the vocabulary size instead.
 void register_labelled(const std::string& name, int64_t ignore, Bad bad) {
-  keel::data::register_dataset(name, [=](const keel::DataConfig& cfg, const keel::models::InputSpec& spec, int64_t seed) {
-    struct Labelled : keel::data::Dataset {
-      std::shared_ptr<keel::data::Dataset> base;
-      int64_t ignore, vocab;
-      bool out_of_range, every;
-      int64_t size() const override { return base->size(); }
-      keel::data::Batch get(const std::vector<int64_t>& indices) const override {
-        keel::data::Batch b = base->get(indices);
-        b.target = b.target.clone();
-        b.target.narrow(1, 0, b.target.size(1) / 2).fill_(ignore);
-        if (out_of_range && (indices.front() % 3 == 1 || !every)) b.target.index_put_({0, -1}, vocab);
-        return b;
-      }
-    };
-    auto s = keel::data::make_synthetic(cfg, spec, seed);
-    auto wrap = [&](std::shared_ptr<keel::data::Dataset> d, bool out_of_range) {
-      auto l = std::make_shared<Labelled>();
-      l->base = std::move(d), l->ignore = ignore, l->vocab = spec.num_classes, l->out_of_range = out_of_range;
-      l->every = bad == Bad::Train;
-      return l;
-    };
-    return keel::data::Splits{wrap(s.train, bad == Bad::Train || (bad == Bad::TrainOnRank1 && on_rank1())),
-                              wrap(s.test, bad == Bad::TestOnRank1 && on_rank1())};
-  });
+  keel::data::register_dataset(
+      name, [=](const keel::DataConfig& cfg, const keel::models::InputSpec& spec, int64_t seed) {
+        struct Labelled : keel::data::Dataset {
+          std::shared_ptr<keel::data::Dataset> base;
+          int64_t ignore, vocab;
+          bool out_of_range, every;
+          int64_t size() const override { return base->size(); }
+          keel::data::Batch get(const std::vector<int64_t>& indices) const override {
+            keel::data::Batch b = base->get(indices);
+            b.target = b.target.clone();
+            b.target.narrow(1, 0, b.target.size(1) / 2).fill_(ignore);
+            if (out_of_range && (indices.front() % 3 == 1 || !every)) b.target.index_put_({0, -1}, vocab);
+            return b;
+          }
+        };
+        auto s = keel::data::make_synthetic(cfg, spec, seed);
+        auto wrap = [&](std::shared_ptr<keel::data::Dataset> d, bool out_of_range) {
+          auto l = std::make_shared<Labelled>();
+          l->base = std::move(d), l->ignore = ignore, l->vocab = spec.num_classes, l->out_of_range = out_of_range;
+          l->every = bad == Bad::Train;
+          return l;
+        };
+        return keel::data::Splits{wrap(s.train, bad == Bad::Train || (bad == Bad::TrainOnRank1 && on_rank1())),
+                                  wrap(s.test, bad == Bad::TestOnRank1 && on_rank1())};
+      });
 }
 
 keel::Config labelled_gpt(const std::string& dir, const std::string& data, int64_t tp) {
@@ -183,8 +184,8 @@ TEST(Loss, ATargetOutsideTheVocabularyEndsTheRunNamingIt) {
     ADD_FAILURE() << "a target of 256 with a vocabulary of 256 was trained on";
   } catch (const keel::InputError& e) {
     const std::string m = e.what();
-    for (const std::string want :
-         std::vector<std::string>{"training batch of step", "target 256", "256 classes [0, 256)", "train.ignore_index = -7"})
+    for (const std::string want : std::vector<std::string>{"training batch of step", "target 256",
+                                                           "256 classes [0, 256)", "train.ignore_index = -7"})
       EXPECT_NE(m.find(want), std::string::npos) << "'" << want << "' not in: " << m;
   }
 }
@@ -198,24 +199,25 @@ TEST(Loss, ABadTargetOnOneRankEndsEveryRankWithItsMessage) {
   register_labelled("labelled_bad_test_rank1", -7, Bad::TestOnRank1);
   TempDir d;
   for (const char* data : {"labelled_bad_train_rank1", "labelled_bad_test_rank1"}) {
-    auto ranks = run_ranks(
-        2,
-        [](const keel::dist::World& w) {  // the data by name from the environment: a rank runs the first call
-          const std::string data = std::getenv("KEEL_TEST_DATA");
-          keel::Config cfg = labelled_gpt(std::string(std::getenv("KEEL_TEST_OUT")) + "/" + data, data, 1);
-          cfg.train.eval_interval = 2;
-          cfg.dist.timeout_s = 60;
-          try {
-            keel::Trainer(cfg, w).run();
-            ADD_FAILURE() << "a target of 256 with a vocabulary of 256 was trained on";
-          } catch (const keel::InputError& e) {
-            std::fprintf(stderr, "input error: %s\n", e.what());
-          }
-        },
-        120, {"KEEL_TEST_OUT=" + d.path(), std::string("KEEL_TEST_DATA=") + data});
+    auto ranks =
+        run_ranks(2,
+                  [](const keel::dist::World& w) {  // the data by name from the environment: a rank runs the first call
+                    const std::string data = std::getenv("KEEL_TEST_DATA");
+                    keel::Config cfg = labelled_gpt(std::string(std::getenv("KEEL_TEST_OUT")) + "/" + data, data, 1);
+                    cfg.train.eval_interval = 2;
+                    cfg.dist.timeout_s = 60;
+                    try {
+                      keel::Trainer(cfg, w).run();
+                      ADD_FAILURE() << "a target of 256 with a vocabulary of 256 was trained on";
+                    } catch (const keel::InputError& e) {
+                      std::fprintf(stderr, "input error: %s\n", e.what());
+                    }
+                  },
+                  120, {"KEEL_TEST_OUT=" + d.path(), std::string("KEEL_TEST_DATA=") + data});
     if (is_rank_process()) return;
     expect_all_ok(ranks);
-    const std::string where = std::string(data) == "labelled_bad_train_rank1" ? "training batch of step 1" : "evaluation batch at step 2";
+    const std::string where =
+        std::string(data) == "labelled_bad_train_rank1" ? "training batch of step 1" : "evaluation batch at step 2";
     for (const auto& r : ranks) {
       EXPECT_NE(r.output.find("input error: data: the " + where), std::string::npos) << data << ": " << r.output;
       EXPECT_NE(r.output.find("on rank 1 has target 256"), std::string::npos) << data << ": " << r.output;

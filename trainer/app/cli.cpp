@@ -222,7 +222,7 @@ int run_compile(Config cfg) {
     std::cout << r.package << "\n";
     std::cerr << "keel: "
               << (r.cache == "hit"          ? "already in the compile cache"
-                  : r.cache == "waited"     ? "packaged by another process meanwhile"
+                  : r.cache == "waited"     ? "made by another process meanwhile"
                   : r.cache == "checkpoint" ? "taken from the checkpoint"
                                             : "compiled")
               << " in " << static_cast<int64_t>(r.compile_ms) << " ms (sha256 " << r.package_sha256 << ")\n";

@@ -292,8 +292,10 @@ PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
     if (usable()) {
       report.cache = !there_before && lock.waited() ? "waited" : "hit";
       if (report.cache == "waited")
-        logging::info("compile: another process packaged {} while this one waited for it ({:.0f} ms)", pt2,
-                      lock.waited_ms());
+        logging::info(
+            "compile: another process made {} (packaged it, or took it from a checkpoint) while this one "
+            "waited for it ({:.0f} ms)",
+            pt2, lock.waited_ms());
     } else if (seed_cache_from_checkpoint(req.seed_dir, key, pt2, manifest_path) && usable()) {
       report.cache = "checkpoint";
       logging::info("compile: the package stored with checkpoint {} fits this run; loading it (cache entry {})",
@@ -331,7 +333,7 @@ void PackageEntry::loaded(CompileReport& report) const {
   report.compile_ms = ms_since(started);
   logging::info("compile: {} the inductor package {} ({:.0f} ms)",
                 report.cache == "hit"          ? "cache hit:"
-                : report.cache == "waited"     ? "packaged by another process:"
+                : report.cache == "waited"     ? "made by another process:"
                 : report.cache == "checkpoint" ? "from the checkpoint:"
                                                : "built",
                 path, report.compile_ms);

@@ -78,8 +78,8 @@ struct EvalResult {
   X(std::string, compile_mode, , null, "off, trace, inductor or eager-fallback")                                       \
   X(double, compile_ms, 0, null, "time spent compiling (or loading a compiled package)")                               \
   X(std::string, compile_cache, , null,                                                                                \
-    "off, hit, miss, waited (another process packaged it while this one waited), or checkpoint (the package stored "   \
-    "with the checkpoint)")                                                                                            \
+    "off, hit, miss, waited (another process packaged it, or took it from a checkpoint, while this one waited), or "   \
+    "checkpoint (the package stored with the checkpoint)")                                                             \
   X(int64_t, recompiles, 0, null, "recompilations after the first compile")                                            \
   X(std::optional<int64_t>, cuda_graph_captures, , null,                                                               \
     "compile.cuda_graphs: graphs captured (a forward-backward per batch shape, the update), else null")                \
