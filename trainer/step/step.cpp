@@ -31,12 +31,11 @@ Step::Step(Run& run) : run_(run), first_step_(run.progress.steps_done + 1) {
 // Without train.grad_clip the global gradient norm is measured (one norm and one all-reduce of a
 // number) on the loop's first step and every train.log_interval-th, so that a step whose
 // gradients are all exactly zero is said in the log (RunReport::log_step): a model that cannot
-// train is never silent. Under compile.cuda_graphs the update graph keeps what its capture did:
-// the first steps run eagerly, the first step's measurement among them.
+// train is never silent. Under compile.cuda_graphs every step measures: the update graph replays
+// what its capture did (a few kernels and one scalar all-reduce inside it), so a measurement
+// left out of the capture would be left out of every later step.
 bool Step::measures_norm(int64_t step) const {
   if (run_.cfg.train.grad_clip > 0) return false;  // the clip measures it every step
-  // compile.cuda_graphs: the update graph replays what its capture did, so every step measures
-  // (a few kernels and one scalar all-reduce inside the graph), or no step after the capture would.
   if (graphs_) return true;
   const int64_t every = std::max<int64_t>(1, run_.cfg.train.log_interval);
   return step == first_step_ || step % every == 0;
