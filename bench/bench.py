@@ -53,12 +53,12 @@ def free_port():
         return sock.getsockname()[1]
 
 
-def launch(cmd, world):
+def launch(cmd, world, extra_env=None):
     """Runs `cmd` as `world` ranks with torchrun's environment; returns rank 0's stdout."""
     port = free_port()
     procs = []
     for rank in range(world):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+        env = dict(os.environ, **(extra_env or {}), RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                    LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
                    OMP_NUM_THREADS="1")
         if world == 1:
@@ -73,14 +73,16 @@ def launch(cmd, world):
 
 
 def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="off", cache_dir="", amp="off",
-             extra=()):
+             extra=(), twin=False):
+    """keel train of `model` on synthetic data; twin: compile.mode = inductor packages the step from the
+    built-in model's Python twin (KEEL_INDUCTOR_TWIN=1, issue 65's before) instead of keel's trace."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [keel, "train", f"--model.name={model}", "--data.name=synthetic", f"--train.steps={steps}",
                f"--train.batch_size={batch}", "--train.lr=1e-3", "--train.schedule=constant",
                "--run.threads=1", f"--run.dir={d}", "--run.log_level=warn", "--data.synthetic_size=4096",
                f"--dist.validate={validate}", f"--compile.mode={compile_mode}", f"--compile.cache_dir={cache_dir}",
                f"--amp.dtype={amp}", *extra]
-        launch(cmd, world)
+        launch(cmd, world, {"KEEL_INDUCTOR_TWIN": "1"} if twin else None)
         s = json.load(open(os.path.join(d, "summary.json")))
     out = {"impl": "keel", "version": s["keel_version"], "model": model, "world": s["world_size"], "batch": batch,
            "threads": 1, "validate": validate, "compile_mode": s["compile_mode"], "compile_ms": s["compile_ms"],
@@ -134,6 +136,9 @@ def parse_args():
                     help="instead: keel with amp.dtype = bf16 vs fp32 (cnn and gpt, 1 rank)")
     ap.add_argument("--inductor", action="store_true",
                     help="keel compile.mode = inductor beside PyTorch eager and torch.compile (default, max-autotune-no-cudagraphs)")
+    ap.add_argument("--inductor-systems", default="",
+                    help="--inductor: only these systems, comma-separated (e.g. keel-off,keel-inductor,keel-inductor-twin: "
+                         "issue 65's before/after); default all, PyTorch's included")
     ap.add_argument("--inductor-cache", default="", help="keel's compile.cache_dir for --inductor (default: a temp folder kept between runs)")
     ap.add_argument("--compile", action="store_true",
                     help="instead: keel with compile.mode = trace vs off, and cold vs warm compile time")
@@ -706,6 +711,9 @@ def inductor_bench(args):
     systems = [("keel-off", lambda m, b, s, w: run_keel(m, b, s, w, args.keel)),
                ("keel-inductor", lambda m, b, s, w: run_keel(m, b, s, w, args.keel, compile_mode="inductor",
                                                              cache_dir=cache)),
+               # the step packaged from the model's Python twin, as before issue 65 (the same cache)
+               ("keel-inductor-twin", lambda m, b, s, w: run_keel(m, b, s, w, args.keel, compile_mode="inductor",
+                                                                  cache_dir=cache, twin=True)),
                ("pytorch", lambda m, b, s, w: run_torch(m, b, s, w)),
                ("pytorch-compile", lambda m, b, s, w: run_torch(m, b, s, w, compiled=True)),
                ("pytorch-compile-max-autotune-no-cudagraphs",
@@ -715,13 +723,21 @@ def inductor_bench(args):
                ("pytorch-compile-of-ddp",
                 lambda m, b, s, w: run_torch(m, b, s, w, compiled=True, extra=["--compile-order", "ddp"]))]
     of_ddp = "pytorch-compile-of-ddp"
+    if args.inductor_systems:
+        wanted = args.inductor_systems.split(",")
+        unknown = sorted(set(wanted) - {n for n, _ in systems})
+        if unknown:
+            raise SystemExit(f"--inductor-systems: unknown {', '.join(unknown)} (known: {', '.join(n for n, _ in systems)})")
+        systems = [(n, f) for n, f in systems if n in wanted]
     with results("-inductor") as emit:
         for model in args.models.split(","):
             steps = max(args.steps // 3, 25) if model == "gpt" else args.steps
             # Warm keel's package cache first, so that no timed run compiles (PyTorch compiles in
             # its first step, which its median excludes).
             for world in worlds:
-                run_keel(model, BATCH[model], 6, world, args.keel, compile_mode="inductor", cache_dir=cache)
+                for twin in (False, True):
+                    run_keel(model, BATCH[model], 6, world, args.keel, compile_mode="inductor", cache_dir=cache,
+                             twin=twin)
             runs = {}
             for r in range(args.repeat):
                 order = systems if r % 2 == 0 else list(reversed(systems))
@@ -735,6 +751,12 @@ def inductor_bench(args):
                     med[name]["system"] = name
                     emit(med[name])
                 t = {name: med[name]["median_step_ms"] for name in med}
+                if "pytorch" not in t or "keel-off" not in t:  # a subset (--inductor-systems): its ratios
+                    emit({"model": model, "world": world, "batch": BATCH[model], "steps": steps,
+                          "repeats": args.repeat, "median_step_ms": t,
+                          **({"keel_inductor_over_twin": t["keel-inductor"] / t["keel-inductor-twin"]}
+                             if "keel-inductor" in t and "keel-inductor-twin" in t else {})})
+                    continue
                 keel_best = min(t["keel-off"], t["keel-inductor"])
                 compiled = [n for n in t if n.startswith("pytorch-compile")]
                 torch_compiled_best = min(compiled, key=lambda n: t[n])
@@ -749,7 +771,10 @@ def inductor_bench(args):
                       "pytorch_best": torch_best,
                       "keel_best_over_pytorch_best": keel_best / t[torch_best],
                       "keel_inductor_over_torch_eager": t["keel-inductor"] / t["pytorch"],
-                      "keel_inductor_over_keel_off": t["keel-inductor"] / t["keel-off"]})
+                      "keel_inductor_over_keel_off": t["keel-inductor"] / t["keel-off"],
+                      # issue 65: the package of keel's traced C++ step over the one of the Python twin
+                      **({"keel_inductor_over_twin": t["keel-inductor"] / t["keel-inductor-twin"]}
+                         if "keel-inductor-twin" in t else {})})
 
 
 if __name__ == "__main__":

@@ -52,6 +52,13 @@ void expect_all_ok(const std::vector<ProcResult>& ranks) {
 
 std::vector<ProcResult> run_keel_ranks(int n, const std::vector<std::string>& args, double timeout_s,
                                        const std::vector<std::string>& extra_env) {
+  std::vector<std::string> argv = {KEEL_BINARY};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return run_program_ranks(n, argv, timeout_s, extra_env);
+}
+
+std::vector<ProcResult> run_program_ranks(int n, const std::vector<std::string>& argv, double timeout_s,
+                                          const std::vector<std::string>& extra_env) {
   const int port = free_port();
   std::vector<Child> kids;
   for (int r = 0; r < n; ++r) {
@@ -59,7 +66,7 @@ std::vector<ProcResult> run_keel_ranks(int n, const std::vector<std::string>& ar
                                     "LOCAL_RANK=" + std::to_string(r), "LOCAL_WORLD_SIZE=" + std::to_string(n),
                                     "MASTER_ADDR=127.0.0.1",           "MASTER_PORT=" + std::to_string(port)};
     env.insert(env.end(), extra_env.begin(), extra_env.end());
-    kids.push_back(spawn_keel(args, env));
+    kids.push_back(spawn_process(argv, env));
   }
   std::vector<ProcResult> out;
   for (auto& k : kids) out.push_back(wait_process(k, timeout_s));

@@ -26,6 +26,9 @@ std::vector<ProcResult> run_ranks(int n, const std::function<void(const keel::di
 /// rank's result, in rank order.
 std::vector<ProcResult> run_keel_ranks(int n, const std::vector<std::string>& args, double timeout_s = 120,
                                        const std::vector<std::string>& extra_env = {});
+/// The same for any program (argv[0], a binary linking keel: examples/custom_model).
+std::vector<ProcResult> run_program_ranks(int n, const std::vector<std::string>& argv, double timeout_s = 120,
+                                          const std::vector<std::string>& extra_env = {});
 /// Asserts every rank exited 0 (prints each rank's output otherwise).
 void expect_all_ok(const std::vector<ProcResult>& ranks);
 

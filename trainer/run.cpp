@@ -223,20 +223,17 @@ void Run::compile_and_distribute() {
   check_dropout(cfg);
   std::optional<InductorRequest> inductor;
   if (cfg.compile.mode == CompileMode::Inductor) {
-    if (cb.loss || cfg.train.loss != "cross_entropy") {  // a C++ loss cannot be traced into the package
-      if (cfg.compile.fullgraph || python)
-        throw InputError(
-            "compile.mode = \"inductor\" compiles keel's cross-entropy into the step; a custom loss "
-            "(Callbacks::loss, train.loss) cannot be, and " +
-            std::string(python ? "model.name = \"python\" runs only compiled"
-                               : "compile.fullgraph = true makes that an error"));
-      logging::warn(
-          "compile.mode = \"inductor\": a custom loss (Callbacks::loss, train.loss) cannot be compiled into the step; "
-          "training eager");
-    } else {
-      inductor = inductor_request(cfg, *model, device, amp, threads, python.get());
-      inductor->seed_dir = package_seed_dir(cfg.checkpoint);
-    }
+    // A custom loss (Callbacks::loss, train.loss) is traced into the step with the C++ model, and
+    // runs eager beside the block packages (use_compiled_loss); a Python module's step is traced in
+    // Python, where a C++ loss cannot go.
+    if (python && (cb.loss || cfg.train.loss != "cross_entropy"))
+      throw InputError(
+          "model.name = \"python\" compiles its step in Python with keel's cross-entropy (or the loss its factory "
+          "returns); a C++ custom loss (Callbacks::loss, train.loss) cannot be traced into it");
+    inductor = inductor_request(cfg, *model, device, amp, threads, python.get());
+    inductor->seed_dir = package_seed_dir(cfg.checkpoint);
+    inductor->loss = loss;
+    inductor->example_target = first.target;
   }
   auto compile = [&] {
     return compile_on_every_rank(*coll, [&] {
@@ -264,6 +261,8 @@ void Run::compile_and_distribute() {
     use_compiled_loss();
     logging::info("model transforms: {}", dmodel->transforms().describe());
     log_build_memory();
+  } catch (const GraphRefusal& e) {
+    throw InputError(e.what());  // the C++ model does what a graph would bake in: exit 2 on every rank
   } catch (const CompileError& e) {
     // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
     // that cannot be captured whole is the user's model: exit 2.
@@ -276,7 +275,7 @@ void Run::compile_and_distribute() {
 // it fits the logits (trainer/compile/inductor_block.h), else the eager loss as before.
 void Run::use_compiled_loss() {
   const std::shared_ptr<InductorBlock>& block = dmodel->inductor_block();
-  if (!block || !block->root_loss()) return;
+  if (!block || !block->root_loss() || !classifier()) return;  // a custom loss runs eager
   loss = [compiled = block->root_loss(), eager = loss](const torch::Tensor& logits, const torch::Tensor& target) {
     const torch::Tensor l = compiled(logits, target);
     return l.defined() ? l : eager(logits, target);

@@ -12,6 +12,7 @@
 #include <optional>
 #include <thread>
 
+#include "amp/autocast.h"
 #include "checkpoint/checkpointer.h"
 #include "common/log.h"
 #include "keel/common/error.h"
@@ -21,6 +22,7 @@
 #include "trainer/compile/compile_cache.h"
 #include "trainer/compile/inductor_block.h"
 #include "trainer/compile/packaging.h"
+#include "trainer/loss.h"
 
 namespace keel {
 
@@ -79,12 +81,17 @@ std::string compile_identity(const ModelConfig& model, const AmpConfig& amp) {
 CompiledModel compile_on_every_rank(dist::Collectives& coll, const std::function<CompiledModel()>& compile) {
   std::optional<CompiledModel> compiled;
   std::string error;
+  bool refusal = false;
   try {
     compiled.emplace(compile());
+  } catch (const GraphRefusal& e) {
+    error = e.what();
+    refusal = true;
   } catch (const CompileError& e) {
     error = e.what();
   }
   if (const dist::RankError e = dist::first_error(coll, error, "compile outcome")) {
+    if (refusal) throw GraphRefusal(error);
     if (!error.empty()) throw CompileError(error);
     throw CompileError("compile failed on rank " + std::to_string(e.rank) + " (its log says why); every rank stops");
   }
@@ -126,9 +133,9 @@ double measure_peak_tflops(const torch::Device& device, const AmpContext& amp) {
   return 2.0 * static_cast<double>(n) * n * n / fastest / 1e12;
 }
 
-// Dropout is the eager model's: inductor packages the step from the model's Python twin, which
-// has none, and a trace would fix it on for evaluation too. Refused, never dropped silently;
-// a probability taken from init_from's config.json (not model.dropout) is said once.
+// Dropout is the eager model's: a packaged step would draw its masks inside the package, from no
+// generator keel checkpoints or agrees on, and a trace would fix it on for evaluation too. Refused, never dropped
+// silently; a probability taken from init_from's config.json (not model.dropout) is said once.
 void check_dropout(const Config& cfg) {
   const double p = models::model_dropout(cfg.model);
   if (p <= 0) return;
@@ -207,6 +214,22 @@ std::string package_seed_dir(const CheckpointConfig& c) {
   return newest;
 }
 
+// keel compile at granularity "step": the request with the step traced from the C++ model as keel
+// train traces it (the first training batch, the run's loss, under its autocast).
+static InductorRequest with_traced_step(const Config& cfg, models::Model& model, InductorRequest req) {
+  if (!req.traces_step()) return req;
+  const auto splits = data::create_dataset(cfg.data, model.input_spec(), cfg.run.seed);
+  const data::Batch first = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0));
+  if (cfg.train.loss != "cross_entropy") req.loss = losses().get(cfg.train.loss);
+  req.example_target = first.target;
+  model.to(req.device);
+  model.train(true);
+  const AmpContext amp = AmpContext::resolve(cfg.amp, req.device);
+  amp::Autocast ac(req.device.type(), amp.dtype, amp.enabled);
+  req.graph = std::make_shared<const GraphFile>(trace_step(model, first.input.to(req.device), req));
+  return req;
+}
+
 CompileReport package_training_step(const Config& cfg) {
   const dist::World world = dist::detect_world(dist::current_env());
   const int64_t threads = set_threads(cfg.run, world);
@@ -222,7 +245,7 @@ CompileReport package_training_step(const Config& cfg) {
   else if (req.granularity == "blocks")           // packaged and checked to fit the model's blocks
     compile_blocks(*model, req, report, cfg.compile.max_recompiles);
   else
-    InductorStep::load_or_compile(req, *report);
+    InductorStep::load_or_compile(with_traced_step(cfg, *model, req), *report);
   return *report;
 }
 

@@ -128,6 +128,8 @@ def parse_args(argv):
         description="Compile one training step (forward + cross-entropy + backward) ahead of time with AOTInductor.",
     )
     which = p.add_mutually_exclusive_group(required=True)
+    which.add_argument("--graph", metavar="FILE.json",
+                       help="the training step keel traced from its C++ model (keel-graph/1, with FILE.json.pt)")
     which.add_argument("--model", choices=["mlp", "cnn", "gpt", "gpt2", "llama"], help="a keel built-in model")
     which.add_argument("--module", metavar="PKG.MOD:FACTORY",
                        help="a user's nn.Module: FACTORY([batch=B], [device=D]) returns (module, example_input, "
@@ -365,6 +367,150 @@ def builtin_model(name: str, cfg: dict, batch: int):
                                 "num_classes": classes, "reference": ref_path}
 
 
+GRAPH_FORMAT = "keel-graph/1"
+MEMORY_FORMATS = ("contiguous_format", "preserve_format", "channels_last", "channels_last_3d")  # c10::MemoryFormat
+LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "mkldnn", "sparse_csc", "sparse_bsr", "sparse_bsc")  # c10::Layout
+
+
+def graph_value(arg: dict, vals: dict, constants: list, device):
+    """One argument of a keel-graph/1 node (trainer/compile/graph_file.cpp's Writer::literal/arg)."""
+    import torch
+
+    (kind, v), = arg.items()
+    if kind == "v":
+        return vals[v]
+    if kind == "t":
+        return constants[v]
+    if kind == "f":
+        return float(v)
+    if kind in ("i", "b", "s"):
+        return v
+    if kind == "none":
+        return None
+    if kind in ("ints", "bools"):
+        return list(v)
+    if kind == "list":
+        return [graph_value(a, vals, constants, device) for a in v]
+    if kind == "dtype":
+        return getattr(torch, v)
+    if kind == "device":
+        return torch.device("cpu") if v == "cpu" else device
+    if kind == "layout":
+        return getattr(torch, LAYOUTS[v])
+    if kind == "memory_format":
+        return getattr(torch, MEMORY_FORMATS[v])
+    raise Refusal(EXIT_USAGE, f"--graph: an argument of kind {kind!r} this script does not read (a newer keel?)")
+
+
+def graph_op(name: str, overload: str):
+    import torch
+
+    ns, _, op = name.partition("::")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), op), overload or "default")
+    except (AttributeError, RuntimeError):
+        raise Refusal(EXIT_GRAPH_BREAK, f"the graph calls {name}.{overload or 'default'}, which this Python's torch "
+                                        f"does not have (a custom op: compile.libraries)")
+
+
+def run_graph(g: dict, inputs: list, constants: list, device):
+    """Replays keel's traced graph through torch.ops on `inputs` (its inputs in order): its outputs."""
+    vals = dict(enumerate(inputs))
+    for k, node in enumerate(g["nodes"]):
+        op = node["op"]
+        args = [graph_value(a, vals, constants, device) for a in node["args"]]
+        if op == "prim::ListConstruct":
+            out = [args]
+        elif op == "prim::TupleConstruct":
+            out = [tuple(args)]
+        elif op in ("prim::ListUnpack", "prim::TupleUnpack"):
+            out = list(args[0])
+        elif op in ("prim::NumToTensor", "aten::Int", "aten::Float", "aten::Bool", "aten::ScalarImplicit"):
+            out = args[:1]  # sizes, numbers already (graph_file.cpp refuses a value read from a tensor)
+        elif op == "aten::_convolution":  # what torch::conv2d records; Inductor lowers aten.convolution
+            # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups), without
+            # the backend flags (benchmark, deterministic, cudnn_enabled, allow_tf32)
+            out = [graph_op("aten::convolution", "")(*args[:9])]
+        else:
+            fn = graph_op(op, node.get("overload", ""))
+            for i, formal in enumerate(fn._schema.arguments[:len(args)]):
+                # int[2] given as one value is that value twice (ATen's broadcast): written out, as
+                # Python passes it, for Inductor's lowerings, which index both
+                if formal.N and isinstance(args[i], list) and len(args[i]) == 1:
+                    args[i] = args[i] * formal.N
+            formals = [f.name for f in fn._schema.arguments]
+            if "kernel_size" in formals and "stride" in formals and args[formals.index("stride")] == []:
+                # a pooling's empty stride is its kernel size (ATen's rule), written out likewise
+                args[formals.index("stride")] = list(args[formals.index("kernel_size")])
+            pos, kw = [], {}
+            for formal, a in zip(fn._schema.arguments, args):
+                (kw.__setitem__(formal.name, a) if formal.kwarg_only else pos.append(a))
+            try:
+                r = fn(*pos, **kw)
+            except Refusal:
+                raise
+            except Exception as e:
+                e.keel_node = (k, op)
+                raise
+            out = [r] if len(node["out"]) == 1 else list(r)
+        vals.update(zip(node["out"], out))
+    return [graph_value(a, vals, constants, device) for a in g["outputs"]]
+
+
+def graph_model(path: str, device: str):
+    """(module, x, y, None, ident) of --graph: keel's traced C++ step (trainer/compile/graph_file.h)
+    as a module whose parameters and buffers carry keel's names and whose forward(input, target)
+    replays the graph and returns the loss. The graph holds its own casts (autocast was traced)."""
+    import torch
+
+    try:
+        with open(path) as f:
+            g = json.load(f)
+        tensors = torch.load(path + ".pt", weights_only=True)
+    except (OSError, ValueError, RuntimeError) as e:
+        raise Refusal(EXIT_USAGE, f"--graph {path}: cannot be read ({e})")
+    if g.get("format") != GRAPH_FORMAT:
+        raise Refusal(EXIT_USAGE, f"--graph {path}: not a {GRAPH_FORMAT} file")
+    dev = torch.device(device)
+    constants = [t.to(dev) for t in tensors[:g["constants"]]]
+    examples = {name: tensors[i] for name, i in g["examples"].items()}
+
+    class Replay(torch.nn.Module):
+        returns_loss = True
+
+        def forward(self, x, y):
+            inputs = []
+            for spec in g["inputs"]:
+                kind = spec["kind"]
+                if kind in ("input", "target"):
+                    inputs.append(x if kind == "input" else y)
+                    continue
+                t = self  # by attribute: functional_call puts plain tensors where the parameters were
+                for part in spec["name"].split("."):
+                    t = getattr(t, part)
+                inputs.append(t)
+            return run_graph(g, inputs, constants, dev)[0]
+
+    module = Replay()
+    torch.manual_seed(0)
+    for spec in g["inputs"]:
+        if spec["kind"] not in ("parameter", "buffer"):
+            continue
+        *path_, leaf = spec["name"].split(".")
+        m = module
+        for part in path_:
+            if part not in m._modules:
+                m.add_module(part, torch.nn.Module())
+            m = m._modules[part]
+        if spec["kind"] == "parameter":  # values of its own: the package takes keel's as inputs
+            t = torch.randn(spec["shape"], dtype=getattr(torch, spec["dtype"])) * 0.02
+            m.register_parameter(leaf, torch.nn.Parameter(t))
+        else:
+            m.register_buffer(leaf, examples[spec["name"]].clone())
+    x, y = examples["input"], examples["target"]
+    return module, x, y, None, {"model": "graph", "graph": g["what"], "input_kind": "graph"}
+
+
 def import_factory(spec: str):
     """FACTORY of --module: PKG.MOD:FACTORY (imported from sys.path and the working directory) or
     FILE.py:FACTORY (keel's model.path; the file's directory goes first on sys.path, so that it
@@ -556,11 +702,14 @@ class TrainStep:
             state.update(zip(self.bnames, bs))
             amp = (torch.autocast(self.device_type, dtype=self.amp_dtype) if self.amp_dtype is not None
                    else contextlib.nullcontext())
-            with amp:  # as keel: forward and loss under autocast, the loss then cast to float32
-                out = torch.func.functional_call(self.module, state, (x,), strict=True, tie_weights=True)
-                if self.expect is not None:
-                    check_logits(out, y, self.expect)
-                loss = self.loss_fn(out, y).to(torch.float32)
+            if getattr(self.module, "returns_loss", False):  # keel's traced step: its casts are in the graph
+                loss = torch.func.functional_call(self.module, state, (x, y), strict=True, tie_weights=True)
+            else:
+                with amp:  # as keel: forward and loss under autocast, the loss then cast to float32
+                    out = torch.func.functional_call(self.module, state, (x,), strict=True, tie_weights=True)
+                    if self.expect is not None:
+                        check_logits(out, y, self.expect)
+                    loss = self.loss_fn(out, y).to(torch.float32)
             seed = loss * flat[n_p + n_b + 2] if self.grad_scale else loss
             grads = torch.autograd.grad(seed, ps, allow_unused=True, materialize_grads=True)
         returned = range(len(bs)) if self.returned is None else self.returned
@@ -718,6 +867,9 @@ def describe_break(e: BaseException):
     """(file, line, op, reason) of a construct make_fx could not capture."""
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
+    if hasattr(e, "keel_node"):  # a node of keel's graph file: its index and op
+        k, op = e.keel_node
+        return "the traced step, node", k, op, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     found, entries = user_frame(e.__traceback__)
     file, line, op = "<unknown>", 0, None
     if found:
@@ -1158,7 +1310,9 @@ def set_up_torch(args):
 def load_model(args):
     """(module, x, y, loss_fn, ident) of --model or --module; None once --init-out is written."""
     cfg = read_model_config(args.model_config)
-    if args.model:
+    if args.graph:
+        module, x, y, loss_fn, ident = graph_model(args.graph, args.device)
+    elif args.model:
         module, x, y, loss_fn, ident = builtin_model(args.model, cfg, args.batch)
     else:
         module, x, y, loss_fn, ident = user_model(args.module, args.batch, args.device, args.example, cfg)

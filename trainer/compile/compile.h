@@ -35,6 +35,14 @@ class CompileError : public std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
+/// compile.mode = "inductor": keel's C++ code does something a traced graph would bake in silently
+/// (trainer/compile/graph_file.h): a value read out of a tensor, another graph for a second input,
+/// a device transfer. The user's model, never an eager fallback: exit 2 on every rank.
+class GraphRefusal : public CompileError {
+ public:
+  using CompileError::CompileError;
+};
+
 struct CompileReport {
   std::string mode = "off";    // off | trace | inductor | eager-fallback
   double compile_ms = 0;       // time spent tracing and checking

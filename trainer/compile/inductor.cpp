@@ -17,6 +17,7 @@
 #include "keel/common/error.h"
 #include "keel/trainer/config/config.h"
 #include "trainer/compile/packaging.h"
+#include "trainer/loss.h"
 
 namespace keel {
 namespace {
@@ -80,6 +81,22 @@ nlohmann::json model_config_json(const Config& cfg) {
   return j;
 }
 
+bool InductorRequest::traces_step() const {
+  const char* twin = std::getenv("KEEL_INDUCTOR_TWIN");
+  const bool builtin = model == "mlp" || model == "cnn" || model == "gpt" || model == "gpt2" || model == "llama";
+  return module.empty() && granularity == "step" && !(builtin && twin && std::string(twin) == "1");
+}
+
+GraphFile trace_step(models::Model& model, const torch::Tensor& input, const InductorRequest& req) {
+  if (!req.example_target.defined()) throw std::logic_error("trace_step: the request has no example target");
+  auto loss = req.loss;
+  if (!loss)
+    loss = [ignore = req.ignore_index](const torch::Tensor& out, const torch::Tensor& target) {
+      return cross_entropy(out, target, ignore);
+    };
+  return trace_training_step(model, input, req.example_target.to(input.device()), loss);
+}
+
 std::string InductorStep::cache_key(const InductorRequest& req) {
   const std::string script = script_path();
   const std::string dir = script.substr(0, script.find_last_of('/'));
@@ -88,9 +105,6 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
   nlohmann::json k = {
       {"format", kFormat},
       {"script", sha256_of_file(script)},
-      {"reference_models", is_file(reference) ? sha256_of_file(reference) : std::string("none")},
-      {"model", req.model},
-      {"model_config", req.model_config},
       {"batch", req.batch},
       {"amp", req.amp},
       {"device", device_identity(req.device)},
@@ -101,6 +115,13 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
       {"deterministic", req.cfg.deterministic},
       {"max_autotune", req.cfg.max_autotune},
   };
+  if (req.graph) {  // the traced graph is the model: its ops, shapes, dtypes and parameter names
+    k["graph"] = req.graph->fingerprint;
+  } else {  // packaged by name (blocks, tp regions): the model's config and its Python twin
+    k["reference_models"] = is_file(reference) ? sha256_of_file(reference) : std::string("none");
+    k["model"] = req.model;
+    k["model_config"] = req.model_config;
+  }
   if (req.grad_scale && req.amp != "fp16") k["grad_scale"] = true;  // fp16 implies it (packages of before kept)
   if (!req.module.empty()) {  // a Python module: its file's bytes, the batches, the evaluation forward
     k["module"] = req.module;
@@ -186,7 +207,11 @@ static std::optional<std::string> read_error_record(const std::string& path, con
 static void run_packaging(const InductorRequest& req, const std::string& dir, const std::string& pt2,
                           const std::string& error_path, const std::string& key, const std::string& log) {
   std::vector<std::string> argv = {python_for(req.cfg), script_path()};
-  if (req.module.empty())
+  if (req.graph) {  // the step keel traced from its C++ model, beside the entry
+    const std::string graph = pt2.substr(0, pt2.size() - 4) + ".graph.json";
+    req.graph->write(graph);
+    argv.insert(argv.end(), {"--graph", graph});
+  } else if (req.module.empty())
     argv.insert(argv.end(), {"--model", req.model});
   else
     argv.insert(argv.end(), {"--module", req.module, "--example", req.example.dump()});
@@ -196,9 +221,10 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
     argv.insert(argv.end(), {"--eval-batch", std::to_string(req.eval_batch)});
   else
     argv.push_back("--no-forward");
-  argv.insert(argv.end(), {"--model-config", req.model_config.dump(), "--batch", std::to_string(req.batch), "--amp",
-                           req.amp, "--device", req.device.is_cuda() ? "cuda" : "cpu", "--threads",
-                           std::to_string(req.threads), "--out", pt2});
+  if (!req.graph) argv.insert(argv.end(), {"--model-config", req.model_config.dump()});
+  argv.insert(argv.end(),
+              {"--batch", std::to_string(req.batch), "--amp", req.amp, "--device",
+               req.device.is_cuda() ? "cuda" : "cpu", "--threads", std::to_string(req.threads), "--out", pt2});
   if (req.ignore_index != -100) argv.insert(argv.end(), {"--ignore-index", std::to_string(req.ignore_index)});
   if (req.cfg.fullgraph) argv.push_back("--fullgraph");
   if (req.cfg.deterministic) argv.push_back("--deterministic");
@@ -247,8 +273,8 @@ static bool wrote_package(const std::string& log, const std::string& pt2) {
 }
 
 PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
-  if (req.model != "mlp" && req.model != "cnn" && req.model != "gpt" && req.model != "gpt2" && req.model != "llama" &&
-      req.module.empty())
+  if (!req.graph && req.model != "mlp" && req.model != "cnn" && req.model != "gpt" && req.model != "gpt2" &&
+      req.model != "llama" && req.module.empty())
     throw InputError(
         "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
         "(model.name = \"python\"); model.name = \"" +

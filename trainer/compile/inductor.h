@@ -21,12 +21,14 @@
 #include <nlohmann/json.hpp>
 
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 #include "keel/trainer/config/config.h"
 #include "trainer/compile/compile.h"
+#include "trainer/compile/graph_file.h"
 
 namespace torch::inductor {
 class AOTIModelPackageLoader;
@@ -68,6 +70,17 @@ struct InductorRequest {
   /// backward, reused for every block of the model (trainer/compile/inductor_block.h).
   std::string granularity = "step";
   int64_t tp = 1;  // blocks under parallel.tp = N: the block's tensor-parallel regions, as one rank holds them
+  /// The training step as keel's C++ code computes it (trainer/compile/graph_file.h), traced by
+  /// PlacedModel::compile from the placed model with `loss` on a batch whose targets are
+  /// `example_target`: what the packaging step compiles, and what the cache is keyed by, for every
+  /// C++ model (built in or registered) at granularity "step". Unset: packaged by model name.
+  std::shared_ptr<const GraphFile> graph;
+  std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss;
+  torch::Tensor example_target;
+  /// Whether the step is traced from the C++ model: a C++ model at granularity "step" (unless
+  /// KEEL_INDUCTOR_TWIN=1 asks for a built-in model's Python twin: the before/after comparison of
+  /// bench/bench.py while the twins remain for the block packages).
+  bool traces_step() const;
 };
 
 /// A loaded package as checkpoint.save_graph stores it (graph.pt2, graph.json).
@@ -154,6 +167,10 @@ class InductorStep {
   std::vector<size_t> updated_buffers_;  // the buffer index of each output after the gradients
   int64_t eval_batch_ = 0;
 };
+
+/// The training step of `model` (placed, under the caller's autocast) traced for `req`: its loss
+/// (keel's cross-entropy with req.ignore_index when none is set) on `input` and req.example_target.
+GraphFile trace_step(models::Model& model, const torch::Tensor& input, const InductorRequest& req);
 
 /// The [model] section of `cfg` as the packaging step reads it (--model-config).
 nlohmann::json model_config_json(const Config& cfg);

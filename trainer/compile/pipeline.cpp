@@ -46,10 +46,17 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
     std::shared_ptr<InductorStep> step;
     std::shared_ptr<InductorBlock> block;
     try {
-      if (inductor->granularity == "blocks")
+      if (inductor->granularity == "blocks") {
         block = compile_blocks(*model_, *inductor, report, cfg.max_recompiles);  // the model's blocks run it
-      else
+      } else if (inductor->traces_step()) {  // the step as this very model computes it, traced here
+        InductorRequest req = *inductor;
+        req.graph = std::make_shared<const GraphFile>(trace_step(*model_, example.to(device_), req));
+        step = InductorStep::load_or_compile(req, *report);
+      } else {
         step = InductorStep::load_or_compile(*inductor, *report);
+      }
+    } catch (const GraphRefusal&) {
+      throw;  // what a package would compute otherwise than the model: never a silent fallback
     } catch (const CompileError& e) {
       // The request's fullgraph: compile.fullgraph, or a Python module (no eager C++ code to fall back to).
       if (inductor->cfg.fullgraph) throw;

@@ -1,0 +1,212 @@
+// compile.mode = "inductor" compiles the model being trained (issue 65): the training step is traced
+// from keel's C++ model (trainer/compile/graph_file.h) and the packaging step compiles that graph;
+// what a trace would bake in silently is refused by name; a downstream trainer's registered model
+// and loss (examples/custom_model) compile and train as eager.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "helpers.h"
+#include "keel/common/error.h"
+#include "keel/models/model.h"
+#include "keel/trainer/config/config.h"
+#include "keel/trainer/trainer.h"
+#include "multirank.h"
+#include "trainer/compile/compile.h"
+#include "trainer/compile/graph_file.h"
+#include "trainer/loss.h"
+
+using namespace keel::testing;
+
+namespace {
+
+std::shared_ptr<keel::models::Model> mlp(int64_t width) {
+  keel::ModelConfig m;
+  m.name = "mlp";
+  m.width = width;
+  m.depth = 2;
+  return keel::models::create_model(m, std::nullopt);
+}
+
+keel::GraphFile trace_mlp(keel::models::Model& model, const torch::Tensor& x, const torch::Tensor& y) {
+  return keel::trace_training_step(model, x, y, [](const torch::Tensor& out, const torch::Tensor& target) {
+    return keel::cross_entropy(out, target, -100);
+  });
+}
+
+// A forward that reads a value out of its input and branches on it (item()).
+struct ReadsAValueImpl : torch::nn::Module {
+  ReadsAValueImpl() : fc(register_module("fc", torch::nn::Linear(4, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x.sum().item<float>() > 0 ? fc->forward(x) : fc->forward(-x); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(ReadsAValue);
+
+// A forward that branches on the input's bytes behind the dispatcher's back (no op reads them).
+struct PeeksAtBytesImpl : torch::nn::Module {
+  PeeksAtBytesImpl() : fc(register_module("fc", torch::nn::Linear(4, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    return x.contiguous().data_ptr<float>()[0] > 0 ? fc->forward(x) : torch::relu(fc->forward(x));
+  }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(PeeksAtBytes);
+
+template <typename M>
+std::shared_ptr<keel::models::Model> wrap(const std::string& name, M module) {
+  return std::make_shared<keel::models::ModuleModel<M>>(
+      name, std::move(module), keel::models::InputSpec{keel::models::InputKind::Features, {4}, 3});
+}
+
+std::string refusal_of(keel::models::Model& model) {
+  torch::manual_seed(0);
+  const torch::Tensor x = torch::randn({8, 4}), y = torch::randint(0, 3, {8});
+  try {
+    trace_mlp(model, x, y);
+  } catch (const keel::GraphRefusal& e) {
+    return e.what();
+  }
+  return "";
+}
+
+bool contains(const std::string& s, const std::string& part) { return s.find(part) != std::string::npos; }
+
+}  // namespace
+
+// The graph file holds the step as keel's C++ mlp computes it: its parameters by name, then the
+// input and target; every node an op by schema (or a list); its fingerprint the same for another
+// batch of the same shape and another trace, another with another width; the buffers and random
+// generator as before; and the graph file replays (through the packaging step, elsewhere) to the loss.
+TEST(CompileGraph, TheStepsFingerprintIsStableAcrossBatchesAndMovesWithTheModel) {
+  torch::manual_seed(1);
+  auto model = mlp(64);
+  const torch::Tensor x = torch::randn({8, 1, 28, 28}), y = torch::randint(0, 10, {8});
+  torch::manual_seed(2);
+  const torch::Tensor draw_before = torch::rand({4});
+  torch::manual_seed(2);
+  const keel::GraphFile a = trace_mlp(*model, x, y);
+  EXPECT_TRUE(torch::equal(torch::rand({4}), draw_before)) << "tracing moved the random generator";
+  const keel::GraphFile b = trace_mlp(*model, torch::randn({8, 1, 28, 28}), torch::randint(0, 10, {8}));
+  EXPECT_EQ(a.fingerprint, b.fingerprint);
+  EXPECT_EQ(a.fingerprint.size(), 64u);
+  EXPECT_NE(a.fingerprint, trace_mlp(*mlp(32), x, y).fingerprint);
+  EXPECT_NE(a.fingerprint, trace_mlp(*model, torch::randn({4, 1, 28, 28}), y.slice(0, 0, 4)).fingerprint);
+
+  const auto& j = a.json;
+  EXPECT_EQ(j["format"], "keel-graph/1");
+  std::vector<std::string> names;
+  for (const auto& in : j["inputs"]) names.push_back(in["name"].get<std::string>());
+  std::vector<std::string> want;
+  for (const auto& [n, p] : model->named_parameters()) want.push_back(n);
+  want.insert(want.end(), {"input", "target"});
+  EXPECT_EQ(names, want);
+  EXPECT_EQ(j["inputs"].back()["kind"], "target");
+  int ops = 0;
+  for (const auto& n : j["nodes"]) {
+    const std::string op = n["op"];
+    if (op.rfind("prim::", 0) == 0) {
+      EXPECT_TRUE(op == "prim::ListConstruct" || op == "prim::TupleConstruct" || op == "prim::ListUnpack" ||
+                  op == "prim::TupleUnpack")
+          << op;
+    } else {
+      EXPECT_TRUE(n.contains("overload")) << n.dump();
+      ++ops;
+    }
+  }
+  EXPECT_GT(ops, 5);
+  EXPECT_EQ(j["outputs"].size(), 1u);
+  // The example batch travels beside the constants (not in the fingerprint).
+  EXPECT_EQ(a.tensors.size(), j["constants"].get<size_t>() + 2);
+  EXPECT_TRUE(torch::equal(a.tensors.at(j["examples"]["input"].get<size_t>()), x));
+}
+
+// A forward that reads a value out of a tensor (item()) or branches on its bytes is refused by
+// name, never packaged as the branch the example took.
+TEST(CompileGraph, AValueReadOrABranchOnTheInputIsRefusedNamingTheModelAndTheOp) {
+  const std::string read = refusal_of(*wrap("reads_a_value", ReadsAValue()));
+  EXPECT_TRUE(contains(read, "model reads_a_value")) << read;
+  EXPECT_TRUE(contains(read, "aten::item") || contains(read, "aten::_local_scalar_dense")) << read;
+  EXPECT_TRUE(contains(read, "compile.mode = \"off\"")) << read;
+  const std::string peek = refusal_of(*wrap("peeks_at_bytes", PeeksAtBytes()));
+  EXPECT_TRUE(contains(peek, "model peeks_at_bytes")) << peek;
+  EXPECT_TRUE(contains(peek, "another graph") || contains(peek, "disagree on a fresh input")) << peek;
+  // The plain model is not refused.
+  EXPECT_EQ(refusal_of(*wrap("plain", torch::nn::Linear(4, 3))), "");
+}
+
+// A rank of the test below: trains the registered model that reads a value with compile.mode =
+// "inductor"; exits 2 on the InputError that names the model and the op, otherwise 3 or 4.
+[[noreturn]] static void train_a_model_that_reads_a_value(const keel::dist::World& w) {
+  keel::models::register_model("reads_a_value_e2e",
+                               [](const keel::ModelConfig&, auto) { return wrap("reads_a_value_e2e", ReadsAValue()); });
+  keel::Config cfg;
+  cfg.run.threads = 1;
+  cfg.run.dir = std::string(std::getenv("KEEL_TEST_OUT")) + "/run";
+  cfg.model.name = "reads_a_value_e2e";
+  cfg.data.name = "synthetic";
+  cfg.data.synthetic_size = 64;
+  cfg.train.steps = 2;
+  cfg.train.batch_size = 8;
+  cfg.compile.mode = keel::CompileMode::Inductor;
+  keel::validate(cfg);
+  try {
+    keel::Trainer(cfg, w, keel::Callbacks{}).run();
+  } catch (const keel::InputError& e) {
+    const std::string what = e.what();
+    if (contains(what, "model reads_a_value_e2e") && contains(what, "aten::")) std::exit(2);
+    std::fprintf(stderr, "another InputError: %s\n", e.what());
+    std::exit(3);
+  }
+  std::exit(4);
+}
+
+// Through the trainer: the refusal ends the run as bad input (exit 2 from the CLI), on every rank.
+TEST(CompileGraph, ARegisteredModelThatReadsAValueEndsTheRunAsBadInput) {
+  TempDir d;
+  auto ranks = run_ranks(2, train_a_model_that_reads_a_value, 300, {"KEEL_TEST_OUT=" + d.path()});
+  if (is_rank_process()) return;
+  ASSERT_EQ(ranks.size(), 2u);
+  for (size_t r = 0; r < ranks.size(); ++r) EXPECT_EQ(ranks[r].exit_code, 2) << "rank " << r << ranks[r].output;
+}
+
+// examples/custom_model, a downstream trainer's own C++ model (Regressor) and loss (mse),
+// compiled into one AOTInductor package and trained as the eager model is: 20 steps, the losses
+// within 1e-5 relative, on 1 and 2 ranks.
+TEST(CompileGraph, TheExamplesRegisteredModelAndLossCompileAndTrainAsEagerOn1And2Ranks) {
+  TempDir d;
+  const std::string bin = KEEL_BINARY;
+  const std::string cache = bin.substr(0, bin.find_last_of('/')) + "/inductor-test-cache";
+  for (int ranks : {1, 2}) {
+    std::map<std::string, std::vector<std::pair<long, double>>> losses;
+    for (const std::string mode : {"off", "inductor"}) {
+      const std::string dir = d.file(mode + std::to_string(ranks));
+      const std::vector<std::string> argv = {KEEL_CUSTOM_MODEL_EXAMPLE,
+                                             "--train.steps=20",
+                                             "--run.threads=1",
+                                             "--run.dir=" + dir,
+                                             "--checkpoint.dir=" + dir + "/ckpt",
+                                             "--compile.mode=" + mode,
+                                             "--compile.cache_dir=" + cache};
+      if (ranks == 1) {
+        const auto r = run_process(argv, {}, 900);
+        ASSERT_EQ(r.exit_code, 0) << r.output;
+      } else {
+        expect_all_ok(run_program_ranks(2, argv, 900));
+      }
+      EXPECT_EQ(summary_field(dir, "compile_mode"), mode == "off" ? "\"off\"" : "\"inductor\"");
+      losses[mode] = metrics_losses(dir);
+    }
+    const auto& eager = losses["off"];
+    const auto& compiled = losses["inductor"];
+    ASSERT_EQ(eager.size(), 20u);
+    ASSERT_EQ(compiled.size(), eager.size());
+    for (size_t i = 0; i < eager.size(); ++i)
+      EXPECT_LE(std::abs(compiled[i].second - eager[i].second), 1e-5 * std::abs(eager[i].second))
+          << ranks << " rank(s), step " << eager[i].first << ": eager " << eager[i].second << ", compiled "
+          << compiled[i].second;
+  }
+}
