@@ -56,6 +56,33 @@ struct PeeksAtBytesImpl : torch::nn::Module {
 };
 TORCH_MODULE(PeeksAtBytes);
 
+// A forward with a part under NoGradGuard: a teacher whose parameters eager training leaves
+// without a gradient (a trace records its ops as any others).
+struct NoGradTeacherImpl : torch::nn::Module {
+  NoGradTeacherImpl()
+      : student(register_module("student", torch::nn::Linear(4, 3))),
+        teacher(register_module("teacher", torch::nn::Linear(4, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor t;
+    {
+      torch::NoGradGuard no_grad;
+      t = teacher->forward(x);
+    }
+    return student->forward(x) + t;
+  }
+  torch::nn::Linear student, teacher;
+};
+TORCH_MODULE(NoGradTeacher);
+
+// A forward that reads a parameter's data outside autograd (.data()): a trace would hold its
+// values of compile time.
+struct ReadsDataImpl : torch::nn::Module {
+  ReadsDataImpl() : fc(register_module("fc", torch::nn::Linear(4, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return fc->forward(x) * fc->weight.data().sum(); }
+  torch::nn::Linear fc;
+};
+TORCH_MODULE(ReadsData);
+
 template <typename M>
 std::shared_ptr<keel::models::Model> wrap(const std::string& name, M module) {
   return std::make_shared<keel::models::ModuleModel<M>>(
@@ -124,8 +151,9 @@ TEST(CompileGraph, TheStepsFingerprintIsStableAcrossBatchesAndMovesWithTheModel)
   EXPECT_TRUE(torch::equal(a.tensors.at(j["examples"]["input"].get<size_t>()), x));
 }
 
-// A forward that reads a value out of a tensor (item()) or branches on its bytes is refused by
-// name, never packaged as the branch the example took.
+// A forward that reads a value out of a tensor (item()), branches on its bytes, trains under
+// another gradient than its forward's (NoGradGuard) or reads a parameter's data outside the graph
+// is refused by name, never packaged as what the example's trace held.
 TEST(CompileGraph, AValueReadOrABranchOnTheInputIsRefusedNamingTheModelAndTheOp) {
   const std::string read = refusal_of(*wrap("reads_a_value", ReadsAValue()));
   EXPECT_TRUE(contains(read, "model reads_a_value")) << read;
@@ -134,6 +162,11 @@ TEST(CompileGraph, AValueReadOrABranchOnTheInputIsRefusedNamingTheModelAndTheOp)
   const std::string peek = refusal_of(*wrap("peeks_at_bytes", PeeksAtBytes()));
   EXPECT_TRUE(contains(peek, "model peeks_at_bytes")) << peek;
   EXPECT_TRUE(contains(peek, "another graph") || contains(peek, "disagree on a fresh input")) << peek;
+  const std::string teacher = refusal_of(*wrap("no_grad_teacher", NoGradTeacher()));
+  EXPECT_TRUE(contains(teacher, "the gradient of teacher.")) << teacher;
+  EXPECT_TRUE(contains(teacher, "NoGradGuard")) << teacher;
+  const std::string data = refusal_of(*wrap("reads_data", ReadsData()));
+  EXPECT_TRUE(contains(data, "parameter fc.weight")) << data;
   // The plain model is not refused.
   EXPECT_EQ(refusal_of(*wrap("plain", torch::nn::Linear(4, 3))), "");
 }

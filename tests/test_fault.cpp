@@ -346,6 +346,23 @@ TEST(FaultGraphBreak, FullgraphStopsEveryRankOtherwiseTheRankFallsBack) {
   EXPECT_NE(soft[1].output.find("training the eager model instead"), std::string::npos) << soft[1].output;
 }
 
+// Under compile.mode = "inductor" the break is refused where it is traced, before anything is
+// packaged: exit 2 on every rank, the rank that broke naming the op, the others naming that rank
+// (issue 65; the step is traced from the C++ model, so a branch on a value would be baked in).
+TEST(FaultGraphBreak, UnderInductorEveryRankStopsWithExit2BeforeAnythingIsPackaged) {
+  TempDir d;
+  auto ranks = keel_ranks(run_args(d.path(), 6,
+                                   {"--fault.inject=graph_break@step=1,rank=1", "--compile.mode=inductor",
+                                    "--compile.cache_dir=" + d.file("cache")}));
+  for (auto& r : ranks) {
+    EXPECT_FALSE(r.signaled) << r.output;
+    EXPECT_EQ(r.exit_code, 2) << r.output;
+  }
+  EXPECT_NE(ranks[1].output.find("aten::item reads a value out of a tensor"), std::string::npos) << ranks[1].output;
+  EXPECT_NE(ranks[0].output.find("rank 1 refused the traced step"), std::string::npos) << ranks[0].output;
+  EXPECT_FALSE(std::filesystem::exists(d.file("cache/inductor"))) << "a rank packaged the step";
+}
+
 // The wrapper that makes the break keeps the model's blocks its own (issue 64, item 7: it hid
 // them, so train.activation_checkpointing = "blocks" recomputed none, silently): the break lies
 // outside the blocks, in the wrapper's forward, and the blocks are recomputed as without it.

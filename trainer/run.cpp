@@ -234,6 +234,11 @@ void Run::compile_and_distribute() {
     inductor->seed_dir = package_seed_dir(cfg.checkpoint);
     inductor->loss = loss;
     inductor->example_target = first.target;
+    inductor->agree_on_trace = [this](const std::string& mine) {
+      if (const dist::RankError e = dist::first_error(*coll, mine, "compile trace"); e && mine.empty())
+        throw GraphRefusal("compile.mode = \"inductor\": rank " + std::to_string(e.rank) +
+                           " refused the traced step: " + e.message);
+    };
   }
   auto compile = [&] {
     return compile_on_every_rank(*coll, [&] {

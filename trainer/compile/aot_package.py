@@ -413,8 +413,14 @@ def graph_op(name: str, overload: str):
                                         f"does not have (a custom op: compile.libraries)")
 
 
+WRAPPED_NUMBER_OPS = ("aten::add", "aten::sub", "aten::mul", "aten::div", "aten::rsub", "aten::to",
+                      "aten::_to_copy", "aten::copy_", "aten::floor_divide")
+
+
 def run_graph(g: dict, inputs: list, constants: list, device):
     """Replays keel's traced graph through torch.ops on `inputs` (its inputs in order): its outputs."""
+    import torch
+
     vals = dict(enumerate(inputs))
     for k, node in enumerate(g["nodes"]):
         op = node["op"]
@@ -438,6 +444,14 @@ def run_graph(g: dict, inputs: list, constants: list, device):
                 # Python passes it, for Inductor's lowerings, which index both
                 if formal.N and isinstance(args[i], list) and len(args[i]) == 1:
                     args[i] = args[i] * formal.N
+                # A C++ number the op took as a (wrapped-number) tensor: torch.ops takes a Python
+                # number there only for the arithmetic ops; elsewhere a 0-dim tensor of the dtype a
+                # wrapped number promotes as (float32, int64, bool), which promotes alike
+                if (str(formal.type) == "Tensor" and isinstance(args[i], (bool, int, float))
+                        and op not in WRAPPED_NUMBER_OPS):
+                    dtype = torch.bool if isinstance(args[i], bool) else (
+                        torch.int64 if isinstance(args[i], int) else torch.float32)
+                    args[i] = torch.scalar_tensor(args[i], dtype=dtype)
             formals = [f.name for f in fn._schema.arguments]
             if "kernel_size" in formals and "stride" in formals and args[formals.index("stride")] == []:
                 # a pooling's empty stride is its kernel size (ATen's rule), written out likewise

@@ -14,6 +14,7 @@
 #include <set>
 
 #include "common/atomic_file.h"
+#include "common/log.h"
 #include "common/sha256.h"
 #include "trainer/compile/compile.h"
 
@@ -94,6 +95,10 @@ c10::TypePtr unwrap_optional(c10::TypePtr t) {
   return t;
 }
 
+std::string tensor_spec_of(const torch::Tensor& t) {
+  return c10::str(t.sizes()) + " " + c10::getDtypeNames(t.scalar_type()).first;
+}
+
 nlohmann::json number(double d) {
   if (std::isfinite(d)) return {{"f", d}};
   return {{"f", std::isnan(d) ? "nan" : (d > 0 ? "inf" : "-inf")}};  // JSON has no inf
@@ -102,10 +107,13 @@ nlohmann::json number(double d) {
 // Writes a traced graph as keel-graph/1 (see graph_file.h). Refuses what cannot be replayed.
 class Writer {
  public:
-  Writer(const torch::jit::Graph& g, std::string what, c10::DeviceType device)
-      : g_(g), what_(std::move(what)), device_(device) {}
+  Writer(const torch::jit::Graph& g, std::string what, c10::DeviceType device, const std::vector<GraphInput>& names,
+         const std::vector<torch::Tensor>& inputs)
+      : g_(g), what_(std::move(what)), device_(device), names_(names), inputs_(inputs) {}
 
-  nlohmann::json write(const std::vector<GraphInput>& names, const std::vector<torch::Tensor>& inputs) {
+  nlohmann::json write() {
+    const auto& names = names_;
+    const auto& inputs = inputs_;
     nlohmann::json in = nlohmann::json::array();
     const auto graph_inputs = g_.inputs();
     for (size_t i = 0; i < graph_inputs.size(); ++i) {
@@ -124,11 +132,18 @@ class Writer {
             {"nodes", nodes},         {"outputs", out}, {"constants", constants_.size()}};
   }
   std::vector<torch::Tensor>& constants() { return constants_; }
+  /// The tensor constants' shapes and dtypes: tensors the unit read from outside its inputs.
+  const std::vector<std::string>& baked() const { return baked_; }
 
  private:
   [[noreturn]] void refuse(const std::string& op, const std::string& why) const {
     throw GraphRefusal("compile.mode = \"inductor\": " + what_ + " cannot be compiled as traced: " + op + " " + why +
                        " (compile.mode = \"off\" trains it eager)");
+  }
+  // What keel's graph file does not carry (a limit of keel's, not the model's doing): a
+  // CompileError, so the model trains eager unless compile.fullgraph.
+  [[noreturn]] void unsupported(const std::string& op, const std::string& why) const {
+    throw CompileError("compile.mode = \"inductor\": " + what_ + ": " + op + " " + why);
   }
 
   nlohmann::json literal(const c10::IValue& v, const c10::TypePtr& declared, const std::string& op) {
@@ -146,7 +161,13 @@ class Writer {
         if (t.scalar_type() == at::kBool) return {{"b", t.item<bool>()}};
         return {{"i", t.item<int64_t>()}};
       }
-      constants_.push_back(t.detach().to(torch::kCPU).contiguous());
+      for (size_t i = 0; i < inputs_.size(); ++i)
+        if (t.has_storage() && inputs_[i].has_storage() && t.storage().is_alias_of(inputs_[i].storage()))
+          refuse(op, "reads the data of " + names_[i].kind + " " + names_[i].name +
+                         " outside the graph (.data(), a raw copy): the package would hold its values of compile "
+                         "time as a constant");
+      baked_.push_back(tensor_spec_of(t));
+      constants_.push_back(t.detach().to(torch::kCPU).clone().contiguous());
       return {{"t", constants_.size() - 1}};
     }
     if (v.isInt()) return {{"i", v.toInt()}};
@@ -165,17 +186,17 @@ class Writer {
       return {{"list", l}};
     }
     if (v.isDevice()) return {{"device", c10::DeviceTypeName(v.toDevice().type(), /*lower_case=*/true)}};
-    refuse(op, "takes a constant of type " + v.tagKind() + ", which keel's graph file does not carry");
+    unsupported(op, "takes a constant of type " + v.tagKind() + ", which keel's graph file does not carry");
   }
 
   nlohmann::json arg(const torch::jit::Value* v, const c10::TypePtr& declared, const std::string& op = "") {
     if (v->node()->kind() == c10::prim::Constant) {
       const std::optional<c10::IValue> iv = torch::jit::toIValue(v);
-      if (!iv) refuse(op, "takes a constant keel cannot read");
+      if (!iv) unsupported(op, "takes a constant keel cannot read");
       return literal(*iv, declared, op);
     }
     const auto it = ids_.find(v);
-    if (it == ids_.end()) refuse(op, "takes a value defined in a nested block (control flow)");
+    if (it == ids_.end()) unsupported(op, "takes a value defined in a nested block (control flow)");
     return {{"v", it->second}};
   }
 
@@ -192,7 +213,7 @@ class Writer {
       if (scalar_reads().count(kind))
         refuse(kind, "reads a value out of a tensor on the host, which the graph would hold as a constant");
       const c10::FunctionSchema* schema = n->maybeSchema();
-      if (!schema) refuse(kind, "has no operator schema (control flow or a TorchScript-only node)");
+      if (!schema) unsupported(kind, "has no operator schema (control flow or a TorchScript-only node)");
       const bool to_number =
           kind == "aten::Int" || kind == "aten::Float" || kind == "aten::Bool" || kind == "aten::ScalarImplicit";
       if (to_number && n->input(0)->node()->kind() != c10::prim::NumToTensor)
@@ -229,9 +250,12 @@ class Writer {
   const torch::jit::Graph& g_;
   std::string what_;
   c10::DeviceType device_;
+  const std::vector<GraphInput>& names_;
+  const std::vector<torch::Tensor>& inputs_;
   std::map<const torch::jit::Value*, int64_t> ids_;
   int64_t next_ = 0;
   std::vector<torch::Tensor> constants_;
+  std::vector<std::string> baked_;
 };
 
 std::string fingerprint_of(const nlohmann::json& j, const std::vector<torch::Tensor>& constants) {
@@ -275,10 +299,86 @@ void GraphFile::write(const std::string& path) const {
   write_atomic(path, json.dump(1));
 }
 
+namespace {
+
+using Refuse = std::function<void(const std::string&)>;
+
+// The unit's first output as a scalar seed for its gradients (its sum where it is not one).
+torch::Tensor seed_of(const torch::Tensor& out) { return out.dim() == 0 ? out : out.sum(); }
+
+// The gradients of `out` with respect to the unit's parameters (zeros for those it leaves unused).
+std::vector<torch::Tensor> parameter_grads(const torch::Tensor& out, const std::vector<torch::Tensor>& params) {
+  if (params.empty() || !out.requires_grad()) {
+    std::vector<torch::Tensor> zeros;
+    for (const auto& p : params) zeros.push_back(torch::zeros_like(p));
+    return zeros;
+  }
+  auto g = torch::autograd::grad({seed_of(out).to(torch::kFloat)}, params, {}, false, false, /*allow_unused=*/true);
+  for (size_t i = 0; i < g.size(); ++i) g[i] = g[i].defined() ? g[i].detach() : torch::zeros_like(params[i]);
+  return g;
+}
+
+// What the tracer cannot see, on a fresh input: the graph and the C++ code must agree on the
+// output (a kernel outside the dispatcher, data_ptr arithmetic) and on every parameter's gradient
+// (the trace holds the forward's ops only: a NoGradGuard region, a custom autograd Function's own
+// backward, a tensor hook are not in it).
+void check_fresh_input(const UnitFn& fn, const Trace& first, std::vector<torch::Tensor> in,
+                       const std::vector<GraphInput>& names, int vary, const Refuse& refuse) {
+  in[static_cast<size_t>(vary)] = other_values(in[static_cast<size_t>(vary)]);
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> param_names;
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i].kind == "parameter" && in[i].requires_grad())
+      params.push_back(in[i]), param_names.push_back(names[i].name);
+  torch::AutoGradMode grad_mode(true);  // the step trains: its gradients are compared
+  torch::jit::GraphFunction graph_fn("unit", first.graph->copy(), nullptr);
+  torch::jit::Stack stack(in.begin(), in.end());
+  graph_fn.run(stack);
+  const torch::Tensor got = stack.front().toTensor(), want = fn(in).front();
+  const bool low = at::autocast::is_autocast_enabled(got.device().type());
+  const double rtol = low ? 1e-2 : 1e-4, atol = low ? 1e-2 : 1e-5;
+  const torch::Tensor g32 = got.detach().to(torch::kFloat), w32 = want.detach().to(torch::kFloat);
+  if (!torch::allclose(g32, w32, rtol, atol))
+    refuse("the traced graph and the C++ code disagree on a fresh input (max abs difference " +
+           std::to_string((g32 - w32).abs().max().item<double>()) +
+           "): a kernel the dispatcher does not see, or raw data_ptr arithmetic, is not in the graph");
+  const auto got_grads = parameter_grads(got, params), want_grads = parameter_grads(want, params);
+  for (size_t i = 0; i < params.size(); ++i) {
+    const torch::Tensor a = got_grads[i].to(torch::kFloat), b = want_grads[i].to(torch::kFloat);
+    const double scale = 1.0 + b.abs().max().item<double>();  // the gradient's own size
+    if (!torch::allclose(a, b, rtol, atol * scale))
+      refuse("the gradient of " + param_names[i] + " through the traced graph differs from the C++ code's (max abs " +
+             "difference " + std::to_string((a - b).abs().max().item<double>()) +
+             "): the C++ code's backward is not its forward's (a NoGradGuard region, a custom autograd Function, a "
+             "tensor hook), which a trace does not carry");
+  }
+}
+
+// A second input of the same shape (other values, -x, +-100|x|) must give the same graph.
+void check_other_inputs(const UnitFn& fn, const Trace& first, const std::vector<torch::Tensor>& inputs, int vary,
+                        const Refuse& refuse) {
+  const torch::Tensor x = inputs[static_cast<size_t>(vary)];
+  std::vector<torch::Tensor> variants = {other_values(x)};
+  if (x.is_floating_point()) variants.insert(variants.end(), {-x, x.abs() * 100.0, x.abs() * -100.0});
+  const std::string reference = graph_text(*first.graph);
+  for (const auto& v : variants) {
+    std::vector<torch::Tensor> in = inputs;
+    in[static_cast<size_t>(vary)] = v;
+    if (graph_text(*run_tracer(fn, in).graph) != reference)
+      refuse("a second input of the same shape gave another graph (a branch on the input's values)");
+  }
+}
+
+}  // namespace
+
 GraphFile trace_graph(const UnitFn& fn, const std::vector<torch::Tensor>& inputs, const std::vector<GraphInput>& names,
                       const std::string& what, int vary) {
   const torch::Device on = inputs.empty() ? torch::Device(torch::kCPU) : inputs.front().device();
-  const c10::DeviceType device = on.type();
+  // The example values (not in the fingerprint: they differ between ranks) as they are now.
+  std::vector<std::pair<std::string, torch::Tensor>> examples;
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i].kind != "parameter")  // the packaging step makes its own parameters
+      examples.emplace_back(names[i].name, inputs[i].detach().to(torch::kCPU).clone());
   KeepGenerators keep(on);
   // Buffers as they were: the traces and the checks run the forward (BatchNorm's statistics).
   std::vector<std::pair<torch::Tensor, torch::Tensor>> buffers;
@@ -291,56 +391,44 @@ GraphFile trace_graph(const UnitFn& fn, const std::vector<torch::Tensor>& inputs
       for (auto& [live, saved] : b) live.copy_(saved);
     }
   } restore{buffers};
-
-  auto refuse = [&](const std::string& why) {
+  const Refuse refuse = [&](const std::string& why) {
     throw GraphRefusal("compile.mode = \"inductor\": " + what + " cannot be compiled as traced: " + why +
                        " (compile.mode = \"off\" trains it eager)");
   };
-  const Trace first = run_tracer(fn, inputs);
-  if (!first.reads.empty())
-    refuse(first.reads.front() +
-           " reads a value out of a tensor on the host (item(), a branch on a tensor's value), "
-           "which the graph would hold as a constant");
-  if (!first.warnings.empty()) refuse("the tracer warned: " + first.warnings.front());
-  if (vary >= 0) {
-    const torch::Tensor x = inputs[static_cast<size_t>(vary)];
-    std::vector<torch::Tensor> variants = {other_values(x)};
-    if (x.is_floating_point()) variants.insert(variants.end(), {-x, x.abs() * 100.0, x.abs() * -100.0});
-    const std::string reference = graph_text(*first.graph);
-    for (const auto& v : variants) {
-      std::vector<torch::Tensor> in = inputs;
-      in[static_cast<size_t>(vary)] = v;
-      if (graph_text(*run_tracer(fn, in).graph) != reference)
-        refuse("a second input of the same shape gave another graph (a branch on the input's values)");
+  Trace first;
+  try {
+    first = run_tracer(fn, inputs);
+    if (!first.reads.empty())
+      refuse(first.reads.front() +
+             " reads a value out of a tensor on the host (item(), a branch on a tensor's value), "
+             "which the graph would hold as a constant");
+    if (!first.warnings.empty()) refuse("the tracer warned: " + first.warnings.front());
+    if (vary >= 0) {
+      check_other_inputs(fn, first, inputs, vary, refuse);
+      check_fresh_input(fn, first, inputs, names, vary, refuse);
     }
-    // What the tracer cannot see (a kernel outside the dispatcher, raw data_ptr arithmetic): the
-    // graph and the C++ code must agree on a fresh input.
-    std::vector<torch::Tensor> in = inputs;
-    in[static_cast<size_t>(vary)] = other_values(x);
-    torch::jit::GraphFunction graph_fn("unit", first.graph->copy(), nullptr);
-    torch::jit::Stack stack(in.begin(), in.end());
-    graph_fn.run(stack);
-    const torch::Tensor got = stack.front().toTensor().detach().to(torch::kFloat);
-    const torch::Tensor want = fn(in).front().detach().to(torch::kFloat);
-    const bool low = at::autocast::is_autocast_enabled(device);
-    if (!torch::allclose(got, want, low ? 1e-2 : 1e-4, low ? 1e-2 : 1e-5))
-      refuse("the traced graph and the C++ code disagree on a fresh input (max abs difference " +
-             std::to_string((got - want).abs().max().item<double>()) +
-             "): a kernel the dispatcher does not see, or raw data_ptr arithmetic, is not in the graph");
+  } catch (const CompileError&) {
+    throw;
+  } catch (const std::exception& e) {  // the tracer's own refusals (a tensor that requires grad read as a constant)
+    const std::string msg = e.what();
+    refuse("the tracer stopped: " + msg.substr(0, msg.find('\n')));
   }
-  Writer writer(*first.graph, what, device);
+  Writer writer(*first.graph, what, on.type(), names, inputs);
   GraphFile file;
-  file.json = writer.write(names, inputs);
+  file.json = writer.write();
   file.tensors = std::move(writer.constants());
   file.fingerprint = fingerprint_of(file.json, file.tensors);
-  // The example values (not in the fingerprint: they differ between ranks) after the constants.
-  nlohmann::json examples = nlohmann::json::object();
-  for (size_t i = 0; i < names.size(); ++i) {
-    if (names[i].kind == "parameter") continue;  // the packaging step makes its own
-    examples[names[i].name] = file.tensors.size();
-    file.tensors.push_back(inputs[i].detach().to(torch::kCPU).contiguous());
+  if (!writer.baked().empty())
+    logging::warn(
+        "compile: {} reads {} tensor(s) outside its parameters and buffers ({}{}), held in the package as "
+        "constants of their values now; register one as a buffer if it changes while training",
+        what, writer.baked().size(), writer.baked().front(), writer.baked().size() > 1 ? ", ..." : "");
+  nlohmann::json index = nlohmann::json::object();
+  for (auto& [name, t] : examples) {
+    index[name] = file.tensors.size();
+    file.tensors.push_back(std::move(t));
   }
-  file.json["examples"] = examples;
+  file.json["examples"] = index;
   return file;
 }
 

@@ -94,7 +94,21 @@ GraphFile trace_step(models::Model& model, const torch::Tensor& input, const Ind
     loss = [ignore = req.ignore_index](const torch::Tensor& out, const torch::Tensor& target) {
       return cross_entropy(out, target, ignore);
     };
-  return trace_training_step(model, input, req.example_target.to(input.device()), loss);
+  std::optional<GraphFile> file;
+  std::string refused;
+  bool unsupported = false;  // keel's limit, not the model's doing: an eager fallback (CompileError)
+  try {
+    file.emplace(trace_training_step(model, input, req.example_target.to(input.device()), loss));
+  } catch (const GraphRefusal& e) {
+    refused = e.what();
+  } catch (const CompileError& e) {
+    refused = e.what();
+    unsupported = true;
+  }
+  if (req.agree_on_trace) req.agree_on_trace(refused);
+  if (!refused.empty() && unsupported) throw CompileError(refused);
+  if (!refused.empty()) throw GraphRefusal(refused);
+  return std::move(*file);
 }
 
 std::string InductorStep::cache_key(const InductorRequest& req) {

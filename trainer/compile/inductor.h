@@ -77,6 +77,10 @@ struct InductorRequest {
   std::shared_ptr<const GraphFile> graph;
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss;
   torch::Tensor example_target;
+  /// Called on every rank right after the step is traced, with this rank's refusal ("" when none):
+  /// throws on a rank that did not refuse when another did (Run agrees over the ranks), so that no
+  /// rank packages while another has refused. Empty: one process (keel compile).
+  std::function<void(const std::string&)> agree_on_trace;
   /// Whether the step is traced from the C++ model: a C++ model at granularity "step" (unless
   /// KEEL_INDUCTOR_TWIN=1 asks for a built-in model's Python twin: the before/after comparison of
   /// bench/bench.py while the twins remain for the block packages).
