@@ -323,8 +323,9 @@ std::vector<torch::Tensor> parameter_grads(const torch::Tensor& out, const std::
 // (the trace holds the forward's ops only: a NoGradGuard region, a custom autograd Function's own
 // backward, a tensor hook are not in it).
 void check_fresh_input(const UnitFn& fn, const Trace& first, std::vector<torch::Tensor> in,
-                       const std::vector<GraphInput>& names, int vary, const Refuse& refuse) {
-  in[static_cast<size_t>(vary)] = other_values(in[static_cast<size_t>(vary)]);
+                       const std::vector<GraphInput>& names, const Refuse& refuse) {
+  for (size_t i = 0; i < names.size(); ++i)
+    if (names[i].kind == "input" || names[i].kind == "target") in[i] = other_values(in[i]);
   std::vector<torch::Tensor> params;
   std::vector<std::string> param_names;
   for (size_t i = 0; i < names.size(); ++i)
@@ -354,7 +355,8 @@ void check_fresh_input(const UnitFn& fn, const Trace& first, std::vector<torch::
   }
 }
 
-// A second input of the same shape (other values, -x, +-100|x|) must give the same graph.
+// A second value of data input `vary` of the same shape (other values, -x, +-100|x|) must give the
+// same graph.
 void check_other_inputs(const UnitFn& fn, const Trace& first, const std::vector<torch::Tensor>& inputs, int vary,
                         const Refuse& refuse) {
   const torch::Tensor x = inputs[static_cast<size_t>(vary)];
@@ -372,7 +374,7 @@ void check_other_inputs(const UnitFn& fn, const Trace& first, const std::vector<
 }  // namespace
 
 GraphFile trace_graph(const UnitFn& fn, const std::vector<torch::Tensor>& inputs, const std::vector<GraphInput>& names,
-                      const std::string& what, int vary) {
+                      const std::string& what, bool vary_data) {
   const torch::Device on = inputs.empty() ? torch::Device(torch::kCPU) : inputs.front().device();
   // The example values (not in the fingerprint: they differ between ranks) as they are now.
   std::vector<std::pair<std::string, torch::Tensor>> examples;
@@ -403,9 +405,11 @@ GraphFile trace_graph(const UnitFn& fn, const std::vector<torch::Tensor>& inputs
              " reads a value out of a tensor on the host (item(), a branch on a tensor's value), "
              "which the graph would hold as a constant");
     if (!first.warnings.empty()) refuse("the tracer warned: " + first.warnings.front());
-    if (vary >= 0) {
-      check_other_inputs(fn, first, inputs, vary, refuse);
-      check_fresh_input(fn, first, inputs, names, vary, refuse);
+    if (vary_data) {
+      for (size_t i = 0; i < names.size(); ++i)
+        if (names[i].kind == "input" || names[i].kind == "target")
+          check_other_inputs(fn, first, inputs, static_cast<int>(i), refuse);
+      check_fresh_input(fn, first, inputs, names, refuse);
     }
   } catch (const CompileError&) {
     throw;
@@ -446,7 +450,7 @@ GraphFile trace_training_step(models::Model& model, const torch::Tensor& input, 
   UnitFn fn = [&model, &loss, first](const std::vector<torch::Tensor>& in) {
     return std::vector<torch::Tensor>{loss(model.forward(in[first]), in[first + 1]).to(torch::kFloat)};
   };
-  return trace_graph(fn, inputs, names, "the training step of model " + model.name(), static_cast<int>(first));
+  return trace_graph(fn, inputs, names, "the training step of model " + model.name(), /*vary_data=*/true);
 }
 
 }  // namespace keel

@@ -49,10 +49,11 @@ struct GraphFile {
 using UnitFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 
 /// Traces `fn` on `inputs` (named by `names`, in order) and checks the graph as above. `what`
-/// names the unit in messages ("the training step of model gpt"); `vary` is the index of the input
-/// given other values for the second-input check (-1: none). Throws GraphRefusal.
+/// names the unit in messages ("the training step of model gpt"); `vary_data`: the data inputs
+/// (kinds input and target) are given other values for the second-input and fresh-input checks.
+/// Throws GraphRefusal (the unit's doing) or CompileError (what the file cannot carry).
 GraphFile trace_graph(const UnitFn& fn, const std::vector<torch::Tensor>& inputs, const std::vector<GraphInput>& names,
-                      const std::string& what, int vary);
+                      const std::string& what, bool vary_data);
 
 /// The whole training step of `model` as keel's eager step computes it (trainer/step/step.cpp:
 /// loss(model.forward(input), target) in float32, under the autocast the caller set): parameters,
