@@ -714,11 +714,11 @@ class TrainStep:
             bs = [b.clone() for b in bufs]
             state = dict(zip(self.pnames, ps))
             state.update(zip(self.bnames, bs))
-            amp = (torch.autocast(self.device_type, dtype=self.amp_dtype) if self.amp_dtype is not None
-                   else contextlib.nullcontext())
             if getattr(self.module, "returns_loss", False):  # keel's traced step: its casts are in the graph
                 loss = torch.func.functional_call(self.module, state, (x, y), strict=True, tie_weights=True)
             else:
+                amp = (torch.autocast(self.device_type, dtype=self.amp_dtype) if self.amp_dtype is not None
+                       else contextlib.nullcontext())
                 with amp:  # as keel: forward and loss under autocast, the loss then cast to float32
                     out = torch.func.functional_call(self.module, state, (x,), strict=True, tie_weights=True)
                     if self.expect is not None:

@@ -1,11 +1,10 @@
 #include "trainer/compile/compile.h"
 
 #include "trainer/compile/compile_cache.h"
+#include "trainer/compile/graph_file.h"
 
-#include <ATen/autocast_mode.h>
 #include <torch/csrc/jit/api/function_impl.h>
 #include <torch/csrc/jit/api/module.h>
-#include <torch/csrc/jit/frontend/tracer.h>
 #include <torch/csrc/jit/ir/ir.h>
 
 #include <nlohmann/json.hpp>
@@ -14,55 +13,18 @@
 
 #include <chrono>
 #include <map>
-#include <mutex>
 #include <set>
 #include <sstream>
 
 namespace keel {
 namespace {
 
-// Tracer warnings (tensor -> scalar conversions steer the trace) are collected per trace.
-std::mutex g_warn_mu;
-std::vector<std::string>* g_warnings = nullptr;
-void collect_warning(const std::string& msg) {
-  if (g_warnings) g_warnings->push_back(msg);
-}
-
-struct Traced {
-  std::shared_ptr<torch::jit::Graph> graph;
-  std::vector<std::string> warnings;
-};
-
-Traced trace(models::Model& m, const torch::Tensor& example) {
-  std::lock_guard<std::mutex> lock(g_warn_mu);
-  Traced t;
-  g_warnings = &t.warnings;
-  torch::jit::tracer::setWarn(collect_warning);
-  // Autocast caches the low-precision copies of parameters; a cached copy would enter the
-  // trace as a constant and make each trace differ. Every trace starts with an empty cache.
-  at::autocast::clear_cache();
-  torch::jit::Stack inputs{example};
-  for (auto& p : m.parameters()) inputs.emplace_back(p);
-  auto fn = [&m](torch::jit::Stack in) -> torch::jit::Stack { return {m.forward(in[0].toTensor())}; };
-  try {
-    auto result = torch::jit::tracer::trace(
-        inputs, fn, [](const torch::autograd::Variable&) { return std::string(); }, /*strict=*/false);
-    t.graph = result.first->graph;
-  } catch (...) {
-    g_warnings = nullptr;
-    throw;
-  }
-  g_warnings = nullptr;
-  return t;
-}
-
-std::string graph_text(const torch::jit::Graph& g) { return g.toString(/*print_source_locations=*/false); }
-
-// Another input of the same shape and dtype, with other values.
-torch::Tensor other_values(const torch::Tensor& x) {
-  if (x.is_floating_point()) return torch::randn_like(x);
-  const int64_t hi = std::max<int64_t>(2, x.max().item<int64_t>() + 1);
-  return torch::randint_like(x, 0, hi);
+// The model's forward traced on `example`, its parameters graph inputs (trainer/compile/graph_file.h).
+TracedUnit trace(models::Model& m, const torch::Tensor& example) {
+  std::vector<torch::Tensor> inputs{example};
+  for (auto& p : m.parameters()) inputs.push_back(p);
+  return trace_unit([&m](const std::vector<torch::Tensor>& in) { return std::vector<torch::Tensor>{m.forward(in[0])}; },
+                    inputs);
 }
 
 std::vector<std::string> find_nodes(const torch::jit::Graph& g, const std::set<std::string>& kinds) {
@@ -223,7 +185,7 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
 
   torch::NoGradGuard ng;
   const torch::Tensor x = example.detach();
-  Traced first = trace(*model, x);
+  TracedUnit first = trace(*model, x);
   // a. graph breaks
   if (!first.warnings.empty())
     return refuse("graph break: data-dependent control flow (the tracer saw a tensor converted to a scalar: " +
@@ -232,10 +194,8 @@ std::shared_ptr<models::Model> compile_model(std::shared_ptr<models::Model> mode
   // example and large all-positive / all-negative inputs, which flip value-based branches such
   // as `x.sum() > 0`. A branch that none of them flips is still likely to be caught by the
   // fresh-input comparison below (b); neither check can prove its absence.
-  std::vector<torch::Tensor> variants = {other_values(x)};
-  if (x.is_floating_point()) variants.insert(variants.end(), {-x, x.abs() * 100.0, x.abs() * -100.0});
   const std::string reference = graph_text(*first.graph);
-  for (const auto& v : variants)
+  for (const auto& v : other_inputs(x))
     if (graph_text(*trace(*model, v).graph) != reference)
       return refuse(
           "graph break: data-dependent control flow (tracing from an input with other values gave another graph)");

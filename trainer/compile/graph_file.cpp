@@ -23,6 +23,12 @@ namespace {
 
 constexpr const char* kGraphFormat = "keel-graph/1";
 
+// What a refusal of `what` (a unit of a model) says: the reason, and that the model trains eager.
+[[noreturn]] void refuse_unit(const std::string& what, const std::string& why) {
+  throw GraphRefusal("compile.mode = \"inductor\": " + what + " cannot be compiled as traced: " + why +
+                     " (compile.mode = \"off\" trains it eager)");
+}
+
 // Ops that read a value out of a tensor onto the host: whatever the C++ code does with the value
 // (a branch, a size, a scale) is baked into the graph as a constant of this input's value.
 const std::set<std::string>& scalar_reads() {
@@ -46,14 +52,11 @@ std::unique_ptr<at::ObserverContext> observe_op(const at::RecordFunction& fn) {
   return nullptr;
 }
 
-struct Trace {
-  std::shared_ptr<torch::jit::Graph> graph;
-  std::vector<std::string> warnings, reads;
-};
+}  // namespace
 
-Trace run_tracer(const UnitFn& fn, const std::vector<torch::Tensor>& inputs) {
+TracedUnit trace_unit(const UnitFn& fn, const std::vector<torch::Tensor>& inputs) {
   std::lock_guard<std::mutex> lock(g_trace_mu);
-  Trace t;
+  TracedUnit t;
   g_warnings = &t.warnings;
   t_reads = &t.reads;
   torch::jit::tracer::setWarn(collect_warning);
@@ -82,12 +85,21 @@ Trace run_tracer(const UnitFn& fn, const std::vector<torch::Tensor>& inputs) {
   return t;
 }
 
-// Another tensor of the same shape and dtype, with other values.
 torch::Tensor other_values(const torch::Tensor& x) {
   if (x.is_floating_point()) return torch::randn_like(x);
   const int64_t hi = std::max<int64_t>(2, x.max().item<int64_t>() + 1);
   return torch::randint_like(x, 0, hi);
 }
+
+std::vector<torch::Tensor> other_inputs(const torch::Tensor& x) {
+  std::vector<torch::Tensor> variants = {other_values(x)};
+  if (x.is_floating_point()) variants.insert(variants.end(), {-x, x.abs() * 100.0, x.abs() * -100.0});
+  return variants;
+}
+
+std::string graph_text(const torch::jit::Graph& g) { return g.toString(/*print_source_locations=*/false); }
+
+namespace {
 
 c10::TypePtr unwrap_optional(c10::TypePtr t) {
   if (!t) return t;
@@ -136,10 +148,7 @@ class Writer {
   const std::vector<std::string>& baked() const { return baked_; }
 
  private:
-  [[noreturn]] void refuse(const std::string& op, const std::string& why) const {
-    throw GraphRefusal("compile.mode = \"inductor\": " + what_ + " cannot be compiled as traced: " + op + " " + why +
-                       " (compile.mode = \"off\" trains it eager)");
-  }
+  [[noreturn]] void refuse(const std::string& op, const std::string& why) const { refuse_unit(what_, op + " " + why); }
   // What keel's graph file does not carry (a limit of keel's, not the model's doing): a
   // CompileError, so the model trains eager unless compile.fullgraph.
   [[noreturn]] void unsupported(const std::string& op, const std::string& why) const {
@@ -270,8 +279,6 @@ std::string fingerprint_of(const nlohmann::json& j, const std::vector<torch::Ten
   return h.hex();
 }
 
-std::string graph_text(const torch::jit::Graph& g) { return g.toString(/*print_source_locations=*/false); }
-
 // The random generators as they were (tracing and the checks run the unit several times).
 class KeepGenerators {
  public:
@@ -322,7 +329,7 @@ std::vector<torch::Tensor> parameter_grads(const torch::Tensor& out, const std::
 // output (a kernel outside the dispatcher, data_ptr arithmetic) and on every parameter's gradient
 // (the trace holds the forward's ops only: a NoGradGuard region, a custom autograd Function's own
 // backward, a tensor hook are not in it).
-void check_fresh_input(const UnitFn& fn, const Trace& first, std::vector<torch::Tensor> in,
+void check_fresh_input(const UnitFn& fn, const TracedUnit& first, std::vector<torch::Tensor> in,
                        const std::vector<GraphInput>& names, const Refuse& refuse) {
   for (size_t i = 0; i < names.size(); ++i)
     if (names[i].kind == "input" || names[i].kind == "target") in[i] = other_values(in[i]);
@@ -357,16 +364,13 @@ void check_fresh_input(const UnitFn& fn, const Trace& first, std::vector<torch::
 
 // A second value of data input `vary` of the same shape (other values, -x, +-100|x|) must give the
 // same graph.
-void check_other_inputs(const UnitFn& fn, const Trace& first, const std::vector<torch::Tensor>& inputs, int vary,
+void check_other_inputs(const UnitFn& fn, const TracedUnit& first, const std::vector<torch::Tensor>& inputs, int vary,
                         const Refuse& refuse) {
-  const torch::Tensor x = inputs[static_cast<size_t>(vary)];
-  std::vector<torch::Tensor> variants = {other_values(x)};
-  if (x.is_floating_point()) variants.insert(variants.end(), {-x, x.abs() * 100.0, x.abs() * -100.0});
   const std::string reference = graph_text(*first.graph);
-  for (const auto& v : variants) {
+  for (const auto& v : other_inputs(inputs[static_cast<size_t>(vary)])) {
     std::vector<torch::Tensor> in = inputs;
     in[static_cast<size_t>(vary)] = v;
-    if (graph_text(*run_tracer(fn, in).graph) != reference)
+    if (graph_text(*trace_unit(fn, in).graph) != reference)
       refuse("a second input of the same shape gave another graph (a branch on the input's values)");
   }
 }
@@ -393,13 +397,10 @@ GraphFile trace_graph(const UnitFn& fn, const std::vector<torch::Tensor>& inputs
       for (auto& [live, saved] : b) live.copy_(saved);
     }
   } restore{buffers};
-  const Refuse refuse = [&](const std::string& why) {
-    throw GraphRefusal("compile.mode = \"inductor\": " + what + " cannot be compiled as traced: " + why +
-                       " (compile.mode = \"off\" trains it eager)");
-  };
-  Trace first;
+  const Refuse refuse = [&](const std::string& why) { refuse_unit(what, why); };
+  TracedUnit first;
   try {
-    first = run_tracer(fn, inputs);
+    first = trace_unit(fn, inputs);
     if (!first.reads.empty())
       refuse(first.reads.front() +
              " reads a value out of a tensor on the host (item(), a branch on a tensor's value), "

@@ -48,6 +48,25 @@ struct GraphFile {
 /// The function traced: the unit's inputs in, its outputs out.
 using UnitFn = std::function<std::vector<torch::Tensor>(const std::vector<torch::Tensor>&)>;
 
+/// One trace of `fn` on `inputs` by the TorchScript tracer (a tensor `fn` reads is a graph input
+/// when it is one of `inputs`, by identity; a constant otherwise), with the first line of each
+/// tracer warning and the ops that read a value out of a tensor on the host (item(), is_nonzero,
+/// equal, allclose: seen by a RecordFunction observer) while it ran. One trace at a time. Shared
+/// by compile.mode = "trace" (trainer/compile/compile.cpp) and the units traced here.
+struct TracedUnit {
+  std::shared_ptr<torch::jit::Graph> graph;
+  std::vector<std::string> warnings, reads;
+};
+TracedUnit trace_unit(const UnitFn& fn, const std::vector<torch::Tensor>& inputs);
+
+/// A tensor of x's shape and dtype with other values (random; class indices below x's maximum + 1).
+torch::Tensor other_values(const torch::Tensor& x);
+/// The inputs a second-input check traces again from: other values and, for floating-point x, -x
+/// and large all-positive and all-negative ones, which flip value-based branches (`x.sum() > 0`).
+std::vector<torch::Tensor> other_inputs(const torch::Tensor& x);
+/// A graph's text without source locations: equal for two traces that recorded the same ops.
+std::string graph_text(const torch::jit::Graph& g);
+
 /// Traces `fn` on `inputs` (named by `names`, in order) and checks the graph as above. `what`
 /// names the unit in messages ("the training step of model gpt"); `vary_data`: the data inputs
 /// (kinds input and target) are given other values for the second-input and fresh-input checks.

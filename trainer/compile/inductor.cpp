@@ -81,10 +81,14 @@ nlohmann::json model_config_json(const Config& cfg) {
   return j;
 }
 
+// The built-in models aot_package.py can rebuild in Python by name (--model: the twins).
+static bool has_python_twin(const std::string& model) {
+  return model == "mlp" || model == "cnn" || model == "gpt" || model == "gpt2" || model == "llama";
+}
+
 bool InductorRequest::traces_step() const {
   const char* twin = std::getenv("KEEL_INDUCTOR_TWIN");
-  const bool builtin = model == "mlp" || model == "cnn" || model == "gpt" || model == "gpt2" || model == "llama";
-  return module.empty() && granularity == "step" && !(builtin && twin && std::string(twin) == "1");
+  return module.empty() && granularity == "step" && !(has_python_twin(model) && twin && std::string(twin) == "1");
 }
 
 GraphFile trace_step(models::Model& model, const torch::Tensor& input, const InductorRequest& req) {
@@ -287,8 +291,7 @@ static bool wrote_package(const std::string& log, const std::string& pt2) {
 }
 
 PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
-  if (!req.graph && req.model != "mlp" && req.model != "cnn" && req.model != "gpt" && req.model != "gpt2" &&
-      req.model != "llama" && req.module.empty())
+  if (!req.graph && !has_python_twin(req.model) && req.module.empty())
     throw InputError(
         "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
         "(model.name = \"python\"); model.name = \"" +
