@@ -156,6 +156,11 @@ def parse_args():
                          "tp 2, tp 2 + sequence parallel; PyTorch DDP and DTensor tensor parallel (with and without "
                          "SequenceParallel): step time, per-rank parameters, peak RSS, and each step's tensor memory counted "
                          "exactly in a run of its own")
+    ap.add_argument("--units-rounds", type=int, default=0,
+                    help="instead: N rounds on gpt at 2 ranks (order rotating) of compile.granularity = blocks, its "
+                         "units packaged from keel's trace of the C++ model and from the Python twin "
+                         "(KEEL_INDUCTOR_TWIN=1): each block at dist.zero = 3, the tp regions at parallel.tp = 2, "
+                         "eager beside; issue 65's before/after, with the packaging times")
     ap.add_argument("--small-gpt-rounds", type=int, default=0,
                     help="instead: N rounds of a small GPT (4 blocks, width 128, context 64, vocab 65, batch 12) at one "
                          "rank: keel off and inductor beside PyTorch eager and torch.compile (order rotating)")
@@ -192,6 +197,8 @@ def main():
         return zero_bench(args)
     if args.fsdp_rounds:
         return fsdp_bench(args)
+    if args.units_rounds:
+        return units_bench(args)
     if args.tp_rounds:
         return tp_bench(args)
     if args.ac_rounds:
@@ -468,6 +475,45 @@ def fsdp_bench(args):
                                                                      summary[f"{best}_median_step_ms"])
 
     rounds_on_gpt(args, args.fsdp_rounds, "-fsdp", configs, finish)
+
+
+def units_bench(args):
+    """Issue 65's before/after at compile.granularity = "blocks": gpt at 2 ranks, each block and the
+    root compiled at dist.zero = 3 and the tensor-parallel regions at parallel.tp = 2, their units
+    packaged from keel's trace of the C++ model and from the Python twin (KEEL_INDUCTOR_TWIN=1),
+    beside the eager runs; N rounds with the order rotating. Packaging time of each, cold (a fresh
+    cache), once."""
+    steps = max(args.steps // 5, 12)
+    b = BATCH["gpt"]
+    kinds = {"zero3": ["--dist.zero=3"], "tp2": ["--parallel.tp=2"]}
+    packaging_ms = {}
+    with tempfile.TemporaryDirectory() as cache:
+        for kind, extra in kinds.items():
+            for twin in (False, True):  # cold: each packages its own
+                r = run_keel("gpt", b, 2, 2, args.keel, compile_mode="inductor", cache_dir=cache, extra=extra,
+                             twin=twin)
+                packaging_ms[f"keel-{kind}-inductor{'-twin' if twin else ''}"] = r["compile_ms"]
+        configs = {}
+        for kind, extra in kinds.items():
+            configs[f"keel-{kind}"] = lambda w, e=extra: run_keel("gpt", b, steps, 2, args.keel, extra=e)
+            for twin in (False, True):
+                configs[f"keel-{kind}-inductor{'-twin' if twin else ''}"] = (
+                    lambda w, e=extra, t=twin: run_keel("gpt", b, steps, 2, args.keel, compile_mode="inductor",
+                                                        cache_dir=cache, extra=e, twin=t))
+
+        def finish(summary, got):
+            summary["steps"] = steps
+            for kind in kinds:
+                traced, twin = got[f"keel-{kind}-inductor"], got[f"keel-{kind}-inductor-twin"]
+                summary[f"keel_{kind}_traced_over_twin"] = middle(
+                    [traced[k]["median_step_ms"] / twin[k]["median_step_ms"] for k in range(len(traced))])
+                summary[f"keel_{kind}_packaging_ms"] = packaging_ms[f"keel-{kind}-inductor"]
+                summary[f"keel_{kind}_twin_packaging_ms"] = packaging_ms[f"keel-{kind}-inductor-twin"]
+                summary[f"keel_{kind}_packaging_traced_over_twin"] = (packaging_ms[f"keel-{kind}-inductor"] /
+                                                                      packaging_ms[f"keel-{kind}-inductor-twin"])
+
+        args.worlds = "2"
+        rounds_on_gpt(args, args.units_rounds, "-units", configs, finish, base="keel-zero3")
 
 
 def activation_mb(big, small, b_big, b_small):

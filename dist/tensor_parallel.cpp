@@ -33,16 +33,45 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
                                       : std::string()));
 }
 
-TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel,
-                                                models::DeferredInit* deferred) {
+namespace {
+
+// Keeps rank `rank`'s part (of `size`) of each of `block`'s parameters that a rule of `plan` matches.
+void keep_block_parts(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, int64_t rank,
+                      int64_t size, models::DeferredInit* deferred) {
+  const models::BlockOptions& o = block.o;
+  for (const auto& [what, n] : {std::pair{"model.heads", o.heads}, std::pair{"model.kv_heads", o.kv_heads},
+                                std::pair{"the MLP's width", o.ffn}})
+    if (n % size != 0)
+      throw InputError("tensor parallelism: " + std::string(what) + " = " + std::to_string(n) +
+                       " does not divide by tp = " + std::to_string(size) +
+                       (std::string(what) == "model.kv_heads"
+                            ? " (each tp rank holds whole key/value heads; replicating fewer than tp is not done)"
+                            : ""));
+  for (auto& p : block.named_parameters())
+    if (const models::TpRule* rule = models::tp_rule(plan, p.key()))
+      models::keep_tp_slice(p.value(), *rule, rank, size, deferred);
+}
+
+// The family of `model` with a tensor-parallel plan whose vocabulary divides by `size`; throws
+// InputError naming the key otherwise.
+const models::TransformerFamily& shardable_family(const models::Model& model, int64_t size) {
   const models::TransformerFamily* family = models::transformer_family(model.name());
   if (!family || !family->shard)
     throw InputError("tensor parallelism: model.name = \"" + model.name() +
                      "\" has no tensor-parallel plan (gpt, gpt2 and llama have one)");
-  const int64_t vocab = model.input_spec().num_classes, size = tp.size();
+  const int64_t vocab = model.input_spec().num_classes;
   if (vocab % size != 0)
     throw InputError("tensor parallelism: model.vocab = " + std::to_string(vocab) +
                      " does not divide by tp = " + std::to_string(size));
+  return *family;
+}
+
+}  // namespace
+
+TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel,
+                                                models::DeferredInit* deferred) {
+  const int64_t size = tp.size(), vocab = model.input_spec().num_classes;
+  const models::TransformerFamily* family = &shardable_family(model, size);
   const tp::VocabRange range = tp::VocabRange::of(vocab, size, tp.rank());
   models::TensorParallelParts parts;
   parts.rank = tp.rank();
@@ -107,18 +136,7 @@ torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& h
 void shard_block(models::TransformerBlockImpl& block, const std::vector<models::TpRule>& plan, Collectives& tp,
                  bool sequence_parallel, models::DeferredInit* deferred) {
   const int64_t size = tp.size(), rank = tp.rank();
-  const models::BlockOptions& o = block.o;
-  for (const auto& [what, n] : {std::pair{"model.heads", o.heads}, std::pair{"model.kv_heads", o.kv_heads},
-                                std::pair{"the MLP's width", o.ffn}})
-    if (n % size != 0)
-      throw InputError("tensor parallelism: " + std::string(what) + " = " + std::to_string(n) +
-                       " does not divide by tp = " + std::to_string(size) +
-                       (std::string(what) == "model.kv_heads"
-                            ? " (each tp rank holds whole key/value heads; replicating fewer than tp is not done)"
-                            : ""));
-  for (auto& p : block.named_parameters())
-    if (const models::TpRule* rule = models::tp_rule(plan, p.key()))
-      models::keep_tp_slice(p.value(), *rule, rank, size, deferred);
+  keep_block_parts(block, plan, rank, size, deferred);
   models::TpRegion region;
   region.rank = rank;
   region.size = size;
@@ -131,6 +149,23 @@ void shard_block(models::TransformerBlockImpl& block, const std::vector<models::
     region.leave = [&tp](const torch::Tensor& x) { return tp::reduce_from_region(x, tp); };
   }
   block.tp = std::move(region);
+}
+
+void shard_as_tp_rank_0(models::Model& model, int64_t size) {
+  const models::TransformerFamily& family = shardable_family(model, size);
+  models::TensorParallelParts parts;
+  parts.size = size;
+  const auto same = [](const torch::Tensor& x) { return x; };
+  parts.block = [&](models::TransformerBlockImpl& b) {
+    keep_block_parts(b, family.tp_plan, 0, size, nullptr);
+    b.tp = models::TpRegion{0, size, same, same, false};
+  };
+  parts.vocab.n = model.input_spec().num_classes / size;
+  parts.vocab.embed = [](const torch::Tensor& ids, const torch::Tensor& rows, int64_t padding_idx) {
+    return torch::embedding(rows, ids.remainder(rows.size(0)), padding_idx);  // in range: the values are not kept
+  };
+  parts.vocab.enter_head = same;
+  family.shard(model, parts);
 }
 
 }  // namespace keel::dist

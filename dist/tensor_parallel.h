@@ -75,6 +75,13 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
 TensorParallelShard shard_model_tensor_parallel(models::Model& model, Collectives& tp, bool sequence_parallel = false,
                                                 models::DeferredInit* deferred = nullptr);
 
+/// `model` sharded as tp rank 0 of `size` holds it, without a group (keel compile: the units traced
+/// from the sharded block, trainer/compile/unit_trace.h): every block's and the vocabulary's
+/// parameters cut to rank 0's part, every collective a local stand-in of the right shape (the
+/// regions' enter and leave the identity, the vocabulary lookup a local one). Its forward runs, with
+/// values that are not a model's: only the shapes and the regions' code are of use.
+void shard_as_tp_rank_0(models::Model& model, int64_t size);
+
 /// Keeps this rank's part (rank tp.rank() of tp.size()) of each of `block`'s parameters that a
 /// rule of `plan` matches (the rules' suffixes relative to the block), and sets the block's
 /// regions: Megatron's copy / reduce pair, or with `sequence_parallel` the all-gather /

@@ -44,14 +44,14 @@ struct GptImpl : torch::nn::Module, BlockStructure {
     TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= context, "gpt expects tokens (B, T<=", context, "), got ",
                 idx.sizes());
     const int64_t T = idx.size(1);
-    auto x = root_call(RootPart::Embed, idx, [&] {
-      const auto tokens = tp_vocab ? tp_vocab.embed(idx, wte->weight, -1) : wte->forward(idx);
-      return tp_vocab.drop(tokens + wpe->forward(tp_vocab.positions(T, idx.device())), dropout,
+    auto x = root_call(RootPart::Embed, idx, [&](const torch::Tensor& ids) {
+      const auto tokens = tp_vocab ? tp_vocab.embed(ids, wte->weight, -1) : wte->forward(ids);
+      return tp_vocab.drop(tokens + wpe->forward(tp_vocab.positions(T, ids.device())), dropout,
                            is_training());  // (B, T, C)
     });
     x = run_blocks(h, this, x);
-    return root_call(RootPart::Head, x, [&] {
-      auto y = ln_f->forward(x);
+    return root_call(RootPart::Head, x, [&](const torch::Tensor& last) {
+      auto y = ln_f->forward(last);
       if (tp_vocab) y = tp_vocab.enter_head(y);
       return torch::matmul(y, wte->weight.t());  // tied output projection (tp: this rank's vocabulary)
     });

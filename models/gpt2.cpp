@@ -77,10 +77,10 @@ struct Gpt2Impl : torch::nn::Module, BlockStructure {
   torch::Tensor forward(const torch::Tensor& idx) {
     TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= positions, "gpt2 expects tokens (B, T<=", positions, "), got ",
                 idx.sizes());
-    auto x = root_call(RootPart::Embed, idx, [&] { return transformer->embed(idx); });
+    auto x = root_call(RootPart::Embed, idx, [&](const torch::Tensor& ids) { return transformer->embed(ids); });
     x = run_blocks(transformer->h, this, x);
-    return root_call(RootPart::Head, x, [&] {
-      const auto y = transformer->final_norm(x);
+    return root_call(RootPart::Head, x, [&](const torch::Tensor& last) {
+      const auto y = transformer->final_norm(last);
       return lm_head ? lm_head->forward(y) : torch::matmul(y, transformer->wte->weight.t());
     });
   }

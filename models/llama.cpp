@@ -102,10 +102,10 @@ struct LlamaImpl : torch::nn::Module, BlockStructure {
   }
   torch::Tensor forward(const torch::Tensor& idx) {
     TORCH_CHECK(idx.dim() == 2, "llama expects tokens (B, T), got ", idx.sizes());
-    auto x = root_call(RootPart::Embed, idx, [&] { return model->embed(idx); });
+    auto x = root_call(RootPart::Embed, idx, [&](const torch::Tensor& ids) { return model->embed(ids); });
     x = model->run_layers(x, idx.size(1));
-    return root_call(RootPart::Head, x, [&] {
-      const auto y = model->final_norm(x);
+    return root_call(RootPart::Head, x, [&](const torch::Tensor& last) {
+      const auto y = model->final_norm(last);
       return lm_head ? lm_head->forward(y) : torch::matmul(y, model->embed_tokens->weight.t());
     });
   }

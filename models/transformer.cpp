@@ -154,10 +154,17 @@ torch::Tensor TransformerBlockImpl::forward(torch::Tensor x, const torch::Tensor
 
 torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x_in, const torch::Tensor& cos,
                                               const torch::Tensor& sin, const RegionCall& regions) {
-  const torch::Tensor x = tp.size > 1 ? tp.enter(x_in) : x_in;
-  if (tp.size > 1)
-    if (const torch::Tensor partial = regions(BlockStructure::Region::Attention, x, cos, sin); partial.defined())
-      return residual_drop(reduce_row_parallel(out, partial));
+  if (tp.size == 1) return residual_drop(attention_core(x_in, cos, sin, /*with_bias=*/true));
+  const torch::Tensor x = tp.enter(x_in);
+  const torch::Tensor partial = regions.partial(
+      BlockStructure::Region::Attention,
+      [this, cos, sin](const torch::Tensor& t) { return attention_core(t, cos, sin, /*with_bias=*/false); }, x, cos,
+      sin);
+  return residual_drop(reduce_row_parallel(out, partial));
+}
+
+torch::Tensor TransformerBlockImpl::attention_core(const torch::Tensor& x, const torch::Tensor& cos,
+                                                   const torch::Tensor& sin, bool with_bias) {
   // This rank's heads: all of them, or 1/tp under tensor parallelism.
   const int64_t B = x.size(0), T = x.size(1), H = o.heads / tp.size, KV = o.kv_heads / tp.size, hd = o.head_dim;
   torch::Tensor qt, kt, vt;  // (B, T, H x hd), (B, T, KV x hd) twice
@@ -189,7 +196,7 @@ torch::Tensor TransformerBlockImpl::attention(const torch::Tensor& x_in, const t
   auto y = (p > 0 && tp.size > 1 ? with_own_masks(tp.rank, qh.device(), attend) : attend())
                .transpose(1, 2)
                .reshape({B, T, H * hd});
-  return residual_drop(tp.size > 1 ? row_parallel(out, y) : project(out, y));
+  return project(out, y, with_bias);
 }
 
 torch::Tensor TransformerBlockImpl::residual_drop(const torch::Tensor& x) const {
@@ -231,10 +238,14 @@ torch::Tensor TransformerBlockImpl::project(const torch::nn::AnyModule& dense, c
 }
 
 torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in, const RegionCall& regions) {
-  const torch::Tensor x = tp.size > 1 ? tp.enter(x_in) : x_in;
-  if (tp.size > 1)
-    if (const torch::Tensor partial = regions(BlockStructure::Region::Mlp, x); partial.defined())
-      return residual_drop(reduce_row_parallel(down, partial));
+  if (tp.size == 1) return residual_drop(mlp_core(x_in, /*with_bias=*/true));
+  const torch::Tensor x = tp.enter(x_in);
+  const torch::Tensor partial = regions.partial(
+      BlockStructure::Region::Mlp, [this](const torch::Tensor& t) { return mlp_core(t, /*with_bias=*/false); }, x);
+  return residual_drop(reduce_row_parallel(down, partial));
+}
+
+torch::Tensor TransformerBlockImpl::mlp_core(const torch::Tensor& x, bool with_bias) {
   torch::Tensor h;
   switch (o.mlp) {
     case BlockOptions::Mlp::SwiGlu:
@@ -247,7 +258,7 @@ torch::Tensor TransformerBlockImpl::mlp_forward(const torch::Tensor& x_in, const
       h = torch::gelu(project(fc, x), "none");
       break;
   }
-  return residual_drop(tp.size > 1 ? row_parallel(down, h) : project(down, h));
+  return project(down, h, with_bias);
 }
 
 torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,
@@ -255,7 +266,8 @@ torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structur
   for (size_t i = 0; i < blocks->size(); ++i) {
     const auto in = structure ? structure->block_enter(i, x) : x;
     TransformerBlockImpl* block = blocks[i]->as<TransformerBlock>();
-    const RegionCall regions{structure ? &structure->region_compiled : nullptr, i};
+    const RegionCall regions{structure ? &structure->region_compiled : nullptr, i,
+                             structure ? &structure->region_runner : nullptr};
     const auto out =
         structure
             ? structure->block_call(

@@ -141,10 +141,14 @@ struct TpRegion {
 struct RegionCall {
   const BlockStructure::RegionCompiled* compiled = nullptr;
   size_t index = 0;
-  /// The region's partial product from the package, or undefined: run it eager.
-  torch::Tensor operator()(BlockStructure::Region r, const torch::Tensor& x, const torch::Tensor& cos = {},
-                           const torch::Tensor& sin = {}) const {
-    return compiled && *compiled ? (*compiled)(index, r, x, cos, sin) : torch::Tensor();
+  const BlockStructure::RegionRun* runner = nullptr;  // the model's BlockStructure::region_runner
+  /// The region's partial product: from the package where it runs there, else `f(x)` (the eager
+  /// region), through the model's region_runner when it has one.
+  torch::Tensor partial(BlockStructure::Region r, const BlockStructure::BlockFunction& f, const torch::Tensor& x,
+                        const torch::Tensor& cos = {}, const torch::Tensor& sin = {}) const {
+    if (compiled && *compiled)
+      if (torch::Tensor y = (*compiled)(index, r, x, cos, sin); y.defined()) return y;
+    return runner && *runner ? (*runner)(index, r, f, x) : f(x);
   }
 };
 
@@ -162,6 +166,12 @@ struct TransformerBlockImpl : torch::nn::Module {
   torch::Tensor attention(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
                           const RegionCall& regions = {});
   torch::Tensor mlp_forward(const torch::Tensor& x, const RegionCall& regions = {});
+  /// The attention's computation on its input (after tp's enter): through the output projection,
+  /// with its bias (`with_bias`) or, under tp, without it (the row-parallel partial product).
+  torch::Tensor attention_core(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& sin,
+                               bool with_bias);
+  /// The MLP's computation on its input (after tp's enter), likewise.
+  torch::Tensor mlp_core(const torch::Tensor& x, bool with_bias);
   /// A row-parallel projection under tp: the partial product, `leave`, then the bias once.
   torch::Tensor row_parallel(const torch::nn::AnyModule& dense, const torch::Tensor& x) const;
   /// row_parallel's second half, from the partial product `partial` (a compiled region's).

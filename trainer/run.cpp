@@ -280,7 +280,7 @@ void Run::compile_and_distribute() {
 // it fits the logits (trainer/compile/inductor_block.h), else the eager loss as before.
 void Run::use_compiled_loss() {
   const std::shared_ptr<InductorBlock>& block = dmodel->inductor_block();
-  if (!block || !block->root_loss() || !classifier()) return;  // a custom loss runs eager
+  if (!block || !block->root_loss()) return;  // the run's loss, traced with the root (unit_trace.h)
   loss = [compiled = block->root_loss(), eager = loss](const torch::Tensor& logits, const torch::Tensor& target) {
     const torch::Tensor l = compiled(logits, target);
     return l.defined() ? l : eager(logits, target);

@@ -15,6 +15,7 @@
 #include "amp/autocast.h"
 #include "checkpoint/checkpointer.h"
 #include "common/log.h"
+#include "dist/tensor_parallel.h"
 #include "keel/common/error.h"
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/data/data.h"
@@ -214,19 +215,16 @@ std::string package_seed_dir(const CheckpointConfig& c) {
   return newest;
 }
 
-// keel compile at granularity "step": the request with the step traced from the C++ model as keel
-// train traces it (the first training batch, the run's loss, under its autocast).
-static InductorRequest with_traced_step(const Config& cfg, models::Model& model, InductorRequest req) {
-  if (!req.traces_step()) return req;
+// keel compile: the request with the example batch and loss keel train traces the step or the
+// block's units on (the first training batch, the run's loss), the model on the device, training.
+static InductorRequest with_example(const Config& cfg, models::Model& model, InductorRequest req) {
   const auto splits = data::create_dataset(cfg.data, model.input_spec(), cfg.run.seed);
   const data::Batch first = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0));
   if (cfg.train.loss != "cross_entropy") req.loss = losses().get(cfg.train.loss);
-  req.example_target = first.target;
+  req.example_target = first.target.to(req.device);
+  req.example_input = first.input.to(req.device);
   model.to(req.device);
   model.train(true);
-  const AmpContext amp = AmpContext::resolve(cfg.amp, req.device);
-  amp::Autocast ac(req.device.type(), amp.dtype, amp.enabled);
-  req.graph = std::make_shared<const GraphFile>(trace_step(model, first.input.to(req.device), req));
   return req;
 }
 
@@ -237,15 +235,23 @@ CompileReport package_training_step(const Config& cfg) {
   aot::load_libraries(cfg.compile.libraries);
   check_dropout(cfg);
   auto model = make_model(cfg, data::native_input_kind(cfg.data.name));
-  const InductorRequest req = inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
-                                               dynamic_cast<const PythonModel*>(model.get()));
+  InductorRequest req = inductor_request(cfg, *model, device, AmpContext::resolve(cfg.amp, device), threads,
+                                         dynamic_cast<const PythonModel*>(model.get()));
   auto report = std::make_shared<CompileReport>();
-  if (req.granularity == "blocks" && req.tp > 1)  // the regions take one tp rank's shards, which only a
-    fetch_package(req, *report).loaded(*report);  // sharded model has: keel train checks them as it loads them
-  else if (req.granularity == "blocks")           // packaged and checked to fit the model's blocks
-    compile_blocks(*model, req, report, cfg.compile.max_recompiles);
-  else
-    InductorStep::load_or_compile(with_traced_step(cfg, *model, req), *report);
+  if (req.module.empty()) req = with_example(cfg, *model, req);
+  // Traced under the run's autocast, as keel train traces (its casts are part of the graph).
+  const AmpContext amp = AmpContext::resolve(cfg.amp, device);
+  amp::Autocast ac(device.type(), amp.dtype, amp.enabled);
+  if (req.granularity == "blocks") {
+    // The regions are one tp rank's: traced from the model sharded as rank 0 holds it.
+    if (req.tp > 1) dist::shard_as_tp_rank_0(*model, req.tp);
+    compile_blocks(*model, req, report, cfg.compile.max_recompiles);  // packaged and checked to fit the blocks
+  } else if (req.traces_step()) {
+    req.graph = std::make_shared<const GraphFile>(trace_step(*model, req.example_input, req));
+    InductorStep::load_or_compile(req, *report);
+  } else {
+    InductorStep::load_or_compile(req, *report);
+  }
   return *report;
 }
 

@@ -4,9 +4,12 @@
 // state carried in keel's checkpoints. Run alone, or on 2 ranks:
 //   torchrun --standalone --nproc_per_node 2 --no_python ./custom_model
 // Any config key can be set on the command line, as with keel's own binary, e.g. the compile stage,
-// which traces this very C++ model and loss into one AOTInductor package:
+// which traces this very C++ model and loss into one AOTInductor package, or one package of its
+// block (reused for the three) and its root around them:
 //   ./custom_model --compile.mode=inductor
+//   ./custom_model --compile.mode=inductor --compile.granularity=blocks --dist.zero=3
 #include <keel/common/error.h>
+#include <keel/models/model.h>
 #include <keel/trainer/config/config.h>
 #include <keel/trainer/data/data.h>
 #include <keel/trainer/trainer.h>
@@ -36,13 +39,33 @@ class Linear16 : public keel::data::Dataset {
   torch::Tensor x_, y_;  // (N, 16), (N, 1)
 };
 
-struct RegressorImpl : torch::nn::Module {
+// Three residual blocks between an input and an output layer. The blocks are declared to keel
+// (BlockStructure: their parameter prefixes, and each one called through block_call between
+// block_enter and block_leave), so that dist.zero = 3 gathers each block's parameters just around
+// it, and compile.granularity = "blocks" packages one block for all three; the parts around them
+// go through root_call as functions of their input, so that they are packaged too.
+struct RegressorImpl : torch::nn::Module, keel::models::BlockStructure {
   RegressorImpl()
-      : fc1(register_module("fc1", torch::nn::Linear(16, 32))), fc2(register_module("fc2", torch::nn::Linear(32, 1))) {}
-  torch::Tensor forward(const torch::Tensor& x) {
-    return fc2->forward(torch::relu(fc1->forward(x)));
-  }  // (B, 16) -> (B, 1)
-  torch::nn::Linear fc1, fc2;
+      : fc_in(register_module("fc_in", torch::nn::Linear(16, 32))),
+        blocks(register_module("blocks", torch::nn::ModuleList())),
+        fc_out(register_module("fc_out", torch::nn::Linear(32, 1))) {
+    for (int i = 0; i < 3; ++i) {
+      blocks->push_back(torch::nn::Linear(32, 32));
+      block_prefixes.push_back("blocks." + std::to_string(i) + ".");
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {  // (B, 16) -> (B, 1)
+    auto h = root_call(RootPart::Embed, x, [this](const torch::Tensor& in) { return torch::relu(fc_in->forward(in)); });
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto* layer = blocks[i]->as<torch::nn::Linear>();
+      const auto block = [layer](const torch::Tensor& t) { return t + torch::relu(layer->forward(t)); };
+      h = block_leave(i, block_call(i, block, block_enter(i, h)));
+    }
+    return root_call(RootPart::Head, h, [this](const torch::Tensor& in) { return fc_out->forward(in); });
+  }
+  torch::nn::Linear fc_in;
+  torch::nn::ModuleList blocks;
+  torch::nn::Linear fc_out;
 };
 TORCH_MODULE(Regressor);
 

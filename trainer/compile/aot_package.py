@@ -200,8 +200,9 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.threads < 0:
         p.error("--threads must be >= 0")
-    if a.granularity == "blocks" and (a.module or a.check or a.model not in BLOCK_MODELS):
-        p.error("--granularity blocks packages the block of " + ", ".join(BLOCK_MODELS) + " (not --module, --check)")
+    if a.granularity == "blocks" and (a.module or a.check or not (a.graph or a.model in BLOCK_MODELS)):
+        p.error("--granularity blocks packages the units keel traced (--graph) or the block of " +
+                ", ".join(BLOCK_MODELS) + " (not --module, --check)")
     if a.tp < 1 or (a.tp > 1 and a.granularity != "blocks"):
         p.error("--tp N > 1 goes with --granularity blocks")
     if a.amp == "fp16":
@@ -471,10 +472,58 @@ def run_graph(g: dict, inputs: list, constants: list, device):
     return [graph_value(a, vals, constants, device) for a in g["outputs"]]
 
 
+class UnitReplay:
+    """Marks a module that replays a unit keel traced: its autocast casts are in the graph, so the
+    tracing here applies none (partition_block)."""
+    traced_autocast = True
+
+
+def graph_units(g: dict, tensors, dev):
+    """(container, x, x, None, ident) of a keel-graphs/1 bundle (trainer/compile/unit_trace.h): each
+    unit a module of the container whose parameters are registered flat ("ln_1__weight"; keel's
+    names in keel_names, in the graph's order) and whose forward(x[, (target,)]) replays the unit.
+    container.units: name -> (module, example input, {name: extra input}, the extra's kind)."""
+    import torch
+
+    class Unit(torch.nn.Module, UnitReplay):
+        def __init__(self, u, constants):
+            super().__init__()
+            self.u, self.constants = u, constants
+            self.keel_names = [i["name"] for i in u["inputs"] if i["kind"] == "parameter"]
+            for i in u["inputs"]:
+                if i["kind"] == "parameter":  # values of its own: the package takes keel's as inputs
+                    t = torch.randn(i["shape"], dtype=getattr(torch, i["dtype"])) * 0.02
+                    self.register_parameter(i["name"].replace(".", "__"), torch.nn.Parameter(t))
+
+        def forward(self, x, position_embeddings=(), constants=None):  # partition_block passes the extras so
+            extra, inputs = list(position_embeddings), []
+            for i in self.u["inputs"]:
+                kind = i["kind"]
+                if kind not in ("parameter", "input", "target"):
+                    raise Refusal(EXIT_USAGE, f"--graph: a unit input of kind {kind!r} this script does not take")
+                inputs.append(getattr(self, i["name"].replace(".", "__")) if kind == "parameter"
+                              else x if kind == "input" else extra.pop(0))
+            return run_graph(self.u, inputs, self.constants if constants is None else constants, dev)[0]
+
+    container = torch.nn.Module()
+    container.units = {}
+    for name, u in g["units"].items():
+        base = u["tensor_base"]
+        constants = [t.to(dev) for t in tensors[base:base + u["constants"]]]
+        examples = {k: tensors[base + i] for k, i in u["examples"].items()}
+        module = Unit(u, constants)
+        container.add_module(name, module)
+        extra = {k: examples[k] for k in (i["name"] for i in u["inputs"] if i["kind"] == "target")}
+        container.units[name] = (module, examples["input"], extra, "target")
+    first = next(iter(container.units.values()))[1]
+    return container, first, first, None, {"model": "graph", "graph": sorted(g["units"]), "input_kind": "graph"}
+
+
 def graph_model(path: str, device: str):
     """(module, x, y, None, ident) of --graph: keel's traced C++ step (trainer/compile/graph_file.h)
     as a module whose parameters and buffers carry keel's names and whose forward(input, target)
-    replays the graph and returns the loss. The graph holds its own casts (autocast was traced)."""
+    replays the graph and returns the loss. The graph holds its own casts (autocast was traced).
+    A bundle of units (--granularity blocks): graph_units."""
     import torch
 
     try:
@@ -483,9 +532,11 @@ def graph_model(path: str, device: str):
         tensors = torch.load(path + ".pt", weights_only=True)
     except (OSError, ValueError, RuntimeError) as e:
         raise Refusal(EXIT_USAGE, f"--graph {path}: cannot be read ({e})")
+    dev = torch.device(device)
+    if g.get("format") == "keel-graphs/1":
+        return graph_units(g, tensors, dev)
     if g.get("format") != GRAPH_FORMAT:
         raise Refusal(EXIT_USAGE, f"--graph {path}: not a {GRAPH_FORMAT} file")
-    dev = torch.device(device)
     constants = [t.to(dev) for t in tensors[:g["constants"]]]
     examples = {name: tensors[i] for name, i in g["examples"].items()}
 
@@ -1479,12 +1530,20 @@ def partition_block(block, params, x, extra, amp_dtype, device_type):
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
     names = [n for n, _ in block.named_parameters()]
-    n = len(names)
+    n, e = len(names), len(extra)
+    # A unit keel traced: its casts are in the graph, and its tensor constants (llama's rotary cos
+    # and sin, read by the C++ block from outside it) go in as inputs, the fake tensors tracing
+    # takes, then back into both graphs as constants (bake_constants).
+    consts = list(getattr(block, "constants", []))
+    if getattr(block, "traced_autocast", False):
+        amp_dtype = None
 
     def fn(*args):
         ctx = torch.autocast(device_type, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()
         # the extra inputs: llama's rotary (cos, sin); the loss's target (RootPart)
-        kwargs = {"position_embeddings": tuple(args[n + 1:])} if extra else {}
+        kwargs = {"position_embeddings": tuple(args[n + 1:n + 1 + e])} if extra else {}
+        if consts:
+            kwargs["constants"] = list(args[n + 1 + e:])
         with ctx:
             out = torch.func.functional_call(block, dict(zip(names, args[:n])), (args[n],), kwargs)
         return out[0] if isinstance(out, tuple) else out
@@ -1502,9 +1561,29 @@ def partition_block(block, params, x, extra, amp_dtype, device_type):
         f = aot_function(fn, capture("fw"), capture("bw"), partition_fn=min_cut_rematerialization_partition)
         # token ids (the root's embed) take no gradient
         x_in = x.detach().clone().requires_grad_(x.is_floating_point())
-        y = f(*[p.detach().clone().requires_grad_(True) for p in params], x_in, *extra.values())
+        y = f(*[p.detach().clone().requires_grad_(True) for p in params], x_in, *extra.values(), *consts)
         y.backward(torch.ones_like(y))
-    return graphs["fw"], graphs["bw"]
+    fw, bw = graphs["fw"], graphs["bw"]
+    if consts:
+        placeholders = [nd.name for nd in fw.graph.nodes if nd.op == "placeholder"]
+        values = dict(zip(placeholders[n + 1 + e:], consts))
+        bake_constants(fw, values)
+        bake_constants(bw, values)
+    return fw, bw
+
+
+def bake_constants(gm, values: dict) -> None:
+    """Each placeholder of `gm` named in `values` becomes a constant of that value (a buffer of the
+    graph module, which export lifts and AOTInductor holds in the package)."""
+    for node in list(gm.graph.nodes):
+        if node.op == "placeholder" and node.name in values:
+            attr = f"keel_constant_{node.name}"
+            gm.register_buffer(attr, values[node.name].detach().clone())
+            with gm.graph.inserting_before(node):
+                const = gm.graph.get_attr(attr)
+            node.replace_all_uses_with(const)
+            gm.graph.erase_node(node)
+    gm.recompile()
 
 
 def keep_outputs(gm, keep) -> list:
@@ -1538,7 +1617,7 @@ def trace_unit(job: Job, unit: str, module, x, extra, extra_kind="rotary") -> di
     if len(fw_in) != len(inputs):
         raise Refusal(EXIT_ERROR, f"{unit} forward graph has {len(fw_in)} inputs, expected {len(inputs)}")
     source_of_input = {node.name: inputs[i] for i, node in enumerate(fw_in)}
-    kept = keep_outputs(fw, lambda outs: [outs[0]] + [o for o in outs[1:] if o.op != "placeholder"])
+    kept = keep_outputs(fw, lambda outs: [outs[0]] + [o for o in outs[1:] if o.op not in ("placeholder", "get_attr")])
     kept_index = {node.name: k for k, node in enumerate(kept[1:])}
     fw_example = [t for _, t, _ in inputs]
     fw_out = fw(*fw_example)
@@ -1635,6 +1714,16 @@ def trace_blocks(job: Job) -> None:
     the model's block 0, and the root's units around the blocks (root_of): embed_*, head_* and
     loss_*."""
     t0 = time.perf_counter()
+    if hasattr(job.module, "units"):  # keel's traced units (--graph)
+        job.models = {}
+        for name, (module, x, extra, kind) in job.module.units.items():
+            x = x.to(job.device)
+            extra = {k: v.to(job.device) for k, v in extra.items()}
+            job.models.update(trace_unit(job, name, module, x, extra, extra_kind=kind))
+        job.timings["trace_s"] = time.perf_counter() - t0
+        job.forward_skipped = "--granularity blocks"
+        job.findings = {}
+        return
     block, x, extra = block_of(job)
     job.models = trace_unit(job, "block", block, x, extra)
     embed, head, loss, ids, logits, target = root_of(job, x)
@@ -1963,6 +2052,7 @@ def main(argv=None) -> int:
         job.ident["granularity"] = "blocks"
         if args.tp > 1:
             job.ident["tp"] = args.tp
+        if args.tp > 1 and not hasattr(job.module, "units"):
             trace_tp_regions(job)
         else:
             trace_blocks(job)

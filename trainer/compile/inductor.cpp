@@ -86,23 +86,26 @@ static bool has_python_twin(const std::string& model) {
   return model == "mlp" || model == "cnn" || model == "gpt" || model == "gpt2" || model == "llama";
 }
 
-bool InductorRequest::traces_step() const {
+bool InductorRequest::traces() const {
   const char* twin = std::getenv("KEEL_INDUCTOR_TWIN");
-  return module.empty() && granularity == "step" && !(has_python_twin(model) && twin && std::string(twin) == "1");
+  return module.empty() && !(has_python_twin(model) && twin && std::string(twin) == "1");
 }
 
-GraphFile trace_step(models::Model& model, const torch::Tensor& input, const InductorRequest& req) {
-  if (!req.example_target.defined()) throw std::logic_error("trace_step: the request has no example target");
-  auto loss = req.loss;
-  if (!loss)
-    loss = [ignore = req.ignore_index](const torch::Tensor& out, const torch::Tensor& target) {
-      return cross_entropy(out, target, ignore);
-    };
+bool InductorRequest::traces_step() const { return traces() && granularity == "step"; }
+
+std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> request_loss(const InductorRequest& req) {
+  if (req.loss) return req.loss;
+  return [ignore = req.ignore_index](const torch::Tensor& out, const torch::Tensor& target) {
+    return cross_entropy(out, target, ignore);
+  };
+}
+
+GraphFile traced_and_agreed(const InductorRequest& req, const std::function<GraphFile()>& trace) {
   std::optional<GraphFile> file;
   std::string refused;
   bool unsupported = false;  // keel's limit, not the model's doing: an eager fallback (CompileError)
   try {
-    file.emplace(trace_training_step(model, input, req.example_target.to(input.device()), loss));
+    file.emplace(trace());
   } catch (const GraphRefusal& e) {
     refused = e.what();
   } catch (const CompileError& e) {
@@ -113,6 +116,12 @@ GraphFile trace_step(models::Model& model, const torch::Tensor& input, const Ind
   if (!refused.empty() && unsupported) throw CompileError(refused);
   if (!refused.empty()) throw GraphRefusal(refused);
   return std::move(*file);
+}
+
+GraphFile trace_step(models::Model& model, const torch::Tensor& input, const InductorRequest& req) {
+  if (!req.example_target.defined()) throw std::logic_error("trace_step: the request has no example target");
+  return traced_and_agreed(
+      req, [&] { return trace_training_step(model, input, req.example_target.to(input.device()), request_loss(req)); });
 }
 
 std::string InductorStep::cache_key(const InductorRequest& req) {
@@ -296,7 +305,7 @@ PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
         "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
         "(model.name = \"python\"); model.name = \"" +
         req.model + "\" is not one (use compile.mode = \"off\")");
-  if (req.granularity == "blocks" && req.model != "gpt" && req.model != "gpt2" && req.model != "llama")
+  if (req.granularity == "blocks" && !req.graph && req.model != "gpt" && req.model != "gpt2" && req.model != "llama")
     throw InputError(
         "compile.granularity = \"blocks\" packages the transformer block of gpt, gpt2 and llama; model.name = \"" +
         req.model + "\" has none (use compile.granularity = \"step\")");

@@ -77,6 +77,9 @@ struct InductorRequest {
   std::shared_ptr<const GraphFile> graph;
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss;
   torch::Tensor example_target;
+  /// The batch the units of granularity "blocks" are traced on (compile_blocks); unset: random
+  /// token ids of the model's input spec, and targets likewise where example_target is unset.
+  torch::Tensor example_input;
   /// Called on every rank right after the step is traced, with this rank's refusal ("" when none):
   /// throws on a rank that did not refuse when another did (Run agrees over the ranks), so that no
   /// rank packages while another has refused. Empty: one process (keel compile).
@@ -85,6 +88,8 @@ struct InductorRequest {
   /// KEEL_INDUCTOR_TWIN=1 asks for a built-in model's Python twin: the before/after comparison of
   /// bench/bench.py while the twins remain for the block packages).
   bool traces_step() const;
+  /// Whether the units of granularity "blocks" or the step are traced from the C++ model (as above).
+  bool traces() const;
 };
 
 /// A loaded package as checkpoint.save_graph stores it (graph.pt2, graph.json).
@@ -175,6 +180,11 @@ class InductorStep {
 /// The training step of `model` (placed, under the caller's autocast) traced for `req`: its loss
 /// (keel's cross-entropy with req.ignore_index when none is set) on `input` and req.example_target.
 GraphFile trace_step(models::Model& model, const torch::Tensor& input, const InductorRequest& req);
+/// The loss `req` packages: req.loss, or keel's cross-entropy with req.ignore_index.
+std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> request_loss(const InductorRequest& req);
+/// `trace` run, then the ranks agreed on its outcome (req.agree_on_trace): the graph, or the refusal
+/// (GraphRefusal; CompileError for what keel's graph file cannot carry) on every rank.
+GraphFile traced_and_agreed(const InductorRequest& req, const std::function<GraphFile()>& trace);
 
 /// The [model] section of `cfg` as the packaging step reads it (--model-config).
 nlohmann::json model_config_json(const Config& cfg);

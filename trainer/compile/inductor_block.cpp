@@ -11,6 +11,7 @@
 #include "common/log.h"
 #include "keel/common/error.h"
 #include "trainer/compile/packaging.h"
+#include "trainer/compile/unit_trace.h"
 
 namespace keel {
 namespace {
@@ -139,6 +140,7 @@ void InductorBlock::read_signature(const Unit& u, const torch::Device& device) {
     } else if (kind == "rotary" || kind == "target") {
       extra_names_.push_back(in.at("name").get<std::string>());
       extra_shapes_.push_back(shape_of(in));
+      extra_dtypes_.push_back(in.at("dtype").get<std::string>());
     } else if (kind == "input") {
       input_shape_ = shape_of(in);
       const std::string dtype = in.at("dtype").get<std::string>();
@@ -148,7 +150,7 @@ void InductorBlock::read_signature(const Unit& u, const torch::Device& device) {
                                                                      {"float16", c10::ScalarType::Half},
                                                                      {"int64", c10::ScalarType::Long}};
       const auto d = kDtypes.find(dtype);
-      if (d == kDtypes.end() || (dtype == "int64") != (unit == "embed"))
+      if (d == kDtypes.end())
         throw std::runtime_error(path_ + ": a " + unit + " input of dtype " + dtype + ", which keel does not pass");
       input_dtype_ = d->second;
     } else {
@@ -210,7 +212,9 @@ bool InductorBlock::fits(const torch::Tensor& x, const std::vector<torch::Tensor
   const bool autocast = at::autocast::is_autocast_enabled(x.device().type());
   if (extra.size() > extra_shapes_.size()) return false;
   for (size_t i = 0; i < extra.size(); ++i)
-    if (extra[i].sizes().vec() != extra_shapes_[i]) return false;
+    if (extra[i].sizes().vec() != extra_shapes_[i] ||
+        c10::getDtypeNames(extra[i].scalar_type()).first != extra_dtypes_[i])
+      return false;
   return x.sizes().vec() == input_shape_ && x.scalar_type() == input_dtype_ && autocast == (amp_ != "off");
 }
 
@@ -412,8 +416,7 @@ void compile_root(models::Model& model, InductorBlock& block, const std::array<s
   if (!ok) return;
   auto said = std::make_shared<bool>(false);
   block.set_root_loss([loss, said](const torch::Tensor& logits, const torch::Tensor& target) -> torch::Tensor {
-    if (!torch::GradMode::is_enabled() || target.scalar_type() != torch::kLong || !loss->fits(logits, {target}))
-      return {};
+    if (!torch::GradMode::is_enabled() || !loss->fits(logits, {target})) return {};
     if (!*said) {
       *said = true;
       logging::info("compile: the loss runs from the package (logits {})", loss->input_spec());
@@ -424,11 +427,37 @@ void compile_root(models::Model& model, InductorBlock& block, const std::array<s
 
 }  // namespace
 
-std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const InductorRequest& req,
+namespace {
+
+// The units of `req` traced from `model` (unit_trace.h) on req.example_input, or on a random batch
+// of the model's input spec, and the ranks agreed on the outcome.
+std::shared_ptr<const GraphFile> traced_units(models::Model& model, const InductorRequest& req) {
+  const models::InputSpec spec = model.input_spec();
+  std::vector<int64_t> shape = {req.batch};
+  shape.insert(shape.end(), spec.sample_shape.begin(), spec.sample_shape.end());
+  const auto ids = torch::TensorOptions().dtype(torch::kLong).device(req.device);
+  torch::Tensor input = req.example_input, target = req.example_target;
+  if (!input.defined())
+    input = spec.kind == models::InputKind::Tokens ? torch::randint(0, spec.num_classes, shape, ids)
+                                                   : torch::randn(shape, ids.dtype(torch::kFloat));
+  if (!target.defined())
+    target = spec.kind == models::InputKind::Tokens ? torch::randint(0, spec.num_classes, shape, ids)
+                                                    : torch::randint(0, spec.num_classes, {req.batch}, ids);
+  return std::make_shared<const GraphFile>(traced_and_agreed(req, [&] {
+    return trace_block_units(model, input.to(req.device), target.to(req.device), request_loss(req), req.tp > 1);
+  }));
+}
+
+}  // namespace
+
+std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const InductorRequest& request,
                                               std::shared_ptr<CompileReport> report, int64_t max_recompiles) {
   const std::vector<std::string> prefixes = model.block_prefixes();
   if (prefixes.empty())
-    throw InputError("compile.granularity = \"blocks\": model " + model.name() + " has no transformer blocks");
+    throw InputError("compile.granularity = \"blocks\": model " + model.name() +
+                     " has no blocks (a model declares them with keel::models::BlockStructure)");
+  InductorRequest req = request;
+  if (!req.graph && req.traces()) req.graph = traced_units(model, req);
   const BlockParameters first = block_parameters(model, prefixes);
   for (size_t i = 1; i < prefixes.size(); ++i)
     if (first.names[i] != first.names[0])

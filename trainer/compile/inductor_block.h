@@ -108,6 +108,7 @@ class InductorBlock : public std::enable_shared_from_this<InductorBlock> {
   std::string amp_ = "off";
   std::vector<std::string> extra_names_, param_names_;
   std::vector<std::vector<int64_t>> extra_shapes_;
+  std::vector<std::string> extra_dtypes_;  // as the manifest names them ("int64")
   std::string unit_ = "block";
   std::vector<Source> backward_inputs_;
   Loss root_loss_;

@@ -47,7 +47,9 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
     std::shared_ptr<InductorBlock> block;
     try {
       if (inductor->granularity == "blocks") {
-        block = compile_blocks(*model_, *inductor, report, cfg.max_recompiles);  // the model's blocks run it
+        InductorRequest req = *inductor;  // the units traced from this very model, on the example batch
+        req.example_input = example.to(device_);
+        block = compile_blocks(*model_, req, report, cfg.max_recompiles);  // the model's blocks run it
       } else if (inductor->traces_step()) {  // the step as this very model computes it, traced here
         InductorRequest req = *inductor;
         req.graph = std::make_shared<const GraphFile>(trace_step(*model_, example.to(device_), req));

@@ -537,10 +537,15 @@ static void validate_granularity(const Config& cfg) {
                               ? "compile.granularity = \"blocks\""
                               : "compile.granularity = \"auto\" (blocks at dist.zero = 3 or parallel.tp > 1)";
   auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
-  if (cfg.model.name != "gpt" && cfg.model.name != "gpt2" && cfg.model.name != "llama")
-    fail("packages the transformer block of gpt, gpt2 and llama; model.name = \"" + cfg.model.name +
-         "\" has no transformer blocks (use dist.zero <= 2 with compile.granularity = \"step\", or compile.mode = "
-         "\"off\")");
+  // The built-in models without blocks; a registered model declares its own (BlockStructure), and
+  // compile_blocks says so when it has none.
+  for (const char* none : {"mlp", "cnn", "torchscript", "python"})
+    if (cfg.model.name == none)
+      fail(
+          "packages a model's blocks (gpt, gpt2, llama, or a registered model that declares them with "
+          "BlockStructure); model.name = \"" +
+          cfg.model.name +
+          "\" has none (use dist.zero <= 2 with compile.granularity = \"step\", or compile.mode = \"off\")");
 }
 
 // train.activation_checkpointing: what it does not serve is refused by name (the model's kind is

@@ -38,6 +38,7 @@ class GraphBreakModel : public models::Model {
   double train_flops_per_sample() const override { return m_->train_flops_per_sample(); }
   std::vector<std::string> block_prefixes() const override { return m_->block_prefixes(); }
   void set_block_hooks(models::BlockHooks* hooks) override { m_->set_block_hooks(hooks); }
+  models::BlockStructure* block_structure() override { return m_->block_structure(); }
   void set_block_runner(models::BlockStructure::BlockRun run) override { m_->set_block_runner(std::move(run)); }
   bool set_block_compiled(models::BlockStructure::BlockCompiled run) override {
     return m_->set_block_compiled(std::move(run));

@@ -94,6 +94,13 @@ class BlockStructure {
   using RegionCompiled = std::function<torch::Tensor(size_t i, Region region, const torch::Tensor& x,
                                                      const torch::Tensor& cos, const torch::Tensor& sin)>;
   RegionCompiled region_compiled;
+  /// How a region's own computation runs under tensor parallelism: `run(i, region, f, x)` returns
+  /// f(x), the region's partial product (f is block i's region on `x`, after tp's enter). Empty:
+  /// f(x) directly. The compile stage sets it for one forward, to trace the regions from the
+  /// sharded block (trainer/compile/unit_trace.h).
+  using RegionRun =
+      std::function<torch::Tensor(size_t i, Region region, const BlockFunction& f, const torch::Tensor& x)>;
+  RegionRun region_runner;
   torch::Tensor block_call(size_t i, BlockFunction f, const torch::Tensor& x, const torch::Tensor& cos = {},
                            const torch::Tensor& sin = {}) {
     if (block_compiled)
@@ -109,6 +116,22 @@ class BlockStructure {
   enum class RootPart { Embed, Head };
   using RootCompiled = std::function<torch::Tensor(RootPart part, const torch::Tensor& x)>;
   RootCompiled root_compiled;
+  /// A root part's eager computation as a function of its input (`x`: the token ids, or the last
+  /// block's output), which the compile stage can trace: what a family passes to root_call.
+  using RootFunction = std::function<torch::Tensor(const torch::Tensor&)>;
+  /// How a root part's eager computation runs: `run(part, f, x)` returns f(x). Empty: f(x)
+  /// directly. The compile stage sets it for one forward, to trace the root's units from the
+  /// model's own code (trainer/compile/unit_trace.h).
+  using RootRun = std::function<torch::Tensor(RootPart part, const RootFunction& f, const torch::Tensor& x)>;
+  RootRun root_runner;
+  torch::Tensor root_call(RootPart part, const torch::Tensor& x, const RootFunction& eager) {
+    if (root_compiled)
+      if (torch::Tensor y = root_compiled(part, x); y.defined()) return y;
+    return root_runner ? root_runner(part, eager, x) : eager(x);
+  }
+  /// The same with an eager part that reads its input from the caller's scope (keel before issue
+  /// 65): it runs compiled where root_compiled serves it, else eager, and is never traced (a model
+  /// whose root parts are given so runs its root eager at compile.granularity = "blocks").
   torch::Tensor root_call(RootPart part, const torch::Tensor& x, const std::function<torch::Tensor()>& eager) {
     if (root_compiled)
       if (torch::Tensor y = root_compiled(part, x); y.defined()) return y;
@@ -148,6 +171,10 @@ class Model {
   virtual bool set_region_compiled(BlockStructure::RegionCompiled /*run*/) { return false; }
   /// Sets BlockStructure::root_compiled; returns false for a model without blocks.
   virtual bool set_root_compiled(BlockStructure::RootCompiled /*run*/) { return false; }
+
+  /// The model's BlockStructure (its blocks, hooks and compile seams), or null for a model without
+  /// blocks. A wrapper passes its model's on.
+  virtual BlockStructure* block_structure() { return nullptr; }
 
   std::vector<torch::Tensor> parameters() const;
   int64_t num_parameters() const;
@@ -200,6 +227,7 @@ class ModuleModel : public Model {
     if (b) b->root_compiled = std::move(run);
     return b != nullptr;
   }
+  BlockStructure* block_structure() override { return dynamic_cast<BlockStructure*>(module_.get()); }
   ModuleHolder& module() { return module_; }
 
  private:
