@@ -73,16 +73,15 @@ def launch(cmd, world, extra_env=None):
 
 
 def run_keel(model, batch, steps, world, keel, validate="always", compile_mode="off", cache_dir="", amp="off",
-             extra=(), twin=False):
-    """keel train of `model` on synthetic data; twin: compile.mode = inductor packages the step from the
-    built-in model's Python twin (KEEL_INDUCTOR_TWIN=1, issue 65's before) instead of keel's trace."""
+             extra=()):
+    """keel train of `model` on synthetic data."""
     with tempfile.TemporaryDirectory() as d:
         cmd = [keel, "train", f"--model.name={model}", "--data.name=synthetic", f"--train.steps={steps}",
                f"--train.batch_size={batch}", "--train.lr=1e-3", "--train.schedule=constant",
                "--run.threads=1", f"--run.dir={d}", "--run.log_level=warn", "--data.synthetic_size=4096",
                f"--dist.validate={validate}", f"--compile.mode={compile_mode}", f"--compile.cache_dir={cache_dir}",
                f"--amp.dtype={amp}", *extra]
-        launch(cmd, world, {"KEEL_INDUCTOR_TWIN": "1"} if twin else None)
+        launch(cmd, world)
         s = json.load(open(os.path.join(d, "summary.json")))
     out = {"impl": "keel", "version": s["keel_version"], "model": model, "world": s["world_size"], "batch": batch,
            "threads": 1, "validate": validate, "compile_mode": s["compile_mode"], "compile_ms": s["compile_ms"],
@@ -137,8 +136,8 @@ def parse_args():
     ap.add_argument("--inductor", action="store_true",
                     help="keel compile.mode = inductor beside PyTorch eager and torch.compile (default, max-autotune-no-cudagraphs)")
     ap.add_argument("--inductor-systems", default="",
-                    help="--inductor: only these systems, comma-separated (e.g. keel-off,keel-inductor,keel-inductor-twin: "
-                         "issue 65's before/after); default all, PyTorch's included")
+                    help="--inductor: only these systems, comma-separated (e.g. keel-off,keel-inductor); default all, "
+                         "PyTorch's included")
     ap.add_argument("--inductor-cache", default="", help="keel's compile.cache_dir for --inductor (default: a temp folder kept between runs)")
     ap.add_argument("--compile", action="store_true",
                     help="instead: keel with compile.mode = trace vs off, and cold vs warm compile time")
@@ -156,11 +155,6 @@ def parse_args():
                          "tp 2, tp 2 + sequence parallel; PyTorch DDP and DTensor tensor parallel (with and without "
                          "SequenceParallel): step time, per-rank parameters, peak RSS, and each step's tensor memory counted "
                          "exactly in a run of its own")
-    ap.add_argument("--units-rounds", type=int, default=0,
-                    help="instead: N rounds on gpt at 2 ranks (order rotating) of compile.granularity = blocks, its "
-                         "units packaged from keel's trace of the C++ model and from the Python twin "
-                         "(KEEL_INDUCTOR_TWIN=1): each block at dist.zero = 3, the tp regions at parallel.tp = 2, "
-                         "eager beside; issue 65's before/after, with the packaging times")
     ap.add_argument("--small-gpt-rounds", type=int, default=0,
                     help="instead: N rounds of a small GPT (4 blocks, width 128, context 64, vocab 65, batch 12) at one "
                          "rank: keel off and inductor beside PyTorch eager and torch.compile (order rotating)")
@@ -197,8 +191,6 @@ def main():
         return zero_bench(args)
     if args.fsdp_rounds:
         return fsdp_bench(args)
-    if args.units_rounds:
-        return units_bench(args)
     if args.tp_rounds:
         return tp_bench(args)
     if args.ac_rounds:
@@ -477,45 +469,6 @@ def fsdp_bench(args):
     rounds_on_gpt(args, args.fsdp_rounds, "-fsdp", configs, finish)
 
 
-def units_bench(args):
-    """Issue 65's before/after at compile.granularity = "blocks": gpt at 2 ranks, each block and the
-    root compiled at dist.zero = 3 and the tensor-parallel regions at parallel.tp = 2, their units
-    packaged from keel's trace of the C++ model and from the Python twin (KEEL_INDUCTOR_TWIN=1),
-    beside the eager runs; N rounds with the order rotating. Packaging time of each, cold (a fresh
-    cache), once."""
-    steps = max(args.steps // 5, 12)
-    b = BATCH["gpt"]
-    kinds = {"zero3": ["--dist.zero=3"], "tp2": ["--parallel.tp=2"]}
-    packaging_ms = {}
-    with tempfile.TemporaryDirectory() as cache:
-        for kind, extra in kinds.items():
-            for twin in (False, True):  # cold: each packages its own
-                r = run_keel("gpt", b, 2, 2, args.keel, compile_mode="inductor", cache_dir=cache, extra=extra,
-                             twin=twin)
-                packaging_ms[f"keel-{kind}-inductor{'-twin' if twin else ''}"] = r["compile_ms"]
-        configs = {}
-        for kind, extra in kinds.items():
-            configs[f"keel-{kind}"] = lambda w, e=extra: run_keel("gpt", b, steps, 2, args.keel, extra=e)
-            for twin in (False, True):
-                configs[f"keel-{kind}-inductor{'-twin' if twin else ''}"] = (
-                    lambda w, e=extra, t=twin: run_keel("gpt", b, steps, 2, args.keel, compile_mode="inductor",
-                                                        cache_dir=cache, extra=e, twin=t))
-
-        def finish(summary, got):
-            summary["steps"] = steps
-            for kind in kinds:
-                traced, twin = got[f"keel-{kind}-inductor"], got[f"keel-{kind}-inductor-twin"]
-                summary[f"keel_{kind}_traced_over_twin"] = middle(
-                    [traced[k]["median_step_ms"] / twin[k]["median_step_ms"] for k in range(len(traced))])
-                summary[f"keel_{kind}_packaging_ms"] = packaging_ms[f"keel-{kind}-inductor"]
-                summary[f"keel_{kind}_twin_packaging_ms"] = packaging_ms[f"keel-{kind}-inductor-twin"]
-                summary[f"keel_{kind}_packaging_traced_over_twin"] = (packaging_ms[f"keel-{kind}-inductor"] /
-                                                                      packaging_ms[f"keel-{kind}-inductor-twin"])
-
-        args.worlds = "2"
-        rounds_on_gpt(args, args.units_rounds, "-units", configs, finish, base="keel-zero3")
-
-
 def activation_mb(big, small, b_big, b_small):
     """Activation memory at batch b_big from peak RSS at two batches (what grows with the batch):
     (rss_big - rss_small) x b_big / (b_big - b_small)."""
@@ -757,9 +710,6 @@ def inductor_bench(args):
     systems = [("keel-off", lambda m, b, s, w: run_keel(m, b, s, w, args.keel)),
                ("keel-inductor", lambda m, b, s, w: run_keel(m, b, s, w, args.keel, compile_mode="inductor",
                                                              cache_dir=cache)),
-               # the step packaged from the model's Python twin, as before issue 65 (the same cache)
-               ("keel-inductor-twin", lambda m, b, s, w: run_keel(m, b, s, w, args.keel, compile_mode="inductor",
-                                                                  cache_dir=cache, twin=True)),
                ("pytorch", lambda m, b, s, w: run_torch(m, b, s, w)),
                ("pytorch-compile", lambda m, b, s, w: run_torch(m, b, s, w, compiled=True)),
                ("pytorch-compile-max-autotune-no-cudagraphs",
@@ -781,9 +731,7 @@ def inductor_bench(args):
             # Warm keel's package cache first, so that no timed run compiles (PyTorch compiles in
             # its first step, which its median excludes).
             for world in worlds:
-                for twin in (False, True):
-                    run_keel(model, BATCH[model], 6, world, args.keel, compile_mode="inductor", cache_dir=cache,
-                             twin=twin)
+                run_keel(model, BATCH[model], 6, world, args.keel, compile_mode="inductor", cache_dir=cache)
             runs = {}
             for r in range(args.repeat):
                 order = systems if r % 2 == 0 else list(reversed(systems))
@@ -799,9 +747,7 @@ def inductor_bench(args):
                 t = {name: med[name]["median_step_ms"] for name in med}
                 if "pytorch" not in t or "keel-off" not in t:  # a subset (--inductor-systems): its ratios
                     emit({"model": model, "world": world, "batch": BATCH[model], "steps": steps,
-                          "repeats": args.repeat, "median_step_ms": t,
-                          **({"keel_inductor_over_twin": t["keel-inductor"] / t["keel-inductor-twin"]}
-                             if "keel-inductor" in t and "keel-inductor-twin" in t else {})})
+                          "repeats": args.repeat, "median_step_ms": t})
                     continue
                 keel_best = min(t["keel-off"], t["keel-inductor"])
                 compiled = [n for n in t if n.startswith("pytorch-compile")]
@@ -817,10 +763,7 @@ def inductor_bench(args):
                       "pytorch_best": torch_best,
                       "keel_best_over_pytorch_best": keel_best / t[torch_best],
                       "keel_inductor_over_torch_eager": t["keel-inductor"] / t["pytorch"],
-                      "keel_inductor_over_keel_off": t["keel-inductor"] / t["keel-off"],
-                      # issue 65: the package of keel's traced C++ step over the one of the Python twin
-                      **({"keel_inductor_over_twin": t["keel-inductor"] / t["keel-inductor-twin"]}
-                         if "keel-inductor-twin" in t else {})})
+                      "keel_inductor_over_keel_off": t["keel-inductor"] / t["keel-off"]})
 
 
 if __name__ == "__main__":

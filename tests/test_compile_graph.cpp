@@ -18,6 +18,7 @@
 #include "multirank.h"
 #include "trainer/compile/compile.h"
 #include "trainer/compile/graph_file.h"
+#include "trainer/compile/unit_trace.h"
 #include "trainer/loss.h"
 
 using namespace keel::testing;
@@ -82,6 +83,43 @@ struct ReadsDataImpl : torch::nn::Module {
   torch::nn::Linear fc;
 };
 TORCH_MODULE(ReadsData);
+
+// Three residual blocks declared to keel (BlockStructure), the root around them given to root_call
+// as functions of their input. `odd`: block `odd_block` computes otherwise (tanh for relu);
+// `reads`: block 1 reads a value out of its input.
+struct BlocksImpl : torch::nn::Module, keel::models::BlockStructure {
+  explicit BlocksImpl(int odd_block = -1, bool reads = false)
+      : odd(odd_block),
+        read(reads),
+        fc_in(register_module("fc_in", torch::nn::Linear(4, 8))),
+        blocks(register_module("blocks", torch::nn::ModuleList())),
+        fc_out(register_module("fc_out", torch::nn::Linear(8, 3))) {
+    for (int i = 0; i < 3; ++i) {
+      blocks->push_back(torch::nn::Linear(8, 8));
+      block_prefixes.push_back("blocks." + std::to_string(i) + ".");
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = root_call(RootPart::Embed, x, [this](const torch::Tensor& in) { return fc_in->forward(in); });
+    for (size_t i = 0; i < blocks->size(); ++i) {
+      auto* layer = blocks[i]->as<torch::nn::Linear>();
+      const bool other = static_cast<int>(i) == odd, reads_here = read && i == 1;
+      const auto block = [layer, other, reads_here](const torch::Tensor& t) {
+        const auto y = layer->forward(t);
+        if (reads_here && t.sum().item<float>() > 1e9) return t;
+        return t + (other ? torch::tanh(y) : torch::relu(y));
+      };
+      h = block_leave(i, block_call(i, block, block_enter(i, h)));
+    }
+    return root_call(RootPart::Head, h, [this](const torch::Tensor& in) { return fc_out->forward(in); });
+  }
+  int odd;
+  bool read;
+  torch::nn::Linear fc_in;
+  torch::nn::ModuleList blocks;
+  torch::nn::Linear fc_out;
+};
+TORCH_MODULE(Blocks);
 
 template <typename M>
 std::shared_ptr<keel::models::Model> wrap(const std::string& name, M module) {
@@ -258,4 +296,57 @@ TEST(CompileGraph, TheExamplesRegisteredModelAndLossCompileAndTrainAsEagerOn1And
 TEST(CompileGraph, TheExamplesDeclaredBlocksCompileOneByOneAndTrainAsEagerAtZero0And3) {
   expect_example_compiles_as_eager(1, {"--compile.granularity=blocks"}, "blocks, 1 rank");
   expect_example_compiles_as_eager(2, {"--compile.granularity=blocks", "--dist.zero=3"}, "blocks, zero 3 over 2 ranks");
+}
+
+// Issue 65 item 1 at compile.granularity = "blocks": the units come from the model's own code, by
+// one forward through BlockStructure's runners. The block takes block 0's parameters (named as in
+// the block) and its input; the embed and the head each take the root parameters they read; the
+// loss takes the logits and the target. A block that computes otherwise than block 0, or that reads
+// a value out of a tensor, is refused naming the block; the model's seams are as before afterwards.
+TEST(CompileGraph, TheBlockUnitsAreTracedFromTheModelAndABlockUnlikeBlock0IsRefusedNamingIt) {
+  const auto loss = [](const torch::Tensor& out, const torch::Tensor& target) {
+    return keel::cross_entropy(out, target, -100);
+  };
+  torch::manual_seed(0);
+  const torch::Tensor x = torch::randn({8, 4}), y = torch::randint(0, 3, {8});
+  auto model = wrap("blocks", Blocks());
+  const keel::GraphFile units = keel::trace_block_units(*model, x, y, loss, /*regions=*/false);
+  ASSERT_EQ(units.json["format"], "keel-graphs/1");
+  const auto names_of = [&](const std::string& unit) {
+    std::vector<std::string> n;
+    for (const auto& in : units.json["units"][unit]["inputs"]) n.push_back(in["name"].get<std::string>());
+    return n;
+  };
+  EXPECT_EQ(names_of("block"), (std::vector<std::string>{"weight", "bias", "input"}));
+  EXPECT_EQ(names_of("embed"), (std::vector<std::string>{"fc_in.weight", "fc_in.bias", "input"}));
+  EXPECT_EQ(names_of("head"), (std::vector<std::string>{"fc_out.weight", "fc_out.bias", "input"}));
+  EXPECT_EQ(names_of("loss"), (std::vector<std::string>{"input", "target"}));
+  EXPECT_EQ(units.fingerprint, keel::trace_block_units(*model, torch::randn({8, 4}), y, loss, false).fingerprint)
+      << "another batch of the same shape is the same graph";
+  auto* bs = model->block_structure();
+  ASSERT_NE(bs, nullptr);
+  EXPECT_FALSE(bs->block_runner || bs->root_runner || bs->region_runner) << "the probe's seams are left set";
+
+  auto refusal = [&](keel::models::Model& m) -> std::string {
+    try {
+      keel::trace_block_units(m, x, y, loss, false);
+    } catch (const keel::GraphRefusal& e) {
+      return e.what();
+    }
+    return "";
+  };
+  const std::string odd = refusal(*wrap("odd", Blocks(2)));
+  EXPECT_TRUE(contains(odd, "blocks.2.") && contains(odd, "another graph than block blocks.0.")) << odd;
+  const std::string reads = refusal(*wrap("reads", Blocks(-1, true)));
+  EXPECT_TRUE(contains(reads, "blocks.1.") && contains(reads, "reads a value out of a tensor")) << reads;
+  // mlp declares its layers as blocks (for ZeRO-3's gathers) but does not run them through
+  // block_call: nothing to trace them at, said so.
+  std::string none;
+  try {
+    keel::trace_block_units(*mlp(16), torch::randn({8, 1, 28, 28}), torch::randint(0, 10, {8}), loss, false);
+  } catch (const keel::CompileError& e) {
+    none = e.what();
+  }
+  EXPECT_TRUE(contains(none, "model mlp's forward did not reach its blocks through BlockStructure::block_call"))
+      << none;
 }

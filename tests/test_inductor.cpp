@@ -88,6 +88,14 @@ keel::InductorRequest package_request(const keel::Config& cfg) {
   return req;
 }
 
+// `req` with the training step traced from `model` on (x, y) (keel's cross-entropy), as
+// PlacedModel::compile gives it.
+void trace_into(keel::InductorRequest& req, keel::models::Model& model, const torch::Tensor& x,
+                const torch::Tensor& y) {
+  req.example_target = y;
+  req.graph = std::make_shared<const keel::GraphFile>(keel::trace_step(model, x, req));
+}
+
 double final_loss(const std::string& dir) { return summary(dir)["final_loss"].get<double>(); }
 
 std::map<std::string, torch::Tensor> model_tensors(const std::string& step_dir) {
@@ -395,10 +403,11 @@ TEST(Inductor, APackageTakingTheLossScaleGivesEagersScaledGradients) {
   req.grad_scale = true;
   for (const auto& [n, p] : model->named_parameters()) req.param_names.push_back(n);
   for (const auto& [n, b] : model->named_buffers()) req.buffer_names.push_back(n);
+  const auto x = torch::randn({8, 1, 28, 28}), y = torch::randint(0, 10, {8});
+  trace_into(req, *model, x, y);
   keel::CompileReport report;
   auto step = keel::InductorStep::load_or_compile(req, report);
   ASSERT_TRUE(step->takes_scale());
-  const auto x = torch::randn({8, 1, 28, 28}), y = torch::randint(0, 10, {8});
   ASSERT_TRUE(step->fits(x, y));
   const auto scale = torch::full({1}, 1024.0f);  // as GradScaler::scale_tensor(): float32, one element
   const double accum = 2;
@@ -433,6 +442,7 @@ TEST(Inductor, APackageWhoseParametersHaveOtherShapesIsRefusedBeforeItRuns) {
   auto model = keel::models::create_model(cfg.model);
   for (const auto& [n, p] : model->named_parameters())
     req.param_names.push_back(n), req.param_specs.push_back(keel::tensor_spec(p));
+  trace_into(req, *model, torch::randn({8, 1, 28, 28}), torch::randint(0, 10, {8}));
   keel::CompileReport report;
   EXPECT_NO_THROW(keel::InductorStep::load_or_compile(req, report)) << "the model's own shapes";
   cfg.model.width = 32;  // the same names, other shapes

@@ -157,8 +157,6 @@ InductorRequest inductor_request(const Config& cfg, const models::Model& model, 
   InductorRequest r;
   r.model = cfg.model.name;
   r.model_config = model_config_json(cfg);
-  // The Hugging Face families are packaged from transformers' own model of this config.json.
-  if (models::is_hf_family(cfg.model.name)) r.model_config["hf_config"] = models::hf_shape(cfg.model).config;
   r.batch = cfg.train.batch_size;
   r.ignore_index = cfg.train.ignore_index;
   r.amp = amp.enabled ? choice_name(kAmpDtypes, cfg.amp.dtype) : "off";

@@ -1,20 +1,26 @@
-#!/usr/bin/env python3
 """trainer/compile/aot_package.py: one training step of a model, compiled ahead of time by
 AOTInductor into a .pt2 package that keel's C++ trainer loads and runs with no Python.
+
+Graph in -> joint forward and backward -> partition -> AOTInductor -> manifest. The graph is
+the one keel traced from the C++ model it trains (issue 65; keel_graph.py replays it): the whole
+step (--graph FILE.json, keel-graph/1), or the units of --granularity blocks (a keel-graphs/1
+bundle: the block, the root's embed, head and loss, or the tensor-parallel regions); or a user's
+PyTorch module (--module, model.name = "python"; python_front.py). No model is rebuilt here by
+name. Its modules: aot_common.py, keel_graph.py, python_front.py, aot_checks.py, beside this file
+(keel's compile cache keys the package by all five).
 
 Run by keel (compile.mode = inductor) with keel's venv Python when a package is missing, or by
 hand:
 
-    python trainer/compile/aot_package.py --model gpt --model-config '{"width":64,"depth":2,
-        "context":32}' --batch 4 --amp off --device cpu --out /cache/gpt.pt2 [--check]
+    python trainer/compile/aot_package.py --graph /cache/KEY.graph.json --batch 4 --out /cache/KEY.pt2
     python trainer/compile/aot_package.py --module mypkg.net:make --batch 32 --out net.pt2
     python trainer/compile/aot_package.py --module net.py:build_model --example '{"input": {"shape": [32, 1,
         28, 28], "dtype": "float32"}, "target": {"shape": [32], "dtype": "int64"}, "classes": 10}' --batch 32
         --out net.pt2        # how keel runs it for model.name = "python" (--init-out: the initial weights only)
 
 What is compiled: step(*params, *buffers, input, target[, grad_scale]) -> (loss, *grads[,
-*updated buffers]): the model's forward (under bf16/fp16 autocast with --amp), keel's default
-loss (cross-entropy over the last dimension, mean over every sample or token, cast to float32,
+*updated buffers]): the model's forward (under bf16/fp16 autocast with --amp; a traced graph holds
+its own casts), the loss (keel's traced one, or for a Python module keel's default (cross-entropy over the last dimension, mean over every sample or token, cast to float32,
 exactly as trainer/loss.cpp computes it) and the gradient of every parameter
 (torch.autograd.grad), traced by make_fx into one flat ATen graph, exported with
 torch.export.export(strict=False) and compiled by AOTInductor. Parameters, buffers and data are
@@ -42,84 +48,30 @@ Exit codes (the last line on stderr is the one-line reason):
   5 --check: the package disagrees with eager PyTorch (nothing is written);
   6 a custom op without a fake (Meta) kernel: "custom op NS::OP has no fake kernel: ... (FIX)".
 """
+
 from __future__ import annotations
 
 import argparse
 import contextlib
 import dataclasses
 import hashlib
-import importlib
-import importlib.util
-import inspect
 import json
-import linecache
 import os
 import platform
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import traceback
 
+import python_front
+from aot_checks import check_graph, deterministic_dry_run, op_name, run_check, trace
+from aot_common import EXIT_CHECK, EXIT_ERROR, EXIT_GRAPH_BREAK, EXIT_USAGE, Refusal, log, sha256_file
+from keel_graph import graph_model
+from python_front import blaming_user, check_logits, expected_logits, keel_cross_entropy, read_model_config, user_model, write_init
+
+
 FORMAT = "keel-aoti-step/1"
-# The models whose transformer block --granularity blocks packages (their block at index 0 and
-# the prefix of its parameters in the whole model's names).
-BLOCK_MODELS = ("gpt", "gpt2", "llama")
-EXIT_ERROR, EXIT_USAGE, EXIT_GRAPH_BREAK, EXIT_NONDETERMINISTIC, EXIT_CHECK, EXIT_NO_FAKE_KERNEL = 1, 2, 3, 4, 5, 6
-
-# keel's [model] keys (trainer/config/schema.cpp). Those that do not change the graph
-# (name, path, factory, input, init_from) are accepted and ignored.
-MODEL_KEYS = {"name", "path", "factory", "width", "depth", "heads", "context", "vocab", "input", "num_classes", "init_from",
-              "kv_heads", "ffn_width", "rope_theta", "norm_eps", "tie_embeddings", "dropout", "hf_config"}
-MODEL_DEFAULTS = {"width": 0, "depth": 0, "heads": 4, "context": 128, "vocab": 256, "num_classes": 10}
-
-# Random ops: keel's TorchScript list (trainer/compile/compile.cpp nondeterministic_ops()) plus
-# the rest of ATen's samplers. Refused with --deterministic, listed in the manifest otherwise.
-RANDOM_OPS = {
-    "aten::dropout", "aten::dropout_", "aten::feature_dropout", "aten::alpha_dropout", "aten::native_dropout",
-    "aten::bernoulli", "aten::bernoulli_", "aten::rand", "aten::randn", "aten::randint", "aten::randperm",
-    "aten::rand_like", "aten::randn_like", "aten::randint_like", "aten::multinomial", "aten::normal",
-    "aten::normal_", "aten::uniform", "aten::uniform_", "aten::exponential", "aten::exponential_", "aten::rrelu",
-    "aten::rrelu_with_noise", "aten::rrelu_with_noise_functional", "aten::poisson", "aten::cauchy_",
-    "aten::geometric_", "aten::log_normal_", "aten::random_", "aten::_fused_dropout", "aten::_standard_gamma",
-    "aten::binomial", "aten::_sample_dirichlet", "prims::inductor_random", "prims::inductor_seeds",
-}
-# ATen kernels with no deterministic CUDA implementation (torch.use_deterministic_algorithms'
-# list). index_put/scatter with accumulate are NOT here: with --deterministic Inductor falls
-# back to ATen's kernels for them, which are deterministic when the runtime sets
-# at::globalContext().setDeterministicAlgorithms(true, false) (the manifest says so).
-CUDA_NONDETERMINISTIC_OPS = {
-    "aten::avg_pool3d_backward", "aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward",
-    "aten::max_pool3d_with_indices_backward", "aten::adaptive_max_pool2d_backward",
-    "aten::adaptive_max_pool3d_backward", "aten::fractional_max_pool2d_backward",
-    "aten::fractional_max_pool3d_backward", "aten::max_unpool1d", "aten::max_unpool2d", "aten::max_unpool3d",
-    "aten::upsample_linear1d_backward", "aten::upsample_bilinear2d_backward", "aten::upsample_bicubic2d_backward",
-    "aten::upsample_trilinear3d_backward", "aten::_upsample_bilinear2d_aa_backward",
-    "aten::reflection_pad1d_backward", "aten::reflection_pad2d_backward", "aten::reflection_pad3d_backward",
-    "aten::replication_pad1d_backward", "aten::replication_pad2d_backward", "aten::replication_pad3d_backward",
-    "aten::nll_loss2d_forward", "aten::_ctc_loss_backward", "aten::_embedding_bag_dense_backward",
-    "aten::_embedding_bag_per_sample_weights_backward", "aten::put", "aten::put_", "aten::histc",
-    "aten::bincount", "aten::kthvalue", "aten::median", "aten::nanmedian", "aten::grid_sampler_2d_backward",
-    "aten::grid_sampler_3d_backward",
-}
-
-
-def log(msg: str) -> None:
-    print(f"aot_package: {msg}", file=sys.stderr, flush=True)
-
-
-class Refusal(Exception):
-    """A reason to stop with a given exit code and a one-line message."""
-
-    def __init__(self, code: int, line: str):
-        super().__init__(line)
-        self.code = code
-        self.line = line
-
-
-# ---------------------------------------------------------------------------------------------
-# Arguments
 
 
 def parse_args(argv):
@@ -129,8 +81,8 @@ def parse_args(argv):
     )
     which = p.add_mutually_exclusive_group(required=True)
     which.add_argument("--graph", metavar="FILE.json",
-                       help="the training step keel traced from its C++ model (keel-graph/1, with FILE.json.pt)")
-    which.add_argument("--model", choices=["mlp", "cnn", "gpt", "gpt2", "llama"], help="a keel built-in model")
+                       help="what keel traced from its C++ model, with FILE.json.pt: the training step (keel-graph/1) "
+                            "or the units of --granularity blocks (keel-graphs/1)")
     which.add_argument("--module", metavar="PKG.MOD:FACTORY",
                        help="a user's nn.Module: FACTORY([batch=B], [device=D]) returns (module, example_input, "
                             "example_target[, loss_fn(output, target)])")
@@ -144,7 +96,7 @@ def parse_args(argv):
     p.add_argument("--model-config", default="{}", metavar="JSON",
                    help="keel's [model] keys as a JSON object (or @file.json): width, depth, heads, context, vocab, "
                         "num_classes; 0 or absent = keel's default")
-    p.add_argument("--batch", type=int, help="per-rank micro-batch of the training step (required with --model)")
+    p.add_argument("--batch", type=int, help="per-rank micro-batch of the training step (with --module)")
     p.add_argument("--eval-batch", type=int, help="batch of the 'forward' model (default: --batch)")
     p.add_argument("--amp", choices=["off", "bf16", "fp16"], default="off",
                    help="autocast traced into the step (fp16: CUDA only, adds the grad_scale input)")
@@ -190,8 +142,6 @@ def parse_args(argv):
         p.error("--out is required")
     if a.out is not None and not a.out.endswith(".pt2"):
         p.error("--out must end with .pt2")
-    if a.model and a.batch is None:
-        p.error("--batch is required with --model")
     if (a.example or a.init_out) and not a.module:
         p.error("--example and --init-out go with --module")
     for name in ("batch", "eval_batch"):
@@ -200,9 +150,8 @@ def parse_args(argv):
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.threads < 0:
         p.error("--threads must be >= 0")
-    if a.granularity == "blocks" and (a.module or a.check or not (a.graph or a.model in BLOCK_MODELS)):
-        p.error("--granularity blocks packages the units keel traced (--graph) or the block of " +
-                ", ".join(BLOCK_MODELS) + " (not --module, --check)")
+    if a.granularity == "blocks" and (not a.graph or a.check):
+        p.error("--granularity blocks packages the units keel traced (--graph; not --check)")
     if a.tp < 1 or (a.tp > 1 and a.granularity != "blocks"):
         p.error("--tp N > 1 goes with --granularity blocks")
     if a.amp == "fp16":
@@ -210,533 +159,6 @@ def parse_args(argv):
             p.error("--amp fp16 needs --device cuda (keel's amp.dtype = fp16 is CUDA only)")
         a.grad_scale_input = True
     return a
-
-
-def read_model_config(text: str) -> dict:
-    if text.startswith("@"):
-        with open(text[1:]) as f:
-            text = f.read()
-    try:
-        cfg = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise Refusal(EXIT_USAGE, f"--model-config is not JSON: {e}")
-    if not isinstance(cfg, dict):
-        raise Refusal(EXIT_USAGE, "--model-config must be a JSON object of keel's [model] keys")
-    unknown = sorted(set(cfg) - MODEL_KEYS)
-    if unknown:
-        raise Refusal(EXIT_USAGE, f"--model-config: unknown key(s) {', '.join(unknown)} (keel's [model] keys: "
-                                  f"{', '.join(sorted(MODEL_KEYS))})")
-    out = dict(MODEL_DEFAULTS)
-    for k, v in cfg.items():
-        if k in MODEL_DEFAULTS:
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                raise Refusal(EXIT_USAGE, f"--model-config: {k} must be a non-negative integer, got {v!r}")
-            out[k] = v
-    if isinstance(cfg.get("hf_config"), dict):
-        out["hf_config"] = cfg["hf_config"]
-    return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Models
-
-
-def load_reference_models():
-    """tests/golden/reference_models.py: PyTorch twins of keel's C++ models, same names."""
-    here = os.path.dirname(os.path.abspath(__file__))
-    candidates = [os.environ.get("KEEL_REFERENCE_MODELS", ""), os.path.join(here, "reference_models.py"),
-                  os.path.join(here, "..", "..", "tests", "golden", "reference_models.py")]
-    for path in candidates:
-        if path and os.path.isfile(path):
-            spec = importlib.util.spec_from_file_location("keel_reference_models", path)
-            mod = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(mod)
-            return mod, os.path.realpath(path)
-    raise Refusal(EXIT_ERROR, "cannot find reference_models.py (keel's PyTorch model twins); set KEEL_REFERENCE_MODELS "
-                              "to its path (tests/golden/reference_models.py in the source tree)")
-
-
-def cpp_parameter_names(model: str, cfg: dict) -> list:
-    """Parameter names in the order keel's C++ model registers them (models/*.cpp,
-    torch::nn::Module::named_parameters(recurse=true): own parameters, then submodules in
-    registration order). The reference module must produce exactly these."""
-    lin = lambda p: [f"{p}.weight", f"{p}.bias"]  # Linear, Conv2d, LayerNorm: weight then bias
-    if model == "mlp":
-        return [n for i in range(cfg["depth"] + 1) for n in lin(f"fc.{i}")]
-    if model == "cnn":
-        return lin("conv1") + lin("conv2") + lin("fc1") + lin("fc2")
-    names = ["wte.weight", "wpe.weight"]
-    for i in range(cfg["depth"]):
-        b = f"h.{i}"
-        names += lin(f"{b}.ln_1") + lin(f"{b}.attn.c_attn") + lin(f"{b}.attn.c_proj") + lin(f"{b}.ln_2")
-        names += lin(f"{b}.mlp.c_fc") + lin(f"{b}.mlp.c_proj")
-    return names + lin("ln_f")
-
-
-def hf_model(name: str, cfg: dict, batch: int):
-    """keel's gpt2 and llama (models/hf.h) are transformers' GPT2LMHeadModel and
-    LlamaForCausalLM, same tensor names: packaged from transformers' own model of the run's
-    config.json (keel passes it as hf_config), without dropout (keel refuses a compiled step for a
-    model that drops out, so its probabilities here are 0 or a file's that model.dropout = 0 overrode)."""
-    import torch
-    try:
-        import transformers
-    except ImportError as e:
-        raise Refusal(EXIT_ERROR, f"model.name = {name} with compile.mode = inductor packages transformers' model: "
-                                  f"{e} (scripts/setup.sh installs transformers into keel's venv)")
-    hf = dict(cfg.get("hf_config") or {})
-    if hf.get("model_type") != name:
-        raise Refusal(EXIT_USAGE, f"model.name = {name}: no Hugging Face config was given (hf_config)")
-    for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_dropout"):
-        if k in hf:
-            hf[k] = 0.0
-    config = transformers.AutoConfig.for_model(name, **{k: v for k, v in hf.items() if k != "model_type"})
-    config._attn_implementation = "sdpa"
-    base = transformers.GPT2LMHeadModel if name == "gpt2" else transformers.LlamaForCausalLM
-
-    class Logits(base):
-        def forward(self, idx):
-            return super().forward(input_ids=idx, use_cache=False).logits
-
-        def _apply(self, fn, *args, **kwargs):  # .to(device) moves the constants too
-            out = super()._apply(fn, *args, **kwargs)
-            for m in self.modules():
-                for n in getattr(m, "_keel_constants", ()):
-                    object.__setattr__(m, n, fn(getattr(m, n)))
-            return out
-
-    module = Logits(config)
-    # Llama's rotary frequencies are non-persistent buffers: keel's C++ model computes them and
-    # has no buffers, so the package keeps them as constants instead of taking them as inputs.
-    for m in module.modules():
-        names = list(m._non_persistent_buffers_set)
-        for n in names:
-            t = m._buffers.pop(n)
-            m._non_persistent_buffers_set.discard(n)
-            object.__setattr__(m, n, t)  # a plain attribute (Module.__setattr__ would make it a buffer again)
-        if names:
-            m._keel_constants = names
-    vocab = config.vocab_size
-    x = torch.randint(0, vocab, (batch, cfg["context"]))
-    y = torch.randint(0, vocab, (batch, cfg["context"]))
-    graph_cfg = {"hf_config": cfg["hf_config"], "context": cfg["context"]}
-    return module, x, y, None, {"model": name, "model_config": graph_cfg, "input_kind": "tokens",
-                                "num_classes": vocab, "reference": f"transformers {transformers.__version__}"}
-
-
-def builtin_model(name: str, cfg: dict, batch: int):
-    """keel's model `name` with keel's defaults (models/*.cpp make_*), its input kind and the
-    example input and target of one micro-batch."""
-    import torch
-
-    if name in ("gpt2", "llama"):
-        return hf_model(name, cfg, batch)
-    ref, ref_path = load_reference_models()
-    if name == "mlp":
-        cfg["width"] = cfg["width"] or 256
-        cfg["depth"] = cfg["depth"] or 8
-        module = ref.Mlp(width=cfg["width"], depth=cfg["depth"], classes=cfg["num_classes"])
-    elif name == "cnn":
-        module = ref.Cnn(classes=cfg["num_classes"])
-    else:
-        cfg["width"] = cfg["width"] or 256
-        cfg["depth"] = cfg["depth"] or 4
-        if cfg["heads"] < 1 or cfg["width"] % cfg["heads"] != 0:
-            raise Refusal(EXIT_USAGE, f"model: width {cfg['width']} is not divisible by model.heads = {cfg['heads']}")
-        if cfg["vocab"] < 2 or cfg["context"] < 1:
-            raise Refusal(EXIT_USAGE, "model: vocab must be >= 2 and context >= 1")
-        module = ref.Gpt(vocab=cfg["vocab"], context=cfg["context"], layers=cfg["depth"], heads=cfg["heads"],
-                         d=cfg["width"])
-    if name in ("mlp", "cnn"):
-        if cfg["num_classes"] < 2:
-            raise Refusal(EXIT_USAGE, "model: num_classes must be >= 2")
-        graph_cfg = {k: cfg[k] for k in (("width", "depth", "num_classes") if name == "mlp" else ("num_classes",))}
-        kind, classes = "image", cfg["num_classes"]
-        x = torch.randn(batch, 1, 28, 28)
-        y = torch.randint(0, classes, (batch,))
-    else:
-        graph_cfg = {k: cfg[k] for k in ("width", "depth", "heads", "context", "vocab")}
-        kind, classes = "tokens", cfg["vocab"]
-        x = torch.randint(0, classes, (batch, cfg["context"]))
-        y = torch.randint(0, classes, (batch, cfg["context"]))
-    names = [n for n, _ in module.named_parameters()]
-    want = cpp_parameter_names(name, cfg)
-    if names != want:
-        raise Refusal(EXIT_ERROR, f"{ref_path}: the {name} twin's parameter names differ from keel's C++ model "
-                                  f"({names[:4]}... vs {want[:4]}...): fix reference_models.py")
-    return module, x, y, None, {"model": name, "model_config": graph_cfg, "input_kind": kind,
-                                "num_classes": classes, "reference": ref_path}
-
-
-GRAPH_FORMAT = "keel-graph/1"
-MEMORY_FORMATS = ("contiguous_format", "preserve_format", "channels_last", "channels_last_3d")  # c10::MemoryFormat
-LAYOUTS = ("strided", "sparse_coo", "sparse_csr", "mkldnn", "sparse_csc", "sparse_bsr", "sparse_bsc")  # c10::Layout
-
-
-def graph_value(arg: dict, vals: dict, constants: list, device):
-    """One argument of a keel-graph/1 node (trainer/compile/graph_file.cpp's Writer::literal/arg)."""
-    import torch
-
-    (kind, v), = arg.items()
-    if kind == "v":
-        return vals[v]
-    if kind == "t":
-        return constants[v]
-    if kind == "f":
-        return float(v)
-    if kind in ("i", "b", "s"):
-        return v
-    if kind == "none":
-        return None
-    if kind in ("ints", "bools"):
-        return list(v)
-    if kind == "list":
-        return [graph_value(a, vals, constants, device) for a in v]
-    if kind == "dtype":
-        return getattr(torch, v)
-    if kind == "device":
-        return torch.device("cpu") if v == "cpu" else device
-    if kind == "layout":
-        return getattr(torch, LAYOUTS[v])
-    if kind == "memory_format":
-        return getattr(torch, MEMORY_FORMATS[v])
-    raise Refusal(EXIT_USAGE, f"--graph: an argument of kind {kind!r} this script does not read (a newer keel?)")
-
-
-def graph_op(name: str, overload: str):
-    import torch
-
-    ns, _, op = name.partition("::")
-    try:
-        return getattr(getattr(getattr(torch.ops, ns), op), overload or "default")
-    except (AttributeError, RuntimeError):
-        raise Refusal(EXIT_GRAPH_BREAK, f"the graph calls {name}.{overload or 'default'}, which this Python's torch "
-                                        f"does not have (a custom op: compile.libraries)")
-
-
-WRAPPED_NUMBER_OPS = ("aten::add", "aten::sub", "aten::mul", "aten::div", "aten::rsub", "aten::to",
-                      "aten::_to_copy", "aten::copy_", "aten::floor_divide")
-
-
-def run_graph(g: dict, inputs: list, constants: list, device):
-    """Replays keel's traced graph through torch.ops on `inputs` (its inputs in order): its outputs."""
-    import torch
-
-    vals = dict(enumerate(inputs))
-    for k, node in enumerate(g["nodes"]):
-        op = node["op"]
-        args = [graph_value(a, vals, constants, device) for a in node["args"]]
-        if op == "prim::ListConstruct":
-            out = [args]
-        elif op == "prim::TupleConstruct":
-            out = [tuple(args)]
-        elif op in ("prim::ListUnpack", "prim::TupleUnpack"):
-            out = list(args[0])
-        elif op in ("prim::NumToTensor", "aten::Int", "aten::Float", "aten::Bool", "aten::ScalarImplicit"):
-            out = args[:1]  # sizes, numbers already (graph_file.cpp refuses a value read from a tensor)
-        elif op == "aten::_convolution":  # what torch::conv2d records; Inductor lowers aten.convolution
-            # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups), without
-            # the backend flags (benchmark, deterministic, cudnn_enabled, allow_tf32)
-            out = [graph_op("aten::convolution", "")(*args[:9])]
-        else:
-            fn = graph_op(op, node.get("overload", ""))
-            for i, formal in enumerate(fn._schema.arguments[:len(args)]):
-                # int[2] given as one value is that value twice (ATen's broadcast): written out, as
-                # Python passes it, for Inductor's lowerings, which index both
-                if formal.N and isinstance(args[i], list) and len(args[i]) == 1:
-                    args[i] = args[i] * formal.N
-                # A C++ number the op took as a (wrapped-number) tensor: torch.ops takes a Python
-                # number there only for the arithmetic ops; elsewhere a 0-dim tensor of the dtype a
-                # wrapped number promotes as (float32, int64, bool), which promotes alike
-                if (str(formal.type) == "Tensor" and isinstance(args[i], (bool, int, float))
-                        and op not in WRAPPED_NUMBER_OPS):
-                    dtype = torch.bool if isinstance(args[i], bool) else (
-                        torch.int64 if isinstance(args[i], int) else torch.float32)
-                    args[i] = torch.scalar_tensor(args[i], dtype=dtype)
-            formals = [f.name for f in fn._schema.arguments]
-            if "kernel_size" in formals and "stride" in formals and args[formals.index("stride")] == []:
-                # a pooling's empty stride is its kernel size (ATen's rule), written out likewise
-                args[formals.index("stride")] = list(args[formals.index("kernel_size")])
-            pos, kw = [], {}
-            for formal, a in zip(fn._schema.arguments, args):
-                (kw.__setitem__(formal.name, a) if formal.kwarg_only else pos.append(a))
-            try:
-                r = fn(*pos, **kw)
-            except Refusal:
-                raise
-            except Exception as e:
-                e.keel_node = (k, op)
-                raise
-            out = [r] if len(node["out"]) == 1 else list(r)
-        vals.update(zip(node["out"], out))
-    return [graph_value(a, vals, constants, device) for a in g["outputs"]]
-
-
-class UnitReplay:
-    """Marks a module that replays a unit keel traced: its autocast casts are in the graph, so the
-    tracing here applies none (partition_block)."""
-    traced_autocast = True
-
-
-def graph_units(g: dict, tensors, dev):
-    """(container, x, x, None, ident) of a keel-graphs/1 bundle (trainer/compile/unit_trace.h): each
-    unit a module of the container whose parameters are registered flat ("ln_1__weight"; keel's
-    names in keel_names, in the graph's order) and whose forward(x[, (target,)]) replays the unit.
-    container.units: name -> (module, example input, {name: extra input}, the extra's kind)."""
-    import torch
-
-    class Unit(torch.nn.Module, UnitReplay):
-        def __init__(self, u, constants):
-            super().__init__()
-            self.u, self.constants = u, constants
-            self.keel_names = [i["name"] for i in u["inputs"] if i["kind"] == "parameter"]
-            for i in u["inputs"]:
-                if i["kind"] == "parameter":  # values of its own: the package takes keel's as inputs
-                    t = torch.randn(i["shape"], dtype=getattr(torch, i["dtype"])) * 0.02
-                    self.register_parameter(i["name"].replace(".", "__"), torch.nn.Parameter(t))
-
-        def forward(self, x, position_embeddings=(), constants=None):  # partition_block passes the extras so
-            extra, inputs = list(position_embeddings), []
-            for i in self.u["inputs"]:
-                kind = i["kind"]
-                if kind not in ("parameter", "input", "target"):
-                    raise Refusal(EXIT_USAGE, f"--graph: a unit input of kind {kind!r} this script does not take")
-                inputs.append(getattr(self, i["name"].replace(".", "__")) if kind == "parameter"
-                              else x if kind == "input" else extra.pop(0))
-            return run_graph(self.u, inputs, self.constants if constants is None else constants, dev)[0]
-
-    container = torch.nn.Module()
-    container.units = {}
-    for name, u in g["units"].items():
-        base = u["tensor_base"]
-        constants = [t.to(dev) for t in tensors[base:base + u["constants"]]]
-        examples = {k: tensors[base + i] for k, i in u["examples"].items()}
-        module = Unit(u, constants)
-        container.add_module(name, module)
-        extra = {k: examples[k] for k in (i["name"] for i in u["inputs"] if i["kind"] == "target")}
-        container.units[name] = (module, examples["input"], extra, "target")
-    first = next(iter(container.units.values()))[1]
-    return container, first, first, None, {"model": "graph", "graph": sorted(g["units"]), "input_kind": "graph"}
-
-
-def graph_model(path: str, device: str):
-    """(module, x, y, None, ident) of --graph: keel's traced C++ step (trainer/compile/graph_file.h)
-    as a module whose parameters and buffers carry keel's names and whose forward(input, target)
-    replays the graph and returns the loss. The graph holds its own casts (autocast was traced).
-    A bundle of units (--granularity blocks): graph_units."""
-    import torch
-
-    try:
-        with open(path) as f:
-            g = json.load(f)
-        tensors = torch.load(path + ".pt", weights_only=True)
-    except (OSError, ValueError, RuntimeError) as e:
-        raise Refusal(EXIT_USAGE, f"--graph {path}: cannot be read ({e})")
-    dev = torch.device(device)
-    if g.get("format") == "keel-graphs/1":
-        return graph_units(g, tensors, dev)
-    if g.get("format") != GRAPH_FORMAT:
-        raise Refusal(EXIT_USAGE, f"--graph {path}: not a {GRAPH_FORMAT} file")
-    constants = [t.to(dev) for t in tensors[:g["constants"]]]
-    examples = {name: tensors[i] for name, i in g["examples"].items()}
-
-    class Replay(torch.nn.Module):
-        returns_loss = True
-
-        def forward(self, x, y):
-            inputs = []
-            for spec in g["inputs"]:
-                kind = spec["kind"]
-                if kind in ("input", "target"):
-                    inputs.append(x if kind == "input" else y)
-                    continue
-                t = self  # by attribute: functional_call puts plain tensors where the parameters were
-                for part in spec["name"].split("."):
-                    t = getattr(t, part)
-                inputs.append(t)
-            return run_graph(g, inputs, constants, dev)[0]
-
-    module = Replay()
-    torch.manual_seed(0)
-    for spec in g["inputs"]:
-        if spec["kind"] not in ("parameter", "buffer"):
-            continue
-        *path_, leaf = spec["name"].split(".")
-        m = module
-        for part in path_:
-            if part not in m._modules:
-                m.add_module(part, torch.nn.Module())
-            m = m._modules[part]
-        if spec["kind"] == "parameter":  # values of its own: the package takes keel's as inputs
-            t = torch.randn(spec["shape"], dtype=getattr(torch, spec["dtype"])) * 0.02
-            m.register_parameter(leaf, torch.nn.Parameter(t))
-        else:
-            m.register_buffer(leaf, examples[spec["name"]].clone())
-    x, y = examples["input"], examples["target"]
-    return module, x, y, None, {"model": "graph", "graph": g["what"], "input_kind": "graph"}
-
-
-def import_factory(spec: str):
-    """FACTORY of --module: PKG.MOD:FACTORY (imported from sys.path and the working directory) or
-    FILE.py:FACTORY (keel's model.path; the file's directory goes first on sys.path, so that it
-    can import its neighbours)."""
-    if ":" not in spec:
-        raise Refusal(EXIT_USAGE, f"--module {spec}: must be PKG.MOD:FACTORY or FILE.py:FACTORY")
-    where, fn_name = spec.rsplit(":", 1)
-    try:
-        if where.endswith(".py"):
-            if not os.path.isfile(where):
-                raise Refusal(EXIT_USAGE, f"--module {spec}: {where} is not a file")
-            path = os.path.realpath(where)
-            sys.path.insert(0, os.path.dirname(path))
-            spec_ = importlib.util.spec_from_file_location("keel_user_model", path)
-            mod = importlib.util.module_from_spec(spec_)
-            sys.modules["keel_user_model"] = mod
-            spec_.loader.exec_module(mod)
-        else:
-            if os.getcwd() not in sys.path:
-                sys.path.insert(0, os.getcwd())
-            mod = importlib.import_module(where)
-    except Refusal:
-        raise
-    except SystemExit as e:  # sys.exit() while the user's module is imported
-        raise Refusal(EXIT_USAGE, f"--module {spec}: importing it ended the interpreter (sys.exit({e.code!r}))")
-    except Exception as e:  # the user's module failed to import: name the file and line
-        found, _ = user_frame(e.__traceback__)
-        at = f" at {found[1].f_code.co_filename}:{found[2]}" if found else ""
-        raise Refusal(EXIT_USAGE, f"--module {spec}: importing it failed{at}: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}")
-    factory = getattr(mod, fn_name, None)
-    if not callable(factory):
-        raise Refusal(EXIT_USAGE, f"--module {spec}: {where} has no function {fn_name}")
-    return factory
-
-
-def read_example(text: str):
-    """--example: the shapes and dtypes of keel's batches, {"input": {"shape": [...], "dtype": "float32"},
-    "target": {...}, "classes": N}; random tensors of them (integer tensors drawn in [0, classes))."""
-    import torch
-
-    try:
-        ex = json.loads(text)
-        classes = int(ex.get("classes", 0))
-        out = []
-        for k in ("input", "target"):
-            shape, dtype = [int(d) for d in ex[k]["shape"]], getattr(torch, ex[k]["dtype"])
-            out.append(torch.randn(shape, dtype=dtype) if dtype.is_floating_point else
-                       torch.randint(0, max(classes, 1), shape, dtype=dtype))
-    except (ValueError, KeyError, TypeError, AttributeError) as e:
-        raise Refusal(EXIT_USAGE, f"--example: {type(e).__name__}: {e} (want {{\"input\": {{\"shape\": [...], "
-                                  f"\"dtype\": \"float32\"}}, \"target\": {{...}}, \"classes\": N}})")
-    return out[0], out[1], classes
-
-
-def user_model(spec: str, batch, device: str, example: str = None, model_config: dict = None):
-    """A user's module. FACTORY([batch=B], [device=D], [config=C]) returns (module, example_input,
-    example_target[, loss_fn]); with --example (how keel calls it: its data decides the shapes) it
-    may return the module alone. C is keel's [model] section as a dict."""
-    import torch
-
-    factory = import_factory(spec)
-    params = inspect.signature(factory).parameters
-    kw = {}
-    # keel (--example) builds the module once for its weights and again to compile it: the factory
-    # gets neither the batch nor the device then, so that both builds are the same module.
-    if "batch" in params and batch is not None and example is None:
-        kw["batch"] = batch
-    if "device" in params and example is None:
-        kw["device"] = device
-    if "config" in params:
-        kw["config"] = dict(model_config or {})
-    try:
-        got = factory(**kw)
-    except SystemExit as e:  # sys.exit() in the user's factory: the module's doing, not a status of ours
-        raise Refusal(EXIT_USAGE, f"--module {spec}: the factory ended the interpreter (sys.exit({e.code!r})) "
-                                  f"instead of returning a module")
-    except Exception as e:
-        found, _ = user_frame(e.__traceback__)
-        at = f" at {found[1].f_code.co_filename}:{found[2]}" if found else ""
-        raise Refusal(EXIT_USAGE, f"--module {spec}: the factory failed{at}: {type(e).__name__}: "
-                                  f"{str(e).splitlines()[0] if str(e) else ''}")
-    file = spec.rsplit(":", 1)[0]
-    ident = {"module": spec, "input_kind": "features"}
-    if file.endswith(".py"):
-        ident["module_sha256"] = sha256_file(file)
-    if example is not None:
-        module = got[0] if isinstance(got, (tuple, list)) and got else got
-        if isinstance(got, (tuple, list)) and len(got) == 4:
-            raise Refusal(EXIT_USAGE, f"--module {spec}: the factory returns a loss_fn; keel trains a Python module "
-                                      "with its cross-entropy over the last dimension (return the module alone)")
-        if not isinstance(module, torch.nn.Module):
-            raise Refusal(EXIT_USAGE, f"--module {spec}: the factory must return an nn.Module, got "
-                                      f"{type(module).__name__}")
-        x, y, classes = read_example(example)
-        if batch is not None and x.shape[0] != batch:
-            raise Refusal(EXIT_USAGE, f"--example: the input's batch is {x.shape[0]}, not --batch {batch}")
-        return module, x, y, None, {**ident, "num_classes": classes, "loss": "cross_entropy"}
-    if not isinstance(got, (tuple, list)) or len(got) not in (3, 4):
-        raise Refusal(EXIT_USAGE, f"--module {spec}: the factory must return (module, example_input, example_target"
-                                  f"[, loss_fn]), got {type(got).__name__}")
-    module, x, y = got[:3]
-    loss_fn = got[3] if len(got) == 4 else None
-    if not isinstance(module, torch.nn.Module) or not torch.is_tensor(x) or not torch.is_tensor(y):
-        raise Refusal(EXIT_USAGE, f"--module {spec}: expected (nn.Module, Tensor, Tensor), got "
-                                  f"({type(module).__name__}, {type(x).__name__}, {type(y).__name__})")
-    if batch is not None and x.shape[0] != batch:
-        raise Refusal(EXIT_USAGE, f"--module {spec}: the example input's batch is {x.shape[0]}, not --batch {batch} "
-                                  "(give the factory a `batch` parameter)")
-    return module, x, y, loss_fn, {**ident, "loss": "custom" if loss_fn else "cross_entropy"}
-
-
-def write_init(module, path: str, spec: str) -> None:
-    """--init-out: the module's parameters and buffers (named_parameters()/named_buffers() order,
-    tied weights once) as safetensors, with the module tree's order in the metadata, so that keel
-    builds a C++ module holding exactly these tensors (trainer/compile/python_model.h)."""
-    from safetensors.torch import save_file
-
-    pnames = [n for n, _ in module.named_parameters()]
-    bnames = [n for n, _ in module.named_buffers()]
-    if not pnames:
-        raise Refusal(EXIT_USAGE, f"--module {spec}: the module has no parameters")
-    frozen = [n for n, p in module.named_parameters() if not p.requires_grad]
-    if frozen:
-        raise Refusal(EXIT_USAGE, f"--module {spec}: parameters with requires_grad = False ({', '.join(frozen[:3])}"
-                                  f"{', ...' if len(frozen) > 3 else ''}): keel trains every parameter; register "
-                                  "frozen tensors as buffers (register_buffer) instead")
-    tensors = {n: t.detach().to("cpu").contiguous().clone() for n, t in
-               list(module.named_parameters()) + list(module.named_buffers())}
-    metadata = {"format": "keel-python-init/1", "module": spec,
-                "parameters": json.dumps(pnames), "buffers": json.dumps(bnames),
-                "modules": json.dumps([n for n, _ in module.named_modules() if n])}
-    out = os.path.abspath(path)
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(out), prefix=".init-")
-    os.close(fd)
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-    print(f"wrote {out}: {len(pnames)} parameters, {len(bnames)} buffers", flush=True)
-
-
-IGNORE_INDEX = -100  # --ignore-index (main() sets it before anything is traced)
-
-
-def keel_cross_entropy(logits, target):
-    """trainer/loss.cpp cross_entropy(): over the last dimension, the sum over the targets that are
-    not IGNORE_INDEX divided by their count (at least 1): PyTorch's mean where any target counts,
-    0 where none does."""
-    import torch.nn.functional as F
-
-    t = target.reshape(-1)
-    total = F.cross_entropy(logits.reshape(-1, logits.size(-1)), t, reduction="sum", ignore_index=IGNORE_INDEX)
-    return total / t.ne(IGNORE_INDEX).sum().clamp_min(1).to(total.dtype)
-
-
-# ---------------------------------------------------------------------------------------------
-# The traced functions
 
 
 class TrainStep:
@@ -798,249 +220,6 @@ class Forward:
         return tuple(torch.utils._pytree.tree_leaves(out))
 
 
-def expected_logits(module, spec: str, classes, x) -> dict:
-    """What TrainStep checks of a user's module's output before keel's loss (cross-entropy over
-    the last dimension, one row per target): a floating-point tensor [*target.shape, classes].
-    Without the check, a last dimension other than keel's class count compiles and then reads out
-    of bounds inside the package at run time."""
-    file = spec.rsplit(":", 1)[0]
-    where = f"model.path {file}" if file.endswith(".py") else f"--module {spec}"
-    name = f"{type(module).__name__}.forward"
-    try:
-        fn = type(module).forward
-        src = inspect.getsourcefile(fn)
-        if src and not _is_torch_file(src):
-            where = f"model.path {src}:{inspect.getsourcelines(fn)[1]}"
-    except (TypeError, OSError, AttributeError):
-        pass
-    # keel gives token models (integer inputs) model.vocab classes, the others model.num_classes
-    key = "model.vocab" if not x.is_floating_point() else "model.num_classes"
-    return {"classes": int(classes) if classes else None, "key": key, "where": f"{where} ({name})"}
-
-
-def check_logits(out, target, expect: dict) -> None:
-    import math
-
-    import torch
-
-    classes, key, where = expect["classes"], expect["key"], expect["where"]
-    loss = "keel's loss is cross-entropy over the last dimension"
-    if not torch.is_tensor(out):
-        raise Refusal(EXIT_USAGE, f"{where}: returns a {type(out).__name__}, not a tensor of logits ({loss}: return "
-                                  f"one tensor of shape {list(target.shape) + [classes or 'classes']})")
-    shape = list(out.shape)
-    want = list(target.shape) + [classes if classes else shape[-1] if shape else "classes"]
-    # Fewer logits than classes reads out of bounds; more (a vocabulary padded to 50304) is fine.
-    if out.dim() >= 2 and classes and shape[-1] < classes:
-        raise Refusal(EXIT_USAGE, f"{where}: returns logits of shape {shape}, whose last dimension {shape[-1]} is "
-                                  f"less than {key} = {classes} ({loss}, over {key} classes: want {want})")
-    if out.dim() < 2 or math.prod(shape[:-1]) != target.numel():
-        raise Refusal(EXIT_USAGE, f"{where}: returns logits of shape {shape} for targets of shape "
-                                  f"{list(target.shape)} ({loss}, one row per target: want {want})")
-    if not out.is_floating_point():
-        raise Refusal(EXIT_USAGE, f"{where}: returns {str(out.dtype).replace('torch.', '')} logits; {loss}, which "
-                                  "takes floating-point logits")
-
-
-# ---------------------------------------------------------------------------------------------
-# Where a failure comes from
-
-
-def _is_torch_file(path: str) -> bool:
-    import torch
-
-    torch_dir = os.path.dirname(os.path.realpath(torch.__file__))
-    real = os.path.realpath(path)
-    return real.startswith(torch_dir + os.sep) or real.startswith(os.path.dirname(contextlib.__file__) + os.sep)
-
-
-def _is_this_file(path: str) -> bool:
-    return os.path.realpath(path) == os.path.realpath(__file__)
-
-
-def user_frame(tb):
-    """(index, frame, lineno) of the innermost frame of the user's (or keel's) code in a traceback."""
-    entries = []
-    while tb is not None:
-        entries.append((tb.tb_frame, tb.tb_lineno))
-        tb = tb.tb_next
-    best = None
-    for i, (fr, line) in enumerate(entries):
-        path = fr.f_code.co_filename
-        if _is_torch_file(path) or path.startswith("<"):
-            continue
-        if _is_this_file(path) and best is not None and not _is_this_file(best[1].f_code.co_filename):
-            continue  # prefer model code over this script's wrappers
-        best = (i, fr, line)
-    return best, entries
-
-
-def _is_library_file(path: str) -> bool:
-    parts = os.path.realpath(path).split(os.sep)
-    return "site-packages" in parts or "dist-packages" in parts
-
-
-def user_refusal(e: BaseException, spec: str, what: str):
-    """A Refusal(EXIT_USAGE) naming the user's FILE:LINE when `e` was raised by (or through) the
-    user's code: the innermost frame of the traceback in the module's file or in another file of
-    the user's (not torch, a library in site-packages, the standard library or this script).
-    None when no frame is the user's: then the failure is keel's own (exit 1)."""
-    module_file = spec.rsplit(":", 1)[0]
-    module_file = os.path.realpath(module_file) if module_file.endswith(".py") else None
-    inner = None
-    tb = e.__traceback__
-    while tb is not None:
-        path = tb.tb_frame.f_code.co_filename
-        ours = not (path.startswith("<") or _is_torch_file(path) or _is_this_file(path) or _is_library_file(path))
-        if ours or (module_file and os.path.realpath(path) == module_file):
-            inner = (path, tb.tb_lineno)
-        tb = tb.tb_next
-    if inner is None:
-        return None
-    file, line = inner
-    if module_file and os.path.realpath(file) == module_file:
-        where = f"model.path {file}:{line}"
-    elif module_file:
-        where = f"model.path {spec.rsplit(':', 1)[0]}: at {file}:{line}"
-    else:
-        where = f"--module {spec}: at {file}:{line}"
-    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    src = source_text(file, line)
-    return Refusal(EXIT_USAGE, f"{where}: {type(e).__name__}: {msg} (in {what}{': ' + src if src else ''})")
-
-
-@contextlib.contextmanager
-def blaming_user(spec, what: str):
-    """Around code that runs the user's module (spec: --module; None for a built-in model): an
-    exception raised through the user's code becomes Refusal(EXIT_USAGE) naming the file and line."""
-    try:
-        yield
-    except Refusal:
-        raise
-    except MemoryError:
-        raise  # the machine's, not the user's line
-    except Exception as e:
-        if type(e).__name__ == "OutOfMemoryError":  # torch.OutOfMemoryError
-            raise
-        r = user_refusal(e, spec, what) if spec else None
-        if r is None:
-            raise
-        raise r from e
-
-
-def describe_break(e: BaseException):
-    """(file, line, op, reason) of a construct make_fx could not capture."""
-    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
-
-    if hasattr(e, "keel_node"):  # a node of keel's graph file: its index and op
-        k, op = e.keel_node
-        return "the traced step, node", k, op, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-    found, entries = user_frame(e.__traceback__)
-    file, line, op = "<unknown>", 0, None
-    if found:
-        i, fr, line = found
-        file = fr.f_code.co_filename
-        for fr2, _ in entries[i + 1:]:
-            func = fr2.f_locals.get("func")
-            if callable(func) and not isinstance(func, type):
-                op = getattr(func, "__qualname__", None) or str(func)
-                op = op.replace("TensorBase.", "Tensor.").replace("_TensorBase.", "Tensor.")
-                if hasattr(func, "_schema"):
-                    op = func._schema.name
-                break
-            name = fr2.f_code.co_name
-            if name.startswith("__") and name.endswith("__"):
-                self_obj = fr2.f_locals.get("self")
-                op = f"{type(self_obj).__name__}.{name}" if self_obj is not None else name
-                break
-    func = getattr(e, "func", None)
-    if func is not None and hasattr(func, "_schema"):
-        op = op or func._schema.name
-    op = op or type(e).__name__
-    if isinstance(e, DynamicOutputShapeException):
-        reason = "output shape depends on tensor values"
-    elif isinstance(e, DataDependentOutputException):
-        reason = "a Python value read from a tensor"
-    elif op.endswith("__bool__"):
-        reason = "data-dependent control flow: a Python branch on a tensor's value"
-    elif any(op.endswith(s) for s in ("__int__", "__float__", "__index__", "item", "tolist")):
-        reason = "a Python number read from a tensor's value"
-    else:
-        reason = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}".strip()
-    return file, line, op, reason
-
-
-def location_of_node(node):
-    """FILE:LINE of the innermost user frame in a traced node's stack trace."""
-    st = node.meta.get("stack_trace") or ""
-    best = None
-    for ln in st.splitlines():
-        ln = ln.strip()
-        if ln.startswith('File "'):
-            try:
-                path = ln.split('"')[1]
-                lineno = int(ln.split("line ")[1].split(",")[0])
-            except (IndexError, ValueError):
-                continue
-            if _is_torch_file(path) or path.startswith("<"):
-                continue
-            if _is_this_file(path) and best is not None and not _is_this_file(best[0]):
-                continue
-            best = (path, lineno)
-    return best or ("<unknown>", 0)
-
-
-def source_text(file: str, line: int) -> str:
-    return linecache.getline(file, line).strip() if line else ""
-
-
-def op_name(node) -> str:
-    t = node.target
-    if hasattr(t, "_schema"):
-        return t._schema.name
-    return getattr(t, "__name__", str(t))
-
-
-# ---------------------------------------------------------------------------------------------
-# Trace, export, compile
-
-
-def trace(fn, example, what: str):
-    import torch
-    from torch._subclasses.fake_tensor import UnsupportedOperatorException
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
-
-    # Batch norm's forward kernels update the running statistics in place without saying so in
-    # their schemas (aten::native_batch_norm has no Tensor(a!)); export would then drop the
-    # update. Decomposed, the update is an explicit copy_ into the buffer's copy, which export
-    # turns into an output.
-    aten = torch.ops.aten
-    bn = [aten.native_batch_norm, aten._native_batch_norm_legit, aten._batch_norm_with_update, aten.cudnn_batch_norm]
-    if hasattr(aten, "miopen_batch_norm"):
-        bn.append(aten.miopen_batch_norm)
-    decompositions = torch._decomp.get_decompositions(bn)
-    try:
-        return make_fx(fn, decomposition_table=decompositions, tracing_mode="fake", record_stack_traces=True,
-                       _allow_non_fake_inputs=True)(*example)
-    except UnsupportedOperatorException as e:
-        func = getattr(e, "func", None)
-        name = func._schema.name if func is not None and hasattr(func, "_schema") else str(func)
-        ns = name.split("::")[0]
-        file, line, _, _ = describe_break(e)
-        if ns not in ("aten", "prims"):
-            raise Refusal(EXIT_NO_FAKE_KERNEL,
-                          f"custom op {name} has no fake kernel: the graph cannot be traced at {file}:{line} "
-                          f"(register one: torch.library.register_fake(\"{name}\") in Python, or a Meta kernel, "
-                          f"TORCH_LIBRARY_IMPL({ns}, Meta, m), in C++, loaded with --load-library)")
-        raise Refusal(EXIT_GRAPH_BREAK, f"graph break at {file}:{line}: {name} (no fake-tensor kernel)")
-    except (GuardOnDataDependentSymNode, torch._subclasses.fake_tensor.DataDependentOutputException,
-            torch._subclasses.fake_tensor.DynamicOutputShapeException) as e:
-        file, line, op, reason = describe_break(e)
-        raise Refusal(EXIT_GRAPH_BREAK, f"graph break at {file}:{line}: {op} ({reason}) in {what}: "
-                                        f"{source_text(file, line)}")
-
-
 def name_placeholders(gm, names):
     """Gives the graph's inputs keel's names (cosmetic: the package is called by position)."""
     import re
@@ -1084,87 +263,6 @@ def prune_buffer_outputs(gm, example, n_params: int, n_buffers: int, n_grads: in
     return keep
 
 
-def check_graph(gm, args, device: str, label: str):
-    """Graph-level pitfalls: random and non-deterministic ops, data-dependent shapes, device
-    transfers, baked-in tensor constants. Returns findings; raises with --deterministic and
-    --fullgraph."""
-    import torch
-
-    found = {"random": [], "nondeterministic": [], "dynamic_shapes": [], "device_transfers": [], "constants": []}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            val = getattr(gm, node.target, None)
-            if torch.is_tensor(val) and all(c["name"] != node.target for c in found["constants"]):
-                found["constants"].append({"name": node.target, "shape": list(val.shape),
-                                           "dtype": str(val.dtype).replace("torch.", "")})
-            continue
-        if node.op != "call_function":
-            continue
-        name = op_name(node)
-        file, line = location_of_node(node)
-        where = {"op": name, "file": file, "line": line}
-        if name in RANDOM_OPS:
-            found["random"].append(where)
-        elif device == "cuda" and name in CUDA_NONDETERMINISTIC_OPS:
-            found["nondeterministic"].append(where)
-        val = node.meta.get("val")
-        vals = val if isinstance(val, (tuple, list)) else [val]
-        if any(torch.is_tensor(v) and any(not isinstance(s, int) for s in v.shape) for v in vals):
-            found["dynamic_shapes"].append(where)
-        if name in ("aten::_to_copy", "aten::to") and "device" in node.kwargs:
-            dev = node.kwargs["device"]
-            if dev is not None and torch.device(dev).type != device:
-                found["device_transfers"].append(dict(where, to=str(dev)))
-    if args.deterministic:
-        bad = found["random"] + found["nondeterministic"]
-        if bad:
-            first = bad[0]
-            others = sorted({b["op"] for b in bad} - {first["op"]})
-            kind = "random" if first in found["random"] else "no deterministic CUDA kernel"
-            raise Refusal(EXIT_NONDETERMINISTIC,
-                          f"non-deterministic op at {first['file']}:{first['line']}: {first['op']} ({kind}"
-                          f"{'; also ' + ', '.join(others) if others else ''})")
-    if args.fullgraph:
-        for key, why in (("dynamic_shapes", "output shape depends on tensor values"),
-                         ("device_transfers", "a device transfer inside the graph")):
-            if found[key]:
-                f = found[key][0]
-                raise Refusal(EXIT_GRAPH_BREAK, f"graph break at {f['file']}:{f['line']}: {f['op']} ({why})")
-    for key in ("random", "nondeterministic", "dynamic_shapes", "device_transfers"):
-        unique = {}
-        for f in found[key]:
-            unique.setdefault((f["op"], f["file"], f["line"]), f)
-        found[key] = list(unique.values())
-        for f in found[key]:
-            log(f"warning: {label}: {key.replace('_', ' ')}: {f['op']} at {f['file']}:{f['line']}")
-    if found["constants"]:
-        log(f"warning: {label}: tensor constants baked into the graph (not parameters or buffers): "
-            f"{', '.join(c['name'] for c in found['constants'])}")
-    return found
-
-
-def deterministic_dry_run(step, real_inputs):
-    """One eager step with torch.use_deterministic_algorithms(True): ATen raises for kernels
-    with no deterministic implementation on this device; name the op and the line."""
-    import torch
-
-    prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True)
-    try:
-        step(*real_inputs)
-    except RuntimeError as e:
-        msg = str(e)
-        if "does not have a deterministic implementation" not in msg:
-            raise
-        op = msg.split(" does not have a deterministic implementation")[0].strip()
-        found, _ = user_frame(e.__traceback__)
-        file, line = (found[1].f_code.co_filename, found[2]) if found else ("<unknown>", 0)
-        raise Refusal(EXIT_NONDETERMINISTIC, f"non-deterministic op at {file}:{line}: {op} (no deterministic "
-                                             f"kernel on this device)")
-    finally:
-        torch.use_deterministic_algorithms(prev)
-
-
 def tensor_spec(name, t, kind):
     return {"name": name, "kind": kind, "shape": list(t.shape), "dtype": str(t.dtype).replace("torch.", "")}
 
@@ -1197,14 +295,6 @@ def graph_fingerprint(gm) -> str:
         h.update(repr((n.op, n.name, target, str(n.args), str(sorted(n.kwargs.items())),
                        meta(n.meta.get("val")))).encode())
         h.update(b"\n")
-    return h.hexdigest()
-
-
-def sha256_file(path: str) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
     return h.hexdigest()
 
 
@@ -1253,80 +343,6 @@ def discard(tmpdir: str) -> None:
     shutil.rmtree(tmpdir, ignore_errors=True)
 
 
-# ---------------------------------------------------------------------------------------------
-# Check
-
-
-def compare(name, got, want):
-    import torch
-
-    got, want = got.detach().float().cpu(), want.detach().float().cpu()
-    if got.shape != want.shape:
-        return {"name": name, "abs": float("inf"), "rel": float("inf"), "scale": 0.0, "note": f"shape {list(got.shape)} vs "
-                                                                              f"{list(want.shape)}"}
-    diff = (got - want).abs().max().item() if got.numel() else 0.0
-    scale = want.abs().max().item() if want.numel() else 0.0
-    finite = bool(torch.isfinite(got).all()) and bool(torch.isfinite(want).all())
-    rel = diff / scale if scale > 0 else diff
-    return {"name": name, "abs": diff if finite else float("inf"), "rel": rel if finite else float("inf"),
-            "scale": scale}
-
-
-def median_ms(fn, reps=5):
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return min(times), statistics.median(times)
-
-
-def run_check(path, models, rtol, atol, device):
-    import torch
-    from torch._inductor.package import load_package
-
-    report = {"rtol": rtol, "atol": atol, "models": {}}
-    ok = True
-    for model_name, (fn, inputs, out_names, unscale) in models.items():
-        compiled = load_package(path, model_name)
-        sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-        got = compiled(*inputs)
-        want = fn(*inputs)
-        # gradients of loss * grad_scale are compared unscaled, so that atol means the same
-        rows = [compare(n, g / u, w / u) for n, g, w, u in zip(out_names, got, want, unscale)]
-        worst = max(rows, key=lambda r: r["rel"])
-        for r in rows:
-            r["pass"] = r["abs"] <= rtol * r["scale"] + atol
-        passed = len(got) == len(want) and all(r["pass"] for r in rows)
-        ok &= passed
-        grads = [r for r in rows if r["name"].startswith("grad:")]
-        line = f"check {model_name}: "
-        if rows[0]["name"] == "loss":
-            line += f"loss rel {rows[0]['rel']:.2e} (abs {rows[0]['abs']:.2e})"
-            if grads:
-                g = max(grads, key=lambda r: r["rel"])
-                line += f"; worst of {len(grads)} gradients {g['name'][5:]} rel {g['rel']:.2e} (abs {g['abs']:.2e})"
-        else:
-            line += f"{rows[0]['name']} rel {rows[0]['rel']:.2e} (abs {rows[0]['abs']:.2e})"
-        timing = {}
-        with torch.no_grad() if model_name == "forward" else contextlib.nullcontext():
-            timing["compiled_ms_min"], timing["compiled_ms_median"] = median_ms(lambda: (compiled(*inputs), sync()))
-            timing["eager_ms_min"], timing["eager_ms_median"] = median_ms(lambda: (fn(*inputs), sync()))
-        failed = [r["name"] for r in rows if not r["pass"]]
-        line += (f"; max rel {worst['rel']:.2e} (tolerance rtol {rtol:g} + atol {atol:g}): "
-                 f"{'pass' if passed else 'FAIL ' + ', '.join(failed)}"
-                 f"; {timing['compiled_ms_min']:.2f} ms compiled vs {timing['eager_ms_min']:.2f} ms eager "
-                 f"(best of 5; a rough figure, not a benchmark)")
-        print(line, flush=True)
-        report["models"][model_name] = {"passed": passed, "max_rel": worst["rel"],
-                                        "max_abs": max(r["abs"] for r in rows), "outputs": rows, **timing}
-    report["passed"] = ok
-    return report
-
-
-# ---------------------------------------------------------------------------------------------
-
-
 @dataclasses.dataclass
 class Job:
     """What main()'s phases share: the arguments, the model on its device, and what each phase
@@ -1373,13 +389,11 @@ def set_up_torch(args):
 
 
 def load_model(args):
-    """(module, x, y, loss_fn, ident) of --model or --module; None once --init-out is written."""
-    cfg = read_model_config(args.model_config)
+    """(module, x, y, loss_fn, ident) of --graph or --module; None once --init-out is written."""
     if args.graph:
         module, x, y, loss_fn, ident = graph_model(args.graph, args.device)
-    elif args.model:
-        module, x, y, loss_fn, ident = builtin_model(args.model, cfg, args.batch)
     else:
+        cfg = read_model_config(args.model_config)
         module, x, y, loss_fn, ident = user_model(args.module, args.batch, args.device, args.example, cfg)
         if args.init_out:
             write_init(module, args.init_out, args.module)
@@ -1495,29 +509,6 @@ def tuple_module(gm):
             return tuple(self.gm(*args))
 
     return TupleOut()
-
-
-def block_of(job: Job):
-    """(block module, example input, extra inputs) of --granularity blocks: block 0 of the model,
-    a hidden state of the training batch's shape (every block of the model has the same shapes)
-    and what else the block takes: llama's rotary cos and sin, (1, T, head_dim) float32, as
-    keel's C++ model computes them."""
-    import torch
-
-    cfg = job.ident["model_config"]
-    extra = {}
-    if job.args.model == "gpt":
-        block, width = job.module.h[0], cfg["width"]
-    elif job.args.model == "gpt2":  # transformers' GPT2Block
-        block, width = job.module.transformer.h[0], job.module.config.n_embd
-    else:  # transformers' LlamaDecoderLayer, given position_embeddings = (cos, sin)
-        block, width = job.module.model.layers[0], job.module.config.hidden_size
-        pos = torch.arange(cfg["context"], device=job.device)[None]
-        probe = torch.zeros(1, device=job.device)
-        cos, sin = job.module.model.rotary_emb(probe, pos)
-        extra = {"cos": cos.float(), "sin": sin.float()}
-    x = torch.randn(job.batch, cfg["context"], width, device=job.device)
-    return block, x, extra
 
 
 def partition_block(block, params, x, extra, amp_dtype, device_type):
@@ -1658,221 +649,20 @@ def trace_unit(job: Job, unit: str, module, x, extra, extra_kind="rotary") -> di
     }
 
 
-def root_of(job: Job, hidden):
-    """The root of the model as keel's C++ families split it around their blocks (models/gpt.cpp,
-    gpt2.cpp, llama.cpp: BlockStructure::root_call): embed (token ids -> the first block's input),
-    head (the last block's output -> logits: the final norm and the output projection, tied or
-    not) and loss (logits, target -> keel's cross-entropy, in float32), each an nn.Module whose
-    keel_names are the whole model's names of its parameters (a tied weight under the name it has
-    there); with examples: the token ids, and the logits the head gives `hidden` (in the dtype
-    that the run's autocast gives them), and the target."""
-    import torch
-
-    m, model, args = job.module, job.args.model, job.args
-    owner = {}
-    for n, p in m.named_parameters():  # transformers' tied lm_head.weight is listed once, as the embedding
-        owner.setdefault(id(p), n)
-
-    class Part(torch.nn.Module):
-        def __init__(self, modules, fn):
-            super().__init__()
-            for k, mod in modules.items():
-                self.add_module(k, mod)
-            self.fn = fn
-            self.keel_names = [owner[id(p)] for p in self.parameters()]
-
-        def forward(self, x, position_embeddings=()):  # partition_block passes the extra inputs so
-            return self.fn(self, x, *position_embeddings)
-
-    def positions(idx):
-        return torch.arange(idx.shape[1], device=idx.device)
-
-    if model == "gpt":
-        embed = Part({"wte": m.wte, "wpe": m.wpe}, lambda s, idx: s.wte(idx) + s.wpe(positions(idx)))
-        head = Part({"ln_f": m.ln_f, "wte": m.wte}, lambda s, x: s.ln_f(x) @ s.wte.weight.t())
-        vocab = job.ident["model_config"]["vocab"]
-    elif model == "gpt2":
-        t = m.transformer
-        embed = Part({"wte": t.wte, "wpe": t.wpe}, lambda s, idx: s.wte(idx) + s.wpe(positions(idx)))
-        head = Part({"ln_f": t.ln_f, "lm_head": m.lm_head}, lambda s, x: s.lm_head(s.ln_f(x)))
-        vocab = m.config.vocab_size
-    else:
-        embed = Part({"embed_tokens": m.model.embed_tokens}, lambda s, idx: s.embed_tokens(idx))
-        head = Part({"norm": m.model.norm, "lm_head": m.lm_head}, lambda s, x: s.lm_head(s.norm(x)))
-        vocab = m.config.vocab_size
-    loss = Part({}, lambda s, logits, target: keel_cross_entropy(logits, target).to(torch.float32))
-    ids = torch.randint(0, vocab, tuple(hidden.shape[:2]), device=hidden.device)
-    target = torch.randint(0, vocab, tuple(hidden.shape[:2]), device=hidden.device)
-    amp_dtype = {"off": None, "bf16": torch.bfloat16, "fp16": torch.float16}[args.amp]
-    with torch.no_grad(), (torch.autocast(args.device, dtype=amp_dtype) if amp_dtype else contextlib.nullcontext()):
-        logits = head(hidden).detach()
-    return embed, head, loss, ids, logits, target
-
-
 def trace_blocks(job: Job) -> None:
-    """--granularity blocks: job.models["block_forward"] and ["block_backward"] (trace_unit) of
-    the model's block 0, and the root's units around the blocks (root_of): embed_*, head_* and
-    loss_*."""
+    """--granularity blocks: each unit of keel's bundle (keel_graph.graph_units: the block, the
+    root's embed, head and loss; or, at --tp N, the attention and mlp regions as one tp rank
+    computes them) traced by trace_unit into job.models[unit + "_forward"] and ["_backward"]."""
     t0 = time.perf_counter()
-    if hasattr(job.module, "units"):  # keel's traced units (--graph)
-        job.models = {}
-        for name, (module, x, extra, kind) in job.module.units.items():
-            x = x.to(job.device)
-            extra = {k: v.to(job.device) for k, v in extra.items()}
-            job.models.update(trace_unit(job, name, module, x, extra, extra_kind=kind))
-        job.timings["trace_s"] = time.perf_counter() - t0
-        job.forward_skipped = "--granularity blocks"
-        job.findings = {}
-        return
-    block, x, extra = block_of(job)
-    job.models = trace_unit(job, "block", block, x, extra)
-    embed, head, loss, ids, logits, target = root_of(job, x)
-    job.models.update(trace_unit(job, "embed", embed, ids, {}))
-    job.models.update(trace_unit(job, "head", head, x, {}))
-    job.models.update(trace_unit(job, "loss", loss, logits, {"target": target}, extra_kind="target"))
+    if not hasattr(job.module, "units"):
+        raise Refusal(EXIT_USAGE, f"--granularity blocks: {job.args.graph} is the graph of a whole step, "
+                                  "not a bundle of units (keel-graphs/1)")
+    job.models = {}
+    for name, (module, x, extra, kind) in job.module.units.items():
+        extra = {k: v.to(job.device) for k, v in extra.items()}
+        job.models.update(trace_unit(job, name, module, x.to(job.device), extra, extra_kind=kind))
     job.timings["trace_s"] = time.perf_counter() - t0
     job.forward_skipped = "--granularity blocks"
-    job.findings = {}
-
-
-class TpRegion:
-    """Builds the two regions of a transformer block that one tensor-parallel rank computes between
-    the block's collectives (models/transformer.cpp: after tp.enter, before tp.leave): attention
-    (its heads' q, k and v, causal attention, the output projection's partial product without its
-    bias) and the MLP (its ffn / tp columns, the down projection's partial product). Parameters are
-    named as keel's block names them, with one rank's shapes (the values are the tracer's own: every
-    rank's regions have the same shapes, and the package reads the parameters as inputs)."""
-
-    def __init__(self, job: Job, tp: int):
-        import torch
-
-        cfg = job.ident["model_config"]
-        self.torch, self.tp, self.model = torch, tp, job.args.model
-        self.config = getattr(job.module, "config", None)  # transformers' config (gpt2, llama)
-        if self.model == "gpt":
-            self.block = job.module.h[0]
-            self.C, self.H = cfg["width"], cfg["heads"]
-            self.KV, self.hd = self.H, self.C // self.H
-        else:
-            c = job.module.config
-            self.block = job.module.transformer.h[0] if self.model == "gpt2" else job.module.model.layers[0]
-            self.C = c.n_embd if self.model == "gpt2" else c.hidden_size
-            self.H = c.n_head if self.model == "gpt2" else c.num_attention_heads
-            self.KV = self.H if self.model == "gpt2" else c.num_key_value_heads
-            self.hd = self.C // self.H if self.model == "gpt2" else getattr(c, "head_dim", None) or self.C // self.H
-        for what, n in (("heads", self.H), ("key/value heads", self.KV)):
-            if n % tp:
-                raise Refusal(EXIT_USAGE, f"--tp {tp}: the block's {what} ({n}) do not divide by it")
-        self.full = dict(self.block.named_parameters())
-
-    def local(self, name, dim, parts=1):
-        """A parameter of `name` with one rank's share along `dim` (each of `parts` equal parts split
-        on its own, as a fused q, k, v projection), or whole (dim None)."""
-        t = self.full[name].detach()
-        shape = list(t.shape)
-        if dim is not None:
-            if shape[dim] % (self.tp * parts):
-                raise Refusal(EXIT_USAGE, f"--tp {self.tp}: {name} {shape} does not split along dim {dim}")
-            shape[dim] //= self.tp
-        return self.torch.nn.Parameter(self.torch.randn(shape, dtype=t.dtype, device=t.device) * 0.02)
-
-    def modules(self):
-        """(attention region, mlp region) as nn.Modules: forward(x[, position_embeddings]) -> partial."""
-        torch, F, region = self.torch, self.torch.nn.functional, self
-        job_config = self.config
-        conv1d = self.model == "gpt2"
-        H, KV, hd = self.H // self.tp, self.KV // self.tp, self.hd
-
-        def dense(x, w, b):  # keel's dense_product: Linear x W^T + b, or GPT-2's Conv1D x W + b
-            if conv1d:
-                y = torch.addmm(b, x.reshape(-1, x.shape[-1]), w) if b is not None else x.reshape(-1, x.shape[-1]) @ w
-                return y.view(*x.shape[:-1], w.shape[-1])
-            return F.linear(x, w, b)
-
-        class Region(torch.nn.Module):
-            def __init__(self, spec, fn):
-                super().__init__()
-                self.keel_names = []  # the package's parameter names: keel's, relative to the block
-                for name, dim, parts in spec:
-                    if name not in region.full:
-                        continue  # a bias the family does not have
-                    self.register_parameter(name.replace(".", "__"), region.local(name, dim, parts))
-                    self.keel_names.append(name)
-                self.fn = fn
-
-            def forward(self, x, position_embeddings=None):
-                p = {n: getattr(self, n.replace(".", "__")) for n in self.keel_names}
-                return self.fn(p, x, position_embeddings)
-
-        def attend(q, k, v, B, T):
-            qh = q.view(B, T, H, hd).transpose(1, 2)
-            kh = k.view(B, T, KV, hd).transpose(1, 2)
-            vh = v.view(B, T, KV, hd).transpose(1, 2)
-            return qh, kh, vh
-
-        def rotate_half(t):
-            a, b = t.chunk(2, dim=-1)
-            return torch.cat((-b, a), dim=-1)
-
-        col, row = (1, 0) if conv1d else (0, 1)  # the output and input dims of a dense weight
-        if self.model in ("gpt", "gpt2"):
-            a = "attn"
-            attn_spec = [(f"{a}.c_attn.weight", col, 3), (f"{a}.c_attn.bias", 0, 3), (f"{a}.c_proj.weight", row, 1)]
-
-            def attn_fn(p, x, _pos):
-                B, T = x.shape[0], x.shape[1]
-                q, k, v = dense(x, p[f"{a}.c_attn.weight"], p.get(f"{a}.c_attn.bias")).split(H * hd, dim=2)
-                qh, kh, vh = attend(q, k, v, B, T)
-                y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2).reshape(B, T, H * hd)
-                return dense(y, p[f"{a}.c_proj.weight"], None)
-
-            mlp_spec = [("mlp.c_fc.weight", col, 1), ("mlp.c_fc.bias", 0, 1), ("mlp.c_proj.weight", row, 1)]
-            # keel's gpt: exact GELU; gpt2: its config.json's (gelu_new and gelu_pytorch_tanh: tanh; gelu: exact)
-            act = getattr(job_config, "activation_function", "gelu_new") if self.model == "gpt2" else "gelu"
-            approximate = "none" if act == "gelu" else "tanh"
-
-            def mlp_fn(p, x, _pos):
-                h = F.gelu(dense(x, p["mlp.c_fc.weight"], p.get("mlp.c_fc.bias")), approximate=approximate)
-                return dense(h, p["mlp.c_proj.weight"], None)
-        else:  # llama: separate q, k, v, rotary angles, grouped-query heads, SwiGLU
-            a = "self_attn"
-            attn_spec = [(f"{a}.{n}.{w}", 0, 1) for n in ("q_proj", "k_proj", "v_proj") for w in ("weight", "bias")]
-            attn_spec.append((f"{a}.o_proj.weight", 1, 1))
-
-            def attn_fn(p, x, pos):
-                B, T = x.shape[0], x.shape[1]
-                q, k, v = (dense(x, p[f"{a}.{n}.weight"], p.get(f"{a}.{n}.bias")) for n in ("q_proj", "k_proj", "v_proj"))
-                qh, kh, vh = attend(q, k, v, B, T)
-                cos, sin = pos
-                qh = qh * cos + rotate_half(qh) * sin
-                kh = kh * cos + rotate_half(kh) * sin
-                if KV != H:
-                    kh = kh.repeat_interleave(H // KV, 1)
-                    vh = vh.repeat_interleave(H // KV, 1)
-                y = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True).transpose(1, 2).reshape(B, T, H * hd)
-                return dense(y, p[f"{a}.o_proj.weight"], None)
-
-            mlp_spec = [(f"mlp.{n}.{w}", 0, 1) for n in ("gate_proj", "up_proj") for w in ("weight", "bias")]
-            mlp_spec.append(("mlp.down_proj.weight", 1, 1))
-
-            def mlp_fn(p, x, _pos):
-                g = dense(x, p["mlp.gate_proj.weight"], p.get("mlp.gate_proj.bias"))
-                u = dense(x, p["mlp.up_proj.weight"], p.get("mlp.up_proj.bias"))
-                return dense(F.silu(g) * u, p["mlp.down_proj.weight"], None)
-
-        return Region(attn_spec, attn_fn), Region(mlp_spec, mlp_fn)
-
-
-def trace_tp_regions(job: Job) -> None:
-    """--granularity blocks --tp N: the block's attention and MLP regions as one tp rank computes
-    them (TpRegion), each traced by trace_unit: attention_forward/_backward (the input after
-    tp's enter, the whole sequence; llama's rotary cos and sin) and mlp_forward/_backward."""
-    t0 = time.perf_counter()
-    _block, x, extra = block_of(job)
-    attention, mlp = TpRegion(job, job.args.tp).modules()
-    job.models = {**trace_unit(job, "attention", attention, x, extra), **trace_unit(job, "mlp", mlp, x, {})}
-    job.timings["trace_s"] = time.perf_counter() - t0
-    job.forward_skipped = "--granularity blocks --tp"
     job.findings = {}
 
 
@@ -1995,7 +785,7 @@ def make_manifest(job: Job, out: str, staged: str, digest: str, options: dict, e
         "max_autotune": args.max_autotune,
         "grad_scale_input": args.grad_scale_input,
         "loss": "custom" if job.loss_fn else ("cross_entropy over the last dimension, mean over the targets other "
-                                              f"than {IGNORE_INDEX}, float32"),
+                                              f"than {python_front.IGNORE_INDEX}, float32"),
         "runtime": {
             "threads": job.threads if args.device == "cpu" else None,
             "deterministic_algorithms": args.deterministic,
@@ -2038,9 +828,8 @@ def package_and_publish(job: Job, files: dict, options: dict, env: dict, signatu
 
 
 def main(argv=None) -> int:
-    global IGNORE_INDEX
     args = parse_args(argv)
-    IGNORE_INDEX = args.ignore_index
+    python_front.IGNORE_INDEX = args.ignore_index
     t_start = time.perf_counter()
     threads, device = set_up_torch(args)
     loaded = load_model(args)
@@ -2052,10 +841,7 @@ def main(argv=None) -> int:
         job.ident["granularity"] = "blocks"
         if args.tp > 1:
             job.ident["tp"] = args.tp
-        if args.tp > 1 and not hasattr(job.module, "units"):
-            trace_tp_regions(job)
-        else:
-            trace_blocks(job)
+        trace_blocks(job)
     else:
         trace_train_step(job)
         trace_forward(job)

@@ -81,15 +81,7 @@ nlohmann::json model_config_json(const Config& cfg) {
   return j;
 }
 
-// The built-in models aot_package.py can rebuild in Python by name (--model: the twins).
-static bool has_python_twin(const std::string& model) {
-  return model == "mlp" || model == "cnn" || model == "gpt" || model == "gpt2" || model == "llama";
-}
-
-bool InductorRequest::traces() const {
-  const char* twin = std::getenv("KEEL_INDUCTOR_TWIN");
-  return module.empty() && !(has_python_twin(model) && twin && std::string(twin) == "1");
-}
+bool InductorRequest::traces() const { return module.empty(); }
 
 bool InductorRequest::traces_step() const { return traces() && granularity == "step"; }
 
@@ -125,13 +117,11 @@ GraphFile trace_step(models::Model& model, const torch::Tensor& input, const Ind
 }
 
 std::string InductorStep::cache_key(const InductorRequest& req) {
-  const std::string script = script_path();
-  const std::string dir = script.substr(0, script.find_last_of('/'));
-  std::string reference = dir + "/reference_models.py";
-  if (!is_file(reference)) reference = dir + "/../../tests/golden/reference_models.py";
+  std::string scripts;  // the packaging step's code: aot_package.py and its modules
+  for (const auto& f : script_files()) scripts += sha256_of_file(f) + " ";
   nlohmann::json k = {
       {"format", kFormat},
-      {"script", sha256_of_file(script)},
+      {"script", sha256_hex(scripts)},
       {"batch", req.batch},
       {"amp", req.amp},
       {"device", device_identity(req.device)},
@@ -142,15 +132,12 @@ std::string InductorStep::cache_key(const InductorRequest& req) {
       {"deterministic", req.cfg.deterministic},
       {"max_autotune", req.cfg.max_autotune},
   };
-  if (req.graph) {  // the traced graph is the model: its ops, shapes, dtypes and parameter names
-    k["graph"] = req.graph->fingerprint;
-  } else {  // packaged by name (blocks, tp regions): the model's config and its Python twin
-    k["reference_models"] = is_file(reference) ? sha256_of_file(reference) : std::string("none");
-    k["model"] = req.model;
-    k["model_config"] = req.model_config;
-  }
+  // The traced graph is the model: its ops, shapes, dtypes and parameter names (a Python module: below).
+  if (req.graph) k["graph"] = req.graph->fingerprint;
   if (req.grad_scale && req.amp != "fp16") k["grad_scale"] = true;  // fp16 implies it (packages of before kept)
   if (!req.module.empty()) {  // a Python module: its file's bytes, the batches, the evaluation forward
+    k["model"] = req.model;
+    k["model_config"] = req.model_config;  // what its factory is given (config=)
     k["module"] = req.module;
     k["module_sha256"] = sha256_of_file(req.module.substr(0, req.module.rfind(':')));
     k["example"] = req.example;
@@ -238,17 +225,16 @@ static void run_packaging(const InductorRequest& req, const std::string& dir, co
     const std::string graph = pt2.substr(0, pt2.size() - 4) + ".graph.json";
     req.graph->write(graph);
     argv.insert(argv.end(), {"--graph", graph});
-  } else if (req.module.empty())
-    argv.insert(argv.end(), {"--model", req.model});
-  else
+  } else {
     argv.insert(argv.end(), {"--module", req.module, "--example", req.example.dump()});
+  }
   if (req.granularity != "step") argv.insert(argv.end(), {"--granularity", req.granularity});
   if (req.tp > 1) argv.insert(argv.end(), {"--tp", std::to_string(req.tp)});
   if (req.eval_batch > 0)
     argv.insert(argv.end(), {"--eval-batch", std::to_string(req.eval_batch)});
   else
     argv.push_back("--no-forward");
-  if (!req.graph) argv.insert(argv.end(), {"--model-config", req.model_config.dump()});
+  if (!req.graph) argv.insert(argv.end(), {"--model-config", req.model_config.dump()});  // the module's factory
   argv.insert(argv.end(),
               {"--batch", std::to_string(req.batch), "--amp", req.amp, "--device",
                req.device.is_cuda() ? "cuda" : "cpu", "--threads", std::to_string(req.threads), "--out", pt2});
@@ -300,15 +286,10 @@ static bool wrote_package(const std::string& log, const std::string& pt2) {
 }
 
 PackageEntry fetch_package(const InductorRequest& req, CompileReport& report) {
-  if (!req.graph && !has_python_twin(req.model) && req.module.empty())
-    throw InputError(
-        "compile.mode = \"inductor\" packages the built-in models mlp, cnn, gpt, gpt2 and llama and Python modules "
-        "(model.name = \"python\"); model.name = \"" +
-        req.model + "\" is not one (use compile.mode = \"off\")");
-  if (req.granularity == "blocks" && !req.graph && req.model != "gpt" && req.model != "gpt2" && req.model != "llama")
-    throw InputError(
-        "compile.granularity = \"blocks\" packages the transformer block of gpt, gpt2 and llama; model.name = \"" +
-        req.model + "\" has none (use compile.granularity = \"step\")");
+  // What is packaged is a graph keel traced from the C++ model, or a user's Python module: never a
+  // model rebuilt in Python by name (issue 65).
+  if (!req.graph && req.module.empty())
+    throw std::logic_error("fetch_package: a request for model " + req.model + " without the graph traced from it");
   if (req.amp != "off" && req.amp != "bf16" && !(req.amp == "fp16" && req.device.is_cuda()))
     throw InputError("compile.mode = \"inductor\" with amp.dtype = \"" + req.amp + "\" on " + req.device.str() +
                      ": packages take off, bf16, and fp16 on CUDA (with the loss scale inside the package)");

@@ -38,7 +38,7 @@ namespace keel {
 
 /// What the packaging step compiles: one model at one static shape.
 struct InductorRequest {
-  std::string model;            // a built-in model: mlp | cnn | gpt; or "python" (with `module`)
+  std::string model;            // model.name (logs); "python" with `module`
   nlohmann::json model_config;  // the [model] section
   int64_t batch = 0;            // per-rank micro-batch of the training step
   int64_t ignore_index = -100;  // train.ignore_index: the packaged cross-entropy's (trainer/loss.h)
@@ -70,10 +70,11 @@ struct InductorRequest {
   /// backward, reused for every block of the model (trainer/compile/inductor_block.h).
   std::string granularity = "step";
   int64_t tp = 1;  // blocks under parallel.tp = N: the block's tensor-parallel regions, as one rank holds them
-  /// The training step as keel's C++ code computes it (trainer/compile/graph_file.h), traced by
-  /// PlacedModel::compile from the placed model with `loss` on a batch whose targets are
-  /// `example_target`: what the packaging step compiles, and what the cache is keyed by, for every
-  /// C++ model (built in or registered) at granularity "step". Unset: packaged by model name.
+  /// What keel's C++ code computes, traced from the placed model with `loss` on a batch whose
+  /// targets are `example_target`: at granularity "step" the training step (graph_file.h, traced by
+  /// PlacedModel::compile), at "blocks" the bundle of units (unit_trace.h, traced by
+  /// compile_blocks). What the packaging step compiles and what the cache is keyed by, for every C++
+  /// model (built in or registered). Unset only for a Python module (`module`).
   std::shared_ptr<const GraphFile> graph;
   std::function<torch::Tensor(const torch::Tensor&, const torch::Tensor&)> loss;
   torch::Tensor example_target;
@@ -84,12 +85,11 @@ struct InductorRequest {
   /// throws on a rank that did not refuse when another did (Run agrees over the ranks), so that no
   /// rank packages while another has refused. Empty: one process (keel compile).
   std::function<void(const std::string&)> agree_on_trace;
-  /// Whether the step is traced from the C++ model: a C++ model at granularity "step" (unless
-  /// KEEL_INDUCTOR_TWIN=1 asks for a built-in model's Python twin: the before/after comparison of
-  /// bench/bench.py while the twins remain for the block packages).
-  bool traces_step() const;
-  /// Whether the units of granularity "blocks" or the step are traced from the C++ model (as above).
+  /// Whether what is packaged is traced from the C++ model (every model but a Python module, which
+  /// the packaging step traces in Python): its step at granularity "step" (traces_step), its units
+  /// at "blocks" (compile_blocks).
   bool traces() const;
+  bool traces_step() const;
 };
 
 /// A loaded package as checkpoint.save_graph stores it (graph.pt2, graph.json).

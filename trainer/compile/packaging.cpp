@@ -106,6 +106,19 @@ std::string script_path() {
   }
 }
 
+std::vector<std::string> script_files() {
+  const std::string script = script_path();
+  const std::string dir = script.substr(0, script.find_last_of('/') + 1);
+  std::vector<std::string> files = {script};
+  for (const char* module : {"aot_common.py", "keel_graph.py", "python_front.py", "aot_checks.py"}) {
+    if (!is_file(dir + module))
+      throw std::runtime_error(std::string("compile.mode = \"inductor\": ") + dir + module +
+                               " is missing beside the packaging script " + script + " (an incomplete install?)");
+    files.push_back(dir + module);
+  }
+  return files;
+}
+
 std::string sha256_of_file(const std::string& path) {
   const std::string text = read_regular_file(path, uint64_t{1} << 34);
   return sha256_hex(text);

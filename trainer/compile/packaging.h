@@ -43,6 +43,9 @@ void check_runs_python(const CompileConfig& c, const std::string& log);
 std::string keel_script(const std::string& source_relative, const char* env_var);
 /// aot_package.py's path ($KEEL_AOT_SCRIPT first); throws as keel_script.
 std::string script_path();
+/// The packaging step's code: script_path() and the modules beside it that it imports
+/// (aot_common.py, keel_graph.py, python_front.py, aot_checks.py), which the cache key hashes.
+std::vector<std::string> script_files();
 std::string sha256_of_file(const std::string& path);
 /// The first line a shell command prints ("" if none): the C++ compiler's version for keys.
 std::string first_line_of(const std::string& cmd);

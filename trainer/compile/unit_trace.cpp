@@ -163,8 +163,14 @@ class Probe {
     std::string text;
     {
       TracingValues values(params.tensors);
-      text = graph_text(
-          *trace_unit([&f, n](const std::vector<torch::Tensor>& v) { return std::vector{f(v[n])}; }, in).graph);
+      const TracedUnit t =
+          trace_unit([&f, n](const std::vector<torch::Tensor>& v) { return std::vector{f(v[n])}; }, in);
+      if (!t.reads.empty())  // as trace_graph says it of block 0
+        throw GraphRefusal("compile.mode = \"inductor\": " + what +
+                           " cannot be compiled as traced: " + t.reads.front() +
+                           " reads a value out of a tensor on the host (item(), a branch on a tensor's value), which "
+                           "the graph would hold as a constant (compile.mode = \"off\" trains it eager)");
+      text = graph_text(*t.graph);
     }
     const auto it = seen_.find(unit);
     if (it == seen_.end()) {

@@ -141,7 +141,7 @@ void run_keys(SchemaBuilder& b) {
 void model_keys(SchemaBuilder& b) {
   using C = Config;
   b.add("model", &C::model, "name", &ModelConfig::name,
-        "model: mlp | cnn | gpt | gpt2 | llama (Hugging Face transformers' GPT2LMHeadModel and LlamaForCausalLM, "
+        "model: mlp | cnn | gpt | gpt2 | llama (Hugging Face GPT-2 and Llama causal language models, the "
         "same tensor names; sizes from model.init_from's config.json or the [model] keys) | torchscript | python (a "
         "PyTorch module, compiled: compile.mode = inductor) | a "
         "registered name");
@@ -385,12 +385,13 @@ void compile_keys(SchemaBuilder& b) {
   using C = Config;
   b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes,
         "off | trace (deprecated: forward as a TorchScript graph) | inductor (compiled ahead of time by Inductor, run "
-        "from C++: the whole training step, or each transformer block: compile.granularity)");
+        "from C++: the whole training step, or each block: compile.granularity; traced from the C++ model trained)");
   b.add("compile", &C::compile, "granularity", &CompileConfig::granularity, kCompileGranularities,
         "inductor: step (the whole training step, one package) | blocks (a transformer block's forward and backward, "
         "one package reused for every block, with the root's embedding, head and loss (eager under parallel.tp > 1); "
         "DDP's buckets overlap the backward, dist.zero = 3 gathers around each block; under parallel.tp > 1 the "
-        "block's regions between its collectives; gpt, gpt2, llama) | auto (blocks at dist.zero = 3 or parallel.tp > "
+        "block's regions between its collectives; gpt, gpt2, llama and registered models that declare their blocks; "
+        "every unit traced from the C++ model) | auto (blocks at dist.zero = 3 or parallel.tp > "
         "1, else step)");
   b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph,
         "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
