@@ -350,3 +350,25 @@ TEST(CompileGraph, TheBlockUnitsAreTracedFromTheModelAndABlockUnlikeBlock0IsRefu
   EXPECT_TRUE(contains(none, "model mlp's forward did not reach its blocks through BlockStructure::block_call"))
       << none;
 }
+
+// Issue 65 item 1: the packaging step's --check works on the graph keel traced: the package of the
+// traced mlp step against the graph's own replay in eager PyTorch on fresh inputs, every output
+// within its tolerance, written into the manifest.
+TEST(CompileGraph, ThePackagersCheckRunsOnTheTracedGraph) {
+  TempDir d;
+  torch::manual_seed(4);
+  auto model = mlp(16);
+  const keel::GraphFile g = trace_mlp(*model, torch::randn({4, 1, 28, 28}), torch::randint(0, 10, {4}));
+  g.write(d.file("step.graph.json"));
+  const auto r =
+      run_process({KEEL_PYTHON, source_path("trainer/compile/aot_package.py"), "--graph", d.file("step.graph.json"),
+                   "--out", d.file("step.pt2"), "--check", "--no-forward", "--threads", "1"},
+                  {}, 600);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_TRUE(contains(r.output, "check train_step: ") && contains(r.output, ": pass;")) << r.output;
+  const auto manifest = nlohmann::json::parse(read_text(d.file("step.json")));
+  EXPECT_TRUE(manifest.at("check").at("passed").get<bool>()) << manifest.dump();
+  EXPECT_EQ(manifest.at("check").at("models").at("train_step").at("outputs").size(),
+            1 + model->named_parameters().size())
+      << "the loss and every parameter's gradient compared";
+}
