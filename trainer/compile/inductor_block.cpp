@@ -409,7 +409,7 @@ void compile_root(models::Model& model, InductorBlock& block, const std::array<s
     if (!unit->fits(x)) return {};
     if (!*ran) {
       *ran = true;
-      logging::info("compile: the root's embeddings and head run from the package (tokens {})", embed->input_spec());
+      logging::info("compile: the root's embeddings and head run from the package (input {})", embed->input_spec());
     }
     return unit->forward(tensors[first ? 0 : 1], x);
   });
