@@ -401,18 +401,18 @@ void compile_root(models::Model& model, InductorBlock& block, const std::array<s
       tensors_named(embed->param_names(), params.root_names, params.root_tensors),
       tensors_named(head->param_names(), params.root_names, params.root_tensors)};
   auto ran = std::make_shared<bool>(false);  // said once
-  const bool ok = model.set_root_compiled([=](models::BlockStructure::RootPart part,
-                                              const torch::Tensor& x) -> torch::Tensor {
-    if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager root
-    const bool first = part == models::BlockStructure::RootPart::Embed;
-    const std::shared_ptr<InductorBlock>& unit = first ? embed : head;
-    if (!unit->fits(x)) return {};
-    if (!*ran) {
-      *ran = true;
-      logging::info("compile: the root's embeddings and head run from the package (input {})", embed->input_spec());
-    }
-    return unit->forward(tensors[first ? 0 : 1], x);
-  });
+  const bool ok =
+      model.set_root_compiled([=](models::BlockStructure::RootPart part, const torch::Tensor& x) -> torch::Tensor {
+        if (!torch::GradMode::is_enabled()) return {};  // evaluation: the eager root
+        const bool first = part == models::BlockStructure::RootPart::Embed;
+        const std::shared_ptr<InductorBlock>& unit = first ? embed : head;
+        if (!unit->fits(x)) return {};
+        if (!*ran) {
+          *ran = true;
+          logging::info("compile: the root's embeddings and head run from the package (input {})", embed->input_spec());
+        }
+        return unit->forward(tensors[first ? 0 : 1], x);
+      });
   if (!ok) return;
   auto said = std::make_shared<bool>(false);
   block.set_root_loss([loss, said](const torch::Tensor& logits, const torch::Tensor& target) -> torch::Tensor {
