@@ -54,7 +54,8 @@ TEST(PipelineSchedule, EveryScheduleIsValidAndRunsToItsEndAtPp2To4) {
 
 // The generators are PyTorch 2.11's: each rank's compute order equals what
 // torch.distributed.pipelining's schedule classes compute for the same pp, micro-batches and
-// virtual stages (their pipeline_order, printed by the venv's torch 2.11 with stand-in stages).
+// virtual stages (their pipeline_order, printed by the venv's torch 2.11 with stand-in stages; zbv at
+// 2 micro-batches for pp 2 drops the third it counts to, as PyTorch does).
 TEST(PipelineSchedule, TheComputeOrdersArePyTorchsOwn) {
   struct Golden {
     std::string name;
@@ -107,6 +108,39 @@ TEST(PipelineSchedule, TheComputeOrdersArePyTorchsOwn) {
         "0B2 4F5 0B3 4B4 4B5 2B4 2B5 0B4 0B5",
         "1F0 1F1 3F0 3F1 5F0 5B0 5F1 5B1 1F2 3B0 1F3 3B1 3F2 1B0 3F3 1B1 5F2 5B2 5F3 5B3 1F4 3B2 1F5 3B3 3F4 1B2 3F5 "
         "1B3 5F4 5B4 5F5 5B5 3B4 3B5 1B4 1B5"}},
+      {"zbv",
+       2,
+       4,
+       2,
+       {"0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3"}},
+      {"zbv",
+       3,
+       6,
+       2,
+       {"0F0 0F1 0F2 0F3 0F4 5F0 5I0 5W0 5F1 5I1 5W1 5F2 5I2 5W2 0F5 0I0 0W0 5F3 5I3 5W3 0I1 0W1 5F4 5I4 5W4 0I2 0W2 "
+        "5F5 5I5 5W5 0I3 0W3 0I4 0W4 0I5 0W5",
+        "1F0 1F1 1F2 4F0 1F3 4F1 4I0 4W0 4F2 4I1 4W1 1F4 1I0 1W0 4F3 4I2 4W2 1F5 1I1 1W1 4F4 4I3 4W3 1I2 1W2 4F5 4I4 "
+        "4W4 1I3 4I5 1I4 1W3 1I5 1W4 4W5 1W5",
+        "2F0 3F0 2F1 3F1 2F2 3F2 3I0 3W0 2F3 2I0 2W0 3F3 3I1 3W1 2F4 2I1 2W1 3F4 3I2 3W2 2F5 2I2 2W2 3F5 3I3 3W3 2I3 "
+        "3I4 2I4 3I5 2I5 2W3 3W4 3W5 2W4 2W5"}},
+      {"zbv",
+       2,
+       2,
+       2,
+       {"0F0 0F1 3F0 3I0 3W0 3F1 3I1 3W1 0I0 0W0 0I1 0W1", "1F0 2F0 1F1 2F1 2I0 2W0 1I0 1W0 2I1 2W1 1I1 1W1"}},
+      {"zbv",
+       4,
+       8,
+       2,
+       {"0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 7I3 7W3 0F7 0I0 0W0 7F4 7I4 7W4 0I1 0W1 "
+        "7F5 7I5 7W5 0I2 0W2 7F6 7I6 7W6 0I3 0W3 7F7 7I7 7W7 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7",
+        "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 6I2 6W2 1F6 1I0 1W0 6F4 6I3 6W3 1F7 1I1 1W1 6F5 6I4 "
+        "6W4 1I2 1W2 6F6 6I5 6W5 1I3 1W3 6F7 6I6 6W6 1I4 6I7 1I5 1W4 1I6 1W5 1I7 1W6 6W7 1W7",
+        "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 5I1 5W1 2F5 2I0 2W0 5F4 5I2 5W2 2F6 2I1 2W1 5F5 5I3 5W3 2F7 2I2 "
+        "2W2 5F6 5I4 5W4 2I3 2W3 5F7 5I5 5W5 2I4 5I6 2I5 5I7 2I6 2W4 2I7 2W5 5W6 5W7 2W6 2W7",
+        "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4 3I0 3W0 4F4 4I1 4W1 3F5 3I1 3W1 4F5 4I2 4W2 3F6 3I2 3W2 4F6 4I3 "
+        "4W3 3F7 3I3 3W3 4F7 4I4 4W4 3I4 4I5 3I5 4I6 3I6 4I7 3I7 3W4 4W5 4W6 4W7 3W5 3W6 3W7"}},
   };
   for (const auto& g : golden) {
     const pl::Schedule s = pl::make_schedule(g.name, g.pp, g.M, g.V);
@@ -184,6 +218,7 @@ TEST(PipelineSchedule, WhatDoesNotFitIsRefusedByName) {
       contains(refusal("1f1b", 4, 2, 1), "at least as many micro-batches as pp ranks: 2 micro-batches for pp 4"));
   EXPECT_TRUE(contains(refusal("zigzag", 2, 2, 1), "unknown schedule \"zigzag\" (known: gpipe, 1f1b,"));
   EXPECT_TRUE(contains(refusal("gpipe", 2, 2, 2), "runs one stage per rank, not 2"));
+  EXPECT_TRUE(contains(refusal("zbv", 2, 4, 3), "runs two stages per rank (a V), not 3"));
   EXPECT_TRUE(contains(refusal("interleaved", 2, 5, 2), "5 micro-batches do not split into 2 rounds at pp 2"));
 
   pl::Schedule s = pl::make_schedule("1f1b", 2, 2);

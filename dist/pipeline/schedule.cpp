@@ -110,6 +110,31 @@ std::vector<Action> interleaved(int rank, int P, int M, int V, bool zero_bubble)
   return ops;
 }
 
+// ZBV (PyTorch's ScheduleZBVZeroBubble): two stages per rank in a V (rank r holds r and 2P-1-r),
+// the backward split into input and weight gradients. Counted to max(2P - 1, M) micro-batches, the
+// actions of micro-batches past M then dropped, as PyTorch does.
+std::vector<Action> zbv(int rank, int P, int M) {
+  const int n = std::max(2 * P - 1, M), c0 = rank, c1 = 2 * P - 1 - rank;
+  int f0 = 0, f1 = 0, b0 = 0, b1 = 0;
+  std::vector<Action> ops;
+  const auto add = [&](int stage, Op op, int mb) { ops.push_back({stage, op, mb}); };
+  for (int k = 0; k < 2 * (P - rank) - 1; ++k) add(c0, Op::F, f0++);
+  for (int k = 0; k < rank; ++k) add(c1, Op::F, f1++), add(c0, Op::F, f0++);
+  for (int k = 0; k < P - rank; ++k) add(c1, Op::F, f1++), add(c1, Op::I, b1), add(c1, Op::W, b1), ++b1;
+  while (f1 < f0 || f0 < n) {
+    if (f0 < n) add(c0, Op::F, f0++);
+    add(c0, Op::I, b0), add(c0, Op::W, b0), ++b0;
+    add(c1, Op::F, f1++), add(c1, Op::I, b1), add(c1, Op::W, b1), ++b1;
+  }
+  int w0 = b0, w1 = b1;
+  for (int k = 0; k < rank; ++k) add(c0, Op::I, b0++), add(c1, Op::I, b1++);
+  for (int k = 0; k < P - rank; ++k) add(c0, Op::I, b0++), add(c0, Op::W, w0++);
+  while (w1 < b1) add(c1, Op::W, w1++);
+  while (w0 < b0) add(c0, Op::W, w0++);
+  ops.erase(std::remove_if(ops.begin(), ops.end(), [M](const Action& a) { return a.mb >= M; }), ops.end());
+  return ops;
+}
+
 // PyTorch's _add_send_recv: the ranks walked in turn; a rank's next compute action is placed once
 // what it reads is placed on that rank (its receive, or the adjacent stage there); a compute action
 // whose result another rank reads is followed by its send, and its receive appended to that rank.
@@ -176,7 +201,7 @@ std::string Schedule::table() const {
 }
 
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved", "looped-bfs", "interleaved-zb"};
+  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved", "looped-bfs", "interleaved-zb", "zbv"};
   return names;
 }
 
@@ -194,6 +219,8 @@ Schedule make_schedule(const std::string& name, int pp, int microbatches, int vi
   if (name == "1f1b" && microbatches < pp)
     throw std::invalid_argument("schedule 1f1b needs at least as many micro-batches as pp ranks: " +
                                 std::to_string(microbatches) + " micro-batches for pp " + std::to_string(pp));
+  if (name == "zbv" && virtual_stages != 2)
+    throw std::invalid_argument("schedule zbv runs two stages per rank (a V), not " + std::to_string(virtual_stages));
   const bool interleaving = name == "interleaved" || name == "interleaved-zb";
   if (interleaving && microbatches % std::max(1, microbatches / pp) != 0)
     throw std::invalid_argument("schedule " + name + " splits the micro-batches into rounds of pp: " +
@@ -204,12 +231,15 @@ Schedule make_schedule(const std::string& name, int pp, int microbatches, int vi
   s.pp = pp;
   s.stages = pp * virtual_stages;
   s.microbatches = microbatches;
-  for (int stage = 0; stage < s.stages; ++stage) s.stage_rank.push_back(stage % pp);  // loop style
+  for (int stage = 0; stage < s.stages; ++stage)  // loop style; zbv's V: r and 2pp - 1 - r
+    s.stage_rank.push_back(name == "zbv" && stage >= pp ? s.stages - 1 - stage : stage % pp);
   for (int r = 0; r < pp; ++r) {
     if (name == "gpipe")
       s.compute.push_back(gpipe(r, microbatches));
     else if (name == "1f1b")
       s.compute.push_back(one_f_one_b(r, pp, microbatches));
+    else if (name == "zbv")
+      s.compute.push_back(zbv(r, pp, microbatches));
     else if (name == "looped-bfs")
       s.compute.push_back(looped_bfs(r, pp, microbatches, virtual_stages));
     else
