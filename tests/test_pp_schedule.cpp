@@ -26,7 +26,7 @@ TEST(PipelineSchedule, EveryScheduleIsValidAndRunsToItsEndAtPp2To4) {
   for (const std::string& name : pl::schedule_names())
     for (int pp : {2, 3, 4})
       for (int mult : {1, 2, 3}) {
-        const int M = pp * mult, V = virtual_stages_of(name);
+        const int M = pp * mult + (name == "dualpipev" && mult == 1 ? pp : 0), V = virtual_stages_of(name);
         const std::string what = name + " at pp " + std::to_string(pp) + ", " + std::to_string(M) + " micro-batches";
         const pl::Schedule s = pl::make_schedule(name, pp, M, V);
         ASSERT_EQ(s.stages, pp * V) << what;
@@ -55,7 +55,8 @@ TEST(PipelineSchedule, EveryScheduleIsValidAndRunsToItsEndAtPp2To4) {
 // The generators are PyTorch 2.11's: each rank's compute order equals what
 // torch.distributed.pipelining's schedule classes compute for the same pp, micro-batches and
 // virtual stages (their pipeline_order, printed by the venv's torch 2.11 with stand-in stages; zbv at
-// 2 micro-batches for pp 2 drops the third it counts to, as PyTorch does).
+// 2 micro-batches for pp 2 drops the third it counts to, as PyTorch does; dualpipev's overlapped
+// pairs printed as their forward, then their backward).
 TEST(PipelineSchedule, TheComputeOrdersArePyTorchsOwn) {
   struct Golden {
     std::string name;
@@ -141,6 +142,39 @@ TEST(PipelineSchedule, TheComputeOrdersArePyTorchsOwn) {
         "2W2 5F6 5I4 5W4 2I3 2W3 5F7 5I5 5W5 2I4 5I6 2I5 5I7 2I6 2W4 2I7 2W5 5W6 5W7 2W6 2W7",
         "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4 3I0 3W0 4F4 4I1 4W1 3F5 3I1 3W1 4F5 4I2 4W2 3F6 3I2 3W2 4F6 4I3 "
         "4W3 3F7 3I3 3W3 4F7 4I4 4W4 3I4 4I5 3I5 4I6 3I6 4I7 3I7 3W4 4W5 4W6 4W7 3W5 3W6 3W7"}},
+      {"dualpipev",
+       2,
+       4,
+       2,
+       {"0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3"}},
+      {"dualpipev",
+       3,
+       6,
+       2,
+       {"0F0 0F1 0F2 0F3 0F4 5F0 5I0 5W0 5F1 5I1 5W1 5F2 0F5 5B2 5F3 0B0 5B3 5F4 0B1 5B4 5F5 0B2 5B5 0I3 0W3 0I4 0W4 "
+        "0I5 0W5",
+        "1F0 1F1 1F2 4F0 1F3 4F1 4I0 4W0 4F2 1F4 4B1 4F3 1B0 1F5 4B2 4F4 1B1 4B3 4F5 1B2 4B4 1B3 4I5 1I4 4W5 1I5 1W4 "
+        "1W5",
+        "2F0 3F0 2F1 3F1 2F2 3F2 2F3 3B0 3F3 2B0 2F4 3B1 3F4 2B1 2F5 3B2 3F5 2B2 3B3 2B3 3B4 2I4 3I5 2I5 2W4 3W5 2W5"}},
+      {"dualpipev",
+       2,
+       6,
+       2,
+       {"0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 0F4 3B2 3F3 0B1 0F5 3B3 3F4 0B2 3B4 3F5 0B3 3B5 0I4 0W4 0I5 0W5",
+        "1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 1F4 2B2 2F4 1B2 1F5 2B3 2F5 1B3 2B4 1B4 2I5 1I5 2W5 1W5"}},
+      {"dualpipev",
+       4,
+       10,
+       2,
+       {"0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 0F7 7B3 7F4 0B0 0F8 7B4 7F5 0B1 0F9 7B5 "
+        "7F6 0B2 7B6 7F7 0B3 7B7 7F8 0B4 7B8 7F9 0B5 7B9 0I6 0W6 0I7 0W7 0I8 0W8 0I9 0W9",
+        "1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 1F6 6B2 6F4 1B0 1F7 6B3 6F5 1B1 1F8 6B4 6F6 1B2 1F9 "
+        "6B5 6F7 1B3 6B6 6F8 1B4 6B7 6F9 1B5 6B8 1B6 6I9 1I7 6W9 1I8 1W7 1I9 1W8 1W9",
+        "2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 2F5 5B1 5F4 2B0 2F6 5B2 5F5 2B1 2F7 5B3 5F6 2B2 2F8 5B4 5F7 2B3 "
+        "2F9 5B5 5F8 2B4 5B6 5F9 2B5 5B7 2B6 5B8 2I7 5I9 2I8 2W7 2I9 5W9 2W8 2W9",
+        "3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4B0 4F4 3B0 3F5 4B1 4F5 3B1 3F6 4B2 4F6 3B2 3F7 4B3 4F7 3B3 3F8 4B4 4F8 "
+        "3B4 3F9 4B5 4F9 3B5 4B6 3B6 4B7 3B7 4I8 3I8 4I9 3I9 4W8 3W8 4W9 3W9"}},
   };
   for (const auto& g : golden) {
     const pl::Schedule s = pl::make_schedule(g.name, g.pp, g.M, g.V);
@@ -219,6 +253,7 @@ TEST(PipelineSchedule, WhatDoesNotFitIsRefusedByName) {
   EXPECT_TRUE(contains(refusal("zigzag", 2, 2, 1), "unknown schedule \"zigzag\" (known: gpipe, 1f1b,"));
   EXPECT_TRUE(contains(refusal("gpipe", 2, 2, 2), "runs one stage per rank, not 2"));
   EXPECT_TRUE(contains(refusal("zbv", 2, 4, 3), "runs two stages per rank (a V), not 3"));
+  EXPECT_TRUE(contains(refusal("dualpipev", 2, 3, 2), "at least as many micro-batches as stages (2 x pp): 3"));
   EXPECT_TRUE(contains(refusal("interleaved", 2, 5, 2), "5 micro-batches do not split into 2 rounds at pp 2"));
 
   pl::Schedule s = pl::make_schedule("1f1b", 2, 2);

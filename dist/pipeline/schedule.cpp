@@ -135,6 +135,52 @@ std::vector<Action> zbv(int rank, int P, int M) {
   return ops;
 }
 
+// DualPipeV (PyTorch's ScheduleDualPipeV, V-style stages): its overlapped forward-and-backward
+// pairs (OVERLAP_F_B) as the forward then the full backward, the order PyTorch's runtime runs their
+// sub-actions in; weight gradients from a FIFO of the input gradients deferred.
+std::vector<Action> dualpipev(int rank, int P, int M) {
+  const int c0 = rank, c1 = 2 * P - 1 - rank;
+  std::map<std::pair<int, Op>, int> count;  // (stage, F | I | W) -> the next micro-batch
+  std::deque<std::pair<int, int>> pending;  // (stage, mb) of input gradients awaiting their weights
+  std::vector<Action> ops;
+  const auto add = [&](int stage, Op op) {
+    const int mb = count[{stage, op == Op::B ? Op::I : op}];
+    ops.push_back({stage, op, mb});
+    if (op == Op::B) {  // a full backward takes the input's and the weights' micro-batch
+      ++count[{stage, Op::I}], ++count[{stage, Op::W}];
+      return;
+    }
+    if (op == Op::I) pending.emplace_back(stage, mb);
+    ++count[{stage, op}];
+  };
+  const auto weight = [&]() {
+    if (pending.empty()) return;
+    const auto [stage, mb] = pending.front();
+    pending.pop_front();
+    ops.push_back({stage, Op::W, mb});
+    ++count[{stage, Op::W}];
+  };
+  const auto overlap = [&](int f, int b) { add(f, Op::F), add(b, Op::B); };
+  for (int k = 0; k < (P - rank - 1) * 2; ++k) add(c0, Op::F);
+  for (int k = 0; k < rank + 1; ++k) add(c0, Op::F), add(c1, Op::F);
+  for (int k = 0; k < P - rank - 1; ++k) add(c1, Op::I), weight(), add(c1, Op::F);
+  for (int i = 0; i < M - 2 * P + rank + 1; ++i) {
+    overlap(c0, c1);  // the last rank's first pair is not overlapped in PyTorch: the same order
+    overlap(c1, c0);
+  }
+  for (int k = 0; k < P - rank - 1; ++k) add(c1, Op::B), overlap(c1, c0);
+  bool zb = false;
+  for (int i = 0; i < rank + 1; ++i) {
+    if (i == (rank + 1) / 2 && rank % 2 == 1) zb = true;
+    add(c1, zb ? Op::I : Op::B);
+    if (i == (rank + 1) / 2 && rank % 2 == 0) zb = true;
+    add(c0, zb ? Op::I : Op::B);
+  }
+  for (int k = 0; k < P - rank - 1; ++k) weight(), add(c0, zb ? Op::I : Op::B);
+  for (int k = 0; k < rank + 1; ++k) weight();
+  return ops;
+}
+
 // PyTorch's _add_send_recv: the ranks walked in turn; a rank's next compute action is placed once
 // what it reads is placed on that rank (its receive, or the adjacent stage there); a compute action
 // whose result another rank reads is followed by its send, and its receive appended to that rank.
@@ -201,7 +247,8 @@ std::string Schedule::table() const {
 }
 
 const std::vector<std::string>& schedule_names() {
-  static const std::vector<std::string> names = {"gpipe", "1f1b", "interleaved", "looped-bfs", "interleaved-zb", "zbv"};
+  static const std::vector<std::string> names = {"gpipe",          "1f1b", "interleaved", "looped-bfs",
+                                                 "interleaved-zb", "zbv",  "dualpipev"};
   return names;
 }
 
@@ -219,8 +266,13 @@ Schedule make_schedule(const std::string& name, int pp, int microbatches, int vi
   if (name == "1f1b" && microbatches < pp)
     throw std::invalid_argument("schedule 1f1b needs at least as many micro-batches as pp ranks: " +
                                 std::to_string(microbatches) + " micro-batches for pp " + std::to_string(pp));
-  if (name == "zbv" && virtual_stages != 2)
-    throw std::invalid_argument("schedule zbv runs two stages per rank (a V), not " + std::to_string(virtual_stages));
+  const bool v_style = name == "zbv" || name == "dualpipev";
+  if (v_style && virtual_stages != 2)
+    throw std::invalid_argument("schedule " + name + " runs two stages per rank (a V), not " +
+                                std::to_string(virtual_stages));
+  if (name == "dualpipev" && microbatches < 2 * pp)
+    throw std::invalid_argument("schedule dualpipev needs at least as many micro-batches as stages (2 x pp): " +
+                                std::to_string(microbatches) + " micro-batches for pp " + std::to_string(pp));
   const bool interleaving = name == "interleaved" || name == "interleaved-zb";
   if (interleaving && microbatches % std::max(1, microbatches / pp) != 0)
     throw std::invalid_argument("schedule " + name + " splits the micro-batches into rounds of pp: " +
@@ -232,7 +284,7 @@ Schedule make_schedule(const std::string& name, int pp, int microbatches, int vi
   s.stages = pp * virtual_stages;
   s.microbatches = microbatches;
   for (int stage = 0; stage < s.stages; ++stage)  // loop style; zbv's V: r and 2pp - 1 - r
-    s.stage_rank.push_back(name == "zbv" && stage >= pp ? s.stages - 1 - stage : stage % pp);
+    s.stage_rank.push_back(v_style && stage >= pp ? s.stages - 1 - stage : stage % pp);
   for (int r = 0; r < pp; ++r) {
     if (name == "gpipe")
       s.compute.push_back(gpipe(r, microbatches));
@@ -240,6 +292,8 @@ Schedule make_schedule(const std::string& name, int pp, int microbatches, int vi
       s.compute.push_back(one_f_one_b(r, pp, microbatches));
     else if (name == "zbv")
       s.compute.push_back(zbv(r, pp, microbatches));
+    else if (name == "dualpipev")
+      s.compute.push_back(dualpipev(r, pp, microbatches));
     else if (name == "looped-bfs")
       s.compute.push_back(looped_bfs(r, pp, microbatches, virtual_stages));
     else

@@ -6,7 +6,8 @@
 // would deadlock, or whose receives a peer sends in another order, is found before anything runs.
 //
 // Owns: the generators (PyTorch 2.11's torch.distributed.pipelining schedules, ported one for one:
-// GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble), the lowering that adds the
+// GPipe, 1F1B, Interleaved1F1B, LoopedBFS, InterleavedZeroBubble, ZBVZeroBubble, DualPipeV), the
+// lowering that adds the
 // sends and receives (PyTorch's _add_send_recv: receives are placed by their sender, so every pair
 // of ranks has one order), the checks of a schedule (each stage on one rank; every micro-batch's
 // forward once, its backward once, input before weight gradients), the simulator and the table
