@@ -4,7 +4,7 @@
 //   stages -> tensor parallel -> recompute -> compile -> data parallel
 //
 // (torchtitan's order, with pipeline stages first: each stage is then sharded, wrapped, compiled
-// and replicated on its own.) The types of trainer/compile/pipeline.h enforce the order:
+// and replicated on its own.) The types of trainer/compile/transforms.h enforce the order:
 // place() runs the first three (dist/stages.h, dist/tensor_parallel.h, dist/recompute.h), compile()
 // the fourth, distribute() the fifth (dist/ddp.h). TransformPlan checks it a second time at run
 // time and says what each transform did, for the log and for tests.

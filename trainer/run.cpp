@@ -215,7 +215,7 @@ void Run::build_model_and_data() {
                      " samples per rank and epoch, which it cannot run; set data.drop_last = true");
 }
 
-// The fixed init pipeline, place -> compile -> distribute (trainer/compile/pipeline.h), with
+// The fixed init pipeline, place -> compile -> distribute (trainer/compile/transforms.h), with
 // autocast around tracing so that the casts are part of the graph.
 void Run::compile_and_distribute() {
   const data::Batch first = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0));

@@ -21,8 +21,8 @@
 #include "keel/models/model.h"
 #include "keel/trainer/config/config.h"
 #include "trainer/compile/inductor.h"
-#include "trainer/compile/pipeline.h"
 #include "trainer/compile/python_model.h"
+#include "trainer/compile/transforms.h"
 
 namespace keel {
 

@@ -64,11 +64,14 @@ import tempfile
 import time
 import traceback
 
-import python_front
-from aot_checks import check_graph, deterministic_dry_run, op_name, run_check, trace
-from aot_common import EXIT_CHECK, EXIT_ERROR, EXIT_GRAPH_BREAK, EXIT_USAGE, Refusal, log, sha256_file
-from keel_graph import graph_model
-from python_front import blaming_user, check_logits, expected_logits, keel_cross_entropy, read_model_config, user_model, write_init
+# Its modules beside it, found also under `python -I` or PYTHONSAFEPATH (no script directory on sys.path).
+sys.path.insert(0, os.path.dirname(os.path.realpath(__file__)))
+
+import python_front  # noqa: E402
+from aot_checks import check_graph, deterministic_dry_run, op_name, run_check, trace  # noqa: E402
+from aot_common import EXIT_CHECK, EXIT_ERROR, EXIT_GRAPH_BREAK, EXIT_USAGE, Refusal, log, sha256_file  # noqa: E402
+from keel_graph import graph_model  # noqa: E402
+from python_front import blaming_user, check_logits, expected_logits, keel_cross_entropy, read_model_config, user_model, write_init  # noqa: E402
 
 
 FORMAT = "keel-aoti-step/1"

@@ -12,7 +12,7 @@
 // gradients to autograd, so c10d's Reducer (buckets, comm hooks, ZeRO stage 2, accumulation),
 // the GradScaler's scaling and everything after backward work exactly as in eager mode.
 // Parameters stay keel's C++ tensors, passed in as inputs every step (never baked in).
-// Does not own: the decision to use it or to fall back to eager (trainer/compile/pipeline.h,
+// Does not own: the decision to use it or to fall back to eager (trainer/compile/transforms.h,
 // the trainer), evaluation (eager, the same parameters).
 #pragma once
 

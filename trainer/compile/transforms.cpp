@@ -1,4 +1,4 @@
-#include "trainer/compile/pipeline.h"
+#include "trainer/compile/transforms.h"
 
 #include "common/log.h"
 #include "dist/fsdp.h"

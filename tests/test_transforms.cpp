@@ -5,7 +5,7 @@
 
 #include "dist/mesh.h"
 #include "dist/transform_plan.h"
-#include "trainer/compile/pipeline.h"
+#include "trainer/compile/transforms.h"
 
 using keel::CompiledModel;
 using keel::DistributedModel;
@@ -50,12 +50,12 @@ static_assert(!std::is_copy_constructible_v<DistributedModel>);
 static_assert(!std::is_constructible_v<CompiledModel, std::shared_ptr<keel::models::Model>>);
 static_assert(!std::is_constructible_v<DistributedModel, std::shared_ptr<keel::models::Model>>);
 
-TEST(Pipeline, TypesEnforceTheOrder) {
+TEST(Transforms, TypesEnforceTheOrder) {
   // The static_asserts above are the test; this records that they were compiled.
   SUCCEED();
 }
 
-TEST(Pipeline, RunsEndToEndOnOneProcess) {
+TEST(Transforms, RunsEndToEndOnOneProcess) {
   keel::ModelConfig mc;
   mc.name = "mlp";
   auto coll = std::make_shared<keel::dist::Collectives>(
@@ -70,7 +70,7 @@ TEST(Pipeline, RunsEndToEndOnOneProcess) {
 
 // place -> compile -> distribute are the five transforms in their one order, each recording what
 // it did to the model.
-TEST(Pipeline, TheTransformsRunInTheirOneOrderAndSayWhatEachDid) {
+TEST(Transforms, TheTransformsRunInTheirOneOrderAndSayWhatEachDid) {
   keel::ModelConfig mc;
   mc.name = "mlp";
   auto coll = std::make_shared<keel::dist::Collectives>(
@@ -92,7 +92,7 @@ TEST(Pipeline, TheTransformsRunInTheirOneOrderAndSayWhatEachDid) {
 }
 
 // The record refuses a transform out of its place: a second line behind the types.
-TEST(Pipeline, ATransformOutOfOrderIsRefusedNamingBoth) {
+TEST(Transforms, ATransformOutOfOrderIsRefusedNamingBoth) {
   using keel::dist::Transform;
   auto refused = [](keel::dist::TransformPlan& p, Transform t) -> std::string {
     try {
@@ -118,7 +118,7 @@ TEST(Pipeline, ATransformOutOfOrderIsRefusedNamingBoth) {
 // A mesh whose pp axis is larger than 1 reaches a transform that is not there yet: placing on it
 // fails naming the axis, instead of training the whole model on every rank unnoticed. (tp > 1
 // shards the model: tests/test_tp_ops.cpp.)
-TEST(Pipeline, PlacingOnAMeshWithPipelineStagesIsRefusedUntilThatTransformExists) {
+TEST(Transforms, PlacingOnAMeshWithPipelineStagesIsRefusedUntilThatTransformExists) {
   keel::ModelConfig mc;
   mc.name = "mlp";
   keel::dist::World world;
@@ -146,7 +146,7 @@ class StuckModel : public keel::models::Model {
   torch::Tensor w_ = torch::zeros({2});
 };
 
-TEST(Pipeline, PlaceNamesATensorLeftOnAnotherDevice) {
+TEST(Transforms, PlaceNamesATensorLeftOnAnotherDevice) {
   try {
     keel::place(std::make_shared<StuckModel>(), torch::Device(torch::kMeta));
     FAIL() << "expected an error";

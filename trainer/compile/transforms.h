@@ -1,4 +1,4 @@
-// trainer/compile/pipeline.h: the only way to get a trainable distributed model:
+// trainer/compile/transforms.h: the only way to get a trainable distributed model:
 //
 //   auto dm = keel::place(model, device, mesh) // PlacedModel:   this rank's stage, its tp shard,
 //                                              //   recompute wrapped, every tensor on `device`
@@ -11,7 +11,7 @@
 //
 // Each stage is a distinct type that offers only the next step, and each step consumes its
 // stage (&&-qualified), so compiling after DDP, distributing before placement or compiling
-// twice do not compile (tests/test_pipeline.cpp proves it with type traits). The compile stage
+// twice do not compile (tests/test_transforms.cpp proves it with type traits). The compile stage
 // sees one model on one device and no ranks, so a package is built once and shared by every
 // rank, and no collective is ever inside a compiled graph (docs/concepts.md).
 //
