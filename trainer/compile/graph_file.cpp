@@ -85,6 +85,13 @@ TracedUnit trace_unit(const UnitFn& fn, const std::vector<torch::Tensor>& inputs
   return t;
 }
 
+void refuse_reads(const TracedUnit& t, const std::string& what) {
+  if (!t.reads.empty())
+    refuse_unit(what, t.reads.front() +
+                          " reads a value out of a tensor on the host (item(), a branch on a tensor's value), which "
+                          "the graph would hold as a constant");
+}
+
 torch::Tensor other_values(const torch::Tensor& x) {
   if (x.is_floating_point()) return torch::randn_like(x);
   const int64_t hi = std::max<int64_t>(2, x.max().item<int64_t>() + 1);
@@ -401,10 +408,7 @@ GraphFile trace_graph(const UnitFn& fn, const std::vector<torch::Tensor>& inputs
   TracedUnit first;
   try {
     first = trace_unit(fn, inputs);
-    if (!first.reads.empty())
-      refuse(first.reads.front() +
-             " reads a value out of a tensor on the host (item(), a branch on a tensor's value), "
-             "which the graph would hold as a constant");
+    refuse_reads(first, what);
     if (!first.warnings.empty()) refuse("the tracer warned: " + first.warnings.front());
     if (vary_data) {
       for (size_t i = 0; i < names.size(); ++i)

@@ -59,6 +59,10 @@ struct TracedUnit {
 };
 TracedUnit trace_unit(const UnitFn& fn, const std::vector<torch::Tensor>& inputs);
 
+/// Throws GraphRefusal for `what` when `t` read a value out of a tensor on the host (item() and
+/// its kin): whatever the code did with it would be a constant of the graph.
+void refuse_reads(const TracedUnit& t, const std::string& what);
+
 /// A tensor of x's shape and dtype with other values (random; class indices below x's maximum + 1).
 torch::Tensor other_values(const torch::Tensor& x);
 /// The inputs a second-input check traces again from: other values and, for floating-point x, -x

@@ -271,36 +271,6 @@ std::vector<torch::Tensor> InductorBlock::run_backward(const std::vector<torch::
 
 namespace {
 
-// Each block's parameter names, relative to the block, and the tensors, in the model's order;
-// and the root's (every parameter in no block: embeddings, final norm, an untied head).
-struct BlockParameters {
-  std::vector<std::vector<std::string>> names;
-  std::vector<std::vector<torch::Tensor>> tensors;
-  std::vector<std::string> root_names, root_specs;
-  std::vector<torch::Tensor> root_tensors;
-};
-
-BlockParameters block_parameters(const models::Model& model, const std::vector<std::string>& prefixes) {
-  BlockParameters b;
-  b.names.resize(prefixes.size());
-  b.tensors.resize(prefixes.size());
-  for (const auto& [name, p] : model.named_parameters()) {
-    bool in_block = false;
-    for (size_t i = 0; i < prefixes.size() && !in_block; ++i)
-      if (name.rfind(prefixes[i], 0) == 0) {
-        b.names[i].push_back(name.substr(prefixes[i].size()));
-        b.tensors[i].push_back(p);
-        in_block = true;
-      }
-    if (!in_block) {
-      b.root_names.push_back(name);
-      b.root_specs.push_back(tensor_spec(p));
-      b.root_tensors.push_back(p);
-    }
-  }
-  return b;
-}
-
 // The tensors of a unit's parameters `wanted`, each found by name among `names` (a block's, or the
 // root's) and taken from `tensors`, in the unit's order (read_signature checked they are there).
 std::vector<torch::Tensor> tensors_named(const std::vector<std::string>& wanted, const std::vector<std::string>& names,
@@ -463,13 +433,14 @@ std::shared_ptr<InductorBlock> compile_blocks(models::Model& model, const Induct
     if (first.names[i] != first.names[0])
       throw InputError("compile.granularity = \"blocks\": block " + prefixes[i] + " has other parameters than " +
                        prefixes[0] + " (one package serves blocks of one shape)");
-  std::vector<std::string> specs;
+  std::vector<std::string> specs, root_specs;
   for (const auto& t : first.tensors[0]) specs.push_back(tensor_spec(t));
+  for (const auto& t : first.root_tensors) root_specs.push_back(tensor_spec(t));
   if (req.tp > 1) return compile_regions(model, req, first, specs, report, max_recompiles);
   const auto units = InductorBlock::load_units(req,
                                                {{"block", first.names[0], specs},
-                                                {"embed", first.root_names, first.root_specs},
-                                                {"head", first.root_names, first.root_specs},
+                                                {"embed", first.root_names, root_specs},
+                                                {"head", first.root_names, root_specs},
                                                 {"loss", {}, {}}},
                                                *report);
   const std::shared_ptr<InductorBlock>& block = units[0];

@@ -119,10 +119,12 @@ def run_graph(g: dict, inputs: list, constants: list, device):
     return [graph_value(a, vals, constants, device) for a in g["outputs"]]
 
 
-class UnitReplay:
-    """Marks a module that replays a unit keel traced: its autocast casts are in the graph, so the
-    tracing here applies none (partition_block)."""
-    traced_autocast = True
+def stand_in(spec: dict):
+    """A parameter of the graph input `spec`'s shape and dtype, with values of its own: the package
+    takes keel's as inputs."""
+    import torch
+
+    return torch.nn.Parameter(torch.randn(spec["shape"], dtype=getattr(torch, spec["dtype"])) * 0.02)
 
 
 def graph_units(g: dict, tensors, dev):
@@ -132,15 +134,16 @@ def graph_units(g: dict, tensors, dev):
     container.units: name -> (module, example input, {name: extra input}, the extra's kind)."""
     import torch
 
-    class Unit(torch.nn.Module, UnitReplay):
+    class Unit(torch.nn.Module):
+        traced_autocast = True  # its casts are in the graph: partition_block applies no autocast
+
         def __init__(self, u, constants):
             super().__init__()
             self.u, self.constants = u, constants
             self.keel_names = [i["name"] for i in u["inputs"] if i["kind"] == "parameter"]
             for i in u["inputs"]:
-                if i["kind"] == "parameter":  # values of its own: the package takes keel's as inputs
-                    t = torch.randn(i["shape"], dtype=getattr(torch, i["dtype"])) * 0.02
-                    self.register_parameter(i["name"].replace(".", "__"), torch.nn.Parameter(t))
+                if i["kind"] == "parameter":
+                    self.register_parameter(i["name"].replace(".", "__"), stand_in(i))
 
         def forward(self, x, position_embeddings=(), constants=None):  # partition_block passes the extras so
             extra, inputs = list(position_embeddings), []
@@ -214,9 +217,8 @@ def graph_model(path: str, device: str):
             if part not in m._modules:
                 m.add_module(part, torch.nn.Module())
             m = m._modules[part]
-        if spec["kind"] == "parameter":  # values of its own: the package takes keel's as inputs
-            t = torch.randn(spec["shape"], dtype=getattr(torch, spec["dtype"])) * 0.02
-            m.register_parameter(leaf, torch.nn.Parameter(t))
+        if spec["kind"] == "parameter":
+            m.register_parameter(leaf, stand_in(spec))
         else:
             m.register_buffer(leaf, examples[spec["name"]].clone())
     x, y = examples["input"], examples["target"]

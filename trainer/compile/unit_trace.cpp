@@ -44,20 +44,23 @@ struct Named {
   std::vector<torch::Tensor> tensors;
 };
 
+// The unit `f` on input n of its inputs (its parameters come first).
+UnitFn on_input(const BlockStructure::BlockFunction& f, size_t n) {
+  return [&f, n](const std::vector<torch::Tensor>& v) { return std::vector<torch::Tensor>{f(v[n])}; };
+}
+
+// A unit's graph inputs: its parameters, then its input `x`.
+std::vector<torch::Tensor> with_input(std::vector<torch::Tensor> params, const torch::Tensor& x) {
+  params.push_back(x.detach());
+  return params;
+}
+
 class Probe {
  public:
-  Probe(models::Model& model, BlockStructure& bs) : model_(model), bs_(bs), prefixes_(model.block_prefixes()) {
-    blocks_.resize(prefixes_.size());
-    for (const auto& [name, p] : model.named_parameters()) {
-      bool in_block = false;
-      for (size_t i = 0; i < prefixes_.size() && !in_block; ++i)
-        if (name.rfind(prefixes_[i], 0) == 0) {
-          blocks_[i].names.push_back(name.substr(prefixes_[i].size()));
-          blocks_[i].tensors.push_back(p);
-          in_block = true;
-        }
-      if (!in_block) root_.names.push_back(name), root_.tensors.push_back(p);
-    }
+  explicit Probe(models::Model& model) : model_(model), prefixes_(model.block_prefixes()) {
+    BlockParameters p = block_parameters(model, prefixes_);
+    for (size_t i = 0; i < prefixes_.size(); ++i) blocks_.push_back({std::move(p.names[i]), std::move(p.tensors[i])});
+    root_ = {std::move(p.root_names), std::move(p.root_tensors)};
   }
 
   // Block i's computation (between its hooks): block 0 traced, every other one's graph compared.
@@ -129,10 +132,8 @@ class Probe {
 
   // The subset of `all` that `f` reads on `x` (a trace's inputs that have uses).
   static Named used_by(const BlockStructure::BlockFunction& f, const torch::Tensor& x, const Named& all) {
-    std::vector<torch::Tensor> in = all.tensors;
-    in.push_back(x.detach());
     const size_t n = all.tensors.size();
-    const TracedUnit t = trace_unit([&f, n](const std::vector<torch::Tensor>& v) { return std::vector{f(v[n])}; }, in);
+    const TracedUnit t = trace_unit(on_input(f, n), with_input(all.tensors, x));
     Named used;
     const auto inputs = t.graph->inputs();
     for (size_t k = 0; k < n; ++k)
@@ -143,33 +144,22 @@ class Probe {
   void add(const std::string& unit, const Named& params, const BlockStructure::BlockFunction& f, const torch::Tensor& x,
            const std::string& what) {
     TracingValues values(params.tensors);
-    std::vector<torch::Tensor> in = params.tensors;
     std::vector<GraphInput> names;
     for (const auto& n : params.names) names.push_back({n, "parameter"});
-    in.push_back(x.detach());
     names.push_back({"input", "input"});
-    const size_t n = params.tensors.size();
-    units_.emplace_back(unit, trace_graph([&f, n](const std::vector<torch::Tensor>& v) { return std::vector{f(v[n])}; },
-                                          in, names, what, /*vary_data=*/true));
+    units_.emplace_back(unit, trace_graph(on_input(f, params.tensors.size()), with_input(params.tensors, x), names,
+                                          what, /*vary_data=*/true));
   }
 
   // Unit `unit` of block i: block 0's traced and checked; another block's graph must be block 0's
   // (its own parameters in the same places), as one package serves them all.
   void same_as_block_0(const std::string& unit, size_t i, const Named& params, const BlockStructure::BlockFunction& f,
                        const torch::Tensor& x, const std::string& what) {
-    std::vector<torch::Tensor> in = params.tensors;
-    in.push_back(x.detach());
-    const size_t n = params.tensors.size();
     std::string text;
     {
       TracingValues values(params.tensors);
-      const TracedUnit t =
-          trace_unit([&f, n](const std::vector<torch::Tensor>& v) { return std::vector{f(v[n])}; }, in);
-      if (!t.reads.empty())  // as trace_graph says it of block 0
-        throw GraphRefusal("compile.mode = \"inductor\": " + what +
-                           " cannot be compiled as traced: " + t.reads.front() +
-                           " reads a value out of a tensor on the host (item(), a branch on a tensor's value), which "
-                           "the graph would hold as a constant (compile.mode = \"off\" trains it eager)");
+      const TracedUnit t = trace_unit(on_input(f, params.tensors.size()), with_input(params.tensors, x));
+      refuse_reads(t, what);  // as trace_graph refuses them in block 0
       text = graph_text(*t.graph);
     }
     const auto it = seen_.find(unit);
@@ -186,7 +176,6 @@ class Probe {
   }
 
   models::Model& model_;
-  BlockStructure& bs_;
   std::vector<std::string> prefixes_;
   std::vector<Named> blocks_;
   Named root_;
@@ -219,7 +208,7 @@ GraphFile trace_block_units(models::Model& model, const torch::Tensor& input, co
                      " has no blocks (a model declares them with keel::models::BlockStructure)");
   if (bs->block_compiled || bs->region_compiled || bs->root_compiled)
     throw std::logic_error("trace_block_units: model " + model.name() + " already runs compiled units");
-  Probe probe(model, *bs);
+  Probe probe(model);
   torch::Tensor logits;
   {
     KeepSeams keep{*bs};
@@ -246,6 +235,23 @@ GraphFile trace_block_units(models::Model& model, const torch::Tensor& input, co
   if (!regions) probe.loss(loss, logits, target);
   auto units = probe.take(regions ? std::vector<std::string>{"attention", "mlp"} : std::vector<std::string>{"block"});
   return bundle_units(std::move(units));
+}
+
+BlockParameters block_parameters(const models::Model& model, const std::vector<std::string>& prefixes) {
+  BlockParameters b;
+  b.names.resize(prefixes.size());
+  b.tensors.resize(prefixes.size());
+  for (const auto& [name, p] : model.named_parameters()) {
+    bool in_block = false;
+    for (size_t i = 0; i < prefixes.size() && !in_block; ++i)
+      if (name.rfind(prefixes[i], 0) == 0) {
+        b.names[i].push_back(name.substr(prefixes[i].size()));
+        b.tensors[i].push_back(p);
+        in_block = true;
+      }
+    if (!in_block) b.root_names.push_back(name), b.root_tensors.push_back(p);
+  }
+  return b;
 }
 
 GraphFile bundle_units(std::vector<std::pair<std::string, GraphFile>> units) {

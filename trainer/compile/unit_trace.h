@@ -39,6 +39,17 @@ using LossFn = std::function<torch::Tensor(const torch::Tensor&, const torch::Te
 GraphFile trace_block_units(models::Model& model, const torch::Tensor& input, const torch::Tensor& target,
                             const LossFn& loss, bool regions);
 
+/// Each block's parameter names, relative to the block, and the tensors, in the model's order (the
+/// blocks as `prefixes` name them); and the root's (every parameter in no block: embeddings, final
+/// norm, an untied head).
+struct BlockParameters {
+  std::vector<std::vector<std::string>> names;
+  std::vector<std::vector<torch::Tensor>> tensors;
+  std::vector<std::string> root_names;
+  std::vector<torch::Tensor> root_tensors;
+};
+BlockParameters block_parameters(const models::Model& model, const std::vector<std::string>& prefixes);
+
 /// Named unit graphs as one file: {"format": "keel-graphs/1", "units": {name: the unit's keel-graph/1
 /// JSON with "tensor_base", where its tensors start}}; the tensors one after the other; the
 /// fingerprint the SHA-256 of the units' names and fingerprints.
