@@ -635,7 +635,8 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
 struct PendingStep::Impl {
   int64_t step = 0, plan = 0, seq = 0, fingerprint = 0;
   torch::Tensor found_inf;
-  HostCopy record;  // [world, 7] int64: each rank's (fingerprint, step, plan, loss bits, nonfinite, compute us, flags)
+  HostCopy record;  // [world, 8] int64: each rank's (fingerprint, step, plan, loss bits, nonfinite, compute us, flags,
+                    // weight bits)
   c10::intrusive_ptr<c10d::Work> work;  // waited for by the host only at resolve() (a GPU group)
 };
 
@@ -652,16 +653,16 @@ Collectives::Desc Collectives::step_desc(int64_t step, uint64_t plan, int64_t se
   d.seq = seq;
   d.what = "per-step consensus";
   d.dtype = static_cast<int64_t>(torch::kLong);
-  d.numel = 7;
+  d.numel = 8;
   return d;
 }
 
 // The record built on the host, exchanged and read at once (dist.consensus = step).
 StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
-                                     uint32_t flags) {
+                                     uint32_t flags, double weight) {
   if (!group_->pg()) {  // one process: nothing to agree on
     StepConsensus c;
-    c.mean_loss = loss;
+    c.mean_loss = weight > 0 ? loss : std::nan("");
     c.any_nonfinite = nonfinite;
     c.rank_compute_ms = {compute_ms};
     c.any_flags = c.all_flags = flags;
@@ -671,11 +672,12 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   d.issued = std::chrono::steady_clock::now();
   observe_start(d);
   const int64_t f = static_cast<int64_t>(fingerprint(d.words())), p = d.extra;
-  int64_t loss_bits;
+  int64_t loss_bits, weight_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
-  auto mine = torch::tensor(
-      {f, step, p, loss_bits, int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
-      torch::kLong);
+  std::memcpy(&weight_bits, &weight, sizeof weight);
+  auto mine = torch::tensor({f, step, p, loss_bits, int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0),
+                             int64_t(flags), weight_bits},
+                            torch::kLong);
   std::vector<torch::Tensor> out;
   wait(start_all_gather(*group_->pg(), size(), on_comm_device(mine), out), d);
   return read_step(torch::stack(out).cpu(), f, step, nullptr);
@@ -684,7 +686,8 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
 // No separate validation round: the record itself carries the step and plan, and is checked when
 // it is resolved; until then found_inf() holds back the update of a rank that disagrees.
 PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch::Tensor& loss,
-                                       const torch::Tensor& nonfinite, double compute_ms, uint32_t flags) {
+                                       const torch::Tensor& nonfinite, double compute_ms, uint32_t flags,
+                                       double weight) {
   PendingStep p;
   p.impl_ = std::make_shared<PendingStep::Impl>();
   auto& im = *p.impl_;
@@ -697,13 +700,16 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
   im.fingerprint = static_cast<int64_t>(fingerprint(d.words()));
   const torch::Device dev = group_->pg() ? group_->comm_device() : loss.device();
   // The host's fields travel through pinned memory without a wait; the device's stay there.
-  auto host = torch::tensor({im.fingerprint, step, im.plan, static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags)},
-                            torch::kLong);
+  int64_t weight_bits;
+  std::memcpy(&weight_bits, &weight, sizeof weight);
+  auto host = torch::tensor(
+      {im.fingerprint, step, im.plan, static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags), weight_bits},
+      torch::kLong);
   const torch::Tensor fields =
       dev.is_cpu() ? host : host.pin_memory().to(torch::TensorOptions().device(dev), /*non_blocking=*/true);
   const torch::Tensor loss_bits = loss.detach().reshape({1}).to(dev).to(torch::kDouble).contiguous().view(torch::kLong);
   const torch::Tensor bad = nonfinite.detach().reshape({1}).to(dev).ne(0).to(torch::kLong);
-  const torch::Tensor mine = torch::cat({fields.slice(0, 0, 3), loss_bits, bad, fields.slice(0, 3, 5)});
+  const torch::Tensor mine = torch::cat({fields.slice(0, 0, 3), loss_bits, bad, fields.slice(0, 3, 6)});
   torch::Tensor all;
   if (!group_->pg()) {
     all = mine.unsqueeze(0);
@@ -750,20 +756,23 @@ StepConsensus Collectives::resolve(PendingStep& pending, double* local_loss) {
   return read_step(im.record.get(), im.fingerprint, im.step, local_loss);
 }
 
-// Every rank's record ([world, 7] int64 on the host): the consensus, or CollectiveMismatch naming
-// each rank's step and plan when a fingerprint differs from this rank's (`mine`).
+// Every rank's record ([world, 8] int64 on the host): the consensus, or CollectiveMismatch naming
+// each rank's step and plan when a fingerprint differs from this rank's (`mine`). The mean loss
+// is Σ weight·loss / Σ weight (with every weight 1, exactly the plain mean: 1·l is l, Σ1 is n).
 StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const {
   const int64_t n = all.size(0);
   StepConsensus c;
   bool agree = true;
-  double sum = 0;
+  double sum = 0, weights = 0;
   c.all_flags = ~0u;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t* w = all[r].data_ptr<int64_t>();
     agree &= (w[0] == mine);
-    double l;
+    double l, weight;
     std::memcpy(&l, &w[3], sizeof l);
-    sum += l;
+    std::memcpy(&weight, &w[7], sizeof weight);
+    if (weight != 0) sum += weight * l;  // a weightless rank's loss (none computed) counts for nothing, NaN or not
+    weights += weight;
     if (local_loss && r == (group_->pg() ? rank() : 0)) *local_loss = l;
     c.any_nonfinite |= (w[4] != 0);
     c.rank_compute_ms.push_back(static_cast<double>(w[5]) / 1000.0);
@@ -780,7 +789,7 @@ StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int
     os << "\nall ranks must run the same number of micro-batches per step over the same parameters";
     throw CollectiveMismatch(os.str());
   }
-  c.mean_loss = sum / static_cast<double>(n);
+  c.mean_loss = weights > 0 ? sum / weights : std::nan("");
   return c;
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 
 #include <torch/cuda.h>
@@ -73,6 +74,25 @@ TEST(Cli, CommandLineStepsOrEpochsReplaceTheFilesOther) {
   expect_input_error(run_keel({"train", "--train.steps=20", "--train.epochs=3"}), "not both");
   write_text(d.file("both.toml"), "[train]\nsteps = 7\nepochs = 2\n");
   expect_input_error(run_keel({"train", "--config", d.file("both.toml")}), "not both");
+}
+
+// `keel train --print-schedule` prints the pipeline schedule of the config's keys without training
+// (issue 66 item 3): each rank's actions with the sends and receives, and the simulator's verdict;
+// a schedule that cannot be made exits 2 naming the keys, at pp = 1 too, where validate() lets
+// the pipeline keys be.
+TEST(Cli, PrintScheduleShowsEachRanksActionsAndTheSimulation) {
+  TempDir d;
+  auto r = run_keel({"train", "--model.name=gpt", "--parallel.pp=2", "--parallel.pp_schedule=gpipe",
+                     "--train.grad_accum=2", "--run.dir=" + d.file("run"), "--print-schedule"});
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+  EXPECT_NE(r.output.find("gpipe: pp 2, 2 stages, 2 micro-batches\n"
+                          "rank 0: 0F0 0SEND_F0 0F1 0SEND_F1 0RECV_B0 0B0 0RECV_B1 0B1\n"),
+            std::string::npos)
+      << r.output;
+  EXPECT_NE(r.output.find("peak micro-batches in flight per rank: 2 2"), std::string::npos) << r.output;
+  EXPECT_FALSE(std::filesystem::exists(d.file("run"))) << "--print-schedule trained";
+  expect_input_error(run_keel({"train", "--model.name=gpt", "--parallel.pp_schedule=dualpipev", "--print-schedule"}),
+                     "parallel.pp_schedule = \"dualpipev\" at parallel.pp = 1 with train.grad_accum = 1");
 }
 
 // Hardening class 2: a word on the command line that no option takes is bad usage naming the

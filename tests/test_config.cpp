@@ -159,6 +159,33 @@ TEST(ConfigErrors, CrossFieldRules) {
   EXPECT_NE(load_error("[checkpoint]\nasync = true\nkeep = 1\n").find("checkpoint.keep"), std::string::npos);
 }
 
+// [parallel]'s pipeline keys (issue 66): a schedule that cannot be made for parallel.pp and
+// train.grad_accum, an unknown one, virtual stages a schedule does not take, a split that does not
+// parse or has another number of stages, and pp with a model without blocks are refused naming the
+// keys; pp = 1 ignores the others; a schedule that fits validates.
+TEST(ConfigErrors, PipelineKeysAreRefusedNamingThem) {
+  const std::string gpt = "[model]\nname = \"gpt\"\n";
+  const std::string pp4 = gpt + "[parallel]\npp = 4\n";
+  auto expect = [](const std::string& error, const std::string& part) {
+    EXPECT_NE(error.find(part), std::string::npos) << "wanted \"" << part << "\" in: " << error;
+  };
+  expect(load_error(pp4 + "[train]\ngrad_accum = 2\n"),
+         "parallel.pp_schedule = \"1f1b\" at parallel.pp = 4 with train.grad_accum = 2 micro-batches");
+  expect(load_error(pp4 + "[train]\ngrad_accum = 2\n"), "at least as many micro-batches as pp ranks");
+  expect(load_error(pp4 + "pp_schedule = \"zigzag\"\n"), "'parallel.pp_schedule' = \"zigzag\" is not one of");
+  expect(load_error(pp4 + "pp_schedule = \"zbv\"\npp_virtual_stages = 3\n[train]\ngrad_accum = 8\n"),
+         "runs two stages per rank (a V), not 3");
+  expect(load_error(pp4 + "pp_schedule = \"gpipe\"\npp_split = \"1,x,3\"\n"),
+         "parallel.pp_split = \"1,x,3\": \"x\" is not a block");
+  expect(load_error(pp4 + "pp_schedule = \"gpipe\"\npp_split = \"1,3,2\"\n"), "block 2 does not come after block 3");
+  expect(load_error(pp4 + "pp_schedule = \"gpipe\"\npp_split = \"1,2\"\n"), "2 boundaries for 4 stages");
+  expect(load_error("[model]\nname = \"mlp\"\n[parallel]\npp = 2\n[train]\ngrad_accum = 2\n"),
+         "parallel.pp = 2 splits a model's blocks into stages");
+  EXPECT_EQ(load_error(pp4 + "pp_schedule = \"gpipe\"\npp_split = \"1,2,3\"\n"), "");
+  EXPECT_EQ(load_error(pp4 + "pp_schedule = \"interleaved\"\n[train]\ngrad_accum = 8\n"), "");
+  EXPECT_EQ(load_error(gpt + "[parallel]\npp_schedule = \"dualpipev\"\n"), "");  // pp = 1: no schedule runs
+}
+
 // checkpoint.dir's commits and rotation replace and remove what is in it: a run directory or a
 // compile cache inside it would lose its files to a rotation (issue 64, item 4); refused, named.
 // checkpoint.dir inside run.dir (the usual layout), or the same, is fine.

@@ -153,12 +153,12 @@ TEST(Collectives, TrafficCountersCountCallsProbesAndBytes) {
     EXPECT_EQ(d.bytes_sent, 16 + 40);
     EXPECT_EQ(d.bytes_received, 16 + 40);
     const auto mid = c->traffic();
-    c->step_sync(1, 7, 0.5, false, 1.0);  // one all-gather of 7 int64, no probe
+    c->step_sync(1, 7, 0.5, false, 1.0);  // one all-gather of 8 int64, no probe
     d = c->traffic() - mid;
     EXPECT_EQ(d.collectives, 1);
     EXPECT_EQ(d.probes, 0);
-    EXPECT_EQ(d.bytes_sent, 56);
-    EXPECT_EQ(d.bytes_received, 56 * 2);
+    EXPECT_EQ(d.bytes_sent, 64);
+    EXPECT_EQ(d.bytes_received, 64 * 2);
     EXPECT_GE(d.wait_ms, 0.0);
   });
   if (is_rank_process()) return;
@@ -203,6 +203,27 @@ TEST(Collectives, TheStepConsensusReadLateStillNamesDisagreeingRanks) {
           EXPECT_NE(m.find("rank 0: step 3, gradient plan a1"), std::string::npos) << m;
           EXPECT_NE(m.find("rank 1: step 3, gradient plan b2"), std::string::npos) << m;
         }
+      },
+      /*timeout_s=*/60);
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
+// The step's mean loss weighs each rank's loss by the weight it sends (Launched::weight): a rank
+// that computed no loss (a pipeline stage before the last) weighs 0, and its loss, even NaN,
+// counts for nothing, read now or late; with no weight anywhere the mean is NaN, not 0.
+TEST(Collectives, TheStepConsensusWeighsEachRanksLoss) {
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        auto c = make_collectives(w, 20);
+        const double nan = std::nan("");
+        const double mine = w.rank == 0 ? nan : 3.0, weight = w.rank == 0 ? 0.0 : 1.0;
+        EXPECT_EQ(c->step_sync(1, 7, mine, false, 1.0, 0, weight).mean_loss, 3.0);
+        auto late = c->exchange_step(2, 7, torch::full({1}, mine, torch::kDouble), torch::zeros({1}), 1.0, 0, weight);
+        EXPECT_EQ(c->resolve(late).mean_loss, 3.0);
+        EXPECT_EQ(c->step_sync(3, 7, 1.0 + w.rank, false, 1.0, 0, 1.0 + w.rank).mean_loss, (1.0 + 2.0 * 2.0) / 3.0);
+        EXPECT_TRUE(std::isnan(c->step_sync(4, 7, 2.0, false, 1.0, 0, 0.0).mean_loss));
       },
       /*timeout_s=*/60);
   if (is_rank_process()) return;

@@ -78,17 +78,27 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
 // [parallel]: the world as a mesh, each axis's Collectives made (collective: the subgroups).
 void Run::build_mesh() {
   const ParallelConfig& p = cfg.parallel;
-  if (p.dp == 0 && world.size % p.tp != 0)
-    throw InputError("parallel.tp = " + std::to_string(p.tp) + " must divide the world size " +
-                     std::to_string(world.size) + " (parallel.dp = 0 takes what tp leaves)");
+  const int64_t pp_tp = p.pp * p.tp;
+  const std::string pp = p.pp > 1 ? "parallel.pp = " + std::to_string(p.pp) + " x " : "";
+  if (p.dp == 0 && world.size % pp_tp != 0)
+    throw InputError(pp + "parallel.tp = " + std::to_string(p.tp) + " must divide the world size " +
+                     std::to_string(world.size) + " (parallel.dp = 0 takes what " + (p.pp > 1 ? "pp and " : "") +
+                     "tp leaves)");
   try {
-    mesh = dist::Mesh::build(world, dist::MeshShape{1, p.dp, p.tp});
+    mesh = dist::Mesh::build(world, dist::MeshShape{p.pp, p.dp, p.tp});
   } catch (const InputError&) {
-    const int64_t dp = p.dp > 0 ? p.dp : world.size / p.tp;
-    throw InputError("parallel.dp = " + std::to_string(dp) + (p.dp > 0 ? "" : " (world / parallel.tp)") +
-                     " x parallel.tp = " + std::to_string(p.tp) + " is " + std::to_string(dp * p.tp) +
+    const int64_t dp = p.dp > 0 ? p.dp : world.size / pp_tp;
+    throw InputError(pp + "parallel.dp = " + std::to_string(dp) +
+                     (p.dp > 0   ? ""
+                      : p.pp > 1 ? " (world / (pp x tp))"
+                                 : " (world / parallel.tp)") +
+                     " x parallel.tp = " + std::to_string(p.tp) + " is " + std::to_string(p.pp * dp * p.tp) +
                      " ranks; the world has " + std::to_string(world.size) + ": make their product the world size");
   }
+  if (mesh.pp() > 1)
+    throw InputError("parallel.pp = " + std::to_string(mesh.pp()) +
+                     ": pipeline-parallel training is not built yet (issue 66: the schedules are, and `keel train "
+                     "--print-schedule` prints them); use parallel.pp = 1");
   mesh.connect(coll, cfg.dist.validate);
   if (mesh.tp() == 1) return;
   if (cb.loss)

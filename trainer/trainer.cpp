@@ -160,9 +160,12 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
     RECORD_USER_SCOPE("keel::consensus");
     const uint64_t plan = run_.dmodel->plan();
     if (run_.late) {
-      f.record = run_.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags);
+      f.record =
+          run_.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags, launched.weight);
     } else {
-      r.consensus = run_.coll->step_sync(r.step, plan, r.local_loss, launched.nonfinite_now, compute_ms, flags);
+      r.local_loss = launched.loss_now;
+      r.consensus =
+          run_.coll->step_sync(r.step, plan, r.local_loss, launched.nonfinite_now, compute_ms, flags, launched.weight);
       resolve_step(f);
     }
   }

@@ -27,6 +27,7 @@
 #include "trainer/app/plot.h"
 #include "trainer/compile/inductor.h"
 #include "trainer/compile/packaging.h"
+#include "trainer/config/pipeline.h"
 
 namespace keel {
 namespace {
@@ -125,6 +126,7 @@ struct CliArgs {
   ExportArgs export_args;
   std::string config_path, compile_config_path;  // train's and compile's --config
   bool print_config = false;                     // train's --print-config
+  bool print_schedule = false;                   // train's --print-schedule
   // The config keys given to train and to compile, as text (add_config_options).
   std::map<std::string, std::vector<std::string>> given, given_compile;
 };
@@ -305,6 +307,9 @@ std::optional<Config> resolved_config(const std::string& config_path, const CLI:
 void add_train_options(CLI::App* cmd, CliArgs& a) {
   cmd->add_option("--config,-c", a.config_path, "TOML experiment file (configs/*.toml); keys below override it");
   cmd->add_flag("--print-config", a.print_config, "print the resolved config as TOML and exit");
+  cmd->add_flag("--print-schedule", a.print_schedule,
+                "print the pipeline schedule (parallel.pp, parallel.pp_schedule, train.grad_accum micro-batches): "
+                "which rank runs which forward, backward and send when, and what its simulation found; then exit");
   add_config_options(*cmd, a.given);
 }
 
@@ -313,6 +318,15 @@ int train_command(const CLI::App& cmd, CliArgs& a) {
   if (!cfg) return kExitInput;
   if (a.print_config) {
     std::cout << dump_toml(*cfg);
+    return 0;
+  }
+  if (a.print_schedule) {
+    try {
+      std::cout << describe_schedule(*cfg);
+    } catch (const InputError& e) {  // parallel.pp = 1 is not checked by validate(): no schedule runs
+      std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
+      return kExitInput;
+    }
     return 0;
   }
   return run_train(*cfg);

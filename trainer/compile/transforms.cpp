@@ -90,7 +90,7 @@ DistributedModel CompiledModel::distribute(std::shared_ptr<dist::Collectives> co
     split->over_data_parallel(ddp->placement(), ddp->fully_shard());
   plan_.applied(dist::Transform::DataParallel, "zero " + std::to_string(ddp->placement().stage()) + " over " +
                                                    std::to_string(ranks) + (ranks == 1 ? " rank" : " ranks"));
-  DistributedModel dm(std::move(model_), device_, std::move(report_), std::move(ddp), std::move(step_), max_recompiles,
+  DistributedModel dm(std::move(model_), std::move(report_), std::move(ddp), std::move(step_), max_recompiles,
                       std::move(plan_));
   if (block_) {  // ranks agree on the block package as on a step's (the per-step consensus)
     dm.package_fingerprint_ = std::stoull(block_->sha256().substr(0, 15), nullptr, 16);
@@ -106,11 +106,10 @@ std::optional<PackageFiles> DistributedModel::package_files() const {
   return std::nullopt;
 }
 
-DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
+DistributedModel::DistributedModel(std::shared_ptr<models::Model> m, std::shared_ptr<CompileReport> r,
                                    std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step,
                                    int64_t max_recompiles, dist::TransformPlan plan)
     : model_(std::move(m)),
-      device_(d),
       report_(std::move(r)),
       ddp_(std::move(ddp)),
       step_(std::move(step)),

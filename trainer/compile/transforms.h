@@ -56,7 +56,6 @@ class PlacedModel {
   CompiledModel compile(const CompileConfig& cfg, const torch::Tensor& example, const std::string& identity = "",
                         const InductorRequest* inductor = nullptr) &&;
   models::Model& model() { return *model_; }
-  const torch::Device& device() const { return device_; }
   const dist::TransformPlan& transforms() const { return plan_; }
 
  private:
@@ -123,27 +122,19 @@ class DistributedModel {
   /// Collective: rank 0's buffers to every rank (dist.broadcast_buffers; else a no-op).
   void sync_buffers() { ddp_->sync_buffers(); }
   models::Model& model() { return *model_; }
-  const torch::Device& device() const { return device_; }
   /// The gradient plan and the compiled package, compared across ranks every step.
   uint64_t plan() const { return ddp_->plan() ^ package_fingerprint_; }
-  /// dist.zero as a placement (dist/placement.h): the parameters or pieces this rank's optimizer
-  /// owns (all with stage 0), the global-norm clip over the owners' gradients, and (collective)
-  /// the owners' updated parameters to every rank after the optimizer step (dist/ddp.h).
-  const dist::Placement& placement() const { return ddp_->placement(); }
+  /// Under dist.zero (dist/placement.h): the parameters or pieces this rank's optimizer owns (all
+  /// with stage 0), the global-norm clip over the owners' gradients, and (collective) the owners'
+  /// updated parameters to every rank after the optimizer step (dist/ddp.h).
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
   torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
   /// The same global norm, measured only (collective as clip_grad_norm; no gradient is written).
   torch::Tensor grad_norm() { return ddp_->clip_grad_norm(std::numeric_limits<double>::infinity()); }
   void sync_parameters() { ddp_->sync_parameters(); }
-  /// dist.zero = 3 (else no-ops): the whole model in its parameters until release_parameters()
-  /// (collective; the end of training, for Callbacks::on_end), and the bytes this rank holds at rest
-  /// (-1 unless dist.zero >= 2; stage 2's parameters are whole, its gradients a shard).
-  void hold_parameters() { ddp_->hold_parameters(); }
-  void release_parameters() { ddp_->release_parameters(); }
-  dist::FullyShard* fully_shard() const { return ddp_->fully_shard(); }
+  /// The gradients are the data-parallel engine's buffers (DDP's bucket views, ZeRO's), zeroed
+  /// rather than freed between steps.
   bool gradients_are_buffers() const { return ddp_->gradients_are_buffers(); }
-  int64_t sharded_parameter_bytes() const { return ddp_->sharded_parameter_bytes(); }
-  int64_t sharded_gradient_bytes() const { return ddp_->sharded_gradient_bytes(); }
   /// The gradient shards this rank keeps (dist.zero >= 2; the full gradients are freed), zeroed
   /// before a step's micro-batches, after the model's own.
   void zero_gradient_shards();
@@ -183,11 +174,10 @@ class DistributedModel {
 
  private:
   friend class CompiledModel;
-  DistributedModel(std::shared_ptr<models::Model> m, torch::Device d, std::shared_ptr<CompileReport> r,
+  DistributedModel(std::shared_ptr<models::Model> m, std::shared_ptr<CompileReport> r,
                    std::unique_ptr<dist::DataParallel> ddp, std::shared_ptr<InductorStep> step, int64_t max_recompiles,
                    dist::TransformPlan plan);
   std::shared_ptr<models::Model> model_;
-  torch::Device device_;
   std::shared_ptr<CompileReport> report_;
   std::unique_ptr<dist::DataParallel> ddp_;
   std::shared_ptr<InductorStep> step_;

@@ -10,6 +10,7 @@
 #include "dist/network.h"
 #include "dist/placement.h"
 #include "models/hf.h"
+#include "trainer/config/pipeline.h"
 #include "trainer/fault/fault.h"
 
 #include <algorithm>
@@ -548,6 +549,26 @@ static void validate_granularity(const Config& cfg) {
           "\" has none (use dist.zero <= 2 with compile.granularity = \"step\", or compile.mode = \"off\")");
 }
 
+// [parallel]'s pipeline keys: the schedule must exist for parallel.pp, train.grad_accum and the
+// virtual stages (its simulator proves it deadlock-free when the run starts: dist/pipeline), the
+// split must parse, and the model must declare its blocks; the blocks themselves are counted when
+// the model is built (dist/stages.h).
+static void validate_pipeline(const Config& cfg) {
+  const ParallelConfig& p = cfg.parallel;
+  if (p.pp < 1 || p.pp_virtual_stages < 0)  // (a Config built in code skips the parser's ranges)
+    throw InputError("config: parallel.pp = " + std::to_string(p.pp) + " and parallel.pp_virtual_stages = " +
+                     std::to_string(p.pp_virtual_stages) + ": pp must be at least 1, the virtual stages at least 0");
+  if (p.pp == 1) return;  // the other pipeline keys have no effect
+  pipeline_schedule(cfg);
+  pipeline_split_points(p);
+  for (const char* none : {"mlp", "cnn", "torchscript", "python"})
+    if (cfg.model.name == none)
+      throw InputError("config: parallel.pp = " + std::to_string(p.pp) +
+                       " splits a model's blocks into stages (gpt, gpt2, llama, or a registered model that declares "
+                       "them with BlockStructure); model.name = \"" +
+                       cfg.model.name + "\" has none");
+}
+
 // train.activation_checkpointing: what it does not serve is refused by name (the model's kind is
 // checked when the blocks are wrapped: dist/recompute.h).
 static void validate_recompute(const Config& cfg) {
@@ -736,6 +757,7 @@ void validate(Config& cfg) {
   validate_data(cfg.data);
   validate_model(cfg.model);
   validate_parallel(cfg);
+  validate_pipeline(cfg);
   validate_recompute(cfg);
   if (cfg.checkpoint.async && cfg.checkpoint.keep < 2)
     fail("checkpoint.keep must be at least 2 with checkpoint.async = true (got " + std::to_string(cfg.checkpoint.keep) +

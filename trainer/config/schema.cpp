@@ -5,6 +5,7 @@
 #include <limits>
 #include <stdexcept>
 
+#include "dist/pipeline/schedule.h"
 #include "keel/trainer/config/config.h"
 
 namespace keel {
@@ -361,7 +362,8 @@ void dist_keys(SchemaBuilder& b) {
 void parallel_keys(SchemaBuilder& b) {
   using C = Config;
   range(b.add("parallel", &C::parallel, "dp", &ParallelConfig::dp,
-              "data-parallel degree: the ranks that split the batch (DDP, dist.zero); 0 = world size / parallel.tp"),
+              "data-parallel degree: the ranks that split the batch (DDP, dist.zero); 0 = world size / (parallel.pp x "
+              "parallel.tp)"),
         0, 1 << 20);
   range(b.add("parallel", &C::parallel, "tp", &ParallelConfig::tp,
               "tensor-parallel degree (Megatron's layout, docs/architecture.md): each block's attention heads and MLP, "
@@ -378,6 +380,27 @@ void parallel_keys(SchemaBuilder& b) {
         "tensor-parallel regions run on model.context / tp positions per rank (all-gather into each region, "
         "reduce-scatter out of it, instead of an all-reduce), so activations outside the regions take 1/tp of the "
         "memory (Megatron's sequence parallelism); model.context must divide by tp");
+  range(b.add("parallel", &C::parallel, "pp", &ParallelConfig::pp,
+              "pipeline-parallel degree: the model's blocks split into stages over pp ranks (the embedding on the "
+              "first, the final norm, head and loss on the last), each micro-batch (train.grad_accum per step) sent "
+              "from stage to stage; parallel.pp x parallel.dp x parallel.tp = the world size. `keel train "
+              "--print-schedule` prints which rank runs what when (docs/parallel.md)"),
+        1, 1 << 20);
+  b.add("parallel", &C::parallel, "pp_split", &ParallelConfig::pp_split,
+        "how parallel.pp splits the blocks: \"even\" (about the same number of parameters per stage, the "
+        "embedding and head counted on the first and last) or the first block of each stage after the first, "
+        "comma-separated and increasing (\"2,4,6\" at pp = 4)");
+  FieldInfo& schedule = b.add("parallel", &C::parallel, "pp_schedule", &ParallelConfig::pp_schedule,
+                              "the pipeline schedule (PyTorch 2.11's torch.distributed.pipelining): gpipe (every "
+                              "forward, then every backward), 1f1b (at most pp micro-batches' activations held; "
+                              "train.grad_accum >= pp), interleaved and looped-bfs (parallel.pp_virtual_stages per "
+                              "rank), and the zero-bubble family, whose backward is split into input and weight "
+                              "gradients: interleaved-zb, zbv and dualpipev (two stages per rank, a V)");
+  schedule.choices = dist::pipeline::schedule_names();
+  range(b.add("parallel", &C::parallel, "pp_virtual_stages", &ParallelConfig::pp_virtual_stages,
+              "stages per pp rank (parallel.pp x this = the stages): 0 = the schedule's own (1 for gpipe and 1f1b, "
+              "2 for the others); interleaved, looped-bfs and interleaved-zb take any, zbv and dualpipev 2"),
+        0, 64);
 }
 
 // [compile]

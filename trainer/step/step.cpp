@@ -52,13 +52,13 @@ Launched Step::launch(StepResult& r) {
   if (graphs_)
     l.loss = graphs_->forward_backward(batches, [this](const auto& b) { return forward_backward(b, nullptr); });
   else
-    l.loss = forward_backward(batches, run_.late ? nullptr : &r.local_loss);
+    l.loss = forward_backward(batches, run_.late ? nullptr : &l.loss_now);
   run_.faults->after_backward(r.step, run_.owned);
   // The verdict on the device (late), or read now (step: the host decides, as cheaply as it can).
   if (run_.late) {
     l.nonfinite = local_nonfinite(l.loss);
   } else {
-    l.nonfinite_now = local_nonfinite_now(r.local_loss);
+    l.nonfinite_now = local_nonfinite_now(l.loss_now);
   }
   return l;
 }

@@ -60,13 +60,17 @@ struct InFlight {
   HostCopy extras;        // float64 [grad norm, loss scale before the update, after it]
 };
 
-/// A launched step's local outcome, for the consensus. With dist.consensus = late both are
-/// tensors on the device (nothing read by the host); otherwise the loss is in the StepResult's
-/// local_loss and the verdict in `nonfinite_now`.
+/// A launched step's local outcome: this rank's contribution to the consensus, which the step (not
+/// the loop) decides. With dist.consensus = late the loss and verdict are tensors on the device
+/// (nothing read by the host); otherwise they are `loss_now` and `nonfinite_now`. `weight`: the
+/// loss's share of the step's mean over ranks (Collectives::step_sync): 1 on a rank that computed
+/// the step's loss, 0 on one that computed none (a pipeline stage before the last).
 struct Launched {
   torch::Tensor loss;       // late: this rank's mean loss, float64, one element
   torch::Tensor nonfinite;  // late: float32, one element, 1 = inf/NaN in the loss or gradients
+  double loss_now = 0;      // not late: this rank's mean loss, read by the host
   bool nonfinite_now = false;
+  double weight = 1.0;
 };
 
 class StepGraphs;
@@ -81,8 +85,8 @@ class Step {
   Step& operator=(const Step&) = delete;
 
   /// The step's first half: its learning rate, forward and backward over its micro-batches,
-  /// the epoch, the fault hook on the gradients, and this rank's verdict. Fills r.lr, r.epoch
-  /// and (unless late) r.local_loss.
+  /// the epoch, the fault hook on the gradients, and this rank's loss and verdict. Fills r.lr
+  /// and r.epoch.
   virtual Launched launch(StepResult& r);
   /// The second half, once the consensus is exchanged: clip and step, or skip on every rank.
   void update(InFlight& f);

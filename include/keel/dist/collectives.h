@@ -54,7 +54,7 @@ class CollectiveError : public std::runtime_error {
 
 /// What every rank learns at the end of a step's backward (one all-gather).
 struct StepConsensus {
-  double mean_loss = 0;                 // loss averaged over ranks
+  double mean_loss = 0;                 // the ranks' losses averaged, each by its weight (NaN: no weight)
   bool any_nonfinite = false;           // some rank saw inf/NaN (loss or gradients)
   std::vector<double> rank_compute_ms;  // each rank's forward+backward time this step
   uint32_t any_flags = 0;               // OR of every rank's `flags`
@@ -185,15 +185,17 @@ class Collectives {
   /// The per-step consensus, one all-gather: checks that every rank is at the same `step`
   /// with the same `plan` fingerprint (gradient bucket layout), and shares losses, non-finite
   /// flags and compute times. `flags` are the caller's bits (e.g. "stop requested",
-  /// "checkpoint written"), returned OR-ed and AND-ed over ranks.
+  /// "checkpoint written"), returned OR-ed and AND-ed over ranks. `weight`: this rank's share of
+  /// the mean loss, Σ weight·loss / Σ weight (1 on every rank: the plain mean; under pipeline
+  /// parallelism only the last stage computes a loss, and the others weigh 0).
   StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
-                          uint32_t flags = 0);
+                          uint32_t flags = 0, double weight = 1.0);
   /// step_sync without waiting: `loss` (a float tensor of one element) and `nonfinite` (one
   /// element, non-zero = inf/NaN) may live on the device and are not read by the host. With
   /// NCCL the host neither waits for the all-gather nor for the values: the record is copied to
   /// pinned memory behind an event, and PendingStep::found_inf() is computed on the device.
   PendingStep exchange_step(int64_t step, uint64_t plan, const torch::Tensor& loss, const torch::Tensor& nonfinite,
-                            double compute_ms, uint32_t flags = 0);
+                            double compute_ms, uint32_t flags = 0, double weight = 1.0);
   /// Reads an exchanged record (waiting for it when needed) and checks it as step_sync does,
   /// with the same CollectiveMismatch naming each rank's step and plan. Also returns this
   /// rank's own loss (`local_loss`).

@@ -46,11 +46,15 @@ struct DistConfig {
 };
 
 /// The [parallel] section: how the world is laid out as a mesh (docs/architecture.md). The
-/// product dp x tp is the world size; dp = 0 takes what tp leaves.
+/// product pp x dp x tp is the world size; dp = 0 takes what pp and tp leave.
 struct ParallelConfig {
   int64_t dp = 0;
   int64_t tp = 1;
-  bool sequence_parallel = false;  // with tp > 1: norms, dropout and residual adds on T / tp positions per rank
+  bool sequence_parallel = false;    // with tp > 1: norms, dropout and residual adds on T / tp positions per rank
+  int64_t pp = 1;                    // pipeline stages' ranks (docs/parallel.md)
+  std::string pp_split = "even";     // "even" (by parameter count) or the first block of each stage after the first
+  std::string pp_schedule = "1f1b";  // dist/pipeline/schedule.h's names
+  int64_t pp_virtual_stages = 0;     // stages per rank; 0 = the schedule's own (1, or 2 for the multi-stage ones)
 };
 
 }  // namespace keel
