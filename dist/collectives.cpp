@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstring>
 #include <sstream>
 #include <thread>
@@ -19,7 +20,9 @@ enum class OpCode : int64_t {
   Barrier,
   BroadcastCoalesced,
   StepSync,
-  ReduceScatter
+  ReduceScatter,
+  Send,
+  Recv
 };
 
 static const char* op_name(int64_t code) {
@@ -38,6 +41,10 @@ static const char* op_name(int64_t code) {
       return "step_sync";
     case OpCode::ReduceScatter:
       return "reduce_scatter";
+    case OpCode::Send:
+      return "send";
+    case OpCode::Recv:
+      return "recv";
   }
   return "?";
 }
@@ -303,6 +310,14 @@ std::string Collectives::describe(const Desc& d) const {
   }
   if (d.op == static_cast<int64_t>(OpCode::StepSync)) {
     os << " at step " << d.step << " with gradient plan " << std::hex << d.extra << std::dec;
+    return os.str();
+  }
+  const bool p2p = d.op == static_cast<int64_t>(OpCode::Send) || d.op == static_cast<int64_t>(OpCode::Recv);
+  if (p2p) {  // a message: its peer instead of a root, its own sequence
+    os << " " << c10::toString(static_cast<c10::ScalarType>(d.dtype)) << " [";
+    for (int64_t i = 0; i < std::min<int64_t>(d.ndim, Desc::kDims); ++i) os << (i ? ", " : "") << d.dims[i];
+    os << (d.ndim > Desc::kDims ? ", ...]" : "]") << (d.op == static_cast<int64_t>(OpCode::Send) ? " to " : " from ")
+       << group_->rank_name(d.root) << " (tag " << d.extra << ", message #" << d.seq << ")";
     return os.str();
   }
   if (d.dtype >= 0) {
@@ -588,6 +603,166 @@ Collectives::Started Collectives::start_reduce_scatter(const torch::Tensor& shar
   return s;
 }
 
+// ---- point-to-point ---------------------------------------------------------------------------
+namespace {
+
+// Gloo matches a pair's messages by tag in order: every payload on one tag and every descriptor on
+// another keeps one FIFO per pair of ranks, NCCL's order (which ignores tags), so that a schedule
+// that would deadlock or cross its messages under NCCL does so on the CPU too.
+constexpr int kPayloadTag = 1, kDescriptorTag = 2;
+constexpr int64_t kP2PWords = 14;  // tag, step, dtype, ndim, dims[8], numel, kind
+
+torch::Tensor p2p_descriptor(const P2POp& op, int64_t step) {
+  auto d = torch::zeros({kP2PWords}, torch::kLong);
+  int64_t* w = d.data_ptr<int64_t>();
+  const torch::Tensor& t = op.tensor;
+  w[0] = op.tag;
+  w[1] = step;
+  w[2] = static_cast<int64_t>(t.scalar_type());
+  w[3] = t.dim();
+  for (int64_t i = 0; i < std::min<int64_t>(t.dim(), 8); ++i) w[4 + i] = t.size(i);
+  w[12] = t.numel();
+  w[13] = static_cast<int64_t>(op.kind);
+  return d;
+}
+
+std::string shape_text(const int64_t* w) {
+  std::ostringstream os;
+  os << c10::toString(static_cast<c10::ScalarType>(w[2])) << " [";
+  for (int64_t i = 0; i < std::min<int64_t>(w[3], 8); ++i) os << (i ? ", " : "") << w[4 + i];
+  os << (w[3] > 8 ? ", ...]" : "]");
+  return os.str();
+}
+
+}  // namespace
+
+uint64_t Collectives::take_p2p_balance() {
+  const uint64_t b = p2p_balance_;
+  p2p_balance_ = 0;
+  return b;
+}
+
+void Collectives::validate_p2p(const std::vector<P2POp>& ops, const char* what,
+                               const std::function<std::string(int64_t)>& name) {
+  const auto named = [&](int64_t tag) { return name ? name(tag) : "message tag " + std::to_string(tag); };
+  const torch::Device comm = group_->comm_device();
+  const bool nccl = group_->backend() == "nccl";
+  std::vector<torch::Tensor> mine, theirs;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  Desc probe;
+  probe.op = static_cast<int64_t>(OpCode::Send);
+  probe.what = what;
+  probe.validation = true;
+  probe.seq = static_cast<int64_t>(p2p_seq_);
+  probe.issued = std::chrono::steady_clock::now();
+  if (nccl) group_->pg()->startCoalescing(comm.type());
+  for (const P2POp& op : ops) {
+    mine.push_back(p2p_descriptor(op, step_).to(comm));
+    theirs.push_back(torch::empty({kP2PWords}, torch::TensorOptions().dtype(torch::kLong).device(comm)));
+    std::vector<at::Tensor> out{mine.back()}, in{theirs.back()};
+    const int peer = static_cast<int>(op.peer);
+    works.push_back(group_->pg()->send(out, peer, kDescriptorTag));
+    works.push_back(group_->pg()->recv(in, peer, kDescriptorTag));
+  }
+  if (nccl) works = {group_->pg()->endCoalescing(comm.type())};
+  for (const auto& w : works)
+    if (w) wait(w, probe);
+  std::string errors;
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const auto a = mine[i].cpu(), b = theirs[i].cpu();
+    const int64_t *m = a.data_ptr<int64_t>(), *t = b.data_ptr<int64_t>();
+    const bool same = std::equal(m, m + 13, t) && t[13] != m[13];
+    if (same) continue;
+    const bool send = ops[i].kind == P2POp::Kind::Send;
+    const int64_t *sent = send ? m : t, *expected = send ? t : m;
+    const std::string sender = group_->rank_name(send ? rank() : ops[i].peer);
+    const std::string receiver = group_->rank_name(send ? ops[i].peer : rank());
+    std::ostringstream os;
+    os << "\n  " << sender << " sends " << named(sent[0]) << " of step " << sent[1] << " as " << shape_text(sent)
+       << "; " << receiver << " expects " << named(expected[0]) << " of step " << expected[1] << " as "
+       << shape_text(expected);
+    if (t[13] == m[13]) os << " (both " << (send ? "send" : "receive") << ": the pair's orders differ)";
+    errors += os.str();
+  }
+  if (!errors.empty())
+    throw CollectiveMismatch("point-to-point mismatch at step " + std::to_string(step_) + " (" + what + "):" + errors +
+                             "\nthe two ranks of a pair must send and receive the same messages, in the same order, "
+                             "with the same dtypes and shapes");
+}
+
+Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* what,
+                                            const std::function<std::string(int64_t)>& name) {
+  Started s;
+  if (ops.empty()) {
+    s.finish_ = [] {};
+    return s;
+  }
+  if (!group_->pg()) throw std::logic_error(std::string("start_p2p (") + what + "): a one-rank group has no peer");
+  for (const P2POp& op : ops)
+    TORCH_CHECK(op.peer >= 0 && op.peer < size() && op.peer != rank() && op.tensor.defined() &&
+                    op.tensor.is_contiguous() && op.tag >= 0 && op.tag < (int64_t{1} << 48),
+                "start_p2p (", what, "): peer ", op.peer, " of ", size(), " ranks, a contiguous tensor and ",
+                "0 <= tag < 2^48");
+  if (validating()) validate_p2p(ops, what, name);
+  const torch::Device comm = group_->comm_device();
+  const bool nccl = group_->backend() == "nccl";
+  std::vector<Desc> descs;
+  std::vector<torch::Tensor> io;  // on the group's device (a copy when the tensor is elsewhere)
+  for (const P2POp& op : ops) {
+    const bool send = op.kind == P2POp::Kind::Send;
+    Desc d = Desc::of(send ? OpCode::Send : OpCode::Recv, op.tensor);
+    d.what = what;
+    d.root = op.peer;
+    d.extra = op.tag;
+    d.step = step_;
+    d.seq = static_cast<int64_t>(p2p_seq_++);
+    d.issued = std::chrono::steady_clock::now();
+    d.stream_wait = nccl;
+    // The balance: this message's hash, + sent, - received (the group's name makes it the world's).
+    const int64_t src = send ? rank() : op.peer, dst = send ? op.peer : rank();
+    std::vector<int64_t> words = {
+        static_cast<int64_t>(fingerprint(group_->name())), src, dst, op.tag, step_, d.dtype, d.ndim};
+    words.insert(words.end(), d.dims, d.dims + Desc::kDims);
+    const uint64_t h = fingerprint(words);
+    p2p_balance_ += send ? h : (~h + 1);
+    observe_start(d);
+    descs.push_back(d);
+    io.push_back(op.tensor.device() == comm ? op.tensor : op.tensor.to(comm));
+  }
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  if (nccl) group_->pg()->startCoalescing(comm.type());
+  for (size_t i = 0; i < ops.size(); ++i) {
+    std::vector<at::Tensor> t{io[i]};
+    const int peer = static_cast<int>(ops[i].peer);
+    works.push_back(ops[i].kind == P2POp::Kind::Send ? group_->pg()->send(t, peer, kPayloadTag)
+                                                     : group_->pg()->recv(t, peer, kPayloadTag));
+  }
+  if (nccl) works = {group_->pg()->endCoalescing(comm.type())};
+  s.finish_ = [this, ops = std::move(ops), descs = std::move(descs), io = std::move(io), works = std::move(works)] {
+    const auto t0 = std::chrono::steady_clock::now();
+    for (size_t i = 0; i < works.size(); ++i) {
+      if (!works[i]) continue;
+      try {
+        if (descs[i].stream_wait)
+          works[i]->wait();
+        else
+          works[i]->wait(group_->timeout() - report_grace());
+      } catch (const std::exception& e) {
+        const Desc& d = descs[std::min(i, descs.size() - 1)];
+        throw failure(std::string(d.what) + ": " + describe(d), e.what());
+      }
+    }
+    const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const bool send = ops[i].kind == P2POp::Kind::Send;
+      if (!send && io[i].data_ptr() != ops[i].tensor.data_ptr()) ops[i].tensor.copy_(io[i]);
+      const int64_t bytes = static_cast<int64_t>(io[i].nbytes());
+      tally(descs[i], bytes, send ? bytes : 0, send ? 0 : bytes, i == 0 ? ms : 0.0);
+    }
+  };
+  return s;
+}
+
 void Collectives::barrier(const char* what) {
   if (!group_->pg()) return;
   Desc d;
@@ -635,8 +810,8 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
 struct PendingStep::Impl {
   int64_t step = 0, plan = 0, seq = 0, fingerprint = 0;
   torch::Tensor found_inf;
-  HostCopy record;  // [world, 8] int64: each rank's (fingerprint, step, plan, loss bits, nonfinite, compute us, flags,
-                    // weight bits)
+  HostCopy record;  // [world, 9] int64: each rank's (fingerprint, step, plan, loss bits, nonfinite, compute us, flags,
+                    // weight bits, point-to-point balance)
   c10::intrusive_ptr<c10d::Work> work;  // waited for by the host only at resolve() (a GPU group)
 };
 
@@ -653,16 +828,16 @@ Collectives::Desc Collectives::step_desc(int64_t step, uint64_t plan, int64_t se
   d.seq = seq;
   d.what = "per-step consensus";
   d.dtype = static_cast<int64_t>(torch::kLong);
-  d.numel = 8;
+  d.numel = 9;
   return d;
 }
 
 // The record built on the host, exchanged and read at once (dist.consensus = step).
 StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
-                                     uint32_t flags, double weight) {
+                                     uint32_t flags, const StepShare& share) {
   if (!group_->pg()) {  // one process: nothing to agree on
     StepConsensus c;
-    c.mean_loss = weight > 0 ? loss : std::nan("");
+    c.mean_loss = share.weight > 0 ? loss : std::nan("");
     c.any_nonfinite = nonfinite;
     c.rank_compute_ms = {compute_ms};
     c.any_flags = c.all_flags = flags;
@@ -674,9 +849,9 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
   const int64_t f = static_cast<int64_t>(fingerprint(d.words())), p = d.extra;
   int64_t loss_bits, weight_bits;
   std::memcpy(&loss_bits, &loss, sizeof loss);
-  std::memcpy(&weight_bits, &weight, sizeof weight);
+  std::memcpy(&weight_bits, &share.weight, sizeof share.weight);
   auto mine = torch::tensor({f, step, p, loss_bits, int64_t(nonfinite), static_cast<int64_t>(compute_ms * 1000.0),
-                             int64_t(flags), weight_bits},
+                             int64_t(flags), weight_bits, static_cast<int64_t>(share.p2p_balance)},
                             torch::kLong);
   std::vector<torch::Tensor> out;
   wait(start_all_gather(*group_->pg(), size(), on_comm_device(mine), out), d);
@@ -687,7 +862,7 @@ StepConsensus Collectives::step_sync(int64_t step, uint64_t plan, double loss, b
 // it is resolved; until then found_inf() holds back the update of a rank that disagrees.
 PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch::Tensor& loss,
                                        const torch::Tensor& nonfinite, double compute_ms, uint32_t flags,
-                                       double weight) {
+                                       const StepShare& share) {
   PendingStep p;
   p.impl_ = std::make_shared<PendingStep::Impl>();
   auto& im = *p.impl_;
@@ -701,15 +876,15 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
   const torch::Device dev = group_->pg() ? group_->comm_device() : loss.device();
   // The host's fields travel through pinned memory without a wait; the device's stay there.
   int64_t weight_bits;
-  std::memcpy(&weight_bits, &weight, sizeof weight);
-  auto host = torch::tensor(
-      {im.fingerprint, step, im.plan, static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags), weight_bits},
-      torch::kLong);
+  std::memcpy(&weight_bits, &share.weight, sizeof share.weight);
+  auto host = torch::tensor({im.fingerprint, step, im.plan, static_cast<int64_t>(compute_ms * 1000.0), int64_t(flags),
+                             weight_bits, static_cast<int64_t>(share.p2p_balance)},
+                            torch::kLong);
   const torch::Tensor fields =
       dev.is_cpu() ? host : host.pin_memory().to(torch::TensorOptions().device(dev), /*non_blocking=*/true);
   const torch::Tensor loss_bits = loss.detach().reshape({1}).to(dev).to(torch::kDouble).contiguous().view(torch::kLong);
   const torch::Tensor bad = nonfinite.detach().reshape({1}).to(dev).ne(0).to(torch::kLong);
-  const torch::Tensor mine = torch::cat({fields.slice(0, 0, 3), loss_bits, bad, fields.slice(0, 3, 6)});
+  const torch::Tensor mine = torch::cat({fields.slice(0, 0, 3), loss_bits, bad, fields.slice(0, 3, 7)});
   torch::Tensor all;
   if (!group_->pg()) {
     all = mine.unsqueeze(0);
@@ -728,7 +903,8 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
     all = torch::stack(out);
   }
   torch::Tensor found = all.select(1, 4).ne(0).any();
-  if (mode_ != Validate::Off) found = found.logical_or(all.select(1, 0).ne(mine[0]).any());
+  if (mode_ != Validate::Off)  // a plan that differs, or a message not received as sent
+    found = found.logical_or(all.select(1, 0).ne(mine[0]).any()).logical_or(all.select(1, 8).sum().ne(0));
   im.found_inf = found.to(torch::kFloat).reshape({1});
   im.record = HostCopy::start(all);
   return p;
@@ -756,7 +932,7 @@ StepConsensus Collectives::resolve(PendingStep& pending, double* local_loss) {
   return read_step(im.record.get(), im.fingerprint, im.step, local_loss);
 }
 
-// Every rank's record ([world, 8] int64 on the host): the consensus, or CollectiveMismatch naming
+// Every rank's record ([world, 9] int64 on the host): the consensus, or CollectiveMismatch naming
 // each rank's step and plan when a fingerprint differs from this rank's (`mine`). The mean loss
 // is Σ weight·loss / Σ weight (with every weight 1, exactly the plain mean: 1·l is l, Σ1 is n).
 StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const {
@@ -764,6 +940,7 @@ StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int
   StepConsensus c;
   bool agree = true;
   double sum = 0, weights = 0;
+  uint64_t p2p = 0;  // Σ balances, mod 2^64
   c.all_flags = ~0u;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t* w = all[r].data_ptr<int64_t>();
@@ -773,6 +950,7 @@ StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int
     std::memcpy(&weight, &w[7], sizeof weight);
     if (weight != 0) sum += weight * l;  // a weightless rank's loss (none computed) counts for nothing, NaN or not
     weights += weight;
+    p2p += static_cast<uint64_t>(w[8]);
     if (local_loss && r == (group_->pg() ? rank() : 0)) *local_loss = l;
     c.any_nonfinite |= (w[4] != 0);
     c.rank_compute_ms.push_back(static_cast<double>(w[5]) / 1000.0);
@@ -789,6 +967,11 @@ StepConsensus Collectives::read_step(const torch::Tensor& all, int64_t mine, int
     os << "\nall ranks must run the same number of micro-batches per step over the same parameters";
     throw CollectiveMismatch(os.str());
   }
+  if (p2p != 0 && mode_ != Validate::Off)
+    throw CollectiveMismatch("point-to-point at step " + std::to_string(step) +
+                             ": the messages received are not the messages sent (another tag, dtype or shape, or "
+                             "one not received); no update was applied. Rerun with dist.validate = \"always\" to "
+                             "name the pair and both shapes");
   c.mean_loss = weights > 0 ? sum / weights : std::nan("");
   return c;
 }

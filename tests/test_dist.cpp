@@ -153,12 +153,12 @@ TEST(Collectives, TrafficCountersCountCallsProbesAndBytes) {
     EXPECT_EQ(d.bytes_sent, 16 + 40);
     EXPECT_EQ(d.bytes_received, 16 + 40);
     const auto mid = c->traffic();
-    c->step_sync(1, 7, 0.5, false, 1.0);  // one all-gather of 8 int64, no probe
+    c->step_sync(1, 7, 0.5, false, 1.0);  // one all-gather of 9 int64, no probe
     d = c->traffic() - mid;
     EXPECT_EQ(d.collectives, 1);
     EXPECT_EQ(d.probes, 0);
-    EXPECT_EQ(d.bytes_sent, 64);
-    EXPECT_EQ(d.bytes_received, 64 * 2);
+    EXPECT_EQ(d.bytes_sent, 72);
+    EXPECT_EQ(d.bytes_received, 72 * 2);
     EXPECT_GE(d.wait_ms, 0.0);
   });
   if (is_rank_process()) return;
@@ -218,12 +218,13 @@ TEST(Collectives, TheStepConsensusWeighsEachRanksLoss) {
       [](const World& w) {
         auto c = make_collectives(w, 20);
         const double nan = std::nan("");
-        const double mine = w.rank == 0 ? nan : 3.0, weight = w.rank == 0 ? 0.0 : 1.0;
-        EXPECT_EQ(c->step_sync(1, 7, mine, false, 1.0, 0, weight).mean_loss, 3.0);
-        auto late = c->exchange_step(2, 7, torch::full({1}, mine, torch::kDouble), torch::zeros({1}), 1.0, 0, weight);
+        const double mine = w.rank == 0 ? nan : 3.0;
+        const keel::dist::StepShare share{w.rank == 0 ? 0.0 : 1.0};
+        EXPECT_EQ(c->step_sync(1, 7, mine, false, 1.0, 0, share).mean_loss, 3.0);
+        auto late = c->exchange_step(2, 7, torch::full({1}, mine, torch::kDouble), torch::zeros({1}), 1.0, 0, share);
         EXPECT_EQ(c->resolve(late).mean_loss, 3.0);
-        EXPECT_EQ(c->step_sync(3, 7, 1.0 + w.rank, false, 1.0, 0, 1.0 + w.rank).mean_loss, (1.0 + 2.0 * 2.0) / 3.0);
-        EXPECT_TRUE(std::isnan(c->step_sync(4, 7, 2.0, false, 1.0, 0, 0.0).mean_loss));
+        EXPECT_EQ(c->step_sync(3, 7, 1.0 + w.rank, false, 1.0, 0, {1.0 + w.rank}).mean_loss, (1.0 + 2.0 * 2.0) / 3.0);
+        EXPECT_TRUE(std::isnan(c->step_sync(4, 7, 2.0, false, 1.0, 0, {0.0}).mean_loss));
       },
       /*timeout_s=*/60);
   if (is_rank_process()) return;

@@ -161,11 +161,11 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
     const uint64_t plan = run_.dmodel->plan();
     if (run_.late) {
       f.record =
-          run_.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags, launched.weight);
+          run_.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags, launched.share);
     } else {
       r.local_loss = launched.loss_now;
       r.consensus =
-          run_.coll->step_sync(r.step, plan, r.local_loss, launched.nonfinite_now, compute_ms, flags, launched.weight);
+          run_.coll->step_sync(r.step, plan, r.local_loss, launched.nonfinite_now, compute_ms, flags, launched.share);
       resolve_step(f);
     }
   }

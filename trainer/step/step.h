@@ -62,15 +62,16 @@ struct InFlight {
 
 /// A launched step's local outcome: this rank's contribution to the consensus, which the step (not
 /// the loop) decides. With dist.consensus = late the loss and verdict are tensors on the device
-/// (nothing read by the host); otherwise they are `loss_now` and `nonfinite_now`. `weight`: the
-/// loss's share of the step's mean over ranks (Collectives::step_sync): 1 on a rank that computed
-/// the step's loss, 0 on one that computed none (a pipeline stage before the last).
+/// (nothing read by the host); otherwise they are `loss_now` and `nonfinite_now`. `share`: the
+/// loss's weight in the step's mean over ranks (1 on a rank that computed the step's loss, 0 on
+/// one that computed none: a pipeline stage before the last) and the step's point-to-point
+/// balance (dist::StepShare).
 struct Launched {
   torch::Tensor loss;       // late: this rank's mean loss, float64, one element
   torch::Tensor nonfinite;  // late: float32, one element, 1 = inf/NaN in the loss or gradients
   double loss_now = 0;      // not late: this rank's mean loss, read by the host
   bool nonfinite_now = false;
-  double weight = 1.0;
+  dist::StepShare share;
 };
 
 class StepGraphs;

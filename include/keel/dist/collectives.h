@@ -61,6 +61,28 @@ struct StepConsensus {
   uint32_t all_flags = 0;               // AND of every rank's `flags`
 };
 
+/// A rank's share of the per-step consensus beyond its loss (Collectives::step_sync).
+struct StepShare {
+  /// The loss's weight in the step's mean, Σ weight·loss / Σ weight: 1 on every rank, the plain
+  /// mean; under pipeline parallelism only the last stage computes a loss and the others weigh 0.
+  double weight = 1.0;
+  /// Collectives::take_p2p_balance() of the step's point-to-point (summed over the world, 0 when
+  /// every message was received as it was sent).
+  uint64_t p2p_balance = 0;
+};
+
+/// One message of a point-to-point batch (Collectives::start_p2p): `tensor` sent to `peer` (a
+/// rank of the group), or received into it from there. `tag` is the message's identity at both
+/// ends (a pipeline's kind, stage and micro-batch; 0 <= tag < 2^48); a receive's dtype and shape
+/// are what it expects.
+struct P2POp {
+  enum class Kind : uint8_t { Send, Recv };
+  Kind kind = Kind::Send;
+  int64_t peer = 0;
+  torch::Tensor tensor;  // contiguous; stays in use until the batch's wait()
+  int64_t tag = 0;
+};
+
 /// A per-step record on its way (Collectives::exchange_step): the exchange is issued and the
 /// verdict is on the device, but the host has not waited for either. resolve() reads it.
 class PendingStep {
@@ -185,21 +207,39 @@ class Collectives {
   /// The per-step consensus, one all-gather: checks that every rank is at the same `step`
   /// with the same `plan` fingerprint (gradient bucket layout), and shares losses, non-finite
   /// flags and compute times. `flags` are the caller's bits (e.g. "stop requested",
-  /// "checkpoint written"), returned OR-ed and AND-ed over ranks. `weight`: this rank's share of
-  /// the mean loss, Σ weight·loss / Σ weight (1 on every rank: the plain mean; under pipeline
-  /// parallelism only the last stage computes a loss, and the others weigh 0).
+  /// "checkpoint written"), returned OR-ed and AND-ed over ranks. `share`: the loss's weight in
+  /// the mean and the step's point-to-point balance (StepShare): a balance that does not sum to 0
+  /// over the ranks is a CollectiveMismatch, as a plan that differs is.
   StepConsensus step_sync(int64_t step, uint64_t plan, double loss, bool nonfinite, double compute_ms,
-                          uint32_t flags = 0, double weight = 1.0);
+                          uint32_t flags = 0, const StepShare& share = {});
   /// step_sync without waiting: `loss` (a float tensor of one element) and `nonfinite` (one
   /// element, non-zero = inf/NaN) may live on the device and are not read by the host. With
   /// NCCL the host neither waits for the all-gather nor for the values: the record is copied to
   /// pinned memory behind an event, and PendingStep::found_inf() is computed on the device.
   PendingStep exchange_step(int64_t step, uint64_t plan, const torch::Tensor& loss, const torch::Tensor& nonfinite,
-                            double compute_ms, uint32_t flags = 0, double weight = 1.0);
+                            double compute_ms, uint32_t flags = 0, const StepShare& share = {});
   /// Reads an exchanged record (waiting for it when needed) and checks it as step_sync does,
   /// with the same CollectiveMismatch naming each rank's step and plan. Also returns this
   /// rank's own loss (`local_loss`).
   StepConsensus resolve(PendingStep& pending, double* local_loss = nullptr);
+
+  /// Point-to-point through the door: starts `ops` (NCCL: one coalesced batch, as PyTorch's
+  /// batch_isend_irecv; Gloo: each on its own, in order), each pair's messages matched in the
+  /// order both ranks list them (one FIFO per pair of ranks, whatever the tags). While
+  /// validating() (dist.validate), each pair first swaps every message's descriptor (tag, step,
+  /// dtype, shape): a receive that expects another message than its peer sends throws
+  /// CollectiveMismatch on both ranks before any payload moves, naming both ranks, the message
+  /// (`name(tag)`; default "message tag N") and both shapes. Every message is counted and
+  /// observed as a collective is, and folded into take_p2p_balance(). A peer that is dead or
+  /// hung is named within dist.timeout_s (CollectiveError). The tensors stay in use until wait().
+  Started start_p2p(std::vector<P2POp> ops, const char* what = "point-to-point",
+                    const std::function<std::string(int64_t tag)>& name = nullptr);
+  /// Σ h(message sent) − Σ h(message received) over the messages this door started since the
+  /// last call (h: a hash of the group, sender, receiver, tag, step, dtype and shape), then reset:
+  /// summed over every rank of the world it is 0 when each message was received as it was sent.
+  /// The per-step consensus checks it (StepShare), so that after the first step's descriptors a
+  /// message costs no exchange of its own.
+  uint64_t take_p2p_balance();
 
   /// What a rank whose collective failed reported through the store (see above), or nullopt
   /// while none has. Does not block. "" for one rank without a store.
@@ -243,6 +283,8 @@ class Collectives {
   void tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms);
   static Desc step_desc(int64_t step, uint64_t plan, int64_t seq);
   StepConsensus read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const;
+  // start_p2p's descriptor swap (validating()): throws CollectiveMismatch on a pair that differs.
+  void validate_p2p(const std::vector<P2POp>& ops, const char* what, const std::function<std::string(int64_t)>& name);
   std::string describe(const Desc& d) const;
   torch::Tensor on_comm_device(const torch::Tensor& t) const;
   // After a failed collective: records this rank's failure in the store and waits briefly for
@@ -258,6 +300,8 @@ class Collectives {
   std::shared_ptr<Door> door_;
   std::unique_ptr<Collectives> replay_;  // replay_lane(), made on first use
   bool replaying_ = false;               // this object is a replay lane
+  uint64_t p2p_seq_ = 0;                 // point-to-point messages started (their sequence numbers)
+  uint64_t p2p_balance_ = 0;             // take_p2p_balance()
 };
 
 // Cross-rank agreement, failing together and strings across ranks: one way each, used by
