@@ -642,52 +642,76 @@ uint64_t Collectives::take_p2p_balance() {
   return b;
 }
 
-void Collectives::validate_p2p(const std::vector<P2POp>& ops, const char* what,
-                               const std::function<std::string(int64_t)>& name) {
-  const auto named = [&](int64_t tag) { return name ? name(tag) : "message tag " + std::to_string(tag); };
+// Each pair's messages in two rounds, one coalesced batch: every send's descriptor to its receiver
+// (matched, in order, with the receiver's receives from this rank), then every receive's expected
+// descriptor back to its sender (matched with the sender's sends). A receive waits for its sender's
+// descriptor here (a receive waits anyway) and throws before its payload is posted; a send does not
+// wait (sends stay asynchronous, as the schedule's simulation assumes): the returned check, run
+// before its payload is waited for, throws the same message on the sender.
+std::function<void()> Collectives::validate_p2p(const std::vector<P2POp>& ops, const char* what,
+                                                const std::function<std::string(int64_t)>& name) {
   const torch::Device comm = group_->comm_device();
   const bool nccl = group_->backend() == "nccl";
   std::vector<torch::Tensor> mine, theirs;
-  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  auto works = std::make_shared<std::vector<c10::intrusive_ptr<c10d::Work>>>(2 * ops.size());  // [round][op]
   Desc probe;
   probe.op = static_cast<int64_t>(OpCode::Send);
   probe.what = what;
   probe.validation = true;
   probe.seq = static_cast<int64_t>(p2p_seq_);
   probe.issued = std::chrono::steady_clock::now();
-  if (nccl) group_->pg()->startCoalescing(comm.type());
   for (const P2POp& op : ops) {
     mine.push_back(p2p_descriptor(op, step_).to(comm));
     theirs.push_back(torch::empty({kP2PWords}, torch::TensorOptions().dtype(torch::kLong).device(comm)));
-    std::vector<at::Tensor> out{mine.back()}, in{theirs.back()};
-    const int peer = static_cast<int>(op.peer);
-    works.push_back(group_->pg()->send(out, peer, kDescriptorTag));
-    works.push_back(group_->pg()->recv(in, peer, kDescriptorTag));
   }
-  if (nccl) works = {group_->pg()->endCoalescing(comm.type())};
-  for (const auto& w : works)
-    if (w) wait(w, probe);
-  std::string errors;
-  for (size_t i = 0; i < ops.size(); ++i) {
-    const auto a = mine[i].cpu(), b = theirs[i].cpu();
-    const int64_t *m = a.data_ptr<int64_t>(), *t = b.data_ptr<int64_t>();
-    const bool same = std::equal(m, m + 13, t) && t[13] != m[13];
-    if (same) continue;
-    const bool send = ops[i].kind == P2POp::Kind::Send;
-    const int64_t *sent = send ? m : t, *expected = send ? t : m;
-    const std::string sender = group_->rank_name(send ? rank() : ops[i].peer);
-    const std::string receiver = group_->rank_name(send ? ops[i].peer : rank());
-    std::ostringstream os;
-    os << "\n  " << sender << " sends " << named(sent[0]) << " of step " << sent[1] << " as " << shape_text(sent)
-       << "; " << receiver << " expects " << named(expected[0]) << " of step " << expected[1] << " as "
-       << shape_text(expected);
-    if (t[13] == m[13]) os << " (both " << (send ? "send" : "receive") << ": the pair's orders differ)";
-    errors += os.str();
+  if (nccl) group_->pg()->startCoalescing(comm.type());
+  for (const int round : {0, 1})
+    for (size_t i = 0; i < ops.size(); ++i) {
+      // Round one: a send's descriptor out, a receive's sender's descriptor in; round two: a
+      // receive's expectation out, a send's receiver's expectation in.
+      const bool send = ops[i].kind == P2POp::Kind::Send, out = send == (round == 0);
+      std::vector<at::Tensor> t{out ? mine[i] : theirs[i]};
+      const int peer = static_cast<int>(ops[i].peer);
+      (*works)[round * ops.size() + i] =
+          out ? group_->pg()->send(t, peer, kDescriptorTag) : group_->pg()->recv(t, peer, kDescriptorTag);
+    }
+  if (nccl) {
+    auto all = group_->pg()->endCoalescing(comm.type());
+    works->assign(works->size(), nullptr);
+    works->front() = all;
   }
-  if (!errors.empty())
-    throw CollectiveMismatch("point-to-point mismatch at step " + std::to_string(step_) + " (" + what + "):" + errors +
-                             "\nthe two ranks of a pair must send and receive the same messages, in the same order, "
-                             "with the same dtypes and shapes");
+  probe.step = step_;
+  // The sends' or the receives' mismatches, once every descriptor of the batch is in (the peer
+  // posts its side of a batch at once, so this waits for nothing but the peer's call).
+  auto check = [this, ops, mine, theirs, works, probe, what = std::string(what), name](bool sends) {
+    for (auto& w : *works)
+      if (w) wait(w, probe), w.reset();
+    const auto named = [&](int64_t tag) { return name ? name(tag) : "message tag " + std::to_string(tag); };
+    std::string errors;
+    for (size_t i = 0; i < ops.size(); ++i) {
+      const bool send = ops[i].kind == P2POp::Kind::Send;
+      if (send != sends) continue;
+      const auto a = mine[i].cpu(), b = theirs[i].cpu();
+      const int64_t *m = a.data_ptr<int64_t>(), *t = b.data_ptr<int64_t>();
+      if (std::equal(m, m + 13, t) && t[13] != m[13]) continue;
+      const int64_t *sent = send ? m : t, *expected = send ? t : m;
+      std::ostringstream os;
+      os << "\n  " << group_->rank_name(send ? rank() : ops[i].peer) << " sends " << named(sent[0]) << " of step "
+         << sent[1] << " as " << shape_text(sent) << "; " << group_->rank_name(send ? ops[i].peer : rank())
+         << " expects " << named(expected[0]) << " of step " << expected[1] << " as " << shape_text(expected);
+      errors += os.str();
+    }
+    if (!errors.empty())
+      throw CollectiveMismatch("point-to-point mismatch at step " + std::to_string(probe.step) + " (" + what +
+                               "):" + errors +
+                               "\nthe two ranks of a pair must send and receive the same messages, in the same "
+                               "order, with the same dtypes and shapes");
+  };
+  bool receives = false, sends = false;
+  for (const P2POp& op : ops) (op.kind == P2POp::Kind::Send ? sends : receives) = true;
+  if (receives) check(false);
+  if (!sends) return nullptr;
+  return [check] { check(true); };
 }
 
 Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* what,
@@ -703,7 +727,8 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
                     op.tensor.is_contiguous() && op.tag >= 0 && op.tag < (int64_t{1} << 48),
                 "start_p2p (", what, "): peer ", op.peer, " of ", size(), " ranks, a contiguous tensor and ",
                 "0 <= tag < 2^48");
-  if (validating()) validate_p2p(ops, what, name);
+  // While validating: the receives checked now, the sends before their payload is waited for.
+  const std::function<void()> send_check = validating() ? validate_p2p(ops, what, name) : nullptr;
   const torch::Device comm = group_->comm_device();
   const bool nccl = group_->backend() == "nccl";
   std::vector<Desc> descs;
@@ -738,7 +763,9 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
                                                      : group_->pg()->recv(t, peer, kPayloadTag));
   }
   if (nccl) works = {group_->pg()->endCoalescing(comm.type())};
-  s.finish_ = [this, ops = std::move(ops), descs = std::move(descs), io = std::move(io), works = std::move(works)] {
+  s.finish_ = [this, ops = std::move(ops), descs = std::move(descs), io = std::move(io), works = std::move(works),
+               send_check] {
+    if (send_check) send_check();
     const auto t0 = std::chrono::steady_clock::now();
     for (size_t i = 0; i < works.size(); ++i) {
       if (!works[i]) continue;

@@ -47,6 +47,13 @@ struct TransformOptions {
   /// `deferred_to_data_parallel` (dist.zero = 3), when FullyShard makes each rank's flat shards.
   std::shared_ptr<models::DeferredInit> deferred;
   bool deferred_to_data_parallel = false;
+  /// parallel.pp > 1: the stages (pp x virtual stages) and which pp rank holds each (the
+  /// schedule's), and parallel.pp_split's boundaries (empty: "even").
+  struct Pipeline {
+    std::vector<int> stage_rank;
+    std::vector<int64_t> split_points;
+  };
+  Pipeline pipeline;
 };
 
 /// The gradients of a model whose parameters are split over `group` outside data parallelism,

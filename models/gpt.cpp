@@ -41,8 +41,8 @@ struct GptImpl : torch::nn::Module, BlockStructure {
   }
   // idx: (B, T) int64 -> logits (B, T, vocab)
   torch::Tensor forward(const torch::Tensor& idx) {
-    TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= context, "gpt expects tokens (B, T<=", context, "), got ",
-                idx.sizes());
+    TORCH_CHECK((idx.dim() == 2 || !takes_tokens()) && idx.size(1) <= context, "gpt expects tokens (B, T<=", context,
+                "), got ", idx.sizes());
     const int64_t T = idx.size(1);
     auto x = root_call(RootPart::Embed, idx, [&](const torch::Tensor& ids) {
       const auto tokens = tp_vocab ? tp_vocab.embed(ids, wte->weight, -1) : wte->forward(ids);

@@ -75,8 +75,8 @@ struct Gpt2Impl : torch::nn::Module, BlockStructure {
   }
   // idx: (B, T) int64 -> logits (B, T, vocab)
   torch::Tensor forward(const torch::Tensor& idx) {
-    TORCH_CHECK(idx.dim() == 2 && idx.size(1) <= positions, "gpt2 expects tokens (B, T<=", positions, "), got ",
-                idx.sizes());
+    TORCH_CHECK((idx.dim() == 2 || !takes_tokens()) && idx.size(1) <= positions,
+                "gpt2 expects tokens (B, T<=", positions, "), got ", idx.sizes());
     auto x = root_call(RootPart::Embed, idx, [&](const torch::Tensor& ids) { return transformer->embed(ids); });
     x = run_blocks(transformer->h, this, x);
     return root_call(RootPart::Head, x, [&](const torch::Tensor& last) {

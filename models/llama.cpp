@@ -101,7 +101,7 @@ struct LlamaImpl : torch::nn::Module, BlockStructure {
       init_edit_(model->embed_tokens->weight, [pad](torch::Tensor& w) { w[pad].zero_(); });
   }
   torch::Tensor forward(const torch::Tensor& idx) {
-    TORCH_CHECK(idx.dim() == 2, "llama expects tokens (B, T), got ", idx.sizes());
+    TORCH_CHECK(idx.dim() == 2 || !takes_tokens(), "llama expects tokens (B, T), got ", idx.sizes());
     auto x = root_call(RootPart::Embed, idx, [&](const torch::Tensor& ids) { return model->embed(ids); });
     x = model->run_layers(x, idx.size(1));
     return root_call(RootPart::Head, x, [&](const torch::Tensor& last) {

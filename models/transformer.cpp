@@ -264,6 +264,7 @@ torch::Tensor TransformerBlockImpl::mlp_core(const torch::Tensor& x, bool with_b
 torch::Tensor run_blocks(torch::nn::ModuleList& blocks, BlockStructure* structure, torch::Tensor x,
                          const torch::Tensor& cos, const torch::Tensor& sin) {
   for (size_t i = 0; i < blocks->size(); ++i) {
+    if (structure && !structure->on_stage(i)) continue;  // another pipeline stage's block
     const auto in = structure ? structure->block_enter(i, x) : x;
     TransformerBlockImpl* block = blocks[i]->as<TransformerBlock>();
     const RegionCall regions{structure ? &structure->region_compiled : nullptr, i,

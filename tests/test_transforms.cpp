@@ -4,6 +4,7 @@
 #include <type_traits>
 
 #include "dist/mesh.h"
+#include "dist/stages.h"
 #include "dist/transform_plan.h"
 #include "trainer/compile/transforms.h"
 
@@ -118,17 +119,57 @@ TEST(Transforms, ATransformOutOfOrderIsRefusedNamingBoth) {
 // A mesh whose pp axis is larger than 1 reaches a transform that is not there yet: placing on it
 // fails naming the axis, instead of training the whole model on every rank unnoticed. (tp > 1
 // shards the model: tests/test_tp_ops.cpp.)
-TEST(Transforms, PlacingOnAMeshWithPipelineStagesIsRefusedUntilThatTransformExists) {
+// The pipeline split (dist/stages.h): each pp rank's StageModel holds its stages' blocks and the
+// root's parameters (at both ends), runs one stage at a time, and the stages in turn compute the
+// whole model's logits exactly; "even" balances the blocks' parameters; a pp without the
+// schedule's stages is a logic error, more stages than blocks the user's (exit 2).
+TEST(Transforms, PipelineStagesHoldTheirBlocksAndTheRootAndComposeToTheWholeModel) {
   keel::ModelConfig mc;
-  mc.name = "mlp";
+  mc.name = "gpt";
+  mc.width = 32;
+  mc.depth = 4;
+  mc.heads = 4;
+  mc.context = 16;
+  auto whole = keel::models::create_model(mc);
   keel::dist::World world;
   world.size = 2;
-  try {
-    keel::place(keel::models::create_model(mc), torch::kCPU, keel::dist::Mesh::build(world, {2, 0, 1}));
-    ADD_FAILURE() << "expected an error for pp = 2";
-  } catch (const std::logic_error& e) {
-    EXPECT_NE(std::string(e.what()).find("pp = 2"), std::string::npos) << e.what();
+  std::vector<std::shared_ptr<keel::dist::StageModel>> ranks;
+  for (int64_t r : {0, 1}) {
+    world.rank = r;
+    keel::dist::TransformPlan plan;
+    auto m = keel::dist::split_into_stages(whole, keel::dist::Mesh::build(world, {2, 0, 1}), {{0, 1}, {}}, plan);
+    ranks.push_back(std::dynamic_pointer_cast<keel::dist::StageModel>(m));
+    ASSERT_TRUE(ranks.back()) << "pp 2 made no StageModel";
   }
+  auto holds = [](const keel::dist::StageModel& m, const std::string& prefix) {
+    for (const auto& [n, t] : m.named_parameters())
+      if (n.compare(0, prefix.size(), prefix) == 0) return true;
+    return false;
+  };
+  for (const char* root : {"wte.", "wpe.", "ln_f."}) EXPECT_TRUE(holds(*ranks[0], root) && holds(*ranks[1], root));
+  EXPECT_TRUE(holds(*ranks[0], "h.1.") && !holds(*ranks[0], "h.2."));
+  EXPECT_TRUE(holds(*ranks[1], "h.3.") && !holds(*ranks[1], "h.0."));
+  EXPECT_EQ(ranks[0]->describe(), "blocks 0-1 | blocks 2-3");
+  torch::NoGradGuard no_grad;
+  whole->train(false);
+  const auto tokens = torch::randint(0, 256, {2, 16});
+  const auto logits = whole->forward(tokens);
+  const auto staged = ranks[1]->forward_stage(1, ranks[0]->forward_stage(0, tokens));
+  EXPECT_TRUE(torch::equal(staged, logits));
+  EXPECT_TRUE(torch::equal(whole->forward(tokens), logits)) << "a stage's forward left the model split";
+  // "even": the largest stage's parameters as small as they can be, the root's half on either end.
+  auto firsts = [](const std::vector<keel::models::BlockStructure::Stage>& s) {
+    std::vector<size_t> f;
+    for (const auto& r : s) f.push_back(r.first);
+    return f;
+  };
+  EXPECT_EQ(firsts(keel::dist::split_blocks({1, 1, 1, 5}, 0, 2, {})), (std::vector<size_t>{0, 3}));
+  EXPECT_EQ(firsts(keel::dist::split_blocks({4, 4, 4, 4}, 8, 2, {})), (std::vector<size_t>{0, 2}));
+  EXPECT_EQ(firsts(keel::dist::split_blocks({4, 4, 4, 4}, 0, 2, {3})), (std::vector<size_t>{0, 3}));
+  EXPECT_THROW(keel::dist::split_blocks({4, 4}, 0, 3, {}), keel::InputError);
+  keel::dist::TransformPlan plan;
+  EXPECT_THROW(keel::dist::split_into_stages(whole, keel::dist::Mesh::build(world, {2, 0, 1}), {}, plan),
+               std::logic_error);
 }
 
 // A model that ignores to(): its tensors stay where they are.

@@ -88,6 +88,7 @@ struct Run {
 
  private:
   void build_mesh();
+  void refuse_what_pipelines_do_not_serve_yet() const;
   void lock_directories();
   void check_memory_needs();
   std::shared_ptr<models::Model> build_model_on_every_rank(std::optional<models::InputKind> data_kind);

@@ -158,7 +158,7 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
   // mean loss, and whether any rank saw inf/NaN (then no rank steps).
   {
     RECORD_USER_SCOPE("keel::consensus");
-    const uint64_t plan = run_.dmodel->plan();
+    const uint64_t plan = step_->plan();
     if (run_.late) {
       f.record =
           run_.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags, launched.share);
@@ -267,7 +267,7 @@ void Trainer::Loop::finish() {
   run_.dmodel->sync_buffers();  // every rank ends with rank 0's model (under tp: its dp peers' shard)
   // dist.zero = 3: the whole model, gathered for on_end only (on every rank when one rank has it:
   // the gathers are collective; stage 2's parameters are whole).
-  run_.dmodel->hold_whole_model(bool(run_.cb.on_end));
+  step_->hold_whole_model(bool(run_.cb.on_end));
   if (run_.cb.on_end) run_.cb.on_end(*run_.model);
   // Every rank leaves with the same verdict: the signal a rank received (the one that stopped
   // the loop, or one that came after the last step's consensus: evaluation, the final save,

@@ -15,7 +15,7 @@ namespace keel {
 PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& device, const dist::Mesh& mesh,
                   const dist::TransformOptions& options) {
   dist::TransformPlan plan;
-  model = dist::split_into_stages(std::move(model), mesh, plan);
+  model = dist::split_into_stages(std::move(model), mesh, options.pipeline, plan);
   models::DeferredInit* deferred = options.deferred && !options.deferred->empty() ? options.deferred.get() : nullptr;
   dist::shard_tensor_parallel(*model, mesh, options.sequence_parallel, plan, deferred);
   dist::wrap_recompute(*model, options.recompute, plan);

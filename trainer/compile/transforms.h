@@ -21,6 +21,7 @@
 
 #include <torch/torch.h>
 
+#include <functional>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -128,9 +129,13 @@ class DistributedModel {
   /// with stage 0), the global-norm clip over the owners' gradients, and (collective) the owners'
   /// updated parameters to every rank after the optimizer step (dist/ddp.h).
   models::NamedTensors owned_parameters() const { return ddp_->owned_parameters(); }
-  torch::Tensor clip_grad_norm(double max_norm) { return ddp_->clip_grad_norm(max_norm); }
+  torch::Tensor clip_grad_norm(double max_norm) { return norm_ ? norm_(max_norm) : ddp_->clip_grad_norm(max_norm); }
   /// The same global norm, measured only (collective as clip_grad_norm; no gradient is written).
-  torch::Tensor grad_norm() { return ddp_->clip_grad_norm(std::numeric_limits<double>::infinity()); }
+  torch::Tensor grad_norm() { return clip_grad_norm(std::numeric_limits<double>::infinity()); }
+  /// Pipeline parallelism: the global norm (and clip) over every stage's gradients, which the
+  /// pipelined step sets (trainer/step/pipelined.h); clip_grad_norm and grad_norm then take it.
+  using GlobalNorm = std::function<torch::Tensor(double max_norm)>;
+  void set_global_norm(GlobalNorm norm) { norm_ = std::move(norm); }
   void sync_parameters() { ddp_->sync_parameters(); }
   /// The gradients are the data-parallel engine's buffers (DDP's bucket views, ZeRO's), zeroed
   /// rather than freed between steps.
@@ -188,6 +193,7 @@ class DistributedModel {
   int64_t max_recompiles_ = 0;
   uint64_t package_fingerprint_ = 0;
   dist::TransformPlan plan_;
+  GlobalNorm norm_;  // set_global_norm()
 };
 
 /// Stage 0 -> 1: the transforms before compile, on `mesh` (default: one rank), in their order:

@@ -16,10 +16,12 @@
 #include "trainer/step/compiled.h"
 #include "trainer/step/eager.h"
 #include "trainer/step/graphs.h"
+#include "trainer/step/pipelined.h"
 
 namespace keel {
 
 std::unique_ptr<Step> make_step(Run& run) {
+  if (run.mesh.pp() > 1) return std::make_unique<PipelinedStep>(run);
   if (run.dmodel->inductor_step()) return std::make_unique<CompiledStep>(run);
   return std::make_unique<EagerStep>(run);
 }
@@ -93,14 +95,7 @@ std::vector<data::Batch> Step::next_batches(int64_t step) {
 // it into *loss_now (the sum in double, as the tensor's) and returns nothing.
 torch::Tensor Step::forward_backward(const std::vector<data::Batch>& batches, double* loss_now) {
   const auto accum = static_cast<int64_t>(batches.size());
-  // train.grads_to_none: gradients nothing else holds are freed, so that the forward runs without
-  // them (PyTorch's zero_grad(set_to_none=True)); DDP's bucket views and ZeRO's are zeroed, and so
-  // is every gradient under compile.cuda_graphs (a captured backward writes where they are).
-  if (run_.cfg.train.grads_to_none && !run_.cfg.compile.cuda_graphs && !run_.dmodel->gradients_are_buffers())
-    free_grads(run_.params);
-  else
-    zero_grads(run_.params);
-  run_.dmodel->zero_gradient_shards();
+  clear_gradients();
   torch::Tensor loss_sum;
   double host_sum = 0;
   for (int64_t micro = 0; micro < accum; ++micro) {
@@ -130,6 +125,21 @@ torch::Tensor Step::forward_backward(const std::vector<data::Batch>& batches, do
   }
   return loss_sum / static_cast<double>(accum);
 }
+
+// train.grads_to_none: gradients nothing else holds are freed, so that the forward runs without
+// them (PyTorch's zero_grad(set_to_none=True)); DDP's bucket views and ZeRO's are zeroed, and so
+// is every gradient under compile.cuda_graphs (a captured backward writes where they are).
+void Step::clear_gradients() {
+  if (run_.cfg.train.grads_to_none && !run_.cfg.compile.cuda_graphs && !run_.dmodel->gradients_are_buffers())
+    free_grads(run_.params);
+  else
+    zero_grads(run_.params);
+  run_.dmodel->zero_gradient_shards();
+}
+
+uint64_t Step::plan() const { return run_.dmodel->plan(); }
+
+void Step::hold_whole_model(bool wanted) { run_.dmodel->hold_whole_model(wanted); }
 
 torch::Tensor Step::to_device(const torch::Tensor& t) const {
   const torch::Device& device = run_.device;
@@ -263,9 +273,15 @@ EvalResult Step::evaluate(int64_t step) {
   run_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
   // Every tp rank of a dp rank reads the same batches, so every dp group sums the same verdict.
   if (totals[3].item<double>() > 0) throw InputError(dist::first_error(*run_.coll, bad, "evaluation targets").message);
-  loss_sum = totals[0].item<double>();
-  correct = totals[1].item<double>();
-  count = totals[2].item<double>();
+  return evaluation_result(step, totals);
+}
+
+// The totals summed over the ranks ([loss, top-1 hits, counted targets, ...], float64) as a result.
+EvalResult Step::evaluation_result(int64_t step, const torch::Tensor& totals) const {
+  EvalResult r;
+  r.step = step;
+  const double loss_sum = totals[0].item<double>(), correct = totals[1].item<double>(),
+               count = totals[2].item<double>();
   r.loss = count > 0 ? loss_sum / count : std::nan("");
   r.accuracy = count > 0 && run_.classifier() ? correct / count : std::nan("");
   r.count = static_cast<int64_t>(count);

@@ -93,7 +93,13 @@ class Step {
   void update(InFlight& f);
   /// Loss (and, with the default loss, top-1 accuracy) over the test split, each data-parallel
   /// rank taking every dp-th sample; totals are summed over the dp axis. Collective.
-  EvalResult evaluate(int64_t step);
+  virtual EvalResult evaluate(int64_t step);
+  /// The gradient plan every rank must agree on at each step's consensus (the model's; a
+  /// pipelined step's combines every stage's).
+  virtual uint64_t plan() const;
+  /// The end of training: the whole model in run.model's parameters for Callbacks::on_end when
+  /// `wanted` on some rank (collective: ZeRO-3 gathers it, a pipeline sends each stage's).
+  virtual void hold_whole_model(bool wanted);
   /// The first bad input this rank's batches held ("" none): a target out of range, replaced by
   /// train.ignore_index so that the step ran on to the consensus, whose flag makes every rank
   /// throw it (Trainer; the same for evaluation inside evaluate()).
@@ -104,27 +110,36 @@ class Step {
   virtual torch::Tensor micro_batch_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync) = 0;
   /// The module's forward under autocast, then the loss.
   torch::Tensor eager_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync);
+  // What an override of launch() or evaluate() (a pipelined step) shares with this one.
+  /// The step's micro-batches on the device (their targets screened: bad_input()).
+  std::vector<data::Batch> next_batches(int64_t step);
+  /// Before a step's first micro-batch: the gradients zeroed or freed (train.grads_to_none).
+  void clear_gradients();
+  torch::Tensor to_device(const torch::Tensor& t) const;
+  /// This rank's verdict on its loss and gradients: on the device (late), or read by the host.
+  torch::Tensor local_nonfinite(const torch::Tensor& local_loss);
+  bool local_nonfinite_now(double local_loss);
+  /// One evaluation batch's sums (loss, top-1 hits, counted targets) into the totals.
+  void evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
+                      double& count);
+  /// The evaluation's totals, summed over the ranks (float64 [loss, hits, counted, ...]), as a result.
+  EvalResult evaluation_result(int64_t step, const torch::Tensor& totals) const;
   Run& run_;
+  std::string bad_input_;  // bad_input()
 
  private:
-  std::vector<data::Batch> next_batches(int64_t step);
   torch::Tensor forward_backward(const std::vector<data::Batch>& batches, double* loss_now);
   torch::Tensor device_update(const torch::Tensor& found, bool measure_norm);
   bool measures_norm(int64_t step) const;
-  torch::Tensor to_device(const torch::Tensor& t) const;
   torch::Tensor grad_verdict();
-  torch::Tensor local_nonfinite(const torch::Tensor& local_loss);
-  bool local_nonfinite_now(double local_loss);
   void host_decided_update(StepResult& r);
   void device_decided_update(InFlight& f);
-  void evaluate_batch(const torch::Tensor& out, const torch::Tensor& target, double& loss_sum, double& correct,
-                      double& count);
   std::unique_ptr<StepGraphs> graphs_;  // compile.cuda_graphs
-  std::string bad_input_;               // bad_input()
   int64_t first_step_ = 1;              // the loop's first (after a resume, the step after it)
 };
 
-/// The step the run's model takes: CompiledStep with an Inductor package, else EagerStep.
+/// The step the run's model takes: PipelinedStep at parallel.pp > 1, CompiledStep with an Inductor
+/// package, else EagerStep.
 std::unique_ptr<Step> make_step(Run& run);
 
 }  // namespace keel

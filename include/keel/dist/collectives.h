@@ -228,8 +228,9 @@ class Collectives {
   /// order both ranks list them (one FIFO per pair of ranks, whatever the tags). While
   /// validating() (dist.validate), each pair first swaps every message's descriptor (tag, step,
   /// dtype, shape): a receive that expects another message than its peer sends throws
-  /// CollectiveMismatch on both ranks before any payload moves, naming both ranks, the message
-  /// (`name(tag)`; default "message tag N") and both shapes. Every message is counted and
+  /// CollectiveMismatch before its payload is posted, and its sender throws the same at wait(),
+  /// naming both ranks, the message (`name(tag)`; default "message tag N") and both shapes; a send
+  /// never waits for its receiver to arrive. Every message is counted and
   /// observed as a collective is, and folded into take_p2p_balance(). A peer that is dead or
   /// hung is named within dist.timeout_s (CollectiveError). The tensors stay in use until wait().
   Started start_p2p(std::vector<P2POp> ops, const char* what = "point-to-point",
@@ -283,8 +284,11 @@ class Collectives {
   void tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms);
   static Desc step_desc(int64_t step, uint64_t plan, int64_t seq);
   StepConsensus read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const;
-  // start_p2p's descriptor swap (validating()): throws CollectiveMismatch on a pair that differs.
-  void validate_p2p(const std::vector<P2POp>& ops, const char* what, const std::function<std::string(int64_t)>& name);
+  // start_p2p's descriptor swap (validating()): throws CollectiveMismatch on a receive whose sender
+  // sends another message; returns the same check of the sends, to run before their payload is
+  // waited for (null without sends).
+  std::function<void()> validate_p2p(const std::vector<P2POp>& ops, const char* what,
+                                     const std::function<std::string(int64_t)>& name);
   std::string describe(const Desc& d) const;
   torch::Tensor on_comm_device(const torch::Tensor& t) const;
   // After a failed collective: records this rank's failure in the store and waits briefly for

@@ -10,6 +10,7 @@
 
 #include <torch/torch.h>
 
+#include <cstdint>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -63,8 +64,25 @@ class BlockStructure {
   std::vector<std::string> block_prefixes;
   BlockHooks* block_hooks = nullptr;
 
-  torch::Tensor block_enter(size_t i, const torch::Tensor& x) { return block_hooks ? block_hooks->enter(i, x) : x; }
-  torch::Tensor block_leave(size_t i, const torch::Tensor& y) { return block_hooks ? block_hooks->leave(i, y) : y; }
+  /// Pipeline parallelism (parallel.pp, dist/stages.h): the part of forward that runs, blocks
+  /// [first, end) and the root's embedding (the forward's input is then token ids, else the
+  /// previous stage's output) and head. Off the stage, block_enter, block_call and block_leave
+  /// and root_call return their input as it is. The default: the whole model.
+  struct Stage {
+    size_t first = 0, end = SIZE_MAX;
+    bool embed = true, head = true;
+  };
+  Stage stage;
+  bool on_stage(size_t i) const { return i >= stage.first && i < stage.end; }
+  /// The forward's input is the token ids (else an activation: a stage after the first).
+  bool takes_tokens() const { return stage.embed; }
+
+  torch::Tensor block_enter(size_t i, const torch::Tensor& x) {
+    return block_hooks && on_stage(i) ? block_hooks->enter(i, x) : x;
+  }
+  torch::Tensor block_leave(size_t i, const torch::Tensor& y) {
+    return block_hooks && on_stage(i) ? block_hooks->leave(i, y) : y;
+  }
 
   /// How a block's own computation runs, between block_enter and block_leave: `run(f, x)` returns
   /// f(x), where f is the block (which it may keep, to call again in backward). Empty: f(x)
@@ -103,6 +121,7 @@ class BlockStructure {
   RegionRun region_runner;
   torch::Tensor block_call(size_t i, BlockFunction f, const torch::Tensor& x, const torch::Tensor& cos = {},
                            const torch::Tensor& sin = {}) {
+    if (!on_stage(i)) return x;
     if (block_compiled)
       if (torch::Tensor y = block_compiled(i, x, cos, sin); y.defined()) return y;
     return block_run(std::move(f), x);
@@ -124,7 +143,9 @@ class BlockStructure {
   /// model's own code (trainer/compile/unit_trace.h).
   using RootRun = std::function<torch::Tensor(RootPart part, const RootFunction& f, const torch::Tensor& x)>;
   RootRun root_runner;
+  bool root_on_stage(RootPart part) const { return part == RootPart::Embed ? stage.embed : stage.head; }
   torch::Tensor root_call(RootPart part, const torch::Tensor& x, const RootFunction& eager) {
+    if (!root_on_stage(part)) return x;
     if (root_compiled)
       if (torch::Tensor y = root_compiled(part, x); y.defined()) return y;
     return root_runner ? root_runner(part, eager, x) : eager(x);
@@ -133,6 +154,7 @@ class BlockStructure {
   /// 65): it runs compiled where root_compiled serves it, else eager, and is never traced (a model
   /// whose root parts are given so runs its root eager at compile.granularity = "blocks").
   torch::Tensor root_call(RootPart part, const torch::Tensor& x, const std::function<torch::Tensor()>& eager) {
+    if (!root_on_stage(part)) return x;
     if (root_compiled)
       if (torch::Tensor y = root_compiled(part, x); y.defined()) return y;
     return eager();

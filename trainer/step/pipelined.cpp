@@ -1,0 +1,373 @@
+#include "trainer/step/pipelined.h"
+
+#include <ATen/record_function.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "amp/autocast.h"
+#include "amp/grad_scaler.h"
+#include "dist/zero.h"
+#include "keel/common/error.h"
+#include "trainer/config/pipeline.h"
+#include "trainer/loss.h"
+#include "trainer/optim.h"
+#include "trainer/run.h"
+
+namespace keel {
+
+using dist::P2POp;
+using dist::pipeline::Action;
+using dist::pipeline::Op;
+
+namespace {
+
+// A message's identity at both ends: what it carries (an activation, its gradient, or the shape
+// of an activation, sent once per batch shape), the stage whose output it is, the micro-batch.
+enum Carries : int64_t { kActivation = 0, kGradient = 1, kShape = 2, kRoot = 3 };
+int64_t tag_of(Carries what, int stage, int mb) {
+  return (static_cast<int64_t>(what) << 40) | (static_cast<int64_t>(stage) << 20) | mb;
+}
+std::string name_tag(int64_t tag) {
+  const auto what = static_cast<Carries>(tag >> 40);
+  const std::string of = "stage " + std::to_string((tag >> 20) & 0xfffff) + "'s activation of micro-batch " +
+                         std::to_string(tag & 0xfffff);
+  if (what == kRoot) return "the root's gradients (first and last stage)";
+  return what == kActivation ? of : what == kGradient ? "the gradient of " + of : "the shape of " + of;
+}
+
+constexpr int64_t kShapeWords = 10;  // dtype, ndim, dims[8]
+
+torch::Tensor shape_message(const torch::Tensor& t) {
+  TORCH_CHECK(t.dim() <= kShapeWords - 2, "a pipeline stage's output has more than 8 dimensions: ", t.sizes());
+  auto m = torch::zeros({kShapeWords}, torch::kLong);
+  m[0] = static_cast<int64_t>(t.scalar_type());
+  m[1] = t.dim();
+  for (int64_t i = 0; i < t.dim(); ++i) m[2 + i] = t.size(i);
+  return m;
+}
+
+}  // namespace
+
+struct PipelinedStep::Slot {
+  torch::Tensor input;              // the stage's input (after the first stage: a leaf whose gradient is sent back)
+  torch::Tensor output;             // the stage's output with its graph (the last stage's: its loss)
+  dist::Collectives::Started recv;  // a posted receive of its input or of its output's gradient
+  torch::Tensor received;
+};
+
+PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(run.cfg)) {
+  stages_ = dynamic_cast<dist::StageModel*>(&run.dmodel->model());
+  if (!stages_) throw std::logic_error("PipelinedStep: the model is not split into stages (dist/stages.h)");
+  pp_ = &run.mesh.on(dist::Axis::Pp);
+  rank_ = static_cast<int>(pp_->rank());
+  // One gradient plan for every rank: each stage's, in stage order (they differ; the consensus
+  // compares one word).
+  auto mine = torch::tensor({static_cast<int64_t>(run.dmodel->plan())}, torch::kLong);
+  std::vector<int64_t> words;
+  for (const auto& t : pp_->all_gather(mine, "pipeline gradient plans")) words.push_back(t.item<int64_t>());
+  plan_ = dist::fingerprint(words);
+  // The global norm: each parameter of the whole model counted once, by the rank of its stage
+  // (the root's by the first stage's), in the whole model's order, so that the norm's vector is
+  // the one rank's, summed over pp from entries that are 0 elsewhere.
+  const auto prefixes = stages_->whole().block_prefixes();
+  const auto& ranges = stages_->ranges();
+  for (const auto& [name, t] : stages_->whole().named_parameters()) {
+    int64_t owner = schedule_.stage_rank.front();
+    for (size_t b = 0; b < prefixes.size(); ++b)
+      if (name.compare(0, prefixes[b].size(), prefixes[b]) == 0)
+        for (size_t s = 0; s < ranges.size(); ++s)
+          if (ranges[s].first <= b && b < ranges[s].end) owner = schedule_.stage_rank[s];
+    whole_owner_.push_back(owner);
+  }
+  run.dmodel->set_global_norm([this](double max_norm) { return global_norm(max_norm); });
+}
+
+PipelinedStep::~PipelinedStep() = default;
+
+torch::Tensor PipelinedStep::micro_batch_loss(const torch::Tensor&, const torch::Tensor&, bool) {
+  throw std::logic_error("PipelinedStep: a micro-batch's loss is its schedule's (launch)");
+}
+
+PipelinedStep::Slot& PipelinedStep::slot(int stage, int mb) {
+  auto& s = slots_[{stage, mb}];
+  if (!s) s = std::make_unique<Slot>();
+  return *s;
+}
+
+Launched PipelinedStep::launch(StepResult& r) {
+  r.lr = run_.schedule->at(r.step - 1);
+  set_lr(*run_.optimizer, r.lr);
+  const std::vector<data::Batch> batches = next_batches(r.step);
+  r.epoch = run_.sampler->position().epoch;
+  clear_gradients();
+  const bool last = stages_->holds_last();
+  torch::Tensor loss = run_schedule(batches);
+  sum_root_gradients();
+  run_.faults->after_backward(r.step, run_.owned);
+  Launched l;
+  l.share.weight = last ? 1.0 : 0.0;
+  l.share.p2p_balance = pp_->take_p2p_balance();
+  if (!last) loss = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(run_.device));
+  if (run_.late) {
+    l.loss = loss;
+    l.nonfinite = local_nonfinite(l.loss);
+  } else {
+    l.loss_now = loss.item<double>();
+    l.nonfinite_now = local_nonfinite_now(l.loss_now);
+  }
+  return l;
+}
+
+// This rank's actions in order; returns the last stage's mean loss over the micro-batches
+// (float64, one element), or nothing on another rank.
+torch::Tensor PipelinedStep::run_schedule(const std::vector<data::Batch>& batches) {
+  loss_sum_ = torch::Tensor();
+  for (const Action& a : schedule_.lowered[static_cast<size_t>(rank_)]) {
+    switch (a.op) {
+      case Op::F: {
+        RECORD_USER_SCOPE("keel::forward");
+        forward(a.stage, a.mb, batches);
+        break;
+      }
+      case Op::B:
+      case Op::I: {  // the input gradient runs the whole backward (no split yet): W has nothing left
+        RECORD_USER_SCOPE("keel::backward");
+        backward(a.stage, a.mb);
+        break;
+      }
+      case Op::W:
+        break;
+      case Op::RecvF:
+      case Op::RecvB:
+        post_receive(a, batches);
+        break;
+      case Op::SendF:
+      case Op::SendB:
+        send(a, batches);
+        break;
+    }
+  }
+  for (auto& s : sends_) s.wait();
+  sends_.clear();
+  slots_.clear();
+  if (!loss_sum_.defined()) return {};
+  return loss_sum_ / static_cast<double>(batches.size());
+}
+
+torch::Tensor PipelinedStep::stage_input(Slot& slot, int stage, int mb, const std::vector<data::Batch>& batches) {
+  if (stage == 0) return batches[static_cast<size_t>(mb)].input;
+  torch::Tensor x;
+  if (slot.recv) {  // from another rank
+    slot.recv.wait();
+    x = slot.received;
+    slot.received = torch::Tensor();
+  } else {  // this rank's previous stage (the V and interleaved schedules)
+    x = this->slot(stage - 1, mb).output.detach();
+  }
+  return x.requires_grad_(true);
+}
+
+void PipelinedStep::forward(int stage, int mb, const std::vector<data::Batch>& batches) {
+  Slot& s = slot(stage, mb);
+  s.input = stage_input(s, stage, mb, batches);
+  amp::Autocast ac(run_.device.type(), run_.amp.dtype, run_.amp.enabled);
+  torch::Tensor out = stages_->forward_stage(stage, s.input);
+  if (stage + 1 < stages_->stages()) {
+    s.output = out;
+    return;
+  }
+  s.output = run_.loss(out, batches[static_cast<size_t>(mb)].target).to(torch::kFloat);
+  const torch::Tensor l = s.output.detach().to(torch::kDouble).reshape({1});
+  loss_sum_ = loss_sum_.defined() ? loss_sum_ + l : l;
+}
+
+void PipelinedStep::backward(int stage, int mb) {
+  Slot& s = slot(stage, mb);
+  if (stage + 1 == stages_->stages()) {
+    const torch::Tensor scaled = s.output / static_cast<double>(schedule_.microbatches);
+    torch::autograd::backward({run_.scaler ? run_.scaler->scale(scaled) : scaled});
+  } else {
+    torch::Tensor grad;
+    if (s.recv) {
+      s.recv.wait();
+      grad = s.received;
+      s.received = torch::Tensor();
+    } else {  // this rank's next stage: its input's gradient
+      grad = slot(stage + 1, mb).input.grad();
+    }
+    torch::autograd::backward({s.output}, {grad});
+  }
+  s.output = torch::Tensor();
+}
+
+// An activation's buffer: the shape its sender said for this batch shape (once per batch shape,
+// received here before the payload).
+torch::Tensor PipelinedStep::activation_buffer(int stage, const torch::Tensor& input) {
+  const auto key = shape_key(stage, input);
+  auto it = input_shapes_.find(key);
+  if (it == input_shapes_.end()) {
+    auto m = torch::empty({kShapeWords}, torch::kLong);
+    const int64_t from = schedule_.stage_rank[static_cast<size_t>(stage - 1)];
+    pp_->start_p2p({{P2POp::Kind::Recv, from, m, tag_of(kShape, stage - 1, 0)}}, "pipeline activation shape", name_tag)
+        .wait();
+    const int64_t* w = m.data_ptr<int64_t>();
+    it =
+        input_shapes_
+            .emplace(key, std::make_pair(std::vector<int64_t>(w + 2, w + 2 + w[1]), static_cast<c10::ScalarType>(w[0])))
+            .first;
+  }
+  return torch::empty(it->second.first, torch::TensorOptions().dtype(it->second.second).device(run_.device));
+}
+
+void PipelinedStep::post_receive(const Action& a, const std::vector<data::Batch>& batches) {
+  Slot& s = slot(a.stage, a.mb);
+  const bool activation = a.op == Op::RecvF;
+  const int peer_stage = activation ? a.stage - 1 : a.stage + 1;
+  s.received = activation ? activation_buffer(a.stage, batches[static_cast<size_t>(a.mb)].input)
+                          : torch::empty_like(s.output, torch::MemoryFormat::Contiguous);
+  const int64_t tag = activation ? tag_of(kActivation, a.stage - 1, a.mb) : tag_of(kGradient, a.stage, a.mb);
+  s.recv = pp_->start_p2p({{P2POp::Kind::Recv, schedule_.stage_rank[static_cast<size_t>(peer_stage)], s.received, tag}},
+                          activation ? "pipeline activation" : "pipeline gradient", name_tag);
+}
+
+void PipelinedStep::send(const Action& a, const std::vector<data::Batch>& batches) {
+  Slot& s = slot(a.stage, a.mb);
+  const bool activation = a.op == Op::SendF;
+  const int peer_stage = activation ? a.stage + 1 : a.stage - 1;
+  const int64_t peer = schedule_.stage_rank[static_cast<size_t>(peer_stage)];
+  std::vector<P2POp> ops;
+  torch::Tensor t;
+  if (activation) {
+    t = s.output.detach().contiguous();
+    if (shapes_said_.insert(shape_key(a.stage + 1, batches[static_cast<size_t>(a.mb)].input)).second)
+      ops.push_back({P2POp::Kind::Send, peer, shape_message(t), tag_of(kShape, a.stage, 0)});
+    ops.push_back({P2POp::Kind::Send, peer, t, tag_of(kActivation, a.stage, a.mb)});
+  } else {
+    t = s.input.grad();
+    if (!t.defined()) t = torch::zeros_like(s.input);
+    ops.push_back({P2POp::Kind::Send, peer, t.contiguous(), tag_of(kGradient, a.stage - 1, a.mb)});
+  }
+  sends_.push_back(pp_->start_p2p(std::move(ops), activation ? "pipeline activation" : "pipeline gradient", name_tag));
+  if (!activation) s.input = torch::Tensor();
+}
+
+// The key of an activation's shape at both ends: the receiving stage, the batch's input shape, and
+// whether it is a training forward (autocast) or an evaluation one.
+std::pair<int, std::vector<int64_t>> PipelinedStep::shape_key(int stage, const torch::Tensor& input) const {
+  std::vector<int64_t> k = input.sizes().vec();
+  k.push_back(torch::GradMode::is_enabled() ? 1 : 0);
+  return {stage, std::move(k)};
+}
+
+// The root's gradients summed between the first and the last stage's ranks (the same sum on both:
+// a + b is b + a), so that both copies of the root take the same update.
+void PipelinedStep::sum_root_gradients() {
+  const int first = schedule_.stage_rank.front(), last = schedule_.stage_rank.back();
+  const auto& root = stages_->root_parameters();
+  if (first == last || root.empty() || (rank_ != first && rank_ != last)) return;
+  std::vector<torch::Tensor> grads;
+  for (const auto& [name, p] : root) {
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    TORCH_CHECK(p.grad().scalar_type() == root.front().second.scalar_type(),
+                "pipeline: the root's parameters hold gradients of more than one dtype (", name, ")");
+    grads.push_back(p.grad());
+  }
+  std::vector<torch::Tensor> flat;
+  for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+  const torch::Tensor mine = torch::cat(flat), theirs = torch::empty_like(mine);
+  const int64_t peer = rank_ == first ? last : first, tag = tag_of(kRoot, 0, 0);
+  pp_->start_p2p({{P2POp::Kind::Send, peer, mine, tag}, {P2POp::Kind::Recv, peer, theirs, tag}},
+                 "pipeline root gradients", name_tag)
+      .wait();
+  const torch::Tensor sum = rank_ == first ? mine + theirs : theirs + mine;
+  int64_t at = 0;
+  for (auto& g : grads) {
+    g.copy_(sum.slice(0, at, at + g.numel()).view_as(g));
+    at += g.numel();
+  }
+}
+
+// torch.nn.utils.clip_grad_norm_'s arithmetic over the whole model (dist/zero.h's vector of
+// per-parameter norms, each entry filled by the one rank that counts it and summed over pp), so
+// that the norm is one rank's; the clip scales every gradient this rank holds.
+torch::Tensor PipelinedStep::global_norm(double max_norm) {
+  const torch::Tensor total = dist::clip_grad_norm(stages_->whole().named_parameters(), whole_owner_, *pp_,
+                                                   std::numeric_limits<double>::infinity(), /*sharded=*/true);
+  if (std::isfinite(max_norm)) {
+    std::vector<torch::Tensor> held;
+    for (const auto& [n, p] : stages_->named_parameters())
+      if (p.grad().defined()) held.push_back(p.grad().detach());
+    if (!held.empty()) at::_foreach_mul_(held, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
+  }
+  return total;
+}
+
+void PipelinedStep::hold_whole_model(bool wanted) {
+  auto any = torch::tensor({wanted ? 1.0 : 0.0});
+  pp_->all_reduce(any, dist::ReduceOp::Max, "pipeline whole model wanted");
+  if (any.item<double>() == 0) return;
+  torch::NoGradGuard no_grad;
+  const models::NamedTensors whole = stages_->whole().named_parameters();
+  for (size_t i = 0; i < whole.size(); ++i) {
+    torch::Tensor t = whole[i].second.detach();
+    pp_->broadcast(t, whole_owner_[i], "pipeline whole model");
+  }
+}
+
+// Batch by batch, stage by stage: each rank runs its stages' forwards on what the previous stage's
+// rank sends; the last stage's rank sums the loss; its totals go to every pp rank, then over dp.
+EvalResult PipelinedStep::evaluate(int64_t step) {
+  const data::Splits& splits = run_.splits;
+  if (!splits.test) return EvalResult{step};
+  run_.faults->signal(FaultPhase::Eval, step);
+  torch::NoGradGuard no_grad;
+  run_.model->train(false);
+  const int64_t dp = run_.mesh.dp(), eval_batch = run_.cfg.data.eval_batch_size;
+  const int64_t n =
+      run_.cfg.data.eval_samples > 0 ? std::min(splits.test->size(), run_.cfg.data.eval_samples) : splits.test->size();
+  double loss_sum = 0, correct = 0, count = 0;
+  const int S = stages_->stages();
+  std::vector<int64_t> batch;
+  auto run_batch = [&] {
+    auto b = splits.test->get(batch);
+    const torch::Tensor input = b.input.to(run_.device);
+    torch::Tensor x = input;
+    for (int s = 0; s < S; ++s) {
+      if (schedule_.stage_rank[static_cast<size_t>(s)] != rank_) continue;
+      if (s > 0 && schedule_.stage_rank[static_cast<size_t>(s - 1)] != rank_) {
+        x = activation_buffer(s, input);
+        pp_->start_p2p({{P2POp::Kind::Recv, schedule_.stage_rank[static_cast<size_t>(s - 1)], x,
+                         tag_of(kActivation, s - 1, 0)}},
+                       "pipeline evaluation", name_tag)
+            .wait();
+      }
+      x = stages_->forward_stage(s, x);
+      if (s + 1 < S && schedule_.stage_rank[static_cast<size_t>(s + 1)] != rank_) {
+        const int64_t peer = schedule_.stage_rank[static_cast<size_t>(s + 1)];
+        std::vector<P2POp> ops;
+        x = x.contiguous();
+        if (shapes_said_.insert(shape_key(s + 1, input)).second)
+          ops.push_back({P2POp::Kind::Send, peer, shape_message(x), tag_of(kShape, s, 0)});
+        ops.push_back({P2POp::Kind::Send, peer, x, tag_of(kActivation, s, 0)});
+        pp_->start_p2p(std::move(ops), "pipeline evaluation", name_tag).wait();
+      }
+    }
+    if (stages_->holds_last()) evaluate_batch(x, b.target.to(run_.device), loss_sum, correct, count);
+    batch.clear();
+  };
+  for (int64_t i = run_.mesh.dp_rank(); i < n; i += dp) {
+    batch.push_back(i);
+    if (static_cast<int64_t>(batch.size()) == eval_batch) run_batch();
+  }
+  if (!batch.empty()) run_batch();
+  run_.model->train(true);
+  auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
+  pp_->broadcast(totals, schedule_.stage_rank.back(), "pipeline evaluation totals");
+  run_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
+  return evaluation_result(step, totals);
+}
+
+}  // namespace keel

@@ -1,0 +1,74 @@
+// trainer/step/pipelined.h: the step at parallel.pp > 1 (issue 66): the run's schedule
+// (dist/pipeline/schedule.h) run on this rank's stages (dist/stages.h), micro-batch by
+// micro-batch: each forward on its input (the batch's tokens on the first stage, else the
+// activation received or handed over by this rank's previous stage), each backward on its output's
+// gradient (the loss, divided by the micro-batches and scaled by the GradScaler, on the last stage),
+// every activation and gradient between ranks through the pp axis's door (Collectives::start_p2p:
+// the first step's messages validated pair by pair, later ones by the step consensus's balance).
+// Receives are posted at their place in the schedule and waited for where the compute needs them;
+// sends are waited for at the end of the step. The zero-bubble schedules' input-gradient action
+// runs the whole backward and their weight-gradient action nothing (the split of the backward is
+// not built yet): their order and messages are the schedule's, their bubble that of its plain form.
+// Then the root's gradients are summed between the first and the last stage, and the step's share
+// of the consensus is the last stage's loss (weight 1; the others weigh 0). The update (the global
+// norm over every stage), the verdict and the fault hook are Step's.
+// Does not own: the schedule, the split, the consensus (the loop).
+#pragma once
+
+#include <map>
+#include <memory>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "dist/pipeline/schedule.h"
+#include "dist/stages.h"
+#include "trainer/step/step.h"
+
+namespace keel {
+
+class PipelinedStep : public Step {
+ public:
+  explicit PipelinedStep(Run& run);
+  ~PipelinedStep() override;
+  Launched launch(StepResult& r) override;
+  /// A forward-only pipeline over the test split, batch by batch; the last stage's totals are
+  /// broadcast over the pp axis, then summed over dp.
+  EvalResult evaluate(int64_t step) override;
+  uint64_t plan() const override { return plan_; }
+  /// Every stage's parameters broadcast from its rank over pp (the root's from the first stage's).
+  void hold_whole_model(bool wanted) override;
+
+ protected:
+  torch::Tensor micro_batch_loss(const torch::Tensor&, const torch::Tensor&, bool) override;
+
+ private:
+  struct Slot;  // one (stage, micro-batch)'s tensors in flight
+  torch::Tensor run_schedule(const std::vector<data::Batch>& batches);
+  torch::Tensor stage_input(Slot& slot, int stage, int mb, const std::vector<data::Batch>& batches);
+  void forward(int stage, int mb, const std::vector<data::Batch>& batches);
+  void backward(int stage, int mb);
+  void post_receive(const dist::pipeline::Action& a, const std::vector<data::Batch>& batches);
+  void send(const dist::pipeline::Action& a, const std::vector<data::Batch>& batches);
+  std::pair<int, std::vector<int64_t>> shape_key(int stage, const torch::Tensor& input) const;
+  torch::Tensor activation_buffer(int stage, const torch::Tensor& input);
+  void sum_root_gradients();
+  torch::Tensor global_norm(double max_norm);
+  Slot& slot(int stage, int mb);
+
+  dist::StageModel* stages_ = nullptr;
+  dist::Collectives* pp_ = nullptr;
+  dist::pipeline::Schedule schedule_;
+  int rank_ = 0;  // on the pp axis
+  uint64_t plan_ = 0;
+  std::map<std::pair<int, int>, std::unique_ptr<Slot>> slots_;
+  std::vector<dist::Collectives::Started> sends_;
+  torch::Tensor loss_sum_;  // the last stage's, this step
+  // Each stage's input shape and dtype, by the shape of the batch's input (the sender says it
+  // once per new batch shape: a message both ends know to expect, as both read the same batches).
+  std::map<std::pair<int, std::vector<int64_t>>, std::pair<std::vector<int64_t>, c10::ScalarType>> input_shapes_;
+  std::set<std::pair<int, std::vector<int64_t>>> shapes_said_;  // the shapes this rank's sends said
+  std::vector<int64_t> whole_owner_;  // per parameter of the whole model: the pp rank that counts it in the norm
+};
+
+}  // namespace keel
