@@ -76,18 +76,17 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
   build_optimizer();
 }
 
-// parallel.pp > 1 composes, so far, with one data-parallel and one tensor-parallel rank, eager, in
-// fp32 or bf16, without checkpoints; the rest is refused by name (exit 2) until it is built.
+// parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO-1) and one tensor-parallel
+// rank, eager, without checkpoints; the rest is refused by name (exit 2) until it is built.
 void Run::refuse_what_pipelines_do_not_serve_yet() const {
   auto refuse = [&](bool set, const std::string& what) {
     if (set)
       throw InputError("parallel.pp = " + std::to_string(mesh.pp()) + " cannot be combined with " + what +
-                       " yet (pipeline parallelism runs eager, at parallel.dp = 1 and parallel.tp = 1, dist.zero = 0, "
-                       "without checkpoint.dir)");
+                       " yet (pipeline parallelism runs eager, at parallel.tp = 1 and dist.zero 0 or 1, without "
+                       "checkpoint.dir)");
   };
-  refuse(mesh.dp() > 1, "parallel.dp = " + std::to_string(mesh.dp()));
   refuse(mesh.tp() > 1, "parallel.tp = " + std::to_string(mesh.tp()));
-  refuse(cfg.dist.zero > 0, "dist.zero = " + std::to_string(cfg.dist.zero));
+  refuse(cfg.dist.zero > 1, "dist.zero = " + std::to_string(cfg.dist.zero));
   refuse(cfg.compile.mode != CompileMode::Off,
          "compile.mode = \"" + std::string(choice_name(kCompileModes, cfg.compile.mode)) + "\"");
   refuse(cfg.compile.cuda_graphs, "compile.cuda_graphs = true");

@@ -105,6 +105,7 @@ Launched PipelinedStep::launch(StepResult& r) {
   clear_gradients();
   const bool last = stages_->holds_last();
   torch::Tensor loss = run_schedule(batches);
+  average_over_data_parallel();
   sum_root_gradients();
   run_.faults->after_backward(r.step, run_.owned);
   Launched l;
@@ -260,6 +261,32 @@ std::pair<int, std::vector<int64_t>> PipelinedStep::shape_key(int stage, const t
   std::vector<int64_t> k = input.sizes().vec();
   k.push_back(torch::GradMode::is_enabled() ? 1 : 0);
   return {stage, std::move(k)};
+}
+
+// parallel.dp > 1: each stage's gradients averaged over its data-parallel peers once the schedule
+// is done (the Reducer's hooks stay idle: every backward runs without sync), one all-reduce per
+// dtype of everything this rank holds, then divided by dp as DDP's buckets are.
+void PipelinedStep::average_over_data_parallel() {
+  dist::Collectives& dp = run_.mesh.on(dist::Axis::Dp);
+  if (dp.size() == 1) return;
+  RECORD_USER_SCOPE("keel::pipeline_dp_all_reduce");
+  std::map<c10::ScalarType, std::vector<torch::Tensor>> by_dtype;
+  for (const auto& [name, p] : stages_->named_parameters()) {
+    if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
+    by_dtype[p.grad().scalar_type()].push_back(p.grad());
+  }
+  for (auto& [dtype, grads] : by_dtype) {
+    std::vector<torch::Tensor> flat;
+    for (const auto& g : grads) flat.push_back(g.reshape({-1}));
+    torch::Tensor all = torch::cat(flat);
+    dp.all_reduce(all, dist::ReduceOp::Sum, "pipeline stage gradients over dp");
+    all.div_(static_cast<double>(dp.size()));
+    int64_t at = 0;
+    for (auto& g : grads) {
+      g.copy_(all.slice(0, at, at + g.numel()).view_as(g));
+      at += g.numel();
+    }
+  }
 }
 
 // The root's gradients summed between the first and the last stage's ranks (the same sum on both:

@@ -52,6 +52,7 @@ class PipelinedStep : public Step {
   void send(const dist::pipeline::Action& a, const std::vector<data::Batch>& batches);
   std::pair<int, std::vector<int64_t>> shape_key(int stage, const torch::Tensor& input) const;
   torch::Tensor activation_buffer(int stage, const torch::Tensor& input);
+  void average_over_data_parallel();
   void sum_root_gradients();
   torch::Tensor global_norm(double max_norm);
   Slot& slot(int stage, int mb);
