@@ -155,6 +155,12 @@ def parse_args():
                          "tp 2, tp 2 + sequence parallel; PyTorch DDP and DTensor tensor parallel (with and without "
                          "SequenceParallel): step time, per-rank parameters, peak RSS, and each step's tensor memory counted "
                          "exactly in a run of its own")
+    ap.add_argument("--pp-rounds", type=int, default=0,
+                    help="instead: N rounds on gpt at pp 2, 8 micro-batches of 2 (order rotating): keel's pipeline per "
+                         "schedule beside PyTorch 2.11's torch.distributed.pipelining (bench/pp_ref.py), the bubble "
+                         "measured against theory, rank 0's counted step memory at gpipe and 1f1b")
+    ap.add_argument("--pp-schedules", default="gpipe,1f1b,interleaved,looped-bfs,interleaved-zb,zbv,dualpipev",
+                    help="with --pp-rounds: the schedules")
     ap.add_argument("--small-gpt-rounds", type=int, default=0,
                     help="instead: N rounds of a small GPT (4 blocks, width 128, context 64, vocab 65, batch 12) at one "
                          "rank: keel off and inductor beside PyTorch eager and torch.compile (order rotating)")
@@ -193,6 +199,8 @@ def main():
         return fsdp_bench(args)
     if args.tp_rounds:
         return tp_bench(args)
+    if args.pp_rounds:
+        return pp_bench(args)
     if args.ac_rounds:
         return ac_bench(args)
     if args.small_gpt_rounds:
@@ -529,6 +537,62 @@ def tp_bench(args):
 
     args.worlds = "2"
     rounds_on_gpt(args, args.tp_rounds, "-tp", configs, finish, base="keel-dp2")
+
+
+def pp_bench(args):
+    """Issue 66's item 7 on gpt (width 256, 4 blocks, context 128) at pp 2, 8 micro-batches of 2
+    samples per step (train.grad_accum), AdamW, one thread per rank: per schedule keel's step beside
+    PyTorch 2.11's torch.distributed.pipelining with the same schedule class, split, micro-batches
+    and optimizer (bench/pp_ref.py), N rounds, the order rotating. The bubble is measured against
+    the one-rank step of the same work (each implementation's own: keel at 1 rank with 8
+    micro-batches, PyTorch's torch_ref.py at a batch of 16): 1 - (one rank's step / pp) / the
+    pipelined step, which also holds the messages and any imbalance; theory (p - 1) / (m + p - 1),
+    divided by the stages per rank for the multi-stage schedules. Activation memory per stage:
+    rank 0's counted step memory (run.count_tensor_memory) at gpipe and 1f1b."""
+    steps = max(args.steps // 4, 20)
+    pp, m, b = 2, 8, 2
+    schedules = args.pp_schedules.split(",")
+    model = ["--model.width=256", "--model.depth=4", "--model.heads=4", "--model.context=128", "--model.vocab=256",
+             "--data.eval_samples=4", "--data.eval_batch_size=4", f"--train.grad_accum={m}"]
+    per_rank = {"gpipe": 1, "1f1b": 1}
+    configs = {"keel-1rank": lambda w: run_keel("gpt", b, steps, 1, args.keel, extra=model),
+               "pytorch-1rank": lambda w: run_torch("gpt", b * m, steps, 1, extra=["--depth", "4"])}
+    for sched in schedules:
+        pp_keys = [f"--parallel.pp={pp}", f"--parallel.pp_schedule={sched}"]
+        configs[f"keel-{sched}"] = lambda w, k=pp_keys: run_keel("gpt", b, steps, pp, args.keel, extra=model + k)
+        if sched in ("zbv", "dualpipev"):  # PyTorch 2.11's V schedules send to their own rank at their first
+            continue                        # step (_initialize_stages), which Gloo refuses: no peer on the CPU
+        configs[f"pytorch-{sched}"] = lambda w, sc=sched: json.loads(launch(
+            [PY, os.path.join(ROOT, "bench", "pp_ref.py"), "--schedule", sc, "--batch", str(b), "--microbatches",
+             str(m), "--steps", str(steps)], pp).strip().splitlines()[-1])
+    for sched in ("gpipe", "1f1b"):
+        if sched in schedules:
+            count = model + [f"--parallel.pp={pp}", f"--parallel.pp_schedule={sched}", "--run.count_tensor_memory=true"]
+            configs[f"keel-{sched}@count"] = lambda w, c=count: run_keel("gpt", b, 8, pp, args.keel, extra=c)
+
+    def finish(summary, got):
+        summary.update({"pp": pp, "microbatches": m, "microbatch": b, "steps": steps})
+        for impl in ("keel", "pytorch"):
+            one = summary[f"{impl}-1rank_median_step_ms"]
+            for sched in schedules:
+                if f"{impl}-{sched}" not in got:
+                    continue
+                t = summary[f"{impl}-{sched}_median_step_ms"]
+                v = per_rank.get(sched, 2)
+                summary[f"{impl}-{sched}_bubble_measured"] = 1 - (one / pp) / t
+                summary[f"{sched}_bubble_theory"] = (pp - 1) / (m + pp - 1) / v
+        for sched in schedules:
+            if f"pytorch-{sched}" not in got:
+                summary[f"pytorch-{sched}"] = "no peer: PyTorch 2.11's V schedules fail over Gloo (a send to its own rank)"
+                continue
+            summary[f"keel-{sched}_step_time_over_pytorch"] = (summary[f"keel-{sched}_median_step_ms"] /
+                                                               summary[f"pytorch-{sched}_median_step_ms"])
+            if f"keel-{sched}@count" in got:
+                summary[f"keel-{sched}_rank0_step_memory_mb"] = middle(
+                    [r["cpu_tensor_peak_mb"] - r["cpu_tensor_end_mb"] for r in got[f"keel-{sched}@count"]])
+
+    args.worlds = "2"
+    rounds_on_gpt(args, args.pp_rounds, "-pp", configs, finish, base="keel-1rank")
 
 
 def small_gpt_bench(args):

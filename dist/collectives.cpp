@@ -313,6 +313,7 @@ std::string Collectives::describe(const Desc& d) const {
     return os.str();
   }
   const bool p2p = d.op == static_cast<int64_t>(OpCode::Send) || d.op == static_cast<int64_t>(OpCode::Recv);
+  if (p2p && d.dtype < 0) return os.str() + " descriptors (message #" + std::to_string(d.seq) + ")";
   if (p2p) {  // a message: its peer instead of a root, its own sequence
     os << " " << c10::toString(static_cast<c10::ScalarType>(d.dtype)) << " [";
     for (int64_t i = 0; i < std::min<int64_t>(d.ndim, Desc::kDims); ++i) os << (i ? ", " : "") << d.dims[i];
@@ -636,6 +637,12 @@ std::string shape_text(const int64_t* w) {
 
 }  // namespace
 
+void Collectives::run_send_checks() {
+  std::map<uint64_t, std::function<void(bool)>> checks;
+  checks.swap(send_checks_);
+  for (auto& [id, check] : checks) check(/*arrived_only=*/true);
+}
+
 uint64_t Collectives::take_p2p_balance() {
   const uint64_t b = p2p_balance_;
   p2p_balance_ = 0;
@@ -648,8 +655,8 @@ uint64_t Collectives::take_p2p_balance() {
 // descriptor here (a receive waits anyway) and throws before its payload is posted; a send does not
 // wait (sends stay asynchronous, as the schedule's simulation assumes): the returned check, run
 // before its payload is waited for, throws the same message on the sender.
-std::function<void()> Collectives::validate_p2p(const std::vector<P2POp>& ops, const char* what,
-                                                const std::function<std::string(int64_t)>& name) {
+std::function<void(bool)> Collectives::validate_p2p(const std::vector<P2POp>& ops, const char* what,
+                                                    const std::function<std::string(int64_t)>& name) {
   const torch::Device comm = group_->comm_device();
   const bool nccl = group_->backend() == "nccl";
   std::vector<torch::Tensor> mine, theirs;
@@ -683,9 +690,23 @@ std::function<void()> Collectives::validate_p2p(const std::vector<P2POp>& ops, c
   probe.step = step_;
   // The sends' or the receives' mismatches, once every descriptor of the batch is in (the peer
   // posts its side of a batch at once, so this waits for nothing but the peer's call).
-  auto check = [this, ops, mine, theirs, works, probe, what = std::string(what), name](bool sends) {
-    for (auto& w : *works)
-      if (w) wait(w, probe), w.reset();
+  // `arrived_only`: a failure path's check, which waits a moment at most for each descriptor (one
+  // from a receiver that left with the mismatch is already here) and says nothing when one is not.
+  auto check = [this, ops, mine, theirs, works, probe, what = std::string(what), name](bool sends,
+                                                                                       bool arrived_only = false) {
+    for (auto& w : *works) {
+      if (!w) continue;
+      if (arrived_only) {
+        try {
+          w->wait(std::chrono::milliseconds(1000));
+        } catch (const std::exception&) {
+          return;
+        }
+      } else {
+        wait(w, probe);
+      }
+      w.reset();  // (a Gloo receive waited twice would wait for another message)
+    }
     const auto named = [&](int64_t tag) { return name ? name(tag) : "message tag " + std::to_string(tag); };
     std::string errors;
     for (size_t i = 0; i < ops.size(); ++i) {
@@ -709,9 +730,16 @@ std::function<void()> Collectives::validate_p2p(const std::vector<P2POp>& ops, c
   };
   bool receives = false, sends = false;
   for (const P2POp& op : ops) (op.kind == P2POp::Kind::Send ? sends : receives) = true;
-  if (receives) check(false);
+  if (receives) {
+    try {
+      check(false);
+    } catch (const CollectiveError&) {
+      run_send_checks();  // a receiver that found a mismatch left: say it here too
+      throw;
+    }
+  }
   if (!sends) return nullptr;
-  return [check] { check(true); };
+  return [check](bool arrived_only) { check(true, arrived_only); };
 }
 
 Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* what,
@@ -728,7 +756,11 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
                 "start_p2p (", what, "): peer ", op.peer, " of ", size(), " ranks, a contiguous tensor and ",
                 "0 <= tag < 2^48");
   // While validating: the receives checked now, the sends before their payload is waited for.
-  const std::function<void()> send_check = validating() ? validate_p2p(ops, what, name) : nullptr;
+  const std::function<void(bool)> check = validating() ? validate_p2p(ops, what, name) : nullptr;
+  // A send's check waits for its receiver's descriptor at wait(), or, when some point-to-point of
+  // this rank fails first (the receiver found the mismatch and left), before that failure is said.
+  const uint64_t check_id = next_send_check_++;
+  if (check) send_checks_[check_id] = check;
   const torch::Device comm = group_->comm_device();
   const bool nccl = group_->backend() == "nccl";
   std::vector<Desc> descs;
@@ -764,8 +796,12 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
   }
   if (nccl) works = {group_->pg()->endCoalescing(comm.type())};
   s.finish_ = [this, ops = std::move(ops), descs = std::move(descs), io = std::move(io), works = std::move(works),
-               send_check] {
-    if (send_check) send_check();
+               check_id] {
+    if (auto it = send_checks_.find(check_id); it != send_checks_.end()) {
+      const std::function<void(bool)> check = std::move(it->second);
+      send_checks_.erase(it);
+      check(false);
+    }
     const auto t0 = std::chrono::steady_clock::now();
     for (size_t i = 0; i < works.size(); ++i) {
       if (!works[i]) continue;
@@ -776,6 +812,7 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
           works[i]->wait(group_->timeout() - report_grace());
       } catch (const std::exception& e) {
         const Desc& d = descs[std::min(i, descs.size() - 1)];
+        run_send_checks();
         throw failure(std::string(d.what) + ": " + describe(d), e.what());
       }
     }

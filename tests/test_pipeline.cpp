@@ -151,6 +151,34 @@ TEST(Pipeline, AKilledStageIsNamedByItsNeighbour) {
   EXPECT_NE(ranks[0].output.find("rank(s) 1 never reached or never finished"), std::string::npos) << ranks[0].output;
 }
 
+// fault.inject shape_mismatch at pp > 1 strikes a send: rank 0 sends its first activation of the
+// step as [B x T, C], the same bytes. On the first step (validated) both ranks fail before the
+// payload moves, naming the message and both shapes; at step 3 (not validated) the step's
+// consensus finds that the messages received are not those sent, and no update is applied.
+TEST(Pipeline, AShapeMismatchOnASendFailsBothRanksNamingIt) {
+  TempDir d;
+  for (const int step : {1, 3}) {
+    const std::string run = "step" + std::to_string(step);
+    const auto ranks =
+        run_keel_ranks(2, train_args(kGpt, d.file(run),
+                                     {"--parallel.pp=2", "--dist.timeout_s=30", "--dist.validate=first_step",
+                                      "--fault.inject=shape_mismatch@step=" + std::to_string(step) + ",rank=0"}));
+    ASSERT_EQ(ranks.size(), 2u);
+    for (const auto& r : ranks) {
+      EXPECT_EQ(r.exit_code, 1) << run << ": " << r.output;
+      const std::vector<std::string> wants =
+          step == 1 ? std::vector<std::string>{"point-to-point mismatch at step 1",
+                                               "rank 0 sends stage 0's activation of micro-batch 0 of step 1 as Float "
+                                               "[32, 32]; rank 1 expects stage 0's activation of micro-batch 0 of step "
+                                               "1 as Float [2, 16, 32]"}
+                    : std::vector<std::string>{
+                          "point-to-point at step 3: the messages received are not the messages "
+                          "sent"};
+      for (const auto& want : wants) EXPECT_NE(r.output.find(want), std::string::npos) << run << ": " << r.output;
+    }
+  }
+}
+
 // What a pipeline cannot run is refused on every rank with exit 2, naming the key: more stages
 // than blocks, a split past the last block, and what it does not serve yet (pp x tp).
 TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
@@ -166,6 +194,7 @@ TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
        "parallel.pp = 2 stages (parallel.pp x the virtual stages per rank) for a model of 1 blocks"},
       {2, {"--parallel.pp=2", "--parallel.pp_split=8"}, "parallel.pp_split: block 8 is past the model's last (7)"},
       {4, {"--parallel.pp=2", "--parallel.tp=2"}, "parallel.pp = 2 cannot be combined with parallel.tp = 2 yet"},
+      {2, {"--parallel.pp=2", "--dist.comm_hook=bf16"}, "cannot be combined with dist.comm_hook = \"bf16\" yet"},
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];

@@ -87,6 +87,12 @@ void Run::refuse_what_pipelines_do_not_serve_yet() const {
   };
   refuse(mesh.tp() > 1, "parallel.tp = " + std::to_string(mesh.tp()));
   refuse(cfg.dist.zero > 1, "dist.zero = " + std::to_string(cfg.dist.zero));
+  // ZeRO-1 unscales only the gradients this rank's optimizer owns; a stage's norm reads them all.
+  refuse(cfg.dist.zero == 1 && amp::loss_scaling_enabled(cfg.amp),
+         "dist.zero = 1 and a GradScaler (amp.loss_scaling, amp.dtype = \"fp16\")");
+  refuse(cfg.dist.comm_hook != CommHook::Allreduce,
+         "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, cfg.dist.comm_hook)) + "\"");
+  refuse(cfg.parallel.sequence_parallel, "parallel.sequence_parallel = true");
   refuse(cfg.compile.mode != CompileMode::Off,
          "compile.mode = \"" + std::string(choice_name(kCompileModes, cfg.compile.mode)) + "\"");
   refuse(cfg.compile.cuda_graphs, "compile.cuda_graphs = true");
@@ -273,8 +279,10 @@ void Run::compile_and_distribute() {
       const std::string identity =
           cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg.model, cfg.amp);
       dist::TransformOptions options{cfg.parallel.sequence_parallel,
-                                     recompute_policy(cfg.train.activation_checkpointing), deferred,
-                                     dist::Placement(cfg.dist.zero).shards_parameters()};
+                                     recompute_policy(cfg.train.activation_checkpointing),
+                                     deferred,
+                                     dist::Placement(cfg.dist.zero).shards_parameters(),
+                                     {}};
       if (mesh.pp() > 1) options.pipeline = {pipeline_schedule(cfg).stage_rank, pipeline_split_points(cfg.parallel)};
       return place(model, device, mesh, options)
           .compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);

@@ -16,8 +16,18 @@ dist::pipeline::Schedule pipeline_schedule(const Config& cfg) {
   const ParallelConfig& p = cfg.parallel;
   const int64_t v = pipeline_virtual_stages(p);
   try {
-    return dist::pipeline::make_schedule(p.pp_schedule, static_cast<int>(p.pp), static_cast<int>(cfg.train.grad_accum),
-                                         static_cast<int>(v));
+    dist::pipeline::Schedule s = dist::pipeline::make_schedule(
+        p.pp_schedule, static_cast<int>(p.pp), static_cast<int>(cfg.train.grad_accum), static_cast<int>(v));
+    // Every schedule a run takes is checked and simulated first: a micro-batch without its
+    // backward, or an order that would deadlock, never reaches the ranks.
+    try {
+      dist::pipeline::validate(s);
+    } catch (const std::logic_error& e) {
+      throw std::invalid_argument(std::string("the schedule is malformed: ") + e.what());
+    }
+    const dist::pipeline::SimResult sim = dist::pipeline::simulate(s);
+    if (sim.deadlock) throw std::invalid_argument("the schedule would deadlock:\n" + sim.blocked);
+    return s;
   } catch (const std::invalid_argument& e) {
     throw InputError("config: parallel.pp_schedule = \"" + p.pp_schedule + "\" at parallel.pp = " +
                      std::to_string(p.pp) + " with train.grad_accum = " + std::to_string(cfg.train.grad_accum) +

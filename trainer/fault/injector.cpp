@@ -150,7 +150,7 @@ void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
         "fault injection: collective_hang: rank " + std::to_string(r) + " stopped at step " + std::to_string(s) +
         (why.empty() ? std::string("; no peer reported") : "; its peers gave up: " + why.substr(0, 300)));
   }
-  if (const FaultEntry* e = plan_.any_rank(FaultType::ShapeMismatch, s, rc)) {
+  if (const FaultEntry* e = plan_.any_rank(FaultType::ShapeMismatch, s, rc); e && !shape_mismatch_on_sends_) {
     // Every rank issues the same collective; the faulty rank's tensor has another shape.
     auto probe = torch::zeros({e->rank == r ? 5 : 4}, torch::TensorOptions().device(device_));
     if (e->rank == r) logging::warn("fault injection: shape_mismatch at step {}: rank {} all-reduces shape [5]", s, r);

@@ -45,6 +45,14 @@ class FaultInjector {
   /// After backward, before the step's consensus: the faults that strike the collectives
   /// (straggler, crash, oom, collective_hang, shape_mismatch).
   void before_consensus(int64_t step, dist::Collectives& coll) const;
+  /// Pipeline parallelism: shape_mismatch strikes a send instead of a collective (the pipelined
+  /// step asks sends_another_shape(); the probe collective is not issued).
+  void strike_sends_with_shape_mismatch() { shape_mismatch_on_sends_ = true; }
+  /// shape_mismatch at `step` on this rank, under strike_sends_with_shape_mismatch(): this rank's
+  /// first activation sent that step goes with another shape of the same bytes.
+  bool sends_another_shape(int64_t step) const {
+    return shape_mismatch_on_sends_ && plan_.fires(FaultType::ShapeMismatch, step, rank_, restart_count_);
+  }
   /// signal: sends this process SIGTERM (or SIGINT), once or twice, when an entry names this
   /// phase (start, compile, step, eval; save is sent from the checkpoint hooks) and step.
   void signal(FaultPhase phase, int64_t step) const;
@@ -56,6 +64,7 @@ class FaultInjector {
   int64_t rank_, world_size_, restart_count_;
   torch::Device device_;
   std::chrono::milliseconds collective_timeout_;
+  bool shape_mismatch_on_sends_ = false;
 };
 
 }  // namespace keel

@@ -9,6 +9,7 @@
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
+#include "common/log.h"
 #include "dist/zero.h"
 #include "keel/common/error.h"
 #include "trainer/config/pipeline.h"
@@ -83,6 +84,7 @@ PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(
     whole_owner_.push_back(owner);
   }
   run.dmodel->set_global_norm([this](double max_norm) { return global_norm(max_norm); });
+  run.faults->strike_sends_with_shape_mismatch();
 }
 
 PipelinedStep::~PipelinedStep() = default;
@@ -103,6 +105,7 @@ Launched PipelinedStep::launch(StepResult& r) {
   const std::vector<data::Batch> batches = next_batches(r.step);
   r.epoch = run_.sampler->position().epoch;
   clear_gradients();
+  fault_send_ = run_.faults->sends_another_shape(r.step);
   const bool last = stages_->holds_last();
   torch::Tensor loss = run_schedule(batches);
   average_over_data_parallel();
@@ -196,9 +199,12 @@ void PipelinedStep::backward(int stage, int mb) {
       s.recv.wait();
       grad = s.received;
       s.received = torch::Tensor();
-    } else {  // this rank's next stage: its input's gradient
-      grad = slot(stage + 1, mb).input.grad();
+    } else {  // this rank's next stage: its input's gradient (then that input is done with)
+      Slot& next = slot(stage + 1, mb);
+      grad = next.input.grad();
+      next.input = torch::Tensor();
     }
+    if (!grad.defined()) grad = torch::zeros_like(s.output);
     torch::autograd::backward({s.output}, {grad});
   }
   s.output = torch::Tensor();
@@ -243,8 +249,17 @@ void PipelinedStep::send(const Action& a, const std::vector<data::Batch>& batche
   torch::Tensor t;
   if (activation) {
     t = s.output.detach().contiguous();
+    if (fault_send_ && t.dim() >= 2) {  // fault.inject shape_mismatch: the same bytes, another shape
+      fault_send_ = false;
+      t = t.flatten(0, 1);
+      logging::warn("fault injection: shape_mismatch: rank {} sends {} as {}", run_.world.rank,
+                    name_tag(tag_of(kActivation, a.stage, a.mb)), c10::str(t.sizes()));
+    }
+    // The shape goes in a call of its own, as its receiver takes it (the same calls at both ends
+    // keep a pair's messages in one order under NCCL, which ignores tags).
     if (shapes_said_.insert(shape_key(a.stage + 1, batches[static_cast<size_t>(a.mb)].input)).second)
-      ops.push_back({P2POp::Kind::Send, peer, shape_message(t), tag_of(kShape, a.stage, 0)});
+      sends_.push_back(pp_->start_p2p({{P2POp::Kind::Send, peer, shape_message(s.output), tag_of(kShape, a.stage, 0)}},
+                                      "pipeline activation shape", name_tag));
     ops.push_back({P2POp::Kind::Send, peer, t, tag_of(kActivation, a.stage, a.mb)});
   } else {
     t = s.input.grad();
@@ -350,12 +365,14 @@ EvalResult PipelinedStep::evaluate(int64_t step) {
   const data::Splits& splits = run_.splits;
   if (!splits.test) return EvalResult{step};
   run_.faults->signal(FaultPhase::Eval, step);
+  run_.dmodel->sync_buffers();  // every dp rank evaluates the same model
   torch::NoGradGuard no_grad;
   run_.model->train(false);
   const int64_t dp = run_.mesh.dp(), eval_batch = run_.cfg.data.eval_batch_size;
   const int64_t n =
       run_.cfg.data.eval_samples > 0 ? std::min(splits.test->size(), run_.cfg.data.eval_samples) : splits.test->size();
   double loss_sum = 0, correct = 0, count = 0;
+  std::string bad;  // the last stage's first bad target: thrown on every rank once the totals are in
   const int S = stages_->stages();
   std::vector<int64_t> batch;
   auto run_batch = [&] {
@@ -374,15 +391,24 @@ EvalResult PipelinedStep::evaluate(int64_t step) {
       x = stages_->forward_stage(s, x);
       if (s + 1 < S && schedule_.stage_rank[static_cast<size_t>(s + 1)] != rank_) {
         const int64_t peer = schedule_.stage_rank[static_cast<size_t>(s + 1)];
-        std::vector<P2POp> ops;
         x = x.contiguous();
         if (shapes_said_.insert(shape_key(s + 1, input)).second)
-          ops.push_back({P2POp::Kind::Send, peer, shape_message(x), tag_of(kShape, s, 0)});
-        ops.push_back({P2POp::Kind::Send, peer, x, tag_of(kActivation, s, 0)});
-        pp_->start_p2p(std::move(ops), "pipeline evaluation", name_tag).wait();
+          pp_->start_p2p({{P2POp::Kind::Send, peer, shape_message(x), tag_of(kShape, s, 0)}}, "pipeline evaluation",
+                         name_tag)
+              .wait();
+        pp_->start_p2p({{P2POp::Kind::Send, peer, x, tag_of(kActivation, s, 0)}}, "pipeline evaluation", name_tag)
+            .wait();
       }
     }
-    if (stages_->holds_last()) evaluate_batch(x, b.target.to(run_.device), loss_sum, correct, count);
+    if (stages_->holds_last()) {
+      const std::string b_bad = run_.classifier()
+                                    ? screen_targets(b.target, run_.spec.num_classes, run_.cfg.train.ignore_index,
+                                                     "evaluation batch at step " + std::to_string(step) + " on rank " +
+                                                         std::to_string(run_.world.rank))
+                                    : "";
+      if (bad.empty()) bad = b_bad;
+      if (b_bad.empty()) evaluate_batch(x, b.target.to(run_.device), loss_sum, correct, count);
+    }
     batch.clear();
   };
   for (int64_t i = run_.mesh.dp_rank(); i < n; i += dp) {
@@ -391,9 +417,10 @@ EvalResult PipelinedStep::evaluate(int64_t step) {
   }
   if (!batch.empty()) run_batch();
   run_.model->train(true);
-  auto totals = torch::tensor({loss_sum, correct, count}, torch::kDouble);
+  auto totals = torch::tensor({loss_sum, correct, count, bad.empty() ? 0.0 : 1.0}, torch::kDouble);
   pp_->broadcast(totals, schedule_.stage_rank.back(), "pipeline evaluation totals");
   run_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
+  if (totals[3].item<double>() > 0) throw InputError(dist::first_error(*run_.coll, bad, "evaluation targets").message);
   return evaluation_result(step, totals);
 }
 

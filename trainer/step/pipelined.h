@@ -64,7 +64,8 @@ class PipelinedStep : public Step {
   uint64_t plan_ = 0;
   std::map<std::pair<int, int>, std::unique_ptr<Slot>> slots_;
   std::vector<dist::Collectives::Started> sends_;
-  torch::Tensor loss_sum_;  // the last stage's, this step
+  torch::Tensor loss_sum_;   // the last stage's, this step
+  bool fault_send_ = false;  // fault.inject shape_mismatch on this step's first activation sent
   // Each stage's input shape and dtype, by the shape of the batch's input (the sender says it
   // once per new batch shape: a message both ends know to expect, as both read the same batches).
   std::map<std::pair<int, std::vector<int64_t>>, std::pair<std::vector<int64_t>, c10::ScalarType>> input_shapes_;

@@ -24,6 +24,7 @@
 
 #include <chrono>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -286,9 +287,9 @@ class Collectives {
   StepConsensus read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const;
   // start_p2p's descriptor swap (validating()): throws CollectiveMismatch on a receive whose sender
   // sends another message; returns the same check of the sends, to run before their payload is
-  // waited for (null without sends).
-  std::function<void()> validate_p2p(const std::vector<P2POp>& ops, const char* what,
-                                     const std::function<std::string(int64_t)>& name);
+  // waited for (null without sends; `arrived_only`: skipped unless the descriptors are in).
+  std::function<void(bool arrived_only)> validate_p2p(const std::vector<P2POp>& ops, const char* what,
+                                                      const std::function<std::string(int64_t)>& name);
   std::string describe(const Desc& d) const;
   torch::Tensor on_comm_device(const torch::Tensor& t) const;
   // After a failed collective: records this rank's failure in the store and waits briefly for
@@ -306,6 +307,10 @@ class Collectives {
   bool replaying_ = false;               // this object is a replay lane
   uint64_t p2p_seq_ = 0;                 // point-to-point messages started (their sequence numbers)
   uint64_t p2p_balance_ = 0;             // take_p2p_balance()
+  // Validated sends whose check waits for their receivers' descriptors (start_p2p), by call.
+  std::map<uint64_t, std::function<void(bool arrived_only)>> send_checks_;
+  uint64_t next_send_check_ = 0;
+  void run_send_checks();  // every pending one whose descriptors are in (throws the first mismatch)
 };
 
 // Cross-rank agreement, failing together and strings across ranks: one way each, used by
