@@ -756,7 +756,11 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
                 "start_p2p (", what, "): peer ", op.peer, " of ", size(), " ranks, a contiguous tensor and ",
                 "0 <= tag < 2^48");
   // While validating: the receives checked now, the sends before their payload is waited for.
-  const std::function<void(bool)> check = validating() ? validate_p2p(ops, what, name) : nullptr;
+  // Messages are described on the first step only (dist.validate always or first_step; as ZeRO-3
+  // validates its first step's schedule and replays it after): later steps are confirmed by the
+  // balance word in the step's consensus, which costs no message of its own.
+  const bool described = validating() && step_ <= 1;
+  const std::function<void(bool)> check = described ? validate_p2p(ops, what, name) : nullptr;
   // A send's check waits for its receiver's descriptor at wait(), or, when some point-to-point of
   // this rank fails first (the receiver found the mismatch and left), before that failure is said.
   const uint64_t check_id = next_send_check_++;

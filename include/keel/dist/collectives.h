@@ -226,8 +226,9 @@ class Collectives {
 
   /// Point-to-point through the door: starts `ops` (NCCL: one coalesced batch, as PyTorch's
   /// batch_isend_irecv; Gloo: each on its own, in order), each pair's messages matched in the
-  /// order both ranks list them (one FIFO per pair of ranks, whatever the tags). While
-  /// validating() (dist.validate), each pair first swaps every message's descriptor (tag, step,
+  /// order both ranks list them (one FIFO per pair of ranks, whatever the tags). On the first step
+  /// (step() <= 1) while validating() (dist.validate always or first_step; later steps are
+  /// confirmed by the balance below), each pair first swaps every message's descriptor (tag, step,
   /// dtype, shape): a receive that expects another message than its peer sends throws
   /// CollectiveMismatch before its payload is posted, and its sender throws the same at wait(),
   /// naming both ranks, the message (`name(tag)`; default "message tag N") and both shapes; a send
