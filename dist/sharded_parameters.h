@@ -3,13 +3,15 @@
 // rank writing those it owns and reading back its own parts, so that a step saved at one layout
 // resumes at any other (docs/checkpoints.md).
 //
-// Implemented by dist.zero >= 2 (dist/fsdp.h: 1-D pieces of flat units) and tensor parallelism
-// (dist/tp_checkpoint.h: slices along a dimension). Does not own: the files (checkpoint/), which
+// Implemented by dist.zero >= 2 (dist/fsdp.h: 1-D pieces of flat units), tensor parallelism
+// (dist/tp_checkpoint.h: slices along a dimension) and pipeline stages (dist/stage_checkpoint.h:
+// the parameters of some blocks). Does not own: the files (checkpoint/), which
 // component asks (trainer/state.h's ModelState, trainer/optim.h's OptimizerState).
 #pragma once
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "keel/models/model.h"
 
@@ -45,6 +47,10 @@ class ShardedParameters {
   virtual void over_data_parallel(const Placement& placement, ShardedParameters* pieces) {
     (void)placement, (void)pieces;
   }
+  /// Every parameter a step's optimizer state records, where a rank's optimizer updates only some
+  /// of them (pipeline stages: the whole model's); empty where it updates a part of each (tensor
+  /// parallelism, ZeRO: the data-parallel placement names them all).
+  virtual std::vector<std::string> optimizer_parameters() const { return {}; }
 };
 
 }  // namespace keel::dist

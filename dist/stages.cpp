@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "dist/stage_checkpoint.h"
 #include "keel/common/error.h"
 
 namespace keel::dist {
@@ -150,6 +151,8 @@ std::shared_ptr<models::Model> split_into_stages(std::shared_ptr<models::Model> 
   for (int s = 0; s < stages; ++s)
     if (pipeline.stage_rank[static_cast<size_t>(s)] == mesh.coordinate(Axis::Pp)) mine.push_back(s);
   auto stage = std::make_shared<StageModel>(std::move(model), std::move(ranges), std::move(mine));
+  // A checkpoint holds the whole model's parameters, each written by one stage's rank.
+  plan.set_sharded_parameters(std::make_shared<StageParameters>(stage, mesh));
   std::string mine_text;
   for (int s : stage->mine()) mine_text += (mine_text.empty() ? "" : ", ") + std::to_string(s);
   plan.applied(Transform::Stages, std::to_string(stages) + " stages over pp " + std::to_string(mesh.pp()) + " (" +

@@ -50,6 +50,12 @@ void expect_all_ok(const std::vector<ProcResult>& ranks) {
   }
 }
 
+void run_keel_job(int ranks, const std::vector<std::string>& args) {
+  if (ranks > 1) return expect_all_ok(run_keel_ranks(ranks, args));
+  const auto r = run_keel(args);
+  ASSERT_EQ(r.exit_code, 0) << r.output;
+}
+
 std::vector<ProcResult> run_keel_ranks(int n, const std::vector<std::string>& args, double timeout_s,
                                        const std::vector<std::string>& extra_env) {
   std::vector<std::string> argv = {KEEL_BINARY};

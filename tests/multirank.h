@@ -31,5 +31,8 @@ std::vector<ProcResult> run_program_ranks(int n, const std::vector<std::string>&
                                           const std::vector<std::string>& extra_env = {});
 /// Asserts every rank exited 0 (prints each rank's output otherwise).
 void expect_all_ok(const std::vector<ProcResult>& ranks);
+/// Runs build/keel `args` on `ranks` ranks (1: one process, no launcher's environment) and expects
+/// every rank to exit 0.
+void run_keel_job(int ranks, const std::vector<std::string>& args);
 
 }  // namespace keel::testing

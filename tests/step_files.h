@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <map>
 #include <string>
 
@@ -61,6 +62,22 @@ inline Distance distance(const std::string& a, const std::string& b, int step, c
     n += t.numel();
   }
   return {std::sqrt(diff / std::max(norm, 1e-300)), std::sqrt(norm / static_cast<double>(n)), std::sqrt(norm)};
+}
+
+// Run `b`'s step `step` against `a`'s (one rank's): the same tensors (names, dtypes, shapes), and
+// the model and optimizer state within AdamW's bounds for `roundings` reordered float32 sums per
+// gradient element over `step` steps at learning rate `lr` (helpers.h).
+inline void expect_step_within_reorder_bound(const std::string& a, const std::string& b, int step,
+                                             const std::string& label, int roundings, double lr) {
+  ASSERT_GE(max_diff(a, b, step, "model"), 0.0) << label << ": the step's model tensors differ from one rank's";
+  ASSERT_GE(max_diff(a, b, step, "optimizer"), 0.0) << label << ": the optimizer tensors differ from one rank's";
+  const Distance model = distance(a, b, step, "model"), state = distance(a, b, step, "optimizer");
+  const double bound = adamw_reorder_bound(step, lr, roundings, model.rms);
+  std::printf("%s: model relative L2 %g (bound %g), optimizer state %g (bound %g)\n", label.c_str(), model.relative,
+              bound, state.relative, optimizer_state_reorder_bound(roundings, bound));
+  EXPECT_LE(model.relative, bound) << label;
+  EXPECT_LE(max_diff(a, b, step, "model"), adamw_element_bound(step, lr)) << label;
+  EXPECT_LE(state.relative, optimizer_state_reorder_bound(roundings, bound)) << label;
 }
 
 inline void copy_tree(const std::string& from, const std::string& to) {

@@ -1,7 +1,8 @@
 // Pipeline parallelism (issue 66 items 2, 3, 5, 6): every schedule at pp 2 and pp 4 trains as one
 // rank does with the same global batch (the same micro-batches, train.grad_accum of them); the
 // families and their tied or untied embeddings; evaluation through a forward-only pipeline; the
-// global norm over every stage; a dead stage named by its neighbour; refusals by name.
+// global norm over every stage; checkpoints resumed at the same and at another pp; a dead stage
+// named by its neighbour; refusals by name.
 //
 // The tolerance is issue 45's 1e-5 relative, derived as for tensor parallelism: a pipeline only
 // reorders float32 sums (a tied embedding's gradient summed as the last stage's micro-batches
@@ -19,6 +20,7 @@
 #include "helpers.h"
 #include "keel/trainer/trainer.h"
 #include "multirank.h"
+#include "step_files.h"
 
 using namespace keel::testing;
 
@@ -204,6 +206,89 @@ TEST(Pipeline, EveryRankEndsWithOneRanksParameters) {
   const double rel = std::sqrt(diff / norm), rms = std::sqrt(norm / count);
   EXPECT_LT(rel, adamw_reorder_bound(20, 1e-3, 2 * 8 + 2, rms)) << "relative L2 distance to one rank's parameters";
   ::testing::Test::RecordProperty("relative_l2_to_one_rank", c10::str(rel));
+}
+
+// Checkpoints at pp > 1 (item 5): each stage's rank writes its parameters and their optimizer
+// state as the whole model's tensors (the names, shapes and files of one rank's step), so that a
+// step resumes at its own pp bit for bit and at another pp (or dp, zero) as the uninterrupted run
+// continues. Compared with one rank by the bound of tests/helpers.h for a reordered float32 sum:
+// a pipeline sums the tied embedding's gradient as two partial sums of the 4 micro-batches rather
+// than in one (up to 2 x 4 roundings), plus the clip's 2 and data parallelism's mean's 2.
+std::vector<std::string> resume_args(const std::string& dir, int steps, std::vector<std::string> extra) {
+  std::vector<std::string> a = {"train",
+                                "--model.name=gpt",
+                                "--model.width=32",
+                                "--model.depth=4",
+                                "--model.heads=4",
+                                "--model.context=16",
+                                "--data.name=synthetic",
+                                "--train.steps=" + std::to_string(steps),
+                                "--train.batch_size=2",
+                                "--train.grad_accum=4",
+                                "--train.schedule=constant",
+                                "--train.warmup_steps=0",
+                                "--train.grad_clip=0.05",
+                                "--train.eval_interval=20",
+                                "--run.threads=1",
+                                "--run.dir=" + dir + "/run",
+                                "--checkpoint.dir=" + dir + "/ckpt",
+                                "--checkpoint.interval=5",
+                                "--dist.timeout_s=60"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
+}
+
+// `run`'s step 20 and losses against one rank's: the same tensors, within the bounds.
+void expect_near_one_rank(const std::string& one, const std::string& run, const std::string& label) {
+  constexpr int kRoundings = 2 * 4 + 2 + 2;
+  constexpr double kLr = 1e-3;
+  expect_step_within_reorder_bound(one, run, 20, label, kRoundings, kLr);
+  const auto a = metrics_losses(one + "/run"), b = metrics_losses(run + "/run");
+  ASSERT_EQ(a.size(), b.size()) << label;
+  for (size_t i = 0; i < a.size(); ++i)
+    EXPECT_NEAR(b[i].second, a[i].second, 1e-5 * std::abs(a[i].second)) << label << " at step " << a[i].first;
+}
+
+int resumed_from(const std::string& dir) { return std::stoi(summary_field(dir + "/run", "resumed_from_step")); }
+
+TEST(Pipeline, AStepResumesAtItsPpBitExactlyAndAtAnotherPpAsTheUninterruptedRun) {
+  TempDir d;
+  const std::string one = d.file("one"), pp2 = d.file("pp2"), resumed = d.file("resumed"), to1 = d.file("to1"),
+                    half = d.file("half"), to2 = d.file("to2"), zero1 = d.file("zero1"), zero1_to1 = d.file("z1to1");
+  const std::vector<std::string> p2 = {"--parallel.pp=2"};
+  run_keel_job(1, resume_args(one, 20, {}));
+  run_keel_job(2, resume_args(pp2, 20, p2));
+  // pp 2's step 10, resumed at pp 2 (bit for bit) and at pp 1.
+  run_keel_job(2, resume_args(resumed, 10, p2));
+  copy_tree(resumed, to1);
+  run_keel_job(2, resume_args(resumed, 20, p2));
+  run_keel_job(1, resume_args(to1, 20, {}));
+  EXPECT_EQ(resumed_from(resumed), 10);
+  for (const char* kind : {"model", "optimizer"})
+    EXPECT_EQ(max_diff(pp2, resumed, 20, kind), 0.0) << kind << ": the pp 2 resume is not bit-exact";
+  EXPECT_EQ(metrics_losses(pp2 + "/run"), metrics_losses(resumed + "/run"));
+  expect_near_one_rank(one, pp2, "pp 2 vs one rank");
+  EXPECT_EQ(resumed_from(to1), 10);
+  expect_near_one_rank(one, to1, "pp 2 resumed at pp 1 vs one rank");
+  // One rank's step 10 resumed at pp 2 (the interleaved schedule: two stages per rank).
+  run_keel_job(1, resume_args(half, 10, {}));
+  copy_tree(half, to2);
+  run_keel_job(2, resume_args(to2, 20, {"--parallel.pp=2", "--parallel.pp_schedule=interleaved"}));
+  EXPECT_EQ(resumed_from(to2), 10);
+  expect_near_one_rank(one, to2, "one rank resumed at pp 2 vs one rank");
+  // ... and at pp 2 x dp 2 with ZeRO-1 (each rank reads the state of the parameters it owns).
+  const std::vector<std::string> z1 = {"--parallel.pp=2", "--dist.zero=1", "--train.batch_size=1"};
+  const std::string to2z1 = d.file("to2z1");
+  copy_tree(half, to2z1);
+  run_keel_job(4, resume_args(to2z1, 20, z1));
+  EXPECT_EQ(resumed_from(to2z1), 10);
+  expect_near_one_rank(one, to2z1, "one rank resumed at pp 2 x dp 2 zero 1 vs one rank");
+  // pp 2 x dp 2 with ZeRO-1 (each dp rank writes the state it owns) resumed at pp 1.
+  run_keel_job(4, resume_args(zero1, 10, z1));
+  copy_tree(zero1, zero1_to1);
+  run_keel_job(1, resume_args(zero1_to1, 20, {}));
+  EXPECT_EQ(resumed_from(zero1_to1), 10);
+  expect_near_one_rank(one, zero1_to1, "pp 2 x dp 2 zero 1 resumed at pp 1 vs one rank");
 }
 
 // A stage killed mid-run: its neighbour fails within dist.timeout_s naming it, exit 1.

@@ -50,27 +50,10 @@ std::vector<std::string> run_args(const std::vector<std::string>& model, const s
   return a;
 }
 
-void run_job(int ranks, const std::vector<std::string>& args) {
-  if (ranks == 1) {
-    const auto r = run_keel(args);
-    ASSERT_EQ(r.exit_code, 0) << r.output;
-  } else {
-    expect_all_ok(run_keel_ranks(ranks, args));
-  }
-}
-
 // `run`'s step 20 against one rank's: the same tensors (names, dtypes, shapes), within the bounds.
 void expect_near_one_rank(const std::string& one, const std::string& run, const std::string& label,
                           int roundings = kTpRoundings) {
-  ASSERT_GE(max_diff(one, run, 20, "model"), 0.0) << label << ": the step's model tensors differ from one rank's";
-  ASSERT_GE(max_diff(one, run, 20, "optimizer"), 0.0) << label << ": the optimizer tensors differ from one rank's";
-  const Distance model = distance(one, run, 20, "model"), state = distance(one, run, 20, "optimizer");
-  const double bound = adamw_reorder_bound(20, kLr, roundings, model.rms);
-  std::printf("%s: model relative L2 %g (bound %g), optimizer state %g (bound %g)\n", label.c_str(), model.relative,
-              bound, state.relative, optimizer_state_reorder_bound(roundings, bound));
-  EXPECT_LE(model.relative, bound) << label;
-  EXPECT_LE(max_diff(one, run, 20, "model"), adamw_element_bound(20, kLr)) << label;
-  EXPECT_LE(state.relative, optimizer_state_reorder_bound(roundings, bound)) << label;
+  expect_step_within_reorder_bound(one, run, 20, label, roundings, kLr);
 }
 
 int resumed_from(const std::string& dir) { return std::stoi(summary_field(dir + "/run", "resumed_from_step")); }
@@ -80,12 +63,12 @@ void expect_resumes(const std::vector<std::string>& model, const std::string& la
   TempDir d;
   const std::string one = d.file("one"), tp2 = d.file("tp2"), resumed = d.file("resumed"), to1 = d.file("to1");
   const std::vector<std::string> tp = {"--parallel.tp=2"};
-  run_job(1, run_args(model, one, 20, 8, {}));
-  run_job(2, run_args(model, tp2, 20, 8, tp));
-  run_job(2, run_args(model, resumed, 10, 8, tp));
+  run_keel_job(1, run_args(model, one, 20, 8, {}));
+  run_keel_job(2, run_args(model, tp2, 20, 8, tp));
+  run_keel_job(2, run_args(model, resumed, 10, 8, tp));
   copy_tree(resumed, to1);
-  run_job(2, run_args(model, resumed, 20, 8, tp));
-  run_job(1, run_args(model, to1, 20, 8, {}));
+  run_keel_job(2, run_args(model, resumed, 20, 8, tp));
+  run_keel_job(1, run_args(model, to1, 20, 8, {}));
   // The same mesh: bit for bit.
   EXPECT_EQ(resumed_from(resumed), 10) << label;
   for (const char* kind : {"model", "optimizer"})
@@ -119,15 +102,15 @@ TEST(TensorParallel, ALlamaWithGqaStepHoldsWholeTensorsAndResumesAtTp2ExactlyAnd
 TEST(TensorParallel, AZero3StepResumesAtTp2AndInitFromLoadsWholeWeightsIntoTp2) {
   TempDir d;
   const std::string one = d.file("one"), z3 = d.file("z3");
-  run_job(1, run_args(kGpt, one, 20, 8, {}));
-  run_job(2, run_args(kGpt, z3, 10, 4, {"--dist.zero=3"}));
-  run_job(2, run_args(kGpt, z3, 20, 8, {"--parallel.tp=2"}));
+  run_keel_job(1, run_args(kGpt, one, 20, 8, {}));
+  run_keel_job(2, run_args(kGpt, z3, 10, 4, {"--dist.zero=3"}));
+  run_keel_job(2, run_args(kGpt, z3, 20, 8, {"--parallel.tp=2"}));
   EXPECT_EQ(resumed_from(z3), 10);
   expect_near_one_rank(one, z3, "gpt: (dp 2, zero 3) resumed at (dp 1, tp 2) vs one rank");
 
   const std::string init = "--model.init_from=" + one + "/ckpt/step_20";
-  run_job(1, run_args(kGpt, d.file("init1"), 1, 8, {init}));
-  run_job(2, run_args(kGpt, d.file("init2"), 1, 8, {init, "--parallel.tp=2"}));
+  run_keel_job(1, run_args(kGpt, d.file("init1"), 1, 8, {init}));
+  run_keel_job(2, run_args(kGpt, d.file("init2"), 1, 8, {init, "--parallel.tp=2"}));
   const auto a = metrics_losses(d.file("init1") + "/run"), b = metrics_losses(d.file("init2") + "/run");
   ASSERT_EQ(a.size(), 1u);
   ASSERT_EQ(b.size(), 1u);
@@ -146,27 +129,27 @@ TEST(TensorParallel, ZeroOverTp2StepsResumeAtTheirMeshExactlyAndAtAnyOther) {
   const std::string one = d.file("one"), whole = d.file("whole"), part = d.file("part"), to1 = d.file("to1"),
                     to_zero1 = d.file("to_zero1"), z1 = d.file("z1");
   const std::vector<std::string> z3 = {"--parallel.tp=2", "--parallel.sequence_parallel=true", "--dist.zero=3"};
-  run_job(1, run_args(kGpt, one, 20, 8, {}));
-  run_job(4, run_args(kGpt, whole, 20, 4, z3));
-  run_job(4, run_args(kGpt, part, 10, 4, z3));
+  run_keel_job(1, run_args(kGpt, one, 20, 8, {}));
+  run_keel_job(4, run_args(kGpt, whole, 20, 4, z3));
+  run_keel_job(4, run_args(kGpt, part, 10, 4, z3));
   copy_tree(part, to1);
   copy_tree(part, to_zero1);
-  run_job(4, run_args(kGpt, part, 20, 4, z3));
+  run_keel_job(4, run_args(kGpt, part, 20, 4, z3));
   EXPECT_EQ(resumed_from(part), 10);
   for (const char* kind : {"model", "optimizer"})
     EXPECT_EQ(max_diff(whole, part, 20, kind), 0.0) << kind << ": the (dp 2, tp 2, zero 3) resume is not bit-exact";
   EXPECT_EQ(metrics_losses(whole + "/run"), metrics_losses(part + "/run"));
   expect_near_one_rank(one, whole, "gpt: (dp 2, tp 2, zero 3, sp) vs one rank", kTpRoundings + 1);
-  run_job(1, run_args(kGpt, to1, 20, 8, {}));
+  run_keel_job(1, run_args(kGpt, to1, 20, 8, {}));
   EXPECT_EQ(resumed_from(to1), 10);
   expect_near_one_rank(one, to1, "gpt: (dp 2, tp 2, zero 3, sp) resumed at one rank", kTpRoundings + 1);
-  run_job(2, run_args(kGpt, to_zero1, 20, 8, {"--parallel.tp=2", "--dist.zero=1"}));
+  run_keel_job(2, run_args(kGpt, to_zero1, 20, 8, {"--parallel.tp=2", "--dist.zero=1"}));
   EXPECT_EQ(resumed_from(to_zero1), 10);
   expect_near_one_rank(one, to_zero1, "gpt: (dp 2, tp 2, zero 3, sp) resumed at (dp 1, tp 2, zero 1)",
                        kTpRoundings + 1);
 
-  run_job(4, run_args(kGpt, z1, 10, 4, {"--parallel.tp=2", "--dist.zero=1"}));
-  run_job(2, run_args(kGpt, z1, 20, 4, {"--dist.zero=2"}));
+  run_keel_job(4, run_args(kGpt, z1, 10, 4, {"--parallel.tp=2", "--dist.zero=1"}));
+  run_keel_job(2, run_args(kGpt, z1, 20, 4, {"--dist.zero=2"}));
   EXPECT_EQ(resumed_from(z1), 10);
   expect_near_one_rank(one, z1, "gpt: (dp 2, tp 2, zero 1) resumed at (dp 2, zero 2)", kTpRoundings + 1);
 }
@@ -182,9 +165,9 @@ TEST(TensorParallel, WithDropoutAStepResumesAtItsMeshBitExactly) {
            {4, 4, {"--parallel.tp=2", "--dist.zero=1"}}}) {
     TempDir d;
     const std::string whole = d.file("whole"), part = d.file("part"), label = mesh.back();
-    run_job(ranks, run_args(model, whole, 20, batch, mesh));
-    run_job(ranks, run_args(model, part, 10, batch, mesh));
-    run_job(ranks, run_args(model, part, 20, batch, mesh));
+    run_keel_job(ranks, run_args(model, whole, 20, batch, mesh));
+    run_keel_job(ranks, run_args(model, part, 10, batch, mesh));
+    run_keel_job(ranks, run_args(model, part, 20, batch, mesh));
     EXPECT_EQ(resumed_from(part), 10) << label;
     for (const char* kind : {"model", "optimizer"})
       EXPECT_EQ(max_diff(whole, part, 20, kind), 0.0) << label << " " << kind << ": the resume is not bit-exact";
@@ -205,10 +188,10 @@ TEST(TensorParallel, AStepOfFewerRanksResumedAtTp2GivesTheTpGroupOneGeneratorWit
   std::vector<std::string> model = kGpt;
   model.push_back("--model.dropout=0.1");
   const std::string one = d.file("one"), tp2 = d.file("tp2"), again = d.file("again");
-  run_job(1, run_args(model, one, 5, 8, {}));
+  run_keel_job(1, run_args(model, one, 5, 8, {}));
   std::filesystem::create_directories(tp2);
   std::filesystem::copy(one + "/ckpt", tp2 + "/ckpt", std::filesystem::copy_options::recursive);
-  run_job(2, run_args(model, tp2, 15, 8, {"--parallel.tp=2"}));
+  run_keel_job(2, run_args(model, tp2, 15, 8, {"--parallel.tp=2"}));
   ASSERT_EQ(resumed_from(tp2), 5);
   // The tp group's ranks drew alike from the resume on: the generators they saved at step 10 are
   // one (without the fix rank 1 kept its own, run.seed's, and they differ).
@@ -218,7 +201,7 @@ TEST(TensorParallel, AStepOfFewerRanksResumedAtTp2GivesTheTpGroupOneGeneratorWit
       << "the tp group's generators parted after the resume";
   std::filesystem::create_directories(again + "/ckpt");
   std::filesystem::copy(tp2 + "/ckpt/step_10", again + "/ckpt/step_10", std::filesystem::copy_options::recursive);
-  run_job(2, run_args(model, again, 15, 8, {"--parallel.tp=2"}));
+  run_keel_job(2, run_args(model, again, 15, 8, {"--parallel.tp=2"}));
   ASSERT_EQ(resumed_from(again), 10);
   const auto want = metrics_losses(tp2 + "/run"), got = metrics_losses(again + "/run");
   ASSERT_EQ(want.size(), 10u);

@@ -534,13 +534,15 @@ void OptimizerState::save(checkpoint::Component& mine) const {
   mine.values["partitioned"] = partitioned;
   mine.values["fields"] = fields;
   nlohmann::json params = nlohmann::json::array(), owners = nlohmann::json::object();
-  if (!partitioned)
+  if (!resharding_.parameters.empty())  // each stage's optimizer updates its own; the step records all
+    for (const auto& n : resharding_.parameters) params.push_back(n);
+  else if (!partitioned)
     for (const auto& [n, p] : params_) params.push_back(n);
   else
     for (size_t i = 0; i < placement_.num_params(); ++i)
       params.push_back(placement_.name(i)), owners[placement_.name(i)] = placement_.owner(i);
   mine.values["params"] = params;
-  if (partitioned) mine.values["owners"] = owners;
+  if (partitioned && resharding_.parameters.empty()) mine.values["owners"] = owners;
 }
 
 bool OptimizerState::wants(const std::string& name) const {

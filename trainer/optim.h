@@ -154,6 +154,9 @@ struct PieceResharding {
   std::function<NamedTensorList(const NamedTensorList&, const std::map<std::string, std::string>& fields)> whole;
   /// Local: whole parameters' state -> this rank's pieces of it.
   std::function<NamedTensorList(const NamedTensorList&)> pieces;
+  /// Every parameter the step's optimizer state records, where this rank's optimizer updates only
+  /// some of them (pipeline stages: ShardedParameters::optimizer_parameters); empty: its own.
+  std::vector<std::string> parameters;
   explicit operator bool() const { return static_cast<bool>(whole); }
 };
 

@@ -168,7 +168,7 @@ std::unique_ptr<OptimizerState> DistributedModel::optimizer_state(torch::optim::
     resharding = {[split](const NamedTensorList& s, const std::map<std::string, std::string>& fields) {
                     return split->whole_state(s, fields);
                   },
-                  [split](const NamedTensorList& s) { return split->piece_state(s); }};
+                  [split](const NamedTensorList& s) { return split->piece_state(s); }, split->optimizer_parameters()};
   return std::make_unique<OptimizerState>(opt, ddp_->owned_parameters(), ddp_->placement(), codec, resharding);
 }
 

@@ -1,0 +1,90 @@
+#include "dist/stage_checkpoint.h"
+
+#include <stdexcept>
+
+#include "dist/placement.h"
+
+namespace keel::dist {
+
+StageParameters::StageParameters(std::shared_ptr<StageModel> stages, const Mesh& mesh)
+    : stages_(std::move(stages)), mesh_(&mesh) {
+  for (const auto& [name, t] : stages_->named_parameters()) held_.insert(name);
+  for (const auto& [name, t] : stages_->whole().named_parameters()) all_.insert(name);
+  // Until over_data_parallel(): data parallelism's owners as dist.zero = 0's placement makes them.
+  over_data_parallel(Placement(0, stages_->named_parameters(), {}, mesh.dp()), nullptr);
+}
+
+void StageParameters::over_data_parallel(const Placement& placement, ShardedParameters* pieces) {
+  if (pieces)
+    throw std::logic_error("StageParameters: a stage's parameters held as ZeRO's pieces (dist.zero >= 2 at pp > 1)");
+  std::set<std::string> root;
+  for (const auto& [name, t] : stages_->root_parameters()) root.insert(name);
+  written_.clear();
+  for (size_t i = 0; i < placement.num_params(); ++i) {
+    const std::string& name = placement.name(i);
+    if (!held_.count(name))
+      throw std::logic_error("StageParameters: the data-parallel placement's parameter '" + name +
+                             "' is not one this rank's stages hold");
+    // The root's parameters are held by the first and the last stage: the first's rank writes them.
+    if (root.count(name) && !stages_->holds_first()) continue;
+    if (placement.owner(i) == mesh_->coordinate(Axis::Dp)) written_.insert(name);
+  }
+}
+
+std::string StageParameters::parameter_of(const std::string& name) const {
+  if (held_.count(name)) return name;
+  const size_t dot = name.find_last_of('.');
+  return dot != std::string::npos && held_.count(name.substr(0, dot)) ? name.substr(0, dot) : "";
+}
+
+models::NamedTensors StageParameters::whole_owned_parameters() {
+  torch::NoGradGuard ng;
+  models::NamedTensors out;
+  for (const auto& [name, t] : stages_->named_parameters())
+    if (written_.count(name)) out.emplace_back(name, t.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
+  return out;
+}
+
+void StageParameters::load_pieces(const models::NamedTensors& whole) {
+  torch::NoGradGuard ng;
+  std::map<std::string, torch::Tensor> read(whole.begin(), whole.end());
+  // Every parameter of the whole model each rank keeps: those of other stages too, so that a rank's
+  // copy of the model is the step's (Callbacks::on_end sees each stage's own after training).
+  for (const auto& [name, t] : stages_->whole().named_parameters())
+    if (const auto it = read.find(name); it != read.end()) t.detach().copy_(it->second);
+}
+
+models::NamedTensors StageParameters::parameter_shapes() const {
+  models::NamedTensors out;
+  for (const auto& [name, t] : stages_->whole().named_parameters())
+    out.emplace_back(name, torch::empty(t.sizes(), t.options().device(torch::kMeta)));
+  return out;
+}
+
+models::NamedTensors StageParameters::whole_state(const models::NamedTensors& piece_state,
+                                                  const std::map<std::string, std::string>&) {
+  models::NamedTensors out;
+  for (const auto& [name, t] : piece_state)
+    if (written_.count(parameter_of(name))) out.emplace_back(name, t);
+  return out;
+}
+
+models::NamedTensors StageParameters::piece_state(const models::NamedTensors& whole_state) const {
+  // The state of another stage's parameters is that stage's; a name of no parameter is passed on
+  // for the loader to name.
+  models::NamedTensors out;
+  for (const auto& [name, t] : whole_state) {
+    const size_t dot = name.find_last_of('.');
+    const bool others = dot != std::string::npos && all_.count(name.substr(0, dot));
+    if (!parameter_of(name).empty() || !others) out.emplace_back(name, t);
+  }
+  return out;
+}
+
+std::vector<std::string> StageParameters::optimizer_parameters() const {
+  std::vector<std::string> out;
+  for (const auto& [name, t] : stages_->whole().named_parameters()) out.push_back(name);
+  return out;
+}
+
+}  // namespace keel::dist
