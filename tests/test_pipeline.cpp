@@ -86,7 +86,8 @@ TEST(Pipeline, EveryScheduleAtPp2AndPp4TrainsAsOneRankDoes) {
 
 // gpt2 with untied embeddings (the root's parameters held by both ends, their gradients summed)
 // and llama with grouped-query attention and a split given by the config, at pp 2; activation
-// checkpointing per stage; bf16 autocast (activations and their gradients sent in its dtypes).
+// checkpointing per stage (under the zero-bubble schedules too); bf16 autocast (activations and
+// their gradients sent in its dtypes).
 TEST(Pipeline, Gpt2UntiedLlamaAGivenSplitRecomputeAndBf16TrainAsOneRankDoes) {
   TempDir d;
   const std::vector<std::string> gpt2 = {"--model.name=gpt2",
@@ -108,6 +109,12 @@ TEST(Pipeline, Gpt2UntiedLlamaAGivenSplitRecomputeAndBf16TrainAsOneRankDoes) {
       {"gpt2", gpt2, {}},
       {"llama_split_1", llama, {"--parallel.pp_split=1"}},
       {"gpt_recompute", kGpt, {"--train.activation_checkpointing=blocks"}},
+      // The zero-bubble schedules split each backward (I, then W): a recomputed block makes its
+      // weights' gradients inside its own node during I, and W has none of its left.
+      {"gpt_recompute_zbv", kGpt, {"--train.activation_checkpointing=blocks", "--parallel.pp_schedule=zbv"}},
+      {"gpt_selective_interleaved_zb",
+       kGpt,
+       {"--train.activation_checkpointing=selective", "--parallel.pp_schedule=interleaved-zb"}},
       {"gpt_bf16", kGpt, {"--amp.dtype=bf16"}, kBf16Rounding},
   };
   for (const Case& c : cases) {

@@ -16,6 +16,7 @@
 #include "trainer/loss.h"
 #include "trainer/optim.h"
 #include "trainer/run.h"
+#include "trainer/step/split_backward.h"
 
 namespace keel {
 
@@ -57,6 +58,7 @@ struct PipelinedStep::Slot {
   torch::Tensor output;             // the stage's output with its graph (the last stage's: its loss)
   dist::Collectives::Started recv;  // a posted receive of its input or of its output's gradient
   torch::Tensor received;
+  WeightBackward weights;  // the zero-bubble schedules: what I leaves for W
 };
 
 PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(run.cfg)) {
@@ -137,13 +139,18 @@ torch::Tensor PipelinedStep::run_schedule(const std::vector<data::Batch>& batche
         break;
       }
       case Op::B:
-      case Op::I: {  // the input gradient runs the whole backward (no split yet): W has nothing left
+      case Op::I: {  // I: the input's gradient only, the weights' left for W (split_backward.h)
         RECORD_USER_SCOPE("keel::backward");
-        backward(a.stage, a.mb);
+        backward(a.stage, a.mb, /*split=*/a.op == Op::I);
         break;
       }
-      case Op::W:
+      case Op::W: {
+        RECORD_USER_SCOPE("keel::backward_weight");
+        Slot& s = slot(a.stage, a.mb);
+        backward_weight(s.weights);
+        s.output = torch::Tensor();
         break;
+      }
       case Op::RecvF:
       case Op::RecvB:
         post_receive(a, batches);
@@ -188,13 +195,13 @@ void PipelinedStep::forward(int stage, int mb, const std::vector<data::Batch>& b
   loss_sum_ = loss_sum_.defined() ? loss_sum_ + l : l;
 }
 
-void PipelinedStep::backward(int stage, int mb) {
+void PipelinedStep::backward(int stage, int mb, bool split) {
   Slot& s = slot(stage, mb);
+  torch::Tensor root = s.output, grad;
   if (stage + 1 == stages_->stages()) {
     const torch::Tensor scaled = s.output / static_cast<double>(schedule_.microbatches);
-    torch::autograd::backward({run_.scaler ? run_.scaler->scale(scaled) : scaled});
+    root = run_.scaler ? run_.scaler->scale(scaled) : scaled;
   } else {
-    torch::Tensor grad;
     if (s.recv) {
       s.recv.wait();
       grad = s.received;
@@ -205,8 +212,15 @@ void PipelinedStep::backward(int stage, int mb) {
       next.input = torch::Tensor();
     }
     if (!grad.defined()) grad = torch::zeros_like(s.output);
-    torch::autograd::backward({s.output}, {grad});
   }
+  if (split) {
+    s.weights = backward_input(root, grad, stage == 0 ? torch::Tensor() : s.input);
+    return;  // the graph is kept for W
+  }
+  if (grad.defined())
+    torch::autograd::backward({root}, {grad});
+  else
+    torch::autograd::backward({root});
   s.output = torch::Tensor();
 }
 

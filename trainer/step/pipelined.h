@@ -7,8 +7,8 @@
 // the first step's messages validated pair by pair, later ones by the step consensus's balance).
 // Receives are posted at their place in the schedule and waited for where the compute needs them;
 // sends are waited for at the end of the step. The zero-bubble schedules' input-gradient action
-// runs the whole backward and their weight-gradient action nothing (the split of the backward is
-// not built yet): their order and messages are the schedule's, their bubble that of its plain form.
+// (I) computes the stage input's gradient only, keeping the graph; their weight-gradient action
+// (W) computes the weights' later (trainer/step/split_backward.h).
 // Then the root's gradients are summed between the first and the last stage, and the step's share
 // of the consensus is the last stage's loss (weight 1; the others weigh 0). The update (the global
 // norm over every stage), the verdict and the fault hook are Step's.
@@ -47,7 +47,8 @@ class PipelinedStep : public Step {
   torch::Tensor run_schedule(const std::vector<data::Batch>& batches);
   torch::Tensor stage_input(Slot& slot, int stage, int mb, const std::vector<data::Batch>& batches);
   void forward(int stage, int mb, const std::vector<data::Batch>& batches);
-  void backward(int stage, int mb);
+  /// B, or with `split` I (the input's gradient; W runs the weights' from the slot).
+  void backward(int stage, int mb, bool split);
   void post_receive(const dist::pipeline::Action& a, const std::vector<data::Batch>& batches);
   void send(const dist::pipeline::Action& a, const std::vector<data::Batch>& batches);
   std::pair<int, std::vector<int64_t>> shape_key(int stage, const torch::Tensor& input) const;
