@@ -686,46 +686,61 @@ TEST(Inductor, ACustomOpWithAFakeKernelCompilesIntoTheStepAndOneWithoutIsRefused
 // block's buckets as its backward finishes), and at dist.zero = 3 over 2 and 3 ranks, where
 // "auto" chooses blocks (each block's parameters gathered around the package's forward and
 // again for its backward, its gradients reduce-scattered after).
-TEST(InductorBlocks, GptTrainsAsEagerAt1RankUnderDdpAndAtZero3Over2And3Ranks) {
-  struct Case {
-    int ranks;
-    std::vector<std::string> both, compiled;
-    const char* placement;
-  };
-  const std::vector<Case> cases = {{1, {}, {"--compile.granularity=blocks"}, "zero 0 over 1 rank"},
-                                   {2, {}, {"--compile.granularity=blocks"}, "zero 0 over 2 ranks"},
-                                   {2, {"--dist.zero=3"}, {}, "zero 3 over 2 ranks"},
-                                   {3, {"--dist.zero=3"}, {}, "zero 3 over 3 ranks"}};
-  for (const Case& c : cases) {
-    TempDir d;
-    const std::string at = std::to_string(c.ranks) + " rank(s), " + c.placement;
-    std::string log;
-    for (const std::string mode : {"off", "inductor"}) {
-      auto extra = c.both;
-      if (mode == "inductor") extra.insert(extra.end(), c.compiled.begin(), c.compiled.end());
-      const auto args = model_args("gpt", d.file(mode), mode, 12, extra);
-      if (c.ranks == 1) {
-        auto r = run_keel(args, {}, 900);
-        ASSERT_EQ(r.exit_code, 0) << r.output;
-        log = r.output;
-      } else {
-        const auto rs = run_keel_ranks(c.ranks, args, 900);
-        expect_all_ok(rs);
-        log = rs[0].output;
-      }
+struct BlocksCase {
+  int ranks;
+  std::vector<std::string> both, compiled;
+  const char* placement;
+};
+
+// `c` trained eager and with its blocks compiled: the log names the package's parts, the losses
+// agree within the blocks' tolerance.
+void expect_blocks_train_as_eager(const BlocksCase& c) {
+  TempDir d;
+  const std::string at = std::to_string(c.ranks) + " rank(s), " + c.placement;
+  std::string log;
+  for (const std::string mode : {"off", "inductor"}) {
+    auto extra = c.both;
+    if (mode == "inductor") extra.insert(extra.end(), c.compiled.begin(), c.compiled.end());
+    const auto args = model_args("gpt", d.file(mode), mode, 12, extra);
+    if (c.ranks == 1) {
+      auto r = run_keel(args, {}, 900);
+      ASSERT_EQ(r.exit_code, 0) << r.output;
+      log = r.output;
+    } else {
+      const auto rs = run_keel_ranks(c.ranks, args, 900);
+      expect_all_ok(rs);
+      log.clear();
+      for (const auto& r : rs) log += r.output;  // the loss is the last pipeline stage's
     }
-    EXPECT_TRUE(contains(log, std::string("compile: inductor (each block) -> data parallel: ") + c.placement))
-        << at << "\n"
-        << log;
-    for (const char* root :
-         {"compile: the root's embeddings and head run from the package", "compile: the loss runs from the package"})
-      EXPECT_TRUE(contains(log, root)) << at << "\n" << log;
-    EXPECT_EQ(summary(d.file("inductor"))["compile_mode"], "inductor") << at;
-    const auto la = metrics_losses(d.file("off")), lb = metrics_losses(d.file("inductor"));
-    ASSERT_EQ(la.size(), lb.size()) << at;
-    for (size_t i = 0; i < la.size(); ++i)
-      EXPECT_LE(std::abs(la[i].second - lb[i].second), 1e-4 * std::abs(la[i].second)) << at << ", step " << la[i].first;
   }
+  EXPECT_TRUE(contains(log, std::string("compile: inductor (each block) -> data parallel: ") + c.placement))
+      << at << "\n"
+      << log;
+  for (const char* root :
+       {"compile: the root's embeddings and head run from the package", "compile: the loss runs from the package"})
+    EXPECT_TRUE(contains(log, root)) << at << "\n" << log;
+  EXPECT_EQ(summary(d.file("inductor"))["compile_mode"], "inductor") << at;
+  const auto la = metrics_losses(d.file("off")), lb = metrics_losses(d.file("inductor"));
+  ASSERT_EQ(la.size(), lb.size()) << at;
+  for (size_t i = 0; i < la.size(); ++i)
+    EXPECT_LE(std::abs(la[i].second - lb[i].second), 1e-4 * std::abs(la[i].second)) << at << ", step " << la[i].first;
+}
+
+TEST(InductorBlocks, GptTrainsAsEagerAt1RankUnderDdpAndAtZero3Over2And3Ranks) {
+  for (const BlocksCase& c : std::vector<BlocksCase>{{1, {}, {"--compile.granularity=blocks"}, "zero 0 over 1 rank"},
+                                                     {2, {}, {"--compile.granularity=blocks"}, "zero 0 over 2 ranks"},
+                                                     {2, {"--dist.zero=3"}, {}, "zero 3 over 2 ranks"},
+                                                     {3, {"--dist.zero=3"}, {}, "zero 3 over 3 ranks"}})
+    expect_blocks_train_as_eager(c);
+}
+
+// Pipeline stages (issue 66 item 5): "auto" compiles each block at parallel.pp > 1; the package
+// is the one-rank run's (the units traced from the whole model, the same cache entry), each stage
+// runs its blocks and its part of the root from it, the last stage the loss.
+TEST(InductorBlocks, GptTrainsAsEagerAtPp2WithEachStagesBlocksCompiled) {
+  // Every rank logs: the loss runs on the last stage's rank.
+  expect_blocks_train_as_eager(
+      {2, {"--parallel.pp=2", "--train.grad_accum=2", "--run.all_ranks_log=true"}, {}, "zero 0 over 1 rank"});
 }
 
 // compile.granularity = "auto" under parallel.tp = 2 (issue 46 item 2): the block's two regions

@@ -338,7 +338,8 @@ TEST(Pipeline, AShapeMismatchOnASendFailsBothRanksNamingIt) {
 }
 
 // What a pipeline cannot run is refused on every rank with exit 2, naming the key: more stages
-// than blocks, a split past the last block, and what it does not serve yet (pp x tp).
+// than blocks, a split past the last block, a whole-step package, and what it does not serve yet
+// (pp x tp, comm hooks).
 TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
   TempDir d;
   struct Case {
@@ -353,6 +354,10 @@ TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
       {2, {"--parallel.pp=2", "--parallel.pp_split=8"}, "parallel.pp_split: block 8 is past the model's last (7)"},
       {4, {"--parallel.pp=2", "--parallel.tp=2"}, "parallel.pp = 2 cannot be combined with parallel.tp = 2 yet"},
       {2, {"--parallel.pp=2", "--dist.comm_hook=bf16"}, "cannot be combined with dist.comm_hook = \"bf16\" yet"},
+      {2,
+       {"--parallel.pp=2", "--compile.mode=inductor", "--compile.granularity=step"},
+       "parallel.pp = 2 runs some of the model's blocks on each stage, which compile.granularity = \"step\""},
+
   };
   for (size_t i = 0; i < cases.size(); ++i) {
     const Case& c = cases[i];

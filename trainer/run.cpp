@@ -76,14 +76,15 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
   build_optimizer();
 }
 
-// parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO-1), one tensor-parallel rank
-// and checkpoints (whole tensors, dist/stage_checkpoint.h), eager; the rest is refused by name
-// (exit 2) until it is built.
+// parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO-1), one tensor-parallel rank,
+// checkpoints (whole tensors, dist/stage_checkpoint.h) and compile.mode = "inductor" (each block
+// compiled); the rest is refused by name (exit 2) until it is built.
 void Run::refuse_what_pipelines_do_not_serve_yet() const {
   auto refuse = [&](bool set, const std::string& what) {
     if (set)
       throw InputError("parallel.pp = " + std::to_string(mesh.pp()) + " cannot be combined with " + what +
-                       " yet (pipeline parallelism runs eager, at parallel.tp = 1 and dist.zero 0 or 1)");
+                       " yet (pipeline parallelism runs at parallel.tp = 1 and dist.zero 0 or 1, eager or with its "
+                       "blocks compiled)");
   };
   refuse(mesh.tp() > 1, "parallel.tp = " + std::to_string(mesh.tp()));
   refuse(cfg.dist.zero > 1, "dist.zero = " + std::to_string(cfg.dist.zero));
@@ -93,11 +94,8 @@ void Run::refuse_what_pipelines_do_not_serve_yet() const {
   refuse(cfg.dist.comm_hook != CommHook::Allreduce,
          "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, cfg.dist.comm_hook)) + "\"");
   refuse(cfg.parallel.sequence_parallel, "parallel.sequence_parallel = true");
-  refuse(cfg.compile.mode != CompileMode::Off,
-         "compile.mode = \"" + std::string(choice_name(kCompileModes, cfg.compile.mode)) + "\"");
+  refuse(cfg.compile.mode == CompileMode::Trace, "compile.mode = \"trace\"");
   refuse(cfg.compile.cuda_graphs, "compile.cuda_graphs = true");
-  // The traced module is the whole model's; a stage's rank runs part of it.
-  refuse(cfg.checkpoint.save_graph, "checkpoint.save_graph = true");
 }
 
 // [parallel]: the world as a mesh, each axis's Collectives made (collective: the subgroups).

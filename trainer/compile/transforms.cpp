@@ -49,7 +49,10 @@ CompiledModel PlacedModel::compile(const CompileConfig& cfg, const torch::Tensor
       if (inductor->granularity == "blocks") {
         InductorRequest req = *inductor;  // the units traced from this very model, on the example batch
         req.example_input = example.to(device_);
-        block = compile_blocks(*model_, req, report, cfg.max_recompiles);  // the model's blocks run it
+        // A pipeline stage's model is the whole one's, run a stage at a time: the units are traced
+        // from the whole model's forward, and every block runs the package (a stage calls its own).
+        auto* stages = dynamic_cast<dist::StageModel*>(model_.get());
+        block = compile_blocks(stages ? stages->whole() : *model_, req, report, cfg.max_recompiles);
       } else if (inductor->traces_step()) {  // the step as this very model computes it, traced here
         InductorRequest req = *inductor;
         req.graph = std::make_shared<const GraphFile>(trace_step(*model_, example.to(device_), req));

@@ -528,15 +528,16 @@ bool compiles_blocks(const Config& cfg) {
   return cfg.compile.mode == CompileMode::Inductor &&
          (cfg.compile.granularity == CompileGranularity::Blocks ||
           (cfg.compile.granularity == CompileGranularity::Auto &&
-           (dist::Placement(cfg.dist.zero).shards_parameters() || cfg.parallel.tp > 1)));
+           (dist::Placement(cfg.dist.zero).shards_parameters() || cfg.parallel.tp > 1 || cfg.parallel.pp > 1)));
 }
 
 // compile.granularity = "blocks" (or "auto" resolving to it): what it serves so far.
 static void validate_granularity(const Config& cfg) {
   if (!compiles_blocks(cfg)) return;
-  const std::string key = cfg.compile.granularity == CompileGranularity::Blocks
-                              ? "compile.granularity = \"blocks\""
-                              : "compile.granularity = \"auto\" (blocks at dist.zero = 3 or parallel.tp > 1)";
+  const std::string key =
+      cfg.compile.granularity == CompileGranularity::Blocks
+          ? "compile.granularity = \"blocks\""
+          : "compile.granularity = \"auto\" (blocks at dist.zero = 3, parallel.tp > 1 or parallel.pp > 1)";
   auto fail = [&](const std::string& m) { throw InputError("config: " + key + " " + m); };
   // The built-in models without blocks; a registered model declares its own (BlockStructure), and
   // compile_blocks says so when it has none.
@@ -561,6 +562,11 @@ static void validate_pipeline(const Config& cfg) {
   if (p.pp == 1) return;  // the other pipeline keys have no effect
   pipeline_schedule(cfg);
   pipeline_split_points(p);
+  // A stage runs some of the blocks: each block compiled on its own (compile.granularity = "blocks").
+  if (cfg.compile.mode == CompileMode::Inductor && cfg.compile.granularity == CompileGranularity::Step)
+    throw InputError("config: parallel.pp = " + std::to_string(p.pp) +
+                     " runs some of the model's blocks on each stage, which compile.granularity = \"step\" (one "
+                     "package for the whole step) cannot split: set compile.granularity = \"blocks\" or \"auto\"");
   for (const char* none : {"mlp", "cnn", "torchscript", "python"})
     if (cfg.model.name == none)
       throw InputError("config: parallel.pp = " + std::to_string(p.pp) +

@@ -409,13 +409,14 @@ void compile_keys(SchemaBuilder& b) {
   b.add("compile", &C::compile, "mode", &CompileConfig::mode, kCompileModes,
         "off | trace (deprecated: forward as a TorchScript graph) | inductor (compiled ahead of time by Inductor, run "
         "from C++: the whole training step, or each block: compile.granularity; traced from the C++ model trained)");
-  b.add("compile", &C::compile, "granularity", &CompileConfig::granularity, kCompileGranularities,
-        "inductor: step (the whole training step, one package) | blocks (a transformer block's forward and backward, "
-        "one package reused for every block, with the root's embedding, head and loss (eager under parallel.tp > 1); "
-        "DDP's buckets overlap the backward, dist.zero = 3 gathers around each block; under parallel.tp > 1 the "
-        "block's regions between its collectives; gpt, gpt2, llama and registered models that declare their blocks; "
-        "every unit traced from the C++ model) | auto (blocks at dist.zero = 3 or parallel.tp > "
-        "1, else step)");
+  b.add(
+      "compile", &C::compile, "granularity", &CompileConfig::granularity, kCompileGranularities,
+      "inductor: step (the whole training step, one package) | blocks (a transformer block's forward and backward, "
+      "one package reused for every block, with the root's embedding, head and loss (eager under parallel.tp > 1); "
+      "DDP's buckets overlap the backward, dist.zero = 3 gathers around each block; under parallel.tp > 1 the "
+      "block's regions between its collectives; gpt, gpt2, llama and registered models that declare their blocks; "
+      "every unit traced from the C++ model; under parallel.pp > 1 each stage runs its blocks from it) | auto (blocks "
+      "at dist.zero = 3, parallel.tp > 1 or parallel.pp > 1, else step)");
   b.add("compile", &C::compile, "fullgraph", &CompileConfig::fullgraph,
         "anything that prevents one whole static graph is an error (else: warning, eager fallback)");
   b.add("compile", &C::compile, "deterministic", &CompileConfig::deterministic,

@@ -66,6 +66,9 @@ PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(
   if (!stages_) throw std::logic_error("PipelinedStep: the model is not split into stages (dist/stages.h)");
   pp_ = &run.mesh.on(dist::Axis::Pp);
   rank_ = static_cast<int>(pp_->rank());
+  // A compiled block's backward (one package call) makes its input's and its weights' gradients
+  // together: split, W would run it a second time. Its I then runs the whole backward, W nothing.
+  split_ = !run.dmodel->inductor_block();
   // One gradient plan for every rank: each stage's, in stage order (they differ; the consensus
   // compares one word).
   auto mine = torch::tensor({static_cast<int64_t>(run.dmodel->plan())}, torch::kLong);
@@ -141,7 +144,7 @@ torch::Tensor PipelinedStep::run_schedule(const std::vector<data::Batch>& batche
       case Op::B:
       case Op::I: {  // I: the input's gradient only, the weights' left for W (split_backward.h)
         RECORD_USER_SCOPE("keel::backward");
-        backward(a.stage, a.mb, /*split=*/a.op == Op::I);
+        backward(a.stage, a.mb, /*split=*/a.op == Op::I && split_);
         break;
       }
       case Op::W: {

@@ -66,6 +66,7 @@ class PipelinedStep : public Step {
   std::map<std::pair<int, int>, std::unique_ptr<Slot>> slots_;
   std::vector<dist::Collectives::Started> sends_;
   torch::Tensor loss_sum_;   // the last stage's, this step
+  bool split_ = true;        // the zero-bubble schedules' I and W split (not with compiled blocks)
   bool fault_send_ = false;  // fault.inject shape_mismatch on this step's first activation sent
   // Each stage's input shape and dtype, by the shape of the batch's input (the sender says it
   // once per new batch shape: a message both ends know to expect, as both read the same batches).
