@@ -309,6 +309,20 @@ TEST(Pipeline, AKilledStageIsNamedByItsNeighbour) {
   EXPECT_NE(ranks[0].output.find("rank(s) 1 never reached or never finished"), std::string::npos) << ranks[0].output;
 }
 
+// A stage that stops taking part (fault.inject collective_hang): its neighbour fails within
+// dist.timeout_s naming it, and the hung rank reports that its peers gave up; both exit 1.
+TEST(Pipeline, AHungStageIsNamedByItsNeighbour) {
+  TempDir d;
+  const auto ranks = run_keel_ranks(
+      2, train_args(kGpt, d.file("run"),
+                    {"--parallel.pp=2", "--dist.timeout_s=15", "--fault.inject=collective_hang@step=3,rank=1"}));
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) EXPECT_EQ(r.exit_code, 1) << r.output;
+  EXPECT_NE(ranks[0].output.find("rank(s) 1 never reached or never finished"), std::string::npos) << ranks[0].output;
+  EXPECT_NE(ranks[1].output.find("collective_hang: rank 1 stopped at step 3; its peers gave up"), std::string::npos)
+      << ranks[1].output;
+}
+
 // fault.inject shape_mismatch at pp > 1 strikes a send: rank 0 sends its first activation of the
 // step as [B x T, C], the same bytes. On the first step (validated) both ranks fail before the
 // payload moves, naming the message and both shapes; at step 3 (not validated) the step's
