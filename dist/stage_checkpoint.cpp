@@ -48,18 +48,12 @@ models::NamedTensors StageParameters::whole_owned_parameters() {
 void StageParameters::load_pieces(const models::NamedTensors& whole) {
   torch::NoGradGuard ng;
   std::map<std::string, torch::Tensor> read(whole.begin(), whole.end());
-  // Every parameter of the whole model each rank keeps: those of other stages too, so that a rank's
-  // copy of the model is the step's (Callbacks::on_end sees each stage's own after training).
-  for (const auto& [name, t] : stages_->whole().named_parameters())
+  // The parameters this rank's stages hold (the others' are freed: StageModel::release_others).
+  for (const auto& [name, t] : stages_->named_parameters())
     if (const auto it = read.find(name); it != read.end()) t.detach().copy_(it->second);
 }
 
-models::NamedTensors StageParameters::parameter_shapes() const {
-  models::NamedTensors out;
-  for (const auto& [name, t] : stages_->whole().named_parameters())
-    out.emplace_back(name, torch::empty(t.sizes(), t.options().device(torch::kMeta)));
-  return out;
-}
+models::NamedTensors StageParameters::parameter_shapes() const { return stages_->whole_parameter_shapes(); }
 
 models::NamedTensors StageParameters::whole_state(const models::NamedTensors& piece_state,
                                                   const std::map<std::string, std::string>&) {

@@ -7,9 +7,9 @@
 // parameters, held by the first and the last stage alike, by the first's), and in that stage's
 // data-parallel group the placement's owner (dist/placement.h: balanced by bytes, so that the dp
 // ranks share the writing as they do at pp = 1). A stage's parameters are whole on every rank that
-// holds them (no gather). A load copies every parameter read into the whole model each rank keeps
-// (a rank's off-stage parameters too), and gives the optimizer the state of the parameters its
-// stages hold. Does not own: the split (dist/stages.h), the files (checkpoint/).
+// holds them (no gather). A load copies into the parameters this rank's stages hold (the others'
+// are freed: StageModel::release_others), and gives the optimizer their state. Does not own: the split (dist/stages.h),
+// the files (checkpoint/).
 #pragma once
 
 #include <map>

@@ -61,6 +61,35 @@ torch::Tensor StageModel::forward(const torch::Tensor&) {
 
 models::NamedTensors StageModel::named_parameters() const { return held_; }
 
+void StageModel::release_others() {
+  torch::NoGradGuard ng;
+  std::set<std::string> mine;
+  for (const auto& [name, t] : held_) mine.insert(name);
+  for (const auto& [name, t] : whole_->named_parameters()) {
+    if (mine.count(name) || released_.count(name)) continue;
+    released_[name] = t.sizes().vec();
+    t.set_data(torch::empty({0}, t.options()));
+    t.mutable_grad() = torch::Tensor();
+  }
+}
+
+void StageModel::remake_others() {
+  torch::NoGradGuard ng;
+  for (const auto& [name, t] : whole_->named_parameters())
+    if (const auto it = released_.find(name); it != released_.end()) t.set_data(torch::empty(it->second, t.options()));
+  released_.clear();
+}
+
+models::NamedTensors StageModel::whole_parameter_shapes() const {
+  models::NamedTensors out;
+  for (const auto& [name, t] : whole_->named_parameters()) {
+    const auto it = released_.find(name);
+    out.emplace_back(
+        name, torch::empty(it == released_.end() ? t.sizes().vec() : it->second, t.options().device(torch::kMeta)));
+  }
+  return out;
+}
+
 std::string StageModel::describe() const {
   std::string out;
   for (size_t s = 0; s < ranges_.size(); ++s) {

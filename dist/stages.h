@@ -4,7 +4,8 @@
 // root's counted half on the first stage, half on the last), or the config names the first block
 // of each stage after the first. The first stage runs the root's embedding, the last its head (and
 // the loss). A rank keeps a StageModel: the whole model, whose forward it runs one stage at a time
-// (BlockStructure::stage), and whose parameters it trains only where its stages hold them. The
+// (BlockStructure::stage), and whose parameters it trains only where its stages hold them; the
+// others' are freed once the run is built (release_others). The
 // root's parameters (outside every block: the embedding, the final norm, the output projection,
 // tied or not) are held by the first and the last stage alike; their gradients are summed between
 // the two every step, so that both copies take the same update and stay equal, as a tied embedding
@@ -13,6 +14,7 @@
 // Does not own: the schedule (dist/pipeline/schedule.h), running it (trainer/step/pipelined.h).
 #pragma once
 
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -42,6 +44,14 @@ class StageModel : public models::Model {
   bool holds_first() const;
   bool holds_last() const;
   models::Model& whole() { return *whole_; }
+  /// Frees the parameters of the stages other ranks hold (each made an empty tensor of its dtype
+  /// and device; the same tensor objects), once the model is built, compiled and distributed: a
+  /// rank then holds its stages' parameters only. remake_others() gives them back their shapes
+  /// (uninitialised: the caller fills them, as PipelinedStep::hold_whole_model broadcasts them).
+  void release_others();
+  void remake_others();
+  /// Every parameter of the whole model on the meta device, with its shape (released or not).
+  models::NamedTensors whole_parameter_shapes() const;
   /// "blocks 0-1 | 2-3" style: each stage's blocks, for the transform plan and the log.
   std::string describe() const;
 
@@ -74,7 +84,8 @@ class StageModel : public models::Model {
   std::vector<models::BlockStructure::Stage> ranges_;
   std::vector<int> mine_;
   models::NamedTensors root_;
-  models::NamedTensors held_;  // named_parameters()
+  models::NamedTensors held_;                             // named_parameters()
+  std::map<std::string, std::vector<int64_t>> released_;  // release_others(): each one's shape
 };
 
 /// The blocks' split into `stages` contiguous ranges: `points` (the first block of each stage after

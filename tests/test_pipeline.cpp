@@ -81,6 +81,12 @@ TEST(Pipeline, EveryScheduleAtPp2AndPp4TrainsAsOneRankDoes) {
                          {"--parallel.pp=" + std::to_string(pp), std::string("--parallel.pp_schedule=") + schedule}));
       expect_all_ok(ranks);
       expect_same_run(d.file("one"), d.file(run), run);
+      // Rank 0 holds its stages' parameters, not the whole model's (StageModel::release_others):
+      // fewer bytes than one rank's, more than its share of the blocks (the root is on it too).
+      const double one = std::stod(summary_field(d.file("one"), "parameter_bytes")),
+                   mine = std::stod(summary_field(d.file(run), "parameter_bytes"));
+      EXPECT_LT(mine, one) << run;
+      EXPECT_GT(mine, one / pp) << run;
     }
 }
 

@@ -90,6 +90,8 @@ PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(
   }
   run.dmodel->set_global_norm([this](double max_norm) { return global_norm(max_norm); });
   run.faults->strike_sends_with_shape_mismatch();
+  // Built, compiled and distributed: the other stages' parameters are not this rank's to keep.
+  stages_->release_others();
 }
 
 PipelinedStep::~PipelinedStep() = default;
@@ -369,6 +371,7 @@ void PipelinedStep::hold_whole_model(bool wanted) {
   pp_->all_reduce(any, dist::ReduceOp::Max, "pipeline whole model wanted");
   if (any.item<double>() == 0) return;
   torch::NoGradGuard no_grad;
+  stages_->remake_others();
   const models::NamedTensors whole = stages_->whole().named_parameters();
   for (size_t i = 0; i < whole.size(); ++i) {
     torch::Tensor t = whole[i].second.detach();
