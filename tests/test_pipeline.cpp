@@ -134,9 +134,10 @@ TEST(Pipeline, Gpt2UntiedLlamaAGivenSplitRecomputeAndBf16TrainAsOneRankDoes) {
 }
 
 // pp 2 x dp 2 (DDP, and ZeRO-1 under the interleaved schedule) with half the batch per dp rank;
-// the GradScaler (amp.loss_scaling = dynamic on the CPU, the fused AdamW) with a non-finite
-// gradient on stage 0's rank alone at step 5: every stage skips that step and backs the scale
-// off, as one rank does (a verdict of the last stage alone would let the others step).
+// the GradScaler (amp.loss_scaling = dynamic on the CPU, the fused AdamW), at pp 2 and at pp 2 x
+// dp 2 with ZeRO-1, with a non-finite gradient on stage 0's rank alone at step 5: every stage
+// skips that step and backs the scale off, as one rank does (a verdict of the last stage alone
+// would let the others step).
 TEST(Pipeline, DataParallelZero1AndTheGradScalerTrainAsOneRankDoes) {
   TempDir d;
   ASSERT_EQ(run_keel(train_args(kGpt, d.file("one"), {})).exit_code, 0);
@@ -155,6 +156,12 @@ TEST(Pipeline, DataParallelZero1AndTheGradScalerTrainAsOneRankDoes) {
   expect_all_ok(run_keel_ranks(2, train_args(kGpt, d.file("pp2_scaler"), pp2)));
   expect_same_run(d.file("one_scaler"), d.file("pp2_scaler"), "pp2 GradScaler");
   EXPECT_EQ(summary_field(d.file("pp2_scaler"), "skipped_steps"), "1");
+  // ... and at pp 2 x dp 2 with ZeRO-1: every rank unscales all the gradients its stage's norm
+  // reads, not only those its optimizer owns.
+  pp2.insert(pp2.end(), {"--dist.zero=1", "--train.batch_size=1"});
+  expect_all_ok(run_keel_ranks(4, train_args(kGpt, d.file("pp2dp2_zero1_scaler"), pp2)));
+  expect_same_run(d.file("one_scaler"), d.file("pp2dp2_zero1_scaler"), "pp2 dp2 zero1 GradScaler");
+  EXPECT_EQ(summary_field(d.file("pp2dp2_zero1_scaler"), "skipped_steps"), "1");
 }
 
 keel::Config pipeline_config(const std::string& dir, int64_t pp) {

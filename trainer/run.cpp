@@ -88,9 +88,6 @@ void Run::refuse_what_pipelines_do_not_serve_yet() const {
   };
   refuse(mesh.tp() > 1, "parallel.tp = " + std::to_string(mesh.tp()));
   refuse(cfg.dist.zero > 1, "dist.zero = " + std::to_string(cfg.dist.zero));
-  // ZeRO-1 unscales only the gradients this rank's optimizer owns; a stage's norm reads them all.
-  refuse(cfg.dist.zero == 1 && amp::loss_scaling_enabled(cfg.amp),
-         "dist.zero = 1 and a GradScaler (amp.loss_scaling, amp.dtype = \"fp16\")");
   refuse(cfg.dist.comm_hook != CommHook::Allreduce,
          "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, cfg.dist.comm_hook)) + "\"");
   refuse(cfg.parallel.sequence_parallel, "parallel.sequence_parallel = true");

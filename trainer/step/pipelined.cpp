@@ -90,6 +90,7 @@ PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(
   }
   run.dmodel->set_global_norm([this](double max_norm) { return global_norm(max_norm); });
   run.faults->strike_sends_with_shape_mismatch();
+  for (const auto& [n, p] : stages_->named_parameters()) held_.push_back(p);
   // Built, compiled and distributed: the other stages' parameters are not this rank's to keep.
   stages_->release_others();
 }

@@ -41,6 +41,9 @@ class PipelinedStep : public Step {
 
  protected:
   torch::Tensor micro_batch_loss(const torch::Tensor&, const torch::Tensor&, bool) override;
+  /// Every parameter this rank's stages hold: at ZeRO-1 the GradScaler unscales the gradients the
+  /// stage's norm reads, not only those the rank's optimizer owns.
+  const std::vector<torch::Tensor>& verdict_parameters() const override { return held_; }
 
  private:
   struct Slot;  // one (stage, micro-batch)'s tensors in flight
@@ -72,6 +75,7 @@ class PipelinedStep : public Step {
   // once per new batch shape: a message both ends know to expect, as both read the same batches).
   std::map<std::pair<int, std::vector<int64_t>>, std::pair<std::vector<int64_t>, c10::ScalarType>> input_shapes_;
   std::set<std::pair<int, std::vector<int64_t>>> shapes_said_;  // the shapes this rank's sends said
+  std::vector<torch::Tensor> held_;                             // verdict_parameters()
   std::vector<int64_t> whole_owner_;  // per parameter of the whole model: the pp rank that counts it in the norm
 };
 

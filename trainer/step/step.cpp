@@ -152,10 +152,12 @@ torch::Tensor Step::to_device(const torch::Tensor& t) const {
 // train.skip_nonfinite off, no fault watching them). With dist.zero >= 1 a rank reads only the
 // gradients it owns; the consensus ORs the verdicts.
 torch::Tensor Step::grad_verdict() {
-  if (run_.scaler) return run_.scaler->unscale_on_device(run_.owned);
-  if (run_.cfg.train.skip_nonfinite || run_.faults->watches_gradients()) return amp::nonfinite(run_.owned);
+  if (run_.scaler) return run_.scaler->unscale_on_device(verdict_parameters());
+  if (run_.cfg.train.skip_nonfinite || run_.faults->watches_gradients()) return amp::nonfinite(verdict_parameters());
   return {};
 }
+
+const std::vector<torch::Tensor>& Step::verdict_parameters() const { return run_.owned; }
 
 // The verdict on the loss and the gradients, on the device (dist.consensus = late).
 torch::Tensor Step::local_nonfinite(const torch::Tensor& local_loss) {

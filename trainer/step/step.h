@@ -124,6 +124,10 @@ class Step {
                       double& count);
   /// The evaluation's totals, summed over the ranks (float64 [loss, hits, counted, ...]), as a result.
   EvalResult evaluation_result(int64_t step, const torch::Tensor& totals) const;
+  /// The parameters whose gradients the verdict reads and the GradScaler unscales: those this
+  /// rank's optimizer steps (run.owned). A pipeline stage's are every one it holds (its norm reads
+  /// them all, whatever ZeRO-1 owns).
+  virtual const std::vector<torch::Tensor>& verdict_parameters() const;
   Run& run_;
   std::string bad_input_;  // bad_input()
 
