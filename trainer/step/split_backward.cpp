@@ -46,7 +46,7 @@ WeightBackward backward_input(torch::Tensor output, torch::Tensor grad, const to
   WeightBackward w;
   w.output = std::move(output);
   w.grad = grad.defined() ? std::move(grad) : torch::ones_like(w.output);
-  if (!input.defined() || !input.requires_grad()) {
+  if (!input.defined() || !input.requires_grad() || !w.output.requires_grad()) {
     w.whole = true;
     return w;
   }
@@ -98,7 +98,7 @@ void backward_weight(WeightBackward& w) {
     const Edge& r = w.roots[i];
     if (!any.at(r.function.get())) continue;  // nothing flowed into it: no weight gradient
     roots.push_back(r);
-    grads.push_back(w.grads[i].defined() ? w.grads[i] : r.function->input_metadata(r.input_nr).zeros_like());
+    grads.push_back(w.grads[i]);  // undefined where none flowed, as the whole backward passes it
   }
   std::vector<std::tuple<Node*, size_t, Edge>> saved;
   for (auto& [node, edges] : w.towards_input)

@@ -11,7 +11,8 @@
 // then the graph is freed. The sums are those of the whole backward: every weight's gradient is
 // the same products, reached once. A block under activation checkpointing (dist/recompute.h)
 // computes its weights' gradients inside its own node during I (its recomputation has no edge
-// to them): correct, not split.
+// to them): correct, not split. An intermediate runs twice (its hooks too: keel registers none on
+// a stage's activations), and its saved activations live from I to W, as in PyTorch's split.
 // Does not own: the schedule, the messages (trainer/step/pipelined.h).
 #pragma once
 
@@ -36,7 +37,7 @@ struct WeightBackward {
 
 /// I: the gradient of `output` (with `grad`; undefined for a scalar loss: 1) with respect to
 /// `input` (a leaf) set as input's .grad, the graph kept; the weights' part left to W. `input`
-/// undefined or not requiring grad: nothing runs now (whole).
+/// undefined or not requiring grad (or an output without a graph): nothing runs now (whole).
 WeightBackward backward_input(torch::Tensor output, torch::Tensor grad, const torch::Tensor& input);
 
 /// W: the weights' gradients accumulated into their .grad; the graph is freed.
