@@ -902,10 +902,11 @@ TEST(InductorBlocks, WhatBlocksDoNotServeAndAStepAtZero3AreRefusedByName) {
       run({"--model.name=mlp", "--compile.granularity=blocks"}),
       "compile.granularity = \"blocks\" packages a model's blocks (gpt, gpt2, llama, or a registered model that "
       "declares them with BlockStructure); model.name = \"mlp\" has none");
-  expect_input_error(run({"--model.name=cnn", "--dist.zero=3"}),
-                     "compile.granularity = \"auto\" (blocks at dist.zero = 3 or parallel.tp > 1) packages a model's "
-                     "blocks (gpt, gpt2, llama, or a registered model that declares them with BlockStructure); "
-                     "model.name = \"cnn\" has none");
+  expect_input_error(
+      run({"--model.name=cnn", "--dist.zero=3"}),
+      "compile.granularity = \"auto\" (blocks at dist.zero = 3, parallel.tp > 1 or parallel.pp > 1) packages a model's "
+      "blocks (gpt, gpt2, llama, or a registered model that declares them with BlockStructure); "
+      "model.name = \"cnn\" has none");
   expect_input_error(run({"--model.name=gpt", "--dist.zero=3", "--compile.granularity=step"}),
                      "dist.zero = 3 gathers each block's parameters around it, which compile.granularity = \"step\"");
   EXPECT_FALSE(exists(d.file("run/summary.json")));
