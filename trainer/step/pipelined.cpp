@@ -223,10 +223,7 @@ void PipelinedStep::backward(int stage, int mb, bool split) {
     s.weights = backward_input(root, grad, stage == 0 ? torch::Tensor() : s.input);
     return;  // the graph is kept for W
   }
-  if (grad.defined())
-    torch::autograd::backward({root}, {grad});
-  else
-    torch::autograd::backward({root});
+  torch::autograd::backward({root}, {grad});  // undefined on the last stage: 1 for its scalar loss
   s.output = torch::Tensor();
 }
 
@@ -359,10 +356,10 @@ torch::Tensor PipelinedStep::global_norm(double max_norm) {
   const torch::Tensor total = dist::clip_grad_norm(stages_->whole().named_parameters(), whole_owner_, *pp_,
                                                    std::numeric_limits<double>::infinity(), /*sharded=*/true);
   if (std::isfinite(max_norm)) {
-    std::vector<torch::Tensor> held;
-    for (const auto& [n, p] : stages_->named_parameters())
-      if (p.grad().defined()) held.push_back(p.grad().detach());
-    if (!held.empty()) at::_foreach_mul_(held, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
+    std::vector<torch::Tensor> grads;
+    for (const auto& p : held_)
+      if (p.grad().defined()) grads.push_back(p.grad().detach());
+    if (!grads.empty()) at::_foreach_mul_(grads, torch::clamp(max_norm / (total + 1e-6), std::nullopt, 1.0));
   }
   return total;
 }

@@ -75,7 +75,7 @@ class PipelinedStep : public Step {
   // once per new batch shape: a message both ends know to expect, as both read the same batches).
   std::map<std::pair<int, std::vector<int64_t>>, std::pair<std::vector<int64_t>, c10::ScalarType>> input_shapes_;
   std::set<std::pair<int, std::vector<int64_t>>> shapes_said_;  // the shapes this rank's sends said
-  std::vector<torch::Tensor> held_;                             // verdict_parameters()
+  std::vector<torch::Tensor> held_;   // this rank's stages' parameters (verdict_parameters(), the clip)
   std::vector<int64_t> whole_owner_;  // per parameter of the whole model: the pp rank that counts it in the norm
 };
 
