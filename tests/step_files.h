@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <vector>
 
 #include "checkpoint/io.h"
 #include "checkpoint/safetensors.h"
@@ -62,6 +63,26 @@ inline Distance distance(const std::string& a, const std::string& b, int step, c
     n += t.numel();
   }
   return {std::sqrt(diff / std::max(norm, 1e-300)), std::sqrt(norm / static_cast<double>(n)), std::sqrt(norm)};
+}
+
+// keel train on synthetic data for `steps` steps at a constant learning rate, its run in
+// DIR/run and a checkpoint every 5 steps in DIR/ckpt (the layout the functions above read), then
+// `extra` (the model, the batch, the mesh).
+inline std::vector<std::string> checkpointed_run_args(const std::string& dir, int steps,
+                                                      const std::vector<std::string>& extra) {
+  std::vector<std::string> a = {"train",
+                                "--data.name=synthetic",
+                                "--train.steps=" + std::to_string(steps),
+                                "--train.schedule=constant",
+                                "--train.warmup_steps=0",
+                                "--train.eval_interval=20",
+                                "--run.threads=1",
+                                "--run.dir=" + dir + "/run",
+                                "--checkpoint.dir=" + dir + "/ckpt",
+                                "--checkpoint.interval=5",
+                                "--dist.timeout_s=60"};
+  a.insert(a.end(), extra.begin(), extra.end());
+  return a;
 }
 
 // Run `b`'s step `step` against `a`'s (one rank's): the same tensors (names, dtypes, shapes), and

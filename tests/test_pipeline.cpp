@@ -235,27 +235,11 @@ TEST(Pipeline, EveryRankEndsWithOneRanksParameters) {
 // a pipeline sums the tied embedding's gradient as two partial sums of the 4 micro-batches rather
 // than in one (up to 2 x 4 roundings), plus the clip's 2 and data parallelism's mean's 2.
 std::vector<std::string> resume_args(const std::string& dir, int steps, std::vector<std::string> extra) {
-  std::vector<std::string> a = {"train",
-                                "--model.name=gpt",
-                                "--model.width=32",
-                                "--model.depth=4",
-                                "--model.heads=4",
-                                "--model.context=16",
-                                "--data.name=synthetic",
-                                "--train.steps=" + std::to_string(steps),
-                                "--train.batch_size=2",
-                                "--train.grad_accum=4",
-                                "--train.schedule=constant",
-                                "--train.warmup_steps=0",
-                                "--train.grad_clip=0.05",
-                                "--train.eval_interval=20",
-                                "--run.threads=1",
-                                "--run.dir=" + dir + "/run",
-                                "--checkpoint.dir=" + dir + "/ckpt",
-                                "--checkpoint.interval=5",
-                                "--dist.timeout_s=60"};
-  a.insert(a.end(), extra.begin(), extra.end());
-  return a;
+  const std::vector<std::string> model = {"--model.name=gpt",     "--model.width=32",      "--model.depth=4",
+                                          "--model.heads=4",      "--model.context=16",    "--train.batch_size=2",
+                                          "--train.grad_accum=4", "--train.grad_clip=0.05"};
+  extra.insert(extra.begin(), model.begin(), model.end());
+  return checkpointed_run_args(dir, steps, extra);
 }
 
 // `run`'s step 20 and losses against one rank's: the same tensors, within the bounds.

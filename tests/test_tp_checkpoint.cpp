@@ -33,21 +33,9 @@ constexpr double kLr = 1e-3;  // train.lr's default
 
 std::vector<std::string> run_args(const std::vector<std::string>& model, const std::string& dir, int steps, int batch,
                                   std::vector<std::string> extra) {
-  std::vector<std::string> a = {"train",
-                                "--data.name=synthetic",
-                                "--train.steps=" + std::to_string(steps),
-                                "--train.batch_size=" + std::to_string(batch),
-                                "--train.schedule=constant",
-                                "--train.warmup_steps=0",
-                                "--train.eval_interval=20",
-                                "--run.threads=1",
-                                "--run.dir=" + dir + "/run",
-                                "--checkpoint.dir=" + dir + "/ckpt",
-                                "--checkpoint.interval=5",
-                                "--dist.timeout_s=60"};
-  a.insert(a.begin() + 1, model.begin(), model.end());
-  a.insert(a.end(), extra.begin(), extra.end());
-  return a;
+  extra.insert(extra.begin(), model.begin(), model.end());
+  extra.insert(extra.begin(), "--train.batch_size=" + std::to_string(batch));
+  return checkpointed_run_args(dir, steps, extra);
 }
 
 // `run`'s step 20 against one rank's: the same tensors (names, dtypes, shapes), within the bounds.
