@@ -10,15 +10,21 @@ StageParameters::StageParameters(std::shared_ptr<StageModel> stages, const Mesh&
     : stages_(std::move(stages)), mesh_(&mesh) {
   for (const auto& [name, t] : stages_->named_parameters()) held_.insert(name);
   for (const auto& [name, t] : stages_->whole().named_parameters()) all_.insert(name);
+  for (const auto& [name, t] : stages_->root_parameters()) root_.insert(name);
   // Until over_data_parallel(): data parallelism's owners as dist.zero = 0's placement makes them.
   over_data_parallel(Placement(0, stages_->named_parameters(), {}, mesh.dp()), nullptr);
 }
 
+bool StageParameters::stage_writes(const std::string& name) const {
+  return held_.count(name) && (!root_.count(name) || stages_->holds_first());
+}
+
+void StageParameters::over_tensor_parallel(std::shared_ptr<ShardedParameters> slices) { slices_ = std::move(slices); }
+
 void StageParameters::over_data_parallel(const Placement& placement, ShardedParameters* pieces) {
   if (pieces)
     throw std::logic_error("StageParameters: a stage's parameters held as ZeRO's pieces (dist.zero >= 2 at pp > 1)");
-  std::set<std::string> root;
-  for (const auto& [name, t] : stages_->root_parameters()) root.insert(name);
+  if (slices_) return slices_->over_data_parallel(placement, pieces);
   written_.clear();
   for (size_t i = 0; i < placement.num_params(); ++i) {
     const std::string& name = placement.name(i);
@@ -26,7 +32,7 @@ void StageParameters::over_data_parallel(const Placement& placement, ShardedPara
       throw std::logic_error("StageParameters: the data-parallel placement's parameter '" + name +
                              "' is not one this rank's stages hold");
     // The root's parameters are held by the first and the last stage: the first's rank writes them.
-    if (root.count(name) && !stages_->holds_first()) continue;
+    if (!stage_writes(name)) continue;
     if (placement.owner(i) == mesh_->coordinate(Axis::Dp)) written_.insert(name);
   }
 }
@@ -40,6 +46,11 @@ std::string StageParameters::parameter_of(const std::string& name) const {
 models::NamedTensors StageParameters::whole_owned_parameters() {
   torch::NoGradGuard ng;
   models::NamedTensors out;
+  if (slices_) {  // gathered over the stage's tp group (every stage's group gathers its own)
+    for (auto& [name, t] : slices_->whole_owned_parameters())
+      if (stage_writes(name)) out.emplace_back(name, std::move(t));
+    return out;
+  }
   for (const auto& [name, t] : stages_->named_parameters())
     if (written_.count(name)) out.emplace_back(name, t.detach().to(torch::kCPU, /*non_blocking=*/false, /*copy=*/true));
   return out;
@@ -47,6 +58,7 @@ models::NamedTensors StageParameters::whole_owned_parameters() {
 
 void StageParameters::load_pieces(const models::NamedTensors& whole) {
   torch::NoGradGuard ng;
+  if (slices_) return slices_->load_pieces(whole);  // by name: the held parameters' slices
   std::map<std::string, torch::Tensor> read(whole.begin(), whole.end());
   // The parameters this rank's stages hold (the others' are freed: StageModel::release_others).
   for (const auto& [name, t] : stages_->named_parameters())
@@ -56,8 +68,13 @@ void StageParameters::load_pieces(const models::NamedTensors& whole) {
 models::NamedTensors StageParameters::parameter_shapes() const { return stages_->whole_parameter_shapes(); }
 
 models::NamedTensors StageParameters::whole_state(const models::NamedTensors& piece_state,
-                                                  const std::map<std::string, std::string>&) {
+                                                  const std::map<std::string, std::string>& fields) {
   models::NamedTensors out;
+  if (slices_) {
+    for (auto& [name, t] : slices_->whole_state(piece_state, fields))
+      if (stage_writes(parameter_of(name))) out.emplace_back(name, std::move(t));
+    return out;
+  }
   for (const auto& [name, t] : piece_state)
     if (written_.count(parameter_of(name))) out.emplace_back(name, t);
   return out;
@@ -72,7 +89,7 @@ models::NamedTensors StageParameters::piece_state(const models::NamedTensors& wh
     const bool others = dot != std::string::npos && all_.count(name.substr(0, dot));
     if (!parameter_of(name).empty() || !others) out.emplace_back(name, t);
   }
-  return out;
+  return slices_ ? slices_->piece_state(out) : out;
 }
 
 std::vector<std::string> StageParameters::optimizer_parameters() const {

@@ -6,8 +6,9 @@
 // Owns: which rank writes each parameter: the pp rank of the first stage that holds it (the root's
 // parameters, held by the first and the last stage alike, by the first's), and in that stage's
 // data-parallel group the placement's owner (dist/placement.h: balanced by bytes, so that the dp
-// ranks share the writing as they do at pp = 1). A stage's parameters are whole on every rank that
-// holds them (no gather). A load copies into the parameters this rank's stages hold (the others'
+// ranks share the writing as they do at pp = 1). At tp = 1 a stage's parameters are whole on every
+// rank that holds them (no gather); at tp > 1 they are slices, which dist/tp_checkpoint.h makes
+// whole within the stage (over_tensor_parallel). A load copies into the parameters this rank's stages hold (the others'
 // are freed: StageModel::release_others), and gives the optimizer their state. Does not own: the split (dist/stages.h),
 // the files (checkpoint/).
 #pragma once
@@ -39,16 +40,26 @@ class StageParameters final : public ShardedParameters {
   /// of the stage's dp group writes each. dist.zero >= 2 at pp > 1 is refused by the run.
   void over_data_parallel(const Placement& placement, ShardedParameters* pieces) override;
   std::vector<std::string> optimizer_parameters() const override;
+  /// parallel.tp > 1: the stage's parameters are tensor-parallel slices, made whole (and cut back)
+  /// by `slices` (dist/tp_checkpoint.h, over the parameters this rank's stages hold), which then
+  /// picks each one's writer in the stage's dp x tp ranks; this keeps the choice of stage (the
+  /// root's parameters written by the first stage's ranks only).
+  void over_tensor_parallel(std::shared_ptr<ShardedParameters> slices);
 
  private:
+  /// Whether this rank's stages are the ones that write parameter `name` (the root's: the first).
+  bool stage_writes(const std::string& name) const;
+
   /// The parameter (or "<parameter>.<field>" of its state) `name` names, or "".
   std::string parameter_of(const std::string& name) const;
 
   std::shared_ptr<StageModel> stages_;
   const Mesh* mesh_;
-  std::set<std::string> all_;      // the whole model's parameters
-  std::set<std::string> held_;     // those this rank's stages hold
-  std::set<std::string> written_;  // those of them this rank writes
+  std::set<std::string> all_;                  // the whole model's parameters
+  std::set<std::string> held_;                 // those this rank's stages hold
+  std::set<std::string> root_;                 // the root's (held by the first and the last stage)
+  std::set<std::string> written_;              // those of them this rank writes (without `slices_`)
+  std::shared_ptr<ShardedParameters> slices_;  // over_tensor_parallel()
 };
 
 }  // namespace keel::dist

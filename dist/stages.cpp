@@ -24,6 +24,7 @@ StageModel::StageModel(std::shared_ptr<models::Model> whole, std::vector<BlockSt
   };
   const bool root = holds_first() || holds_last();
   for (const auto& [name, t] : whole_->named_parameters()) {
+    built_[name] = t.sizes().vec();
     const int64_t b = block_of(name);
     if (b < 0) {
       root_.emplace_back(name, t);
@@ -82,11 +83,8 @@ void StageModel::remake_others() {
 
 models::NamedTensors StageModel::whole_parameter_shapes() const {
   models::NamedTensors out;
-  for (const auto& [name, t] : whole_->named_parameters()) {
-    const auto it = released_.find(name);
-    out.emplace_back(
-        name, torch::empty(it == released_.end() ? t.sizes().vec() : it->second, t.options().device(torch::kMeta)));
-  }
+  for (const auto& [name, t] : whole_->named_parameters())
+    out.emplace_back(name, torch::empty(built_.at(name), t.options().device(torch::kMeta)));
   return out;
 }
 

@@ -50,7 +50,8 @@ class StageModel : public models::Model {
   /// (uninitialised: the caller fills them, as PipelinedStep::hold_whole_model broadcasts them).
   void release_others();
   void remake_others();
-  /// Every parameter of the whole model on the meta device, with its shape (released or not).
+  /// Every parameter of the whole model on the meta device, with its shape as the model was built
+  /// (before tensor parallelism sliced it; released or not): a checkpoint's tensors.
   models::NamedTensors whole_parameter_shapes() const;
   /// "blocks 0-1 | 2-3" style: each stage's blocks, for the transform plan and the log.
   std::string describe() const;
@@ -86,6 +87,7 @@ class StageModel : public models::Model {
   models::NamedTensors root_;
   models::NamedTensors held_;                             // named_parameters()
   std::map<std::string, std::vector<int64_t>> released_;  // release_others(): each one's shape
+  std::map<std::string, std::vector<int64_t>> built_;     // each parameter's shape at construction
 };
 
 /// The blocks' split into `stages` contiguous ranges: `points` (the first block of each stage after

@@ -1,9 +1,12 @@
 #include "dist/tensor_parallel.h"
 
 #include <algorithm>
+#include <map>
 #include <stdexcept>
 #include <string>
 
+#include "dist/stage_checkpoint.h"
+#include "dist/stages.h"
 #include "dist/tp_checkpoint.h"
 #include "dist/tp_ops.h"
 #include "dist/zero.h"
@@ -17,12 +20,28 @@ void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence
     plan.applied(Transform::TensorParallel, "none (tp 1)");
     return;
   }
-  TensorParallelShard shard = shard_model_tensor_parallel(model, mesh.on(Axis::Tp), sequence_parallel, deferred);
+  // A pipeline stage's model is the whole one's (dist/stages.h): the family shards the whole
+  // model (every stage's blocks alike), and what follows is of the parameters this rank's stages
+  // hold, in their order.
+  auto* stages = dynamic_cast<StageModel*>(&model);
+  models::Model& whole = stages ? stages->whole() : model;
+  TensorParallelShard shard = shard_model_tensor_parallel(whole, mesh.on(Axis::Tp), sequence_parallel, deferred);
+  if (stages) {
+    std::map<std::string, std::optional<models::TpRule>> by_name;
+    const models::NamedTensors all = whole.named_parameters();
+    for (size_t i = 0; i < all.size(); ++i) by_name.emplace(all[i].first, shard.rules[i]);
+    shard.rules.clear();
+    for (const auto& [name, t] : model.named_parameters()) shard.rules.push_back(by_name.at(name));
+  }
   Collectives& tp = mesh.on(Axis::Tp);
   const std::vector<bool> partial = shard.partial();
   const auto summed = std::count(partial.begin(), partial.end(), true);
   plan.set_split_gradients({&tp, shard.replicated(), partial});
-  plan.set_sharded_parameters(std::make_shared<TensorParallelParameters>(model.named_parameters(), shard.rules, mesh));
+  auto slices = std::make_shared<TensorParallelParameters>(model.named_parameters(), shard.rules, mesh);
+  if (auto* held = dynamic_cast<StageParameters*>(plan.sharded_parameters()))
+    held->over_tensor_parallel(std::move(slices));  // a stage's parameters, each of them tp slices
+  else
+    plan.set_sharded_parameters(std::move(slices));
   const tp::VocabRange& range = shard.range;
   plan.applied(Transform::TensorParallel,
                "tp " + std::to_string(mesh.tp()) + ", rank " + std::to_string(mesh.coordinate(Axis::Tp)) +

@@ -59,7 +59,9 @@ torch::Tensor clip_grad_norm_tensor_parallel(const std::vector<torch::Tensor>& h
 /// partial ones and clips over the mesh) and how a checkpoint holds the parameters whole
 /// (TransformPlan::set_sharded_parameters: dist/tp_checkpoint.h).
 /// `deferred` (sharded initialisation, models/deferred_init.h): the parameters it holds keep
-/// their tp slices once made, and nothing is made here.
+/// their tp slices once made, and nothing is made here. A pipeline stage's model (dist/stages.h's
+/// StageModel) is sharded as its whole model, and the gradients' flags and the checkpoint's slices
+/// are of the parameters its stages hold (composed with the stage's own: StageParameters).
 void shard_tensor_parallel(models::Model& model, const Mesh& mesh, bool sequence_parallel, TransformPlan& plan,
                            models::DeferredInit* deferred = nullptr);
 

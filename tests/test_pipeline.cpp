@@ -29,6 +29,14 @@ namespace {
 const std::vector<std::string> kGpt = {"--model.name=gpt", "--model.width=32", "--model.depth=8", "--model.heads=4",
                                        "--model.context=16"};
 
+const std::vector<std::string> kGpt2Untied = {"--model.name=gpt2",
+                                              "--model.width=32",
+                                              "--model.depth=4",
+                                              "--model.heads=4",
+                                              "--model.context=16",
+                                              "--model.dropout=0",
+                                              "--model.tie_embeddings=false"};
+
 std::vector<std::string> train_args(const std::vector<std::string>& model, const std::string& run_dir,
                                     const std::vector<std::string>& extra) {
   std::vector<std::string> a = {"train",
@@ -96,13 +104,7 @@ TEST(Pipeline, EveryScheduleAtPp2AndPp4TrainsAsOneRankDoes) {
 // their gradients sent in its dtypes).
 TEST(Pipeline, Gpt2UntiedLlamaAGivenSplitRecomputeAndBf16TrainAsOneRankDoes) {
   TempDir d;
-  const std::vector<std::string> gpt2 = {"--model.name=gpt2",
-                                         "--model.width=32",
-                                         "--model.depth=4",
-                                         "--model.heads=4",
-                                         "--model.context=16",
-                                         "--model.dropout=0",
-                                         "--model.tie_embeddings=false"};
+  const std::vector<std::string>& gpt2 = kGpt2Untied;
   const std::vector<std::string> llama = {"--model.name=llama", "--model.width=32",   "--model.depth=4",
                                           "--model.heads=4",    "--model.kv_heads=2", "--model.ffn_width=64",
                                           "--model.context=16"};
@@ -162,6 +164,42 @@ TEST(Pipeline, DataParallelZero1AndTheGradScalerTrainAsOneRankDoes) {
   expect_all_ok(run_keel_ranks(4, train_args(kGpt, d.file("pp2dp2_zero1_scaler"), pp2)));
   expect_same_run(d.file("one_scaler"), d.file("pp2dp2_zero1_scaler"), "pp2 dp2 zero1 GradScaler");
   EXPECT_EQ(summary_field(d.file("pp2dp2_zero1_scaler"), "skipped_steps"), "1");
+}
+
+// pp x tp (item 5): each stage's blocks and the root's vocabulary sharded over its tp group
+// (activations sent tp rank to tp rank: the pp groups pair equal (dp, tp) coordinates), with
+// sequence parallelism (its replicated parameters' partial gradients summed over tp after the
+// schedule) under a zero-bubble schedule, for gpt (tied) and gpt2 (untied: the position
+// embedding's gradient partial on the first stage, the final norm's on the last), and on the
+// 8-rank mesh pp 2 x dp 2 x tp 2 with ZeRO-1; the global norm over pp and tp (a replicated
+// parameter counted once). Within 1e-5 as tensor parallelism's tests are (tests/test_tp_ops.cpp).
+TEST(Pipeline, TensorAndSequenceParallelStagesAndThe8RankMeshTrainAsOneRankDoes) {
+  TempDir d;
+  const std::vector<std::string>& gpt2 = kGpt2Untied;
+  ASSERT_EQ(run_keel(train_args(kGpt, d.file("one"), {})).exit_code, 0);
+  ASSERT_EQ(run_keel(train_args(gpt2, d.file("gpt2_one"), {})).exit_code, 0);
+  struct Case {
+    std::string name, one;
+    int ranks;
+    std::vector<std::string> model, extra;
+  };
+  const std::vector<std::string> pt = {"--parallel.pp=2", "--parallel.tp=2"};
+  auto with = [&pt](std::vector<std::string> extra) {
+    extra.insert(extra.begin(), pt.begin(), pt.end());
+    return extra;
+  };
+  const std::vector<Case> cases = {
+      {"pp2tp2_1f1b", "one", 4, kGpt, with({"--parallel.pp_schedule=1f1b"})},
+      {"pp2tp2_sp_interleaved_zb", "one", 4, kGpt,
+       with({"--parallel.sequence_parallel=true", "--parallel.pp_schedule=interleaved-zb"})},
+      {"gpt2_pp2tp2_sp_zbv", "gpt2_one", 4, gpt2,
+       with({"--parallel.sequence_parallel=true", "--parallel.pp_schedule=zbv"})},
+      {"pp2dp2tp2_zero1", "one", 8, kGpt, with({"--parallel.dp=2", "--dist.zero=1", "--train.batch_size=1"})},
+  };
+  for (const Case& c : cases) {
+    expect_all_ok(run_keel_ranks(c.ranks, train_args(c.model, d.file(c.name), c.extra)));
+    expect_same_run(d.file(c.one), d.file(c.name), c.name);
+  }
 }
 
 keel::Config pipeline_config(const std::string& dir, int64_t pp) {
@@ -242,11 +280,16 @@ std::vector<std::string> resume_args(const std::string& dir, int steps, std::vec
   return checkpointed_run_args(dir, steps, extra);
 }
 
+constexpr int kPipelineRoundings = 2 * 4 + 2 + 2;
+// With tensor parallelism at tp 2 (tests/test_tp_checkpoint.cpp's count): each of the 4 blocks'
+// two reductions, the vocabulary lookup's and the cross-entropy's, each a sum and its all-reduce.
+constexpr int kTpRoundings = 2 * (2 * 4 + 2);
+
 // `run`'s step 20 and losses against one rank's: the same tensors, within the bounds.
-void expect_near_one_rank(const std::string& one, const std::string& run, const std::string& label) {
-  constexpr int kRoundings = 2 * 4 + 2 + 2;
+void expect_near_one_rank(const std::string& one, const std::string& run, const std::string& label,
+                          int roundings = kPipelineRoundings) {
   constexpr double kLr = 1e-3;
-  expect_step_within_reorder_bound(one, run, 20, label, kRoundings, kLr);
+  expect_step_within_reorder_bound(one, run, 20, label, roundings, kLr);
   const auto a = metrics_losses(one + "/run"), b = metrics_losses(run + "/run");
   ASSERT_EQ(a.size(), b.size()) << label;
   for (size_t i = 0; i < a.size(); ++i)
@@ -255,25 +298,34 @@ void expect_near_one_rank(const std::string& one, const std::string& run, const 
 
 int resumed_from(const std::string& dir) { return std::stoi(summary_field(dir + "/run", "resumed_from_step")); }
 
+// `mesh`'s run of 20 steps on `ranks`, and its step 10 resumed at `mesh` (bit for bit) and at pp 1
+// (as one rank, `one`, within the bound of `roundings`).
+void expect_resumes_at_its_mesh_and_at_pp1(const TempDir& d, const std::string& one, int ranks,
+                                           const std::vector<std::string>& mesh, const std::string& label,
+                                           int roundings) {
+  const std::string whole = d.file(label + "_whole"), resumed = d.file(label + "_resumed"),
+                    to1 = d.file(label + "_to1");
+  run_keel_job(ranks, resume_args(whole, 20, mesh));
+  run_keel_job(ranks, resume_args(resumed, 10, mesh));
+  copy_tree(resumed, to1);
+  run_keel_job(ranks, resume_args(resumed, 20, mesh));
+  run_keel_job(1, resume_args(to1, 20, {}));
+  EXPECT_EQ(resumed_from(resumed), 10) << label;
+  for (const char* kind : {"model", "optimizer"})
+    EXPECT_EQ(max_diff(whole, resumed, 20, kind), 0.0) << kind << ": the " << label << " resume is not bit-exact";
+  EXPECT_EQ(metrics_losses(whole + "/run"), metrics_losses(resumed + "/run")) << label;
+  expect_near_one_rank(one, whole, label + " vs one rank", roundings);
+  EXPECT_EQ(resumed_from(to1), 10) << label;
+  expect_near_one_rank(one, to1, label + " resumed at pp 1 vs one rank", roundings);
+}
+
 TEST(Pipeline, AStepResumesAtItsPpBitExactlyAndAtAnotherPpAsTheUninterruptedRun) {
   TempDir d;
-  const std::string one = d.file("one"), pp2 = d.file("pp2"), resumed = d.file("resumed"), to1 = d.file("to1"),
-                    half = d.file("half"), to2 = d.file("to2"), zero1 = d.file("zero1"), zero1_to1 = d.file("z1to1");
-  const std::vector<std::string> p2 = {"--parallel.pp=2"};
+  const std::string one = d.file("one"), half = d.file("half"), to2 = d.file("to2"), zero1 = d.file("zero1"),
+                    zero1_to1 = d.file("z1to1");
   run_keel_job(1, resume_args(one, 20, {}));
-  run_keel_job(2, resume_args(pp2, 20, p2));
   // pp 2's step 10, resumed at pp 2 (bit for bit) and at pp 1.
-  run_keel_job(2, resume_args(resumed, 10, p2));
-  copy_tree(resumed, to1);
-  run_keel_job(2, resume_args(resumed, 20, p2));
-  run_keel_job(1, resume_args(to1, 20, {}));
-  EXPECT_EQ(resumed_from(resumed), 10);
-  for (const char* kind : {"model", "optimizer"})
-    EXPECT_EQ(max_diff(pp2, resumed, 20, kind), 0.0) << kind << ": the pp 2 resume is not bit-exact";
-  EXPECT_EQ(metrics_losses(pp2 + "/run"), metrics_losses(resumed + "/run"));
-  expect_near_one_rank(one, pp2, "pp 2 vs one rank");
-  EXPECT_EQ(resumed_from(to1), 10);
-  expect_near_one_rank(one, to1, "pp 2 resumed at pp 1 vs one rank");
+  expect_resumes_at_its_mesh_and_at_pp1(d, one, 2, {"--parallel.pp=2"}, "pp 2", kPipelineRoundings);
   // One rank's step 10 resumed at pp 2 (the interleaved schedule: two stages per rank).
   run_keel_job(1, resume_args(half, 10, {}));
   copy_tree(half, to2);
@@ -293,6 +345,26 @@ TEST(Pipeline, AStepResumesAtItsPpBitExactlyAndAtAnotherPpAsTheUninterruptedRun)
   run_keel_job(1, resume_args(zero1_to1, 20, {}));
   EXPECT_EQ(resumed_from(zero1_to1), 10);
   expect_near_one_rank(one, zero1_to1, "pp 2 x dp 2 zero 1 resumed at pp 1 vs one rank");
+}
+
+// Checkpoints at pp x tp: each stage's tp group makes its slices whole (dist/tp_checkpoint.h
+// inside dist/stage_checkpoint.h), one rank of the stage writes each tensor, and a step resumes at
+// its own mesh bit for bit, at pp 1 x tp 1, and one rank's step at pp 2 x dp 2 x tp 2 with ZeRO-1
+// (8 ranks), each as the uninterrupted one-rank run within the bound of both reorderings.
+TEST(Pipeline, TensorParallelStagesResumeBitExactlyAndAtAnotherMeshAsTheUninterruptedRun) {
+  TempDir d;
+  const std::string one = d.file("one"), half = d.file("half"), to3d = d.file("to3d");
+  run_keel_job(1, resume_args(one, 20, {}));
+  expect_resumes_at_its_mesh_and_at_pp1(d, one, 4, {"--parallel.pp=2", "--parallel.tp=2"}, "pp 2 x tp 2",
+                                        kPipelineRoundings + kTpRoundings);
+  run_keel_job(1, resume_args(half, 10, {}));
+  copy_tree(half, to3d);
+  run_keel_job(8, resume_args(to3d, 20,
+                              {"--parallel.pp=2", "--parallel.tp=2", "--parallel.dp=2", "--dist.zero=1",
+                               "--train.batch_size=1"}));
+  EXPECT_EQ(resumed_from(to3d), 10);
+  expect_near_one_rank(one, to3d, "one rank resumed at pp 2 x dp 2 x tp 2 zero 1 vs one rank",
+                       kPipelineRoundings + kTpRoundings);
 }
 
 // A stage killed mid-run: its neighbour fails within dist.timeout_s naming it, exit 1.
@@ -350,7 +422,7 @@ TEST(Pipeline, AShapeMismatchOnASendFailsBothRanksNamingIt) {
 
 // What a pipeline cannot run is refused on every rank with exit 2, naming the key: more stages
 // than blocks, a split past the last block, a whole-step package, and what it does not serve yet
-// (pp x tp, comm hooks).
+// (ZeRO-2, compiled blocks at pp x tp, comm hooks).
 TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
   TempDir d;
   struct Case {
@@ -363,7 +435,10 @@ TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
        {"--model.depth=1", "--parallel.pp=2"},
        "parallel.pp = 2 stages (parallel.pp x the virtual stages per rank) for a model of 1 blocks"},
       {2, {"--parallel.pp=2", "--parallel.pp_split=8"}, "parallel.pp_split: block 8 is past the model's last (7)"},
-      {4, {"--parallel.pp=2", "--parallel.tp=2"}, "parallel.pp = 2 cannot be combined with parallel.tp = 2 yet"},
+      {4, {"--parallel.pp=2", "--dist.zero=2"}, "parallel.pp = 2 cannot be combined with dist.zero = 2 yet"},
+      {4,
+       {"--parallel.pp=2", "--parallel.tp=2", "--compile.mode=inductor"},
+       "cannot be combined with compile.mode = \"inductor\" at parallel.tp = 2 yet"},
       {2, {"--parallel.pp=2", "--dist.comm_hook=bf16"}, "cannot be combined with dist.comm_hook = \"bf16\" yet"},
       {2,
        {"--parallel.pp=2", "--compile.mode=inductor", "--compile.granularity=step"},

@@ -76,22 +76,22 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
   build_optimizer();
 }
 
-// parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO-1), one tensor-parallel rank,
-// checkpoints (whole tensors, dist/stage_checkpoint.h) and compile.mode = "inductor" (each block
-// compiled); the rest is refused by name (exit 2) until it is built.
+// parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO-1), tensor and sequence
+// parallelism, checkpoints (whole tensors, dist/stage_checkpoint.h) and compile.mode = "inductor"
+// (each block compiled, at parallel.tp = 1); the rest is refused by name (exit 2) until it is built.
 void Run::refuse_what_pipelines_do_not_serve_yet() const {
   auto refuse = [&](bool set, const std::string& what) {
     if (set)
       throw InputError("parallel.pp = " + std::to_string(mesh.pp()) + " cannot be combined with " + what +
-                       " yet (pipeline parallelism runs at parallel.tp = 1 and dist.zero 0 or 1, eager or with its "
-                       "blocks compiled)");
+                       " yet (pipeline parallelism runs at dist.zero 0 or 1, eager or with its blocks compiled at "
+                       "parallel.tp = 1)");
   };
-  refuse(mesh.tp() > 1, "parallel.tp = " + std::to_string(mesh.tp()));
   refuse(cfg.dist.zero > 1, "dist.zero = " + std::to_string(cfg.dist.zero));
   refuse(cfg.dist.comm_hook != CommHook::Allreduce,
          "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, cfg.dist.comm_hook)) + "\"");
-  refuse(cfg.parallel.sequence_parallel, "parallel.sequence_parallel = true");
   refuse(cfg.compile.mode == CompileMode::Trace, "compile.mode = \"trace\"");
+  refuse(cfg.compile.mode == CompileMode::Inductor && mesh.tp() > 1,
+         "compile.mode = \"inductor\" at parallel.tp = " + std::to_string(mesh.tp()));
   refuse(cfg.compile.cuda_graphs, "compile.cuda_graphs = true");
 }
 

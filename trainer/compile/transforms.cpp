@@ -23,7 +23,8 @@ PlacedModel place(std::shared_ptr<models::Model> model, const torch::Device& dev
     deferred->to(device);  // placeholders: Module::to would make them whole
     plan.set_deferred(options.deferred);
   } else if (deferred) {
-    deferred->make_all(model->named_parameters());  // this rank's tp parts
+    deferred->make_all(model->named_parameters());  // this rank's tp parts (of its pipeline stages' parameters)
+    deferred->to(device);  // the other stages' (never made: StageModel::release_others frees them)
   }
   model->to(device);
   auto check = [&](const models::NamedTensors& tensors, const char* kind) {

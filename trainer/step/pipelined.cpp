@@ -10,6 +10,7 @@
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
 #include "common/log.h"
+#include "dist/tp_ops.h"
 #include "dist/zero.h"
 #include "keel/common/error.h"
 #include "trainer/config/pipeline.h"
@@ -90,7 +91,13 @@ PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(
   }
   run.dmodel->set_global_norm([this](double max_norm) { return global_norm(max_norm); });
   run.faults->strike_sends_with_shape_mismatch();
-  for (const auto& [n, p] : stages_->named_parameters()) held_.push_back(p);
+  std::map<std::string, int64_t> owner_of;
+  const models::NamedTensors whole = stages_->whole().named_parameters();
+  for (size_t i = 0; i < whole.size(); ++i) owner_of[whole[i].first] = whole_owner_[i];
+  for (const auto& [n, p] : stages_->named_parameters()) held_.push_back(p), held_owner_.push_back(owner_of.at(n));
+  // parallel.tp > 1: the held parameters' tensor-parallel split (dist/tensor_parallel.h), in held order.
+  if (const auto& split = run.dmodel->transforms().split_gradients(); split && split->group->size() > 1)
+    tp_split_ = *split;
   // Built, compiled and distributed: the other stages' parameters are not this rank's to keep.
   stages_->release_others();
 }
@@ -116,6 +123,7 @@ Launched PipelinedStep::launch(StepResult& r) {
   fault_send_ = run_.faults->sends_another_shape(r.step);
   const bool last = stages_->holds_last();
   torch::Tensor loss = run_schedule(batches);
+  sum_partial_over_tensor_parallel();
   average_over_data_parallel();
   sum_root_gradients();
   run_.faults->after_backward(r.step, run_.owned);
@@ -349,10 +357,32 @@ void PipelinedStep::sum_root_gradients() {
   }
 }
 
+// parallel.sequence_parallel: each replicated parameter's gradient holds this rank's positions'
+// part of the sum over the stage's tp group; summed once the schedule's backwards are done.
+void PipelinedStep::sum_partial_over_tensor_parallel() {
+  if (!tp_split_) return;
+  std::vector<torch::Tensor> partial;
+  for (size_t k = 0; k < held_.size(); ++k)
+    if (tp_split_->partial[k]) partial.push_back(held_[k]);
+  dist::tp::sum_gradients(partial, *tp_split_->group);
+}
+
 // torch.nn.utils.clip_grad_norm_'s arithmetic over the whole model (dist/zero.h's vector of
 // per-parameter norms, each entry filled by the one rank that counts it and summed over pp), so
 // that the norm is one rank's; the clip scales every gradient this rank holds.
 torch::Tensor PipelinedStep::global_norm(double max_norm) {
+  if (tp_split_) {  // the squares of each stage's parts, a replicated parameter's counted on tp rank 0 only
+    std::vector<torch::Tensor> counted, grads;
+    for (size_t k = 0; k < held_.size(); ++k) {
+      const torch::Tensor& g = held_[k].grad();
+      if (!g.defined()) continue;
+      grads.push_back(g.detach());
+      if (held_owner_[k] == rank_ && (!tp_split_->replicated[k] || tp_split_->group->rank() == 0))
+        counted.push_back(g.detach());
+    }
+    return dist::clip_by_summed_squares(counted, grads, {pp_, tp_split_->group}, max_norm,
+                                        "pipeline x tp: gradient norm");
+  }
   const torch::Tensor total = dist::clip_grad_norm(stages_->whole().named_parameters(), whole_owner_, *pp_,
                                                    std::numeric_limits<double>::infinity(), /*sharded=*/true);
   if (std::isfinite(max_norm)) {

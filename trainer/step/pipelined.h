@@ -9,20 +9,25 @@
 // sends are waited for at the end of the step. The zero-bubble schedules' input-gradient action
 // (I) computes the stage input's gradient only, keeping the graph; their weight-gradient action
 // (W) computes the weights' later (trainer/step/split_backward.h).
-// Then the root's gradients are summed between the first and the last stage, and the step's share
-// of the consensus is the last stage's loss (weight 1; the others weigh 0). The update (the global
-// norm over every stage), the verdict and the fault hook are Step's.
+// Then sequence parallelism's partial gradients are summed over the stage's tp group (parallel.tp >
+// 1: each stage's blocks are tp-sharded, and its activations go to the neighbour of the same tp
+// rank), every gradient is averaged over dp, the root's are summed between the first and the last
+// stage, and the step's share of the consensus is the last stage's loss (weight 1; the others weigh
+// 0). The update (the global norm over every stage and tp rank), the verdict and the fault hook are
+// Step's.
 // Does not own: the schedule, the split, the consensus (the loop).
 #pragma once
 
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <tuple>
 #include <vector>
 
 #include "dist/pipeline/schedule.h"
 #include "dist/stages.h"
+#include "dist/transform_plan.h"
 #include "trainer/step/step.h"
 
 namespace keel {
@@ -56,6 +61,7 @@ class PipelinedStep : public Step {
   void send(const dist::pipeline::Action& a, const std::vector<data::Batch>& batches);
   std::pair<int, std::vector<int64_t>> shape_key(int stage, const torch::Tensor& input) const;
   torch::Tensor activation_buffer(int stage, const torch::Tensor& input);
+  void sum_partial_over_tensor_parallel();
   void average_over_data_parallel();
   void sum_root_gradients();
   torch::Tensor global_norm(double max_norm);
@@ -77,6 +83,8 @@ class PipelinedStep : public Step {
   std::set<std::pair<int, std::vector<int64_t>>> shapes_said_;  // the shapes this rank's sends said
   std::vector<torch::Tensor> held_;   // this rank's stages' parameters (verdict_parameters(), the clip)
   std::vector<int64_t> whole_owner_;  // per parameter of the whole model: the pp rank that counts it in the norm
+  std::vector<int64_t> held_owner_;   // the same, per parameter of held_
+  std::optional<dist::SplitGradients> tp_split_;  // parallel.tp > 1: per parameter of held_
 };
 
 }  // namespace keel
