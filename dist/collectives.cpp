@@ -6,6 +6,7 @@
 #include <atomic>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <sstream>
 #include <thread>
 
@@ -22,7 +23,8 @@ enum class OpCode : int64_t {
   StepSync,
   ReduceScatter,
   Send,
-  Recv
+  Recv,
+  Sequence  // the confirmation of a replayed sequence's record (sequence())
 };
 
 static const char* op_name(int64_t code) {
@@ -45,6 +47,8 @@ static const char* op_name(int64_t code) {
       return "send";
     case OpCode::Recv:
       return "recv";
+    case OpCode::Sequence:
+      return "sequence";
   }
   return "?";
 }
@@ -57,6 +61,7 @@ struct Collectives::Desc {
   int64_t root = -1, device = 0, numel = 0, seq = 0, step = 0, extra = 0;
   const char* what = "";
   bool validation = false;  // the cross-rank check that runs before the collective `what`
+  bool replayed = false;    // a call of a replayed sequence (sequence()): checked here, not probed
   // NCCL, a collective whose result stays on the device (start_*): wait() makes the current
   // stream wait for it instead of blocking the host (failures: the NCCL watchdog's timeout).
   bool stream_wait = false;
@@ -212,7 +217,9 @@ Collectives& Collectives::replay_lane() {
 
 OpRecord Collectives::record_of(const Desc& d) const {
   OpRecord r;
-  r.kind = d.validation ? OpRecord::Kind::Probe : replaying_ ? OpRecord::Kind::Replayed : OpRecord::Kind::Collective;
+  r.kind = d.validation               ? OpRecord::Kind::Probe
+           : replaying_ || d.replayed ? OpRecord::Kind::Replayed
+                                      : OpRecord::Kind::Collective;
   r.group = group_->name();
   r.seq = static_cast<uint64_t>(d.seq);
   r.op = op_name(d.op);
@@ -308,6 +315,8 @@ std::string Collectives::describe(const Desc& d) const {
     static const char* names[] = {"sum", "avg", "min", "max"};
     os << "(" << (d.reduce >= 0 && d.reduce < 4 ? names[d.reduce] : "?") << ")";
   }
+  if (d.op == static_cast<int64_t>(OpCode::Sequence))
+    return os.str() + " of " + std::to_string(d.numel) + " recorded collectives (replayed)";
   if (d.op == static_cast<int64_t>(OpCode::StepSync)) {
     os << " at step " << d.step << " with gradient plan " << std::hex << d.extra << std::dec;
     return os.str();
@@ -432,7 +441,7 @@ void Collectives::tally(const Desc& d, int64_t payload, int64_t sent, int64_t re
     TrafficStats& t = door_->traffic;
     t.collectives += 1;
     t.probes += d.validation ? 1 : 0;
-    t.replayed += replaying_ ? 1 : 0;
+    t.replayed += replaying_ || d.replayed ? 1 : 0;
     t.bytes_sent += sent;
     t.bytes_received += received;
     t.wait_ms += wait_ms;
@@ -446,10 +455,110 @@ void Collectives::tally(const Desc& d, int64_t payload, int64_t sent, int64_t re
   observer->on_end(r);
 }
 
+struct Collectives::Sequences {
+  std::map<uint64_t, std::vector<Desc>> records;
+  std::vector<Desc>* record = nullptr;  // the run in progress: its record
+  bool recording = false;               // (else replaying it)
+  size_t next = 0;                      // replaying: the next call's place in the record
+  uint64_t key = 0;
+  std::vector<Desc> pending;  // recording: kept under `key` by end()
+};
+
+namespace {
+// A call as a sequence records it: without its place in the group's calls and the step.
+std::vector<int64_t> sequence_words(std::vector<int64_t> w) {
+  w[15] = w[16] = 0;  // seq, step
+  return w;
+}
+}  // namespace
+
+Collectives::Sequence Collectives::sequence(uint64_t key) {
+  if (mode_ != Validate::Always || size() == 1 || replaying_ || CaptureScope::active()) return Sequence();
+  if (!sequences_) sequences_ = std::make_shared<Sequences>();
+  Sequences& s = *sequences_;
+  if (s.record) throw std::logic_error("Collectives::sequence: a sequence is already running on this group");
+  auto it = s.records.find(key);
+  s.key = key;
+  s.next = 0;
+  if (it == s.records.end()) {  // recorded as it is validated, kept by end()
+    s.recording = true;
+    s.record = &s.pending;
+    s.pending.clear();
+    return Sequence(this);
+  }
+  // Every rank confirms that it replays the same record: one probe (a rank recording instead
+  // meets it with its first call's, and every rank throws the mismatch naming both).
+  std::vector<int64_t> words;
+  for (const Desc& c : it->second) {
+    const std::vector<int64_t> w = sequence_words(c.words());
+    words.insert(words.end(), w.begin(), w.end());
+  }
+  Desc d;
+  d.op = static_cast<int64_t>(OpCode::Sequence);
+  d.numel = static_cast<int64_t>(it->second.size());
+  d.extra = static_cast<int64_t>(fingerprint(words));
+  d.what = "a sequence of collectives replayed from its validated record";
+  d.seq = static_cast<int64_t>(seq_++);
+  d.issued = std::chrono::steady_clock::now();
+  validate(d);
+  s.recording = false;
+  s.record = &it->second;
+  return Sequence(this);
+}
+
+void Collectives::replay_call(Desc& d) {
+  Sequences& s = *sequences_;
+  const size_t at = s.next++;
+  if (at < s.record->size() && sequence_words((*s.record)[at].words()) == sequence_words(d.words())) {
+    d.replayed = true;
+    return;
+  }
+  const std::string expected = at < s.record->size() ? describe((*s.record)[at]) : "nothing more";
+  s.record = nullptr;
+  throw CollectiveMismatch("collective mismatch at step " + std::to_string(step_) + " (" + d.what + ") on " +
+                           group_->rank_name(rank()) + ": its collective #" + std::to_string(at) +
+                           " of a replayed sequence would be " + describe(d) +
+                           ", where the record every rank of the group confirmed has " + expected +
+                           "; nothing was issued. Every rank must make the same calls in the same order");
+}
+
+void Collectives::end_sequence(bool completed) {
+  if (!sequences_ || !sequences_->record) return;
+  Sequences& s = *sequences_;
+  std::vector<Desc>* record = s.record;
+  s.record = nullptr;
+  if (!completed) return;  // an exception is on its way: a partial record is not kept
+  if (s.recording) {
+    s.records[s.key] = std::move(*record);
+    return;
+  }
+  if (s.next != record->size())
+    throw CollectiveMismatch("collective mismatch at step " + std::to_string(step_) + " on " +
+                             group_->rank_name(rank()) + ": a replayed sequence ended after " + std::to_string(s.next) +
+                             " of its record's " + std::to_string(record->size()) + " collectives (the next: " +
+                             describe((*record)[s.next]) + "). Every rank must make the same calls in the same order");
+}
+
+void Collectives::Sequence::end() {
+  if (Collectives* c = std::exchange(coll_, nullptr)) c->end_sequence(/*completed=*/true);
+}
+
+Collectives::Sequence::~Sequence() {
+  if (coll_) coll_->end_sequence(/*completed=*/false);
+}
+
 void Collectives::check(Desc& d) {
   d.seq = static_cast<int64_t>(seq_++);
   d.issued = std::chrono::steady_clock::now();
-  if (validating()) validate(d);
+  if (sequences_ && sequences_->record && !sequences_->recording) {
+    replay_call(d);
+  } else if (validating()) {
+    validate(d);
+    if (sequences_ && sequences_->record) {
+      sequences_->record->push_back(d);
+      sequences_->record->back().what = "";  // (the caller's; a record outlives it)
+    }
+  }
   observe_start(d);
 }
 

@@ -279,6 +279,86 @@ TEST(Collectives, MismatchedDtypeAndOrderAreCaught) {
   expect_all_ok(ranks);
 }
 
+// Issue 66 item 4: a sequence of calls (tensor parallelism's in a step) is validated call by call
+// the first time its key runs and recorded; each later run confirms the record with one probe and
+// issues the same calls unprobed, with the same results; another key is recorded on its own.
+TEST(Collectives, ASequenceIsValidatedOnceThenReplayedWithOneProbe) {
+  auto ranks = run_ranks(2, [](const World& w) {
+    auto c = make_collectives(w, 20);
+    auto calls = [&](int64_t n) {
+      auto a = torch::full({4}, static_cast<double>(w.rank + 1));
+      c->all_reduce(a, keel::dist::ReduceOp::Sum, "a");
+      auto b = torch::full({n}, static_cast<double>(w.rank));
+      c->all_reduce(b, keel::dist::ReduceOp::Max, "b");
+      const auto g = c->all_gather(torch::ones({2}), "g");
+      return a[0].item<double>() + b[n - 1].item<double>() + static_cast<double>(g.size());
+    };
+    for (int64_t step = 1; step <= 4; ++step) {
+      c->set_step(step);
+      const int64_t n = step == 3 ? 5 : 3;  // step 3: another key, recorded the first time
+      const keel::dist::TrafficStats before = c->traffic();
+      keel::dist::Collectives::Sequence seq = c->sequence(static_cast<uint64_t>(n));
+      EXPECT_EQ(calls(n), 3 + 1 + 2) << "step " << step;
+      seq.end();
+      const keel::dist::TrafficStats d = c->traffic() - before;
+      const bool first = step == 1 || step == 3;
+      EXPECT_EQ(d.probes, first ? 3 : 1) << "step " << step;
+      EXPECT_EQ(d.replayed, first ? 0 : 3) << "step " << step;
+      EXPECT_EQ(d.collectives - d.probes, 3) << "step " << step;
+    }
+  });
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
+// A replayed call that is not its record's throws on its rank before anything is issued, naming
+// both; its peer, which issued its own, fails within dist.timeout_s naming that rank. A rank that
+// replays while another records: both name the mismatch.
+TEST(Collectives, AReplayThatLeavesItsRecordFailsNamingTheCall) {
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        auto c = make_collectives(w, 6);
+        auto t = torch::zeros({4});
+        {
+          auto seq = c->sequence(1);
+          c->all_reduce(t, keel::dist::ReduceOp::Sum, "tp region");
+          seq.end();
+        }
+        c->set_step(2);
+        try {  // rank 0 replays key 1; rank 1 records key 2: the probe and the first call's meet
+          auto seq = c->sequence(w.rank == 0 ? 1 : 2);
+          c->all_reduce(t, keel::dist::ReduceOp::Sum, "tp region");
+          ADD_FAILURE() << "no mismatch on rank " << w.rank;
+        } catch (const keel::dist::CollectiveMismatch& e) {
+          const std::string m = e.what();
+          EXPECT_NE(m.find("rank 0: sequence of 1 recorded collectives"), std::string::npos) << m;
+          EXPECT_NE(m.find("rank 1: all_reduce(sum) Float [4]"), std::string::npos) << m;
+        }
+        c->set_step(3);
+        auto seq = c->sequence(1);
+        auto u = torch::zeros({w.rank == 1 ? 5 : 4});
+        try {
+          c->all_reduce(u, keel::dist::ReduceOp::Sum, "tp region");
+          ADD_FAILURE() << "no error on rank " << w.rank;
+        } catch (const keel::dist::CollectiveMismatch& e) {
+          const std::string m = e.what();
+          EXPECT_EQ(w.rank, 1) << m;
+          EXPECT_NE(m.find("collective #0 of a replayed sequence would be all_reduce(sum) Float [5]"),
+                    std::string::npos)
+              << m;
+          EXPECT_NE(m.find("has all_reduce(sum) Float [4]"), std::string::npos) << m;
+        } catch (const keel::dist::CollectiveError& e) {
+          const std::string m = e.what();
+          EXPECT_EQ(w.rank, 0) << m;
+          EXPECT_NE(m.find("rank(s) 1 never reached or never finished"), std::string::npos) << m;
+        }
+      },
+      60);
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
 TEST(Collectives, ValidateModes) {
   World solo;
   Collectives always(keel::dist::Group::create(solo, keel::DistConfig{}, torch::kCPU), keel::Validate::Always);

@@ -122,8 +122,10 @@ Launched PipelinedStep::launch(StepResult& r) {
   clear_gradients();
   fault_send_ = run_.faults->sends_another_shape(r.step);
   const bool last = stages_->holds_last();
+  dist::Collectives::Sequence tp_calls = tensor_parallel_calls(batches);
   torch::Tensor loss = run_schedule(batches);
   sum_partial_over_tensor_parallel();
+  tp_calls.end();
   average_over_data_parallel();
   sum_root_gradients();
   run_.faults->after_backward(r.step, run_.owned);

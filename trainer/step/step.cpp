@@ -51,10 +51,12 @@ Launched Step::launch(StepResult& r) {
   const std::vector<data::Batch> batches = next_batches(r.step);
   r.epoch = run_.sampler->position().epoch;
   Launched l;
+  dist::Collectives::Sequence tp_calls = tensor_parallel_calls(batches);
   if (graphs_)
     l.loss = graphs_->forward_backward(batches, [this](const auto& b) { return forward_backward(b, nullptr); });
   else
     l.loss = forward_backward(batches, run_.late ? nullptr : &l.loss_now);
+  tp_calls.end();
   run_.faults->after_backward(r.step, run_.owned);
   // The verdict on the device (late), or read now (step: the host decides, as cheaply as it can).
   if (run_.late) {
@@ -63,6 +65,19 @@ Launched Step::launch(StepResult& r) {
     l.nonfinite_now = local_nonfinite_now(l.loss_now);
   }
   return l;
+}
+
+dist::Collectives::Sequence Step::tensor_parallel_calls(const std::vector<data::Batch>& batches) const {
+  if (run_.mesh.tp() == 1) return {};
+  // What makes one step's calls differ from another's: the micro-batches and their shapes.
+  std::vector<int64_t> words = {static_cast<int64_t>(batches.size())};
+  for (const data::Batch& b : batches) {
+    words.insert(words.end(), b.input.sizes().begin(), b.input.sizes().end());
+    words.push_back(-1);
+    words.insert(words.end(), b.target.sizes().begin(), b.target.sizes().end());
+    words.push_back(-2);
+  }
+  return run_.mesh.on(dist::Axis::Tp).sequence(dist::fingerprint(words));
 }
 
 torch::Tensor Step::eager_loss(const torch::Tensor& input, const torch::Tensor& target, bool sync) {

@@ -113,6 +113,10 @@ class Step {
   // What an override of launch() or evaluate() (a pipelined step) shares with this one.
   /// The step's micro-batches on the device (their targets screened: bad_input()).
   std::vector<data::Batch> next_batches(int64_t step);
+  /// Tensor parallelism's collectives in the step's forwards and backwards, validated call by call
+  /// on the first step of each batch shape and after that replayed with one probe a step
+  /// (dist::Collectives::sequence); nothing at parallel.tp = 1. end() it once they are done.
+  dist::Collectives::Sequence tensor_parallel_calls(const std::vector<data::Batch>& batches) const;
   /// Before a step's first micro-batch: the gradients zeroed or freed (train.grads_to_none).
   void clear_gradients();
   torch::Tensor to_device(const torch::Tensor& t) const;

@@ -31,6 +31,7 @@
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 #include "keel/dist/config.h"
@@ -256,6 +257,32 @@ class Collectives {
   /// to `observer` (null: none; the default, which costs nothing).
   void set_observer(std::shared_ptr<OpObserver> observer);
 
+  /// A run of calls that every rank of the group makes in one order each time it runs (tensor
+  /// parallelism's in a training step's forward and backward, keyed by the step's batch shapes),
+  /// validated once and replayed after, as ZeRO-3's schedule is. Under dist.validate = always,
+  /// with more than one rank: the first run of a key validates each call as always and records it;
+  /// each later run first confirms, with one probe, that every rank of the group replays the same
+  /// record, then checks each call against the record on this rank (a call that differs throws
+  /// CollectiveMismatch naming both before anything is issued; its peers, which issue theirs,
+  /// fail within dist.timeout_s naming this rank) and issues it without a probe. Otherwise it
+  /// does nothing. end() closes the run (a rank that made fewer calls than the record throws);
+  /// one left without end() (an exception on its way) is dropped, its record unkept.
+  class Sequence {
+   public:
+    Sequence() = default;
+    Sequence(Sequence&& o) noexcept : coll_(std::exchange(o.coll_, nullptr)) {}
+    Sequence& operator=(Sequence&&) = delete;
+    ~Sequence();
+    void end();
+
+   private:
+    friend class Collectives;
+    explicit Sequence(Collectives* coll) : coll_(coll) {}
+    Collectives* coll_ = nullptr;
+  };
+  /// Starts one (see Sequence); `key` names the run (what makes its calls differ: the shapes).
+  Sequence sequence(uint64_t key);
+
   /// The lane for collectives replayed from a schedule every rank has validated (ZeRO-2/3's
   /// per-block gathers and reduce-scatters, dist/fsdp.h): the same group and door (counters,
   /// observer), without a probe, with its own sequence numbers; its step follows this one's.
@@ -312,6 +339,10 @@ class Collectives {
   std::map<uint64_t, std::function<void(bool arrived_only)>> send_checks_;
   uint64_t next_send_check_ = 0;
   void run_send_checks();  // every pending one whose descriptors are in (throws the first mismatch)
+  struct Sequences;        // sequence(): the records by key, the run in progress
+  std::shared_ptr<Sequences> sequences_;
+  void replay_call(Desc& d);  // a call of a replayed sequence, checked against its record
+  void end_sequence(bool completed);
 };
 
 // Cross-rank agreement, failing together and strings across ranks: one way each, used by
