@@ -379,6 +379,12 @@ void FullyShard::reshard() {
   for (auto& u : units_) free(*u);
 }
 
+void FullyShard::reduce_accumulated() {
+  for (auto& u : units_) u->reduced = false;
+  for (auto& u : units_) reduce(*u);  // one reduce-scatter in flight at a time (reduce() finishes the previous)
+  for (auto& u : units_) finish_reduce(*u);
+}
+
 models::NamedTensors FullyShard::whole_state(const models::NamedTensors& piece_state,
                                              const std::map<std::string, std::string>& fields) {
   const auto& owner = placement_.owners();

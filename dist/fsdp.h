@@ -84,6 +84,13 @@ class FullyShard final : public models::BlockHooks, public ShardedParameters {
   /// into them meanwhile is lost: a resume loads the pieces, load_pieces()).
   void hold();
   void reshard();
+  /// A pipeline stage's step (dist.zero >= 2 at parallel.pp > 1: micro-batches interleave forwards
+  /// and backwards, so no block's gradients are complete before the schedule ends): hold() for the
+  /// schedule (every unit gathered, the hooks idle: the micro-batches' gradients accumulate whole,
+  /// as PyTorch's pipelining runs FSDP with its sync off), then this (collective): every unit's
+  /// accumulated gradients reduce-scattered (pre-divided by the world size, as DDP averages) and
+  /// added into this rank's gradient shard, the whole gradients freed; then reshard().
+  void reduce_accumulated();
 
   /// Checkpoints (collective). `piece_state`: the optimizer state of this rank's pieces
   /// ("<parameter>.<field>"; `fields` maps each field to "param", shaped like the piece, or

@@ -22,9 +22,9 @@ bool StageParameters::stage_writes(const std::string& name) const {
 void StageParameters::over_tensor_parallel(std::shared_ptr<ShardedParameters> slices) { slices_ = std::move(slices); }
 
 void StageParameters::over_data_parallel(const Placement& placement, ShardedParameters* pieces) {
-  if (pieces)
-    throw std::logic_error("StageParameters: a stage's parameters held as ZeRO's pieces (dist.zero >= 2 at pp > 1)");
   if (slices_) return slices_->over_data_parallel(placement, pieces);
+  state_pieces_ = placement.shards_gradients() ? pieces : nullptr;
+  param_pieces_ = placement.shards_parameters() ? pieces : nullptr;
   written_.clear();
   for (size_t i = 0; i < placement.num_params(); ++i) {
     const std::string& name = placement.name(i);
@@ -46,8 +46,10 @@ std::string StageParameters::parameter_of(const std::string& name) const {
 models::NamedTensors StageParameters::whole_owned_parameters() {
   torch::NoGradGuard ng;
   models::NamedTensors out;
-  if (slices_) {  // gathered over the stage's tp group (every stage's group gathers its own)
-    for (auto& [name, t] : slices_->whole_owned_parameters())
+  // Gathered over the stage's tp group (every stage's group gathers its own), or at dist.zero = 3
+  // over its dp group, each on the placement's owner.
+  if (ShardedParameters* inner = slices_ ? slices_.get() : param_pieces_) {
+    for (auto& [name, t] : inner->whole_owned_parameters())
       if (stage_writes(name)) out.emplace_back(name, std::move(t));
     return out;
   }
@@ -58,7 +60,8 @@ models::NamedTensors StageParameters::whole_owned_parameters() {
 
 void StageParameters::load_pieces(const models::NamedTensors& whole) {
   torch::NoGradGuard ng;
-  if (slices_) return slices_->load_pieces(whole);  // by name: the held parameters' slices
+  if (slices_) return slices_->load_pieces(whole);              // by name: the held parameters' slices
+  if (param_pieces_) return param_pieces_->load_pieces(whole);  // dist.zero = 3: this rank's pieces
   std::map<std::string, torch::Tensor> read(whole.begin(), whole.end());
   // The parameters this rank's stages hold (the others' are freed: StageModel::release_others).
   for (const auto& [name, t] : stages_->named_parameters())
@@ -70,8 +73,9 @@ models::NamedTensors StageParameters::parameter_shapes() const { return stages_-
 models::NamedTensors StageParameters::whole_state(const models::NamedTensors& piece_state,
                                                   const std::map<std::string, std::string>& fields) {
   models::NamedTensors out;
-  if (slices_) {
-    for (auto& [name, t] : slices_->whole_state(piece_state, fields))
+  // The state of tp slices, or at dist.zero >= 2 of ZeRO's pieces, made whole on its writer.
+  if (ShardedParameters* inner = slices_ ? slices_.get() : state_pieces_) {
+    for (auto& [name, t] : inner->whole_state(piece_state, fields))
       if (stage_writes(parameter_of(name))) out.emplace_back(name, std::move(t));
     return out;
   }
@@ -89,7 +93,8 @@ models::NamedTensors StageParameters::piece_state(const models::NamedTensors& wh
     const bool others = dot != std::string::npos && all_.count(name.substr(0, dot));
     if (!parameter_of(name).empty() || !others) out.emplace_back(name, t);
   }
-  return slices_ ? slices_->piece_state(out) : out;
+  if (const ShardedParameters* inner = slices_ ? slices_.get() : state_pieces_) return inner->piece_state(out);
+  return out;
 }
 
 std::vector<std::string> StageParameters::optimizer_parameters() const {

@@ -9,8 +9,9 @@
 // ranks share the writing as they do at pp = 1). At tp = 1 a stage's parameters are whole on every
 // rank that holds them (no gather); at tp > 1 they are slices, which dist/tp_checkpoint.h makes
 // whole within the stage (over_tensor_parallel). A load copies into the parameters this rank's stages hold (the others'
-// are freed: StageModel::release_others), and gives the optimizer their state. Does not own: the split (dist/stages.h),
-// the files (checkpoint/).
+// are freed: StageModel::release_others), and gives the optimizer their state. At dist.zero >= 2
+// the state (and at 3 the parameters) go through ZeRO's pieces, at tp > 1 through the slices. Does not own: the split
+// (dist/stages.h), the files (checkpoint/).
 #pragma once
 
 #include <map>
@@ -37,7 +38,8 @@ class StageParameters final : public ShardedParameters {
                                    const std::map<std::string, std::string>& fields) override;
   models::NamedTensors piece_state(const models::NamedTensors& whole_state) const override;
   /// The stage's data-parallel placement (over the parameters its stages hold) decides which rank
-  /// of the stage's dp group writes each. dist.zero >= 2 at pp > 1 is refused by the run.
+  /// of the stage's dp group writes each; at dist.zero >= 2 the optimizer state (and at 3 the
+  /// parameters) go through ZeRO's `pieces` (dist/fsdp.h) first.
   void over_data_parallel(const Placement& placement, ShardedParameters* pieces) override;
   std::vector<std::string> optimizer_parameters() const override;
   /// parallel.tp > 1: the stage's parameters are tensor-parallel slices, made whole (and cut back)
@@ -60,6 +62,8 @@ class StageParameters final : public ShardedParameters {
   std::set<std::string> root_;                 // the root's (held by the first and the last stage)
   std::set<std::string> written_;              // those of them this rank writes (without `slices_`)
   std::shared_ptr<ShardedParameters> slices_;  // over_tensor_parallel()
+  ShardedParameters* state_pieces_ = nullptr;  // dist.zero >= 2 (at tp = 1): the optimizer steps ZeRO's pieces
+  ShardedParameters* param_pieces_ = nullptr;  // dist.zero = 3: the parameters are ZeRO's pieces
 };
 
 }  // namespace keel::dist

@@ -135,15 +135,20 @@ TEST(Pipeline, Gpt2UntiedLlamaAGivenSplitRecomputeAndBf16TrainAsOneRankDoes) {
   }
 }
 
-// pp 2 x dp 2 (DDP, and ZeRO-1 under the interleaved schedule) with half the batch per dp rank;
+// pp 2 x dp 2 (DDP, ZeRO-1 under the interleaved schedule, ZeRO-2 under zbv and ZeRO-3 under
+// 1f1b: each stage's units held whole for its schedule, the micro-batches' gradients accumulated
+// whole and reduce-scattered once it ends, the norm over the pieces) with half the batch per dp rank;
 // the GradScaler (amp.loss_scaling = dynamic on the CPU, the fused AdamW), at pp 2 and at pp 2 x
 // dp 2 with ZeRO-1, with a non-finite gradient on stage 0's rank alone at step 5: every stage
 // skips that step and backs the scale off, as one rank does (a verdict of the last stage alone
 // would let the others step).
-TEST(Pipeline, DataParallelZero1AndTheGradScalerTrainAsOneRankDoes) {
+TEST(Pipeline, DataParallelZero1To3AndTheGradScalerTrainAsOneRankDoes) {
   TempDir d;
   ASSERT_EQ(run_keel(train_args(kGpt, d.file("one"), {})).exit_code, 0);
-  for (const auto& [run, zero, schedule] : {std::tuple{"pp2dp2", "0", "1f1b"}, {"pp2dp2_zero1", "1", "interleaved"}}) {
+  for (const auto& [run, zero, schedule] : {std::tuple{"pp2dp2", "0", "1f1b"},
+                                            {"pp2dp2_zero1", "1", "interleaved"},
+                                            {"pp2dp2_zero2", "2", "zbv"},
+                                            {"pp2dp2_zero3", "3", "1f1b"}}) {
     expect_all_ok(
         run_keel_ranks(4, train_args(kGpt, d.file(run),
                                      {"--parallel.pp=2", "--train.batch_size=1", std::string("--dist.zero=") + zero,
@@ -160,10 +165,15 @@ TEST(Pipeline, DataParallelZero1AndTheGradScalerTrainAsOneRankDoes) {
   EXPECT_EQ(summary_field(d.file("pp2_scaler"), "skipped_steps"), "1");
   // ... and at pp 2 x dp 2 with ZeRO-1: every rank unscales all the gradients its stage's norm
   // reads, not only those its optimizer owns.
-  pp2.insert(pp2.end(), {"--dist.zero=1", "--train.batch_size=1"});
-  expect_all_ok(run_keel_ranks(4, train_args(kGpt, d.file("pp2dp2_zero1_scaler"), pp2)));
-  expect_same_run(d.file("one_scaler"), d.file("pp2dp2_zero1_scaler"), "pp2 dp2 zero1 GradScaler");
-  EXPECT_EQ(summary_field(d.file("pp2dp2_zero1_scaler"), "skipped_steps"), "1");
+  // At ZeRO-2 the verdict reads the reduced pieces, and the fault strikes rank 0's alone.
+  pp2.insert(pp2.end(), {"--train.batch_size=1", "--dist.zero=1"});
+  for (const char* zero : {"1", "2"}) {
+    pp2.back() = std::string("--dist.zero=") + zero;
+    const std::string run = std::string("pp2dp2_zero") + zero + "_scaler";
+    expect_all_ok(run_keel_ranks(4, train_args(kGpt, d.file(run), pp2)));
+    expect_same_run(d.file("one_scaler"), d.file(run), run);
+    EXPECT_EQ(summary_field(d.file(run), "skipped_steps"), "1") << run;
+  }
 }
 
 // pp x tp (item 5): each stage's blocks and the root's vocabulary sharded over its tp group
@@ -171,8 +181,8 @@ TEST(Pipeline, DataParallelZero1AndTheGradScalerTrainAsOneRankDoes) {
 // sequence parallelism (its replicated parameters' partial gradients summed over tp after the
 // schedule) under a zero-bubble schedule, for gpt (tied) and gpt2 (untied: the position
 // embedding's gradient partial on the first stage, the final norm's on the last), and on the
-// 8-rank mesh pp 2 x dp 2 x tp 2 with ZeRO-1; the global norm over pp and tp (a replicated
-// parameter counted once). Within 1e-5 as tensor parallelism's tests are (tests/test_tp_ops.cpp).
+// 8-rank mesh pp 2 x dp 2 x tp 2 with ZeRO-3 and sequence parallelism; the global norm over pp
+// and tp (a replicated parameter counted once). Within 1e-5 as tensor parallelism's tests are (tests/test_tp_ops.cpp).
 TEST(Pipeline, TensorAndSequenceParallelStagesAndThe8RankMeshTrainAsOneRankDoes) {
   TempDir d;
   const std::vector<std::string>& gpt2 = kGpt2Untied;
@@ -194,7 +204,9 @@ TEST(Pipeline, TensorAndSequenceParallelStagesAndThe8RankMeshTrainAsOneRankDoes)
        with({"--parallel.sequence_parallel=true", "--parallel.pp_schedule=interleaved-zb"})},
       {"gpt2_pp2tp2_sp_zbv", "gpt2_one", 4, gpt2,
        with({"--parallel.sequence_parallel=true", "--parallel.pp_schedule=zbv"})},
-      {"pp2dp2tp2_zero1", "one", 8, kGpt, with({"--parallel.dp=2", "--dist.zero=1", "--train.batch_size=1"})},
+      {"pp2dp2tp2_zero3_sp", "one", 8, kGpt,
+       with({"--parallel.dp=2", "--dist.zero=3", "--parallel.sequence_parallel=true", "--train.batch_size=1",
+             "--parallel.pp_schedule=interleaved-zb"})},
   };
   for (const Case& c : cases) {
     expect_all_ok(run_keel_ranks(c.ranks, train_args(c.model, d.file(c.name), c.extra)));
@@ -367,6 +379,23 @@ TEST(Pipeline, TensorParallelStagesResumeBitExactlyAndAtAnotherMeshAsTheUninterr
                        kPipelineRoundings + kTpRoundings);
 }
 
+// Checkpoints at pp x ZeRO-2/3: the optimizer state (and at ZeRO-3 the parameters) made whole from
+// ZeRO's pieces within each stage's dp group (dist/fsdp.h inside dist/stage_checkpoint.h): pp 2 x
+// dp 2 at ZeRO-3 resumed at its mesh bit for bit and at pp 1, and one rank's step at pp 2 x dp 2
+// with ZeRO-2, as the uninterrupted one-rank run.
+TEST(Pipeline, Zero2And3StagesResumeBitExactlyAndAtAnotherMeshAsTheUninterruptedRun) {
+  TempDir d;
+  const std::string one = d.file("one"), half = d.file("half"), to2 = d.file("to2");
+  run_keel_job(1, resume_args(one, 20, {}));
+  expect_resumes_at_its_mesh_and_at_pp1(d, one, 4, {"--parallel.pp=2", "--dist.zero=3", "--train.batch_size=1"},
+                                        "pp 2 x dp 2 zero 3", kPipelineRoundings);
+  run_keel_job(1, resume_args(half, 10, {}));
+  copy_tree(half, to2);
+  run_keel_job(4, resume_args(to2, 20, {"--parallel.pp=2", "--dist.zero=2", "--train.batch_size=1"}));
+  EXPECT_EQ(resumed_from(to2), 10);
+  expect_near_one_rank(one, to2, "one rank resumed at pp 2 x dp 2 zero 2 vs one rank");
+}
+
 // A stage killed mid-run: its neighbour fails within dist.timeout_s naming it, exit 1.
 TEST(Pipeline, AKilledStageIsNamedByItsNeighbour) {
   TempDir d;
@@ -422,7 +451,7 @@ TEST(Pipeline, AShapeMismatchOnASendFailsBothRanksNamingIt) {
 
 // What a pipeline cannot run is refused on every rank with exit 2, naming the key: more stages
 // than blocks, a split past the last block, a whole-step package, and what it does not serve yet
-// (ZeRO-2, compiled blocks at pp x tp, comm hooks).
+// (compiled blocks at pp x tp, comm hooks).
 TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
   TempDir d;
   struct Case {
@@ -435,7 +464,6 @@ TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
        {"--model.depth=1", "--parallel.pp=2"},
        "parallel.pp = 2 stages (parallel.pp x the virtual stages per rank) for a model of 1 blocks"},
       {2, {"--parallel.pp=2", "--parallel.pp_split=8"}, "parallel.pp_split: block 8 is past the model's last (7)"},
-      {4, {"--parallel.pp=2", "--dist.zero=2"}, "parallel.pp = 2 cannot be combined with dist.zero = 2 yet"},
       {4,
        {"--parallel.pp=2", "--parallel.tp=2", "--compile.mode=inductor"},
        "cannot be combined with compile.mode = \"inductor\" at parallel.tp = 2 yet"},

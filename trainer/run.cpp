@@ -76,17 +76,15 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
   build_optimizer();
 }
 
-// parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO-1), tensor and sequence
+// parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO 1-3), tensor and sequence
 // parallelism, checkpoints (whole tensors, dist/stage_checkpoint.h) and compile.mode = "inductor"
 // (each block compiled, at parallel.tp = 1); the rest is refused by name (exit 2) until it is built.
 void Run::refuse_what_pipelines_do_not_serve_yet() const {
   auto refuse = [&](bool set, const std::string& what) {
     if (set)
       throw InputError("parallel.pp = " + std::to_string(mesh.pp()) + " cannot be combined with " + what +
-                       " yet (pipeline parallelism runs at dist.zero 0 or 1, eager or with its blocks compiled at "
-                       "parallel.tp = 1)");
+                       " yet (pipeline parallelism runs eager, or with its blocks compiled at parallel.tp = 1)");
   };
-  refuse(cfg.dist.zero > 1, "dist.zero = " + std::to_string(cfg.dist.zero));
   refuse(cfg.dist.comm_hook != CommHook::Allreduce,
          "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, cfg.dist.comm_hook)) + "\"");
   refuse(cfg.compile.mode == CompileMode::Trace, "compile.mode = \"trace\"");
@@ -277,7 +275,9 @@ void Run::compile_and_distribute() {
       dist::TransformOptions options{cfg.parallel.sequence_parallel,
                                      recompute_policy(cfg.train.activation_checkpointing),
                                      deferred,
-                                     dist::Placement(cfg.dist.zero).shards_parameters(),
+                                     // (at pp > 1 place() makes the stage's parameters: FullyShard
+                                     // would find the other stages' unmade)
+                                     dist::Placement(cfg.dist.zero).shards_parameters() && mesh.pp() == 1,
                                      {}};
       if (mesh.pp() > 1) options.pipeline = {pipeline_schedule(cfg).stage_rank, pipeline_split_points(cfg.parallel)};
       return place(model, device, mesh, options)

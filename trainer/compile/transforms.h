@@ -153,6 +153,8 @@ class DistributedModel {
   /// Collective at dist.zero = 3: the whole model in its parameters for Callbacks::on_end when
   /// `wanted` on some rank (DataParallel::hold_whole_model).
   void hold_whole_model(bool wanted) { ddp_->hold_whole_model(wanted); }
+  /// dist.zero >= 2: the ZeRO-2/3 layout (dist/fsdp.h); null otherwise.
+  dist::FullyShard* fully_shard() const { return ddp_->fully_shard(); }
   /// The optimizer's part of a checkpoint: `opt`'s state over the parameters this rank's
   /// optimizer steps (owned_parameters()), with the owner map and, at dist.zero >= 2, the
   /// resharding between this rank's pieces and whole parameters' state (dist/fsdp.h).

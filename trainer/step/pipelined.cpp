@@ -10,6 +10,7 @@
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
 #include "common/log.h"
+#include "dist/fsdp.h"
 #include "dist/tp_ops.h"
 #include "dist/zero.h"
 #include "keel/common/error.h"
@@ -98,6 +99,8 @@ PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(
   // parallel.tp > 1: the held parameters' tensor-parallel split (dist/tensor_parallel.h), in held order.
   if (const auto& split = run.dmodel->transforms().split_gradients(); split && split->group->size() > 1)
     tp_split_ = *split;
+  // dist.zero >= 2: the stage's ZeRO layout, held whole for each step's schedule (dist/fsdp.h).
+  fsdp_ = run.dmodel->fully_shard();
   // Built, compiled and distributed: the other stages' parameters are not this rank's to keep.
   stages_->release_others();
 }
@@ -122,12 +125,18 @@ Launched PipelinedStep::launch(StepResult& r) {
   clear_gradients();
   fault_send_ = run_.faults->sends_another_shape(r.step);
   const bool last = stages_->holds_last();
+  if (fsdp_) hold_stage();
   dist::Collectives::Sequence tp_calls = tensor_parallel_calls(batches);
   torch::Tensor loss = run_schedule(batches);
   sum_partial_over_tensor_parallel();
   tp_calls.end();
-  average_over_data_parallel();
-  sum_root_gradients();
+  if (fsdp_) {  // the root's whole gradients summed first, then every gradient reduce-scattered over dp
+    sum_root_gradients();
+    reduce_stage();
+  } else {
+    average_over_data_parallel();
+    sum_root_gradients();
+  }
   run_.faults->after_backward(r.step, run_.owned);
   Launched l;
   l.share.weight = last ? 1.0 : 0.0;
@@ -359,6 +368,25 @@ void PipelinedStep::sum_root_gradients() {
   }
 }
 
+// dist.zero >= 2: the stage's units gathered whole for the schedule (ZeRO-3; ZeRO-2's stay whole),
+// their hooks idle, so that every micro-batch's gradients accumulate whole (one dp sequence: the
+// gathers validated on the first step, replayed after).
+void PipelinedStep::hold_stage() {
+  dist::Collectives::Sequence gathers = run_.mesh.on(dist::Axis::Dp).sequence(kGathers);
+  fsdp_->hold();
+  gathers.end();
+}
+
+// ... and after it, each unit's gradients reduce-scattered into this rank's shard (averaged over
+// dp), the whole ones freed, the units free again.
+void PipelinedStep::reduce_stage() {
+  RECORD_USER_SCOPE("keel::pipeline_dp_reduce_scatter");
+  dist::Collectives::Sequence scatters = run_.mesh.on(dist::Axis::Dp).sequence(kReduceScatters);
+  fsdp_->reduce_accumulated();
+  scatters.end();
+  fsdp_->reshard();
+}
+
 // parallel.sequence_parallel: each replicated parameter's gradient holds this rank's positions'
 // part of the sum over the stage's tp group; summed once the schedule's backwards are done.
 void PipelinedStep::sum_partial_over_tensor_parallel() {
@@ -373,6 +401,7 @@ void PipelinedStep::sum_partial_over_tensor_parallel() {
 // per-parameter norms, each entry filled by the one rank that counts it and summed over pp), so
 // that the norm is one rank's; the clip scales every gradient this rank holds.
 torch::Tensor PipelinedStep::global_norm(double max_norm) {
+  if (fsdp_) return pieces_norm(max_norm);
   if (tp_split_) {  // the squares of each stage's parts, a replicated parameter's counted on tp rank 0 only
     std::vector<torch::Tensor> counted, grads;
     for (size_t k = 0; k < held_.size(); ++k) {
@@ -396,10 +425,32 @@ torch::Tensor PipelinedStep::global_norm(double max_norm) {
   return total;
 }
 
+// dist.zero >= 2: the squares of this rank's pieces (distinct on each dp rank), each counted by
+// the stage that counts its parameter and, if tp replicates it, on tp rank 0 only; summed over
+// dp, pp and tp. The clip scales every piece's gradient.
+torch::Tensor PipelinedStep::pieces_norm(double max_norm) {
+  std::map<std::string, size_t> at;
+  const models::NamedTensors held = stages_->named_parameters();
+  for (size_t k = 0; k < held.size(); ++k) at[held[k].first] = k;
+  std::vector<torch::Tensor> counted, grads;
+  for (const auto& [name, piece] : fsdp_->pieces()) {
+    const torch::Tensor& g = piece.grad();
+    if (!g.defined()) continue;
+    grads.push_back(g.detach());
+    const size_t k = at.at(name);
+    if (held_owner_[k] == rank_ && (!tp_split_ || !tp_split_->replicated[k] || tp_split_->group->rank() == 0))
+      counted.push_back(g.detach());
+  }
+  std::vector<dist::Collectives*> groups = {&run_.mesh.on(dist::Axis::Dp), pp_};
+  if (tp_split_) groups.push_back(tp_split_->group);
+  return dist::clip_by_summed_squares(counted, grads, groups, max_norm, "pipeline x ZeRO: gradient norm");
+}
+
 void PipelinedStep::hold_whole_model(bool wanted) {
   auto any = torch::tensor({wanted ? 1.0 : 0.0});
   pp_->all_reduce(any, dist::ReduceOp::Max, "pipeline whole model wanted");
   if (any.item<double>() == 0) return;
+  if (fsdp_) fsdp_->hold();  // ZeRO-3: the stage's own parameters whole again (kept so)
   torch::NoGradGuard no_grad;
   stages_->remake_others();
   const models::NamedTensors whole = stages_->whole().named_parameters();
@@ -416,6 +467,7 @@ EvalResult PipelinedStep::evaluate(int64_t step) {
   if (!splits.test) return EvalResult{step};
   run_.faults->signal(FaultPhase::Eval, step);
   run_.dmodel->sync_buffers();  // every dp rank evaluates the same model
+  if (fsdp_) hold_stage();      // ZeRO-3: the stage's parameters whole for the evaluation
   torch::NoGradGuard no_grad;
   run_.model->train(false);
   const int64_t dp = run_.mesh.dp(), eval_batch = run_.cfg.data.eval_batch_size;
@@ -467,6 +519,7 @@ EvalResult PipelinedStep::evaluate(int64_t step) {
   }
   if (!batch.empty()) run_batch();
   run_.model->train(true);
+  if (fsdp_) fsdp_->reshard();
   auto totals = torch::tensor({loss_sum, correct, count, bad.empty() ? 0.0 : 1.0}, torch::kDouble);
   pp_->broadcast(totals, schedule_.stage_rank.back(), "pipeline evaluation totals");
   run_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");

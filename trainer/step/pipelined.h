@@ -11,11 +11,11 @@
 // (W) computes the weights' later (trainer/step/split_backward.h).
 // Then sequence parallelism's partial gradients are summed over the stage's tp group (parallel.tp >
 // 1: each stage's blocks are tp-sharded, and its activations go to the neighbour of the same tp
-// rank), every gradient is averaged over dp, the root's are summed between the first and the last
-// stage, and the step's share of the consensus is the last stage's loss (weight 1; the others weigh
-// 0). The update (the global norm over every stage and tp rank), the verdict and the fault hook are
-// Step's.
-// Does not own: the schedule, the split, the consensus (the loop).
+// rank), every gradient is averaged over dp (at dist.zero >= 2 the stage's units are held whole for
+// the schedule and reduce-scattered after it, the root's summed first), the root's are summed between the first and the
+// last stage, and the step's share of the consensus is the last stage's loss (weight 1; the others weigh 0). The update
+// (the global norm over every stage and tp rank), the verdict and the fault hook are Step's. Does not own: the
+// schedule, the split, the consensus (the loop).
 #pragma once
 
 #include <map>
@@ -25,6 +25,7 @@
 #include <tuple>
 #include <vector>
 
+#include "dist/fsdp.h"
 #include "dist/pipeline/schedule.h"
 #include "dist/stages.h"
 #include "dist/transform_plan.h"
@@ -48,7 +49,10 @@ class PipelinedStep : public Step {
   torch::Tensor micro_batch_loss(const torch::Tensor&, const torch::Tensor&, bool) override;
   /// Every parameter this rank's stages hold: at ZeRO-1 the GradScaler unscales the gradients the
   /// stage's norm reads, not only those the rank's optimizer owns.
-  const std::vector<torch::Tensor>& verdict_parameters() const override { return held_; }
+  /// dist.zero >= 2: the pieces the optimizer steps (their gradients are the stage's, reduced).
+  const std::vector<torch::Tensor>& verdict_parameters() const override {
+    return fsdp_ ? Step::verdict_parameters() : held_;
+  }
 
  private:
   struct Slot;  // one (stage, micro-batch)'s tensors in flight
@@ -62,6 +66,9 @@ class PipelinedStep : public Step {
   std::pair<int, std::vector<int64_t>> shape_key(int stage, const torch::Tensor& input) const;
   torch::Tensor activation_buffer(int stage, const torch::Tensor& input);
   void sum_partial_over_tensor_parallel();
+  void hold_stage();
+  void reduce_stage();
+  torch::Tensor pieces_norm(double max_norm);
   void average_over_data_parallel();
   void sum_root_gradients();
   torch::Tensor global_norm(double max_norm);
@@ -85,6 +92,9 @@ class PipelinedStep : public Step {
   std::vector<int64_t> whole_owner_;  // per parameter of the whole model: the pp rank that counts it in the norm
   std::vector<int64_t> held_owner_;   // the same, per parameter of held_
   std::optional<dist::SplitGradients> tp_split_;  // parallel.tp > 1: per parameter of held_
+  dist::FullyShard* fsdp_ = nullptr;              // dist.zero >= 2: the stage's ZeRO layout
+  // The dp group's sequences (Collectives::sequence) of a step's gathers and reduce-scatters.
+  static constexpr uint64_t kGathers = 1, kReduceScatters = 2;
 };
 
 }  // namespace keel
