@@ -23,7 +23,7 @@ class RunCheckpoints {
  public:
   /// Registers the run's components and, when checkpoint.dir is set, resumes from the newest
   /// committed step (or checkpoint.resume_from). Collective.
-  explicit RunCheckpoints(Run& run);
+  RunCheckpoints(const JobParts& job, ModelParts& net, DataParts& data, UpdateParts& update, Progress& progress);
   RunCheckpoints(const RunCheckpoints&) = delete;
   RunCheckpoints& operator=(const RunCheckpoints&) = delete;
 
@@ -53,7 +53,11 @@ class RunCheckpoints {
   void resume();
   void notify();
 
-  Run& run_;
+  const JobParts& job_;
+  ModelParts& net_;
+  DataParts& data_;
+  UpdateParts& update_;
+  Progress& progress_;
   std::unique_ptr<checkpoint::Checkpointer> ckpt_;
   checkpoint::StateRegistry state_;
   std::vector<std::unique_ptr<checkpoint::Stateful>> owned_state_;

@@ -18,43 +18,45 @@
 
 namespace keel {
 
-RunReport::RunReport(const Run& run, const std::optional<int64_t>& resumed_from) : run_(run) {
-  if (run_.world.is_main()) {
-    if (const std::string err = make_dirs(run_.cfg.run.dir); !err.empty()) throw InputError("run.dir: " + err);
-    write_atomic(run_.cfg.run.dir + "/config.toml", dump_toml(run_.cfg));
+RunReport::RunReport(const JobParts& job, const ModelParts& net, const DataParts& data, const UpdateParts& update,
+                     const Progress& progress, const GraphCounts& counts, const std::optional<int64_t>& resumed_from)
+    : job_(job), net_(net), data_(data), update_(update), progress_(progress), counts_(counts) {
+  if (job_.world.is_main()) {
+    if (const std::string err = make_dirs(job_.cfg.run.dir); !err.empty()) throw InputError("run.dir: " + err);
+    write_atomic(job_.cfg.run.dir + "/config.toml", dump_toml(job_.cfg));
   }
   RunMetrics::Options mo;
-  mo.dir = run_.cfg.run.dir;
-  mo.main = run_.world.is_main();
-  mo.tensorboard = run_.cfg.run.tensorboard;
-  mo.progress = run_.cfg.run.progress && ::isatty(STDOUT_FILENO);
-  mo.log_interval = run_.cfg.train.log_interval;
-  mo.world = run_.world.size;
+  mo.dir = job_.cfg.run.dir;
+  mo.main = job_.world.is_main();
+  mo.tensorboard = job_.cfg.run.tensorboard;
+  mo.progress = job_.cfg.run.progress && ::isatty(STDOUT_FILENO);
+  mo.log_interval = job_.cfg.train.log_interval;
+  mo.world = job_.world.size;
   mo.resumed_from = resumed_from;
-  mo.steps_left = run_.progress.total_steps - run_.progress.steps_done;
+  mo.steps_left = progress_.total_steps - progress_.steps_done;
   metrics_.open(mo);
-  if (const auto range = parse_profile_steps(run_.cfg.run.profile_steps)) {
+  if (const auto range = parse_profile_steps(job_.cfg.run.profile_steps)) {
     // Every rank writes its own trace into run.dir (which, across hosts, may be its host's own).
-    if (const std::string err = make_dirs(run_.cfg.run.dir); !err.empty()) throw InputError("run.dir: " + err);
+    if (const std::string err = make_dirs(job_.cfg.run.dir); !err.empty()) throw InputError("run.dir: " + err);
     profiler_ = std::make_unique<StepProfiler>(
-        range, run_.cfg.run.dir + "/trace.rank" + std::to_string(run_.world.rank) + ".json", run_.device);
+        range, job_.cfg.run.dir + "/trace.rank" + std::to_string(job_.world.rank) + ".json", job_.device);
   }
-  logging::info("keel {} | LibTorch {} | {} threads | device {}", KEEL_VERSION, TORCH_VERSION, run_.threads,
-                run_.device.str());
+  logging::info("keel {} | LibTorch {} | {} threads | device {}", KEEL_VERSION, TORCH_VERSION, job_.threads,
+                job_.device.str());
   logging::info(
       "model {} ({} parameters) | data {} ({} train, {} test) | {} steps of global batch {} "
       "({} per rank x {} accum x {} data-parallel ranks{}), {} batches per epoch",
-      run_.model->name(), run_.num_parameters, run_.cfg.data.name, run_.splits.train->size(),
-      run_.splits.test ? run_.splits.test->size() : 0, run_.progress.total_steps, run_.progress.global_batch,
-      run_.cfg.train.batch_size, run_.cfg.train.grad_accum, run_.mesh.dp(),
-      run_.mesh.tp() > 1 ? fmt::format(", each {} tensor-parallel ranks", run_.mesh.tp()) : std::string(),
-      run_.sampler->batches_per_epoch());
-  if (const double flops = run_.model->train_flops_per_sample(); flops > 0) {
-    const bool given = run_.cfg.run.peak_tflops > 0;
-    const double peak = given ? run_.cfg.run.peak_tflops : measure_peak_tflops(run_.device, run_.amp);
-    metrics_.set_mfu(flops, peak, run_.progress.global_batch, run_.world.size);
+      net_.model->name(), net_.num_parameters, job_.cfg.data.name, data_.splits.train->size(),
+      data_.splits.test ? data_.splits.test->size() : 0, progress_.total_steps, progress_.global_batch,
+      job_.cfg.train.batch_size, job_.cfg.train.grad_accum, job_.mesh.dp(),
+      job_.mesh.tp() > 1 ? fmt::format(", each {} tensor-parallel ranks", job_.mesh.tp()) : std::string(),
+      data_.sampler->batches_per_epoch());
+  if (const double flops = net_.model->train_flops_per_sample(); flops > 0) {
+    const bool given = job_.cfg.run.peak_tflops > 0;
+    const double peak = given ? job_.cfg.run.peak_tflops : measure_peak_tflops(job_.device, net_.amp);
+    metrics_.set_mfu(flops, peak, progress_.global_batch, job_.world.size);
     logging::info("MFU against a peak of {:.3g} TFLOP/s per rank ({}); the model: {:.3g} GFLOP per sample", peak,
-                  given ? "run.peak_tflops" : "measured: a square matrix multiply on " + run_.device.str(),
+                  given ? "run.peak_tflops" : "measured: a square matrix multiply on " + job_.device.str(),
                   flops / 1e9);
   }
 }
@@ -66,11 +68,11 @@ namespace {
 // The traffic of every Collectives this rank talks through: the world's and each mesh axis's
 // that is not the world's (issue 64: under parallel.tp the tp and dp groups' collectives, and
 // their validation probes, were missing from control_per_step).
-dist::TrafficStats mesh_traffic(const Run& run) {
-  dist::TrafficStats t = run.coll->traffic();
-  std::vector<const dist::Collectives*> seen = {run.coll.get()};
+dist::TrafficStats mesh_traffic(const JobParts& job) {
+  dist::TrafficStats t = job.coll->traffic();
+  std::vector<const dist::Collectives*> seen = {job.coll.get()};
   for (const dist::Axis a : {dist::Axis::Pp, dist::Axis::Dp, dist::Axis::Tp}) {
-    const dist::Collectives* c = &run.mesh.on(a);
+    const dist::Collectives* c = &job.mesh.on(a);
     if (std::find(seen.begin(), seen.end(), c) != seen.end()) continue;
     seen.push_back(c);
     const dist::TrafficStats more = c->traffic();
@@ -88,16 +90,16 @@ dist::TrafficStats mesh_traffic(const Run& run) {
 }  // namespace
 
 void RunReport::loop_begins() {
-  traffic_at_loop_ = mesh_traffic(run_);
-  steps_at_loop_ = run_.progress.steps_done;
+  traffic_at_loop_ = mesh_traffic(job_);
+  steps_at_loop_ = progress_.steps_done;
 }
 
 const EvalResult& RunReport::evaluated(EvalResult e, bool log) {
   last_eval_ = e;
   if (log)
     logging::info("eval step {}: test_loss {:.4f} test_accuracy {:.4f} ({} {})", e.step, e.loss, e.accuracy, e.count,
-                  run_.spec.kind == models::InputKind::Tokens ? "tokens" : "samples");
-  if (run_.cb.on_eval) run_.cb.on_eval(*last_eval_);
+                  net_.spec.kind == models::InputKind::Tokens ? "tokens" : "samples");
+  if (job_.cb.on_eval) job_.cb.on_eval(*last_eval_);
   return *last_eval_;
 }
 
@@ -105,20 +107,20 @@ const EvalResult& RunReport::evaluated(EvalResult e, bool log) {
 StepRecord RunReport::step_record(const StepResult& r, const std::optional<EvalResult>& eval) const {
   StepRecord rec;
   rec.step = r.step;
-  const double samples_per_s = run_.progress.global_batch * 1000.0 / r.step_ms;
+  const double samples_per_s = progress_.global_batch * 1000.0 / r.step_ms;
   rec.add("loss", "train/loss", r.loss)
       .add("lr", "train/lr", r.lr)
       .add("step_ms", "train/step_ms", r.step_ms)
       .add("samples_per_s", "train/samples_per_s", samples_per_s)
       .add("epoch", "", r.epoch)
-      .add("", "train/skipped_steps", run_.progress.skipped_steps);
-  if (run_.spec.kind == models::InputKind::Tokens)
-    rec.add("tokens_per_s", "train/tokens_per_s", samples_per_s * static_cast<double>(run_.spec.sample_shape.at(0)));
-  if (run_.scaler) rec.add("loss_scale", "train/loss_scale", r.loss_scale);
-  if (run_.cfg.train.grad_clip > 0) rec.add("grad_norm", "train/grad_norm", r.grad_norm);
+      .add("", "train/skipped_steps", progress_.skipped_steps);
+  if (net_.spec.kind == models::InputKind::Tokens)
+    rec.add("tokens_per_s", "train/tokens_per_s", samples_per_s * static_cast<double>(net_.spec.sample_shape.at(0)));
+  if (update_.scaler) rec.add("loss_scale", "train/loss_scale", r.loss_scale);
+  if (job_.cfg.train.grad_clip > 0) rec.add("grad_norm", "train/grad_norm", r.grad_norm);
   if (r.skipped) rec.add("skipped", "", true);
   const auto& c = r.consensus.rank_compute_ms;
-  if (run_.world.size > 1) rec.add("rank_compute_ms", "", c);
+  if (job_.world.size > 1) rec.add("rank_compute_ms", "", c);
   if (c.size() > 1) {  // how far apart the ranks' forward+backward times are: stragglers
     const auto [lo, hi] = std::minmax_element(c.begin(), c.end());
     rec.add("", "dist/rank_compute_spread_ms", *hi - *lo);
@@ -132,8 +134,8 @@ StepRecord RunReport::step_record(const StepResult& r, const std::optional<EvalR
 void RunReport::log_step(const StepResult& r, const std::optional<EvalResult>& eval) {
   watch_gradients(r);
   StepRecord rec = step_record(r, eval);
-  metrics_.record(rec, run_.progress.total_steps);
-  if (run_.cb.on_step) run_.cb.on_step(StepInfo{r.step, r.loss, r.lr, r.step_ms, rec.number("samples_per_s")});
+  metrics_.record(rec, progress_.total_steps);
+  if (job_.cb.on_step) job_.cb.on_step(StepInfo{r.step, r.loss, r.lr, r.step_ms, rec.number("samples_per_s")});
 }
 
 // A step that updated with lr > 0 while its global gradient norm (train.grad_clip's, or the one
@@ -154,53 +156,53 @@ Summary RunReport::summary(const RunCheckpoints& ckpts, int stop_signal) const {
   Summary s;
   s.keel_version = KEEL_VERSION;
   s.torch_version = TORCH_VERSION;
-  s.run_name = run_.cfg.run.name;
-  s.model = run_.model->name();
-  s.num_parameters = run_.num_parameters;
-  s.data = run_.cfg.data.name;
-  s.device = run_.device.str();
-  s.world_size = run_.world.size;
-  s.launcher = dist::launcher_name(run_.world.launcher);
-  s.backend = run_.group->backend();
-  s.restart_count = run_.world.restart_count;
+  s.run_name = job_.cfg.run.name;
+  s.model = net_.model->name();
+  s.num_parameters = net_.num_parameters;
+  s.data = job_.cfg.data.name;
+  s.device = job_.device.str();
+  s.world_size = job_.world.size;
+  s.launcher = dist::launcher_name(job_.world.launcher);
+  s.backend = job_.group->backend();
+  s.restart_count = job_.world.restart_count;
   s.metrics_lines_lost = metrics_.lines_lost();
-  s.threads_per_rank = run_.threads;
-  s.batch_size = run_.cfg.train.batch_size;
-  s.grad_accum = run_.cfg.train.grad_accum;
-  s.global_batch = run_.progress.global_batch;
-  s.steps = run_.progress.steps_done;
-  s.planned_steps = run_.progress.total_steps;
+  s.threads_per_rank = job_.threads;
+  s.batch_size = job_.cfg.train.batch_size;
+  s.grad_accum = job_.cfg.train.grad_accum;
+  s.global_batch = progress_.global_batch;
+  s.steps = progress_.steps_done;
+  s.planned_steps = progress_.total_steps;
   s.completed = s.steps == s.planned_steps && !stop_signal;
   if (stop_signal) s.stop_signal = stop_signal;
   s.median_step_ms = metrics_.median_step_ms();  // the first 5 steps (warm-up) excluded
   s.samples_per_s = s.global_batch * 1000.0 / s.median_step_ms;
-  if (run_.spec.kind == models::InputKind::Tokens) s.tokens_per_s = s.samples_per_s * run_.spec.sample_shape.at(0);
-  s.final_loss = run_.progress.last_loss;
-  s.wall_s = ms_since(run_.t_start) / 1000.0;
-  const CompileReport& cr = run_.dmodel->compile_report();
+  if (net_.spec.kind == models::InputKind::Tokens) s.tokens_per_s = s.samples_per_s * net_.spec.sample_shape.at(0);
+  s.final_loss = progress_.last_loss;
+  s.wall_s = ms_since(job_.t_start) / 1000.0;
+  const CompileReport& cr = net_.dmodel->compile_report();
   s.compile_mode = cr.mode;
   s.compile_ms = cr.compile_ms;
   s.compile_cache = cr.cache;
   s.recompiles = cr.recompiles;
-  if (run_.cfg.compile.cuda_graphs) {
-    s.cuda_graph_captures = run_.cuda_graph_captures;
-    s.cuda_graph_replays = run_.cuda_graph_replays;
+  if (job_.cfg.compile.cuda_graphs) {
+    s.cuda_graph_captures = counts_.captures;
+    s.cuda_graph_replays = counts_.replays;
   }
-  s.amp_dtype = choice_name(kAmpDtypes, run_.cfg.amp.dtype);
-  s.consensus = run_.late ? "late" : "step";
-  if (run_.scaler) s.loss_scale = run_.scaler->scale_value();
-  s.skipped_steps = run_.progress.skipped_steps;
+  s.amp_dtype = choice_name(kAmpDtypes, job_.cfg.amp.dtype);
+  s.consensus = update_.late ? "late" : "step";
+  if (update_.scaler) s.loss_scale = update_.scaler->scale_value();
+  s.skipped_steps = progress_.skipped_steps;
   s.resumed_from_step = ckpts.resumed_from();
   if (ckpts.last_committed() >= 0) s.checkpoint_step = ckpts.last_committed();
   s.checkpoint_stall_ms = ckpts.stall_ms();
-  const auto held = run_.dmodel->residency(*run_.model);
+  const auto held = net_.dmodel->residency(*net_.model);
   s.zero = held.zero;
   s.parameter_bytes = held.parameter_bytes;
   s.gradient_bytes = held.gradient_bytes;
-  s.optimizer_state_bytes = run_.optimizer_state->state_bytes();
+  s.optimizer_state_bytes = update_.optimizer_state->state_bytes();
 #ifdef KEEL_WITH_CUDA
-  if (run_.device.is_cuda()) {
-    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(run_.device.index());
+  if (job_.device.is_cuda()) {
+    const auto stats = c10::cuda::CUDACachingAllocator::getDeviceStats(job_.device.index());
     const auto aggregate = static_cast<size_t>(c10::CachingAllocator::StatType::AGGREGATE);
     s.peak_device_memory_mb = static_cast<double>(stats.allocated_bytes[aggregate].peak) / (1024.0 * 1024.0);
   }
@@ -210,12 +212,12 @@ Summary RunReport::summary(const RunCheckpoints& ckpts, int stop_signal) const {
     s.cpu_tensor_end_mb = static_cast<double>(counted->live) / (1024.0 * 1024.0);
   }
   s.peak_rss_mb = peak_resident_mib();
-  s.rendezvous_ms = run_.rendezvous_ms;
+  s.rendezvous_ms = job_.rendezvous_ms;
   s.eta_s = metrics_.eta_s();
   s.mfu = metrics_.mfu();
   if (metrics_.peak_tflops() > 0) s.peak_tflops = metrics_.peak_tflops();
-  const dist::TrafficStats t = mesh_traffic(run_) - traffic_at_loop_;
-  const int64_t n = run_.progress.steps_done - steps_at_loop_;
+  const dist::TrafficStats t = mesh_traffic(job_) - traffic_at_loop_;
+  const int64_t n = progress_.steps_done - steps_at_loop_;
   if (n > 0)
     s.control_per_step = {static_cast<double>(t.collectives) / n,
                           static_cast<double>(t.probes) / n,

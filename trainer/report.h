@@ -24,7 +24,8 @@ namespace keel {
 class RunReport {
  public:
   /// Rank 0 writes run.dir/config.toml; every rank opens its outputs and logs the run's shape.
-  RunReport(const Run& run, const std::optional<int64_t>& resumed_from);
+  RunReport(const JobParts& job, const ModelParts& net, const DataParts& data, const UpdateParts& update,
+            const Progress& progress, const GraphCounts& counts, const std::optional<int64_t>& resumed_from);
   RunReport(const RunReport&) = delete;
   RunReport& operator=(const RunReport&) = delete;
 
@@ -45,7 +46,12 @@ class RunReport {
   StepRecord step_record(const StepResult& r, const std::optional<EvalResult>& eval) const;
   void watch_gradients(const StepResult& r);
 
-  const Run& run_;
+  const JobParts& job_;
+  const ModelParts& net_;
+  const DataParts& data_;
+  const UpdateParts& update_;
+  const Progress& progress_;
+  const GraphCounts& counts_;
   RunMetrics metrics_;                      // metrics.jsonl, TensorBoard, the log line, step times
   std::unique_ptr<StepProfiler> profiler_;  // run.profile_steps
   std::optional<EvalResult> last_eval_;

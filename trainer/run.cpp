@@ -47,28 +47,28 @@ dist::Recompute recompute_policy(ActivationCheckpointing ac) {
 
 }  // namespace
 
-Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
-    : cfg(cfg), world(world), cb(cb), loss(cb.loss ? cb.loss : losses().get(cfg.train.loss)) {
-  if (classifier())  // the default loss, with train.ignore_index
-    loss = [ignore = cfg.train.ignore_index](const torch::Tensor& logits, const torch::Tensor& target) {
+Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb) : job(cfg, world, cb) {
+  net.loss = cb.loss ? cb.loss : losses().get(cfg.train.loss);
+  if (job.classifier())  // the default loss, with train.ignore_index
+    net.loss = [ignore = job.cfg.train.ignore_index](const torch::Tensor& logits, const torch::Tensor& target) {
       return cross_entropy(logits, target, ignore);
     };
-  init_logging(cfg.run, world.rank, world.size);
+  init_logging(job.cfg.run, job.world.rank, job.world.size);
   tune_allocator();
-  if (cfg.run.count_tensor_memory) count_tensor_memory();
-  threads = set_threads(cfg.run, world);
-  torch::manual_seed(static_cast<uint64_t>(cfg.run.seed));
-  device = resolve_device(cfg.run, world);
+  if (job.cfg.run.count_tensor_memory) count_tensor_memory();
+  job.threads = set_threads(job.cfg.run, job.world);
+  torch::manual_seed(static_cast<uint64_t>(job.cfg.run.seed));
+  job.device = resolve_device(job.cfg.run, job.world);
   const auto t_rdzv = Clock::now();
   {
     AtRendezvous at_rendezvous;
-    group = dist::Group::create(world, cfg.dist, device);
-    agree_on_config(group, cfg);  // before the first collective
+    job.group = dist::Group::create(job.world, job.cfg.dist, job.device);
+    agree_on_config(job.group, job.cfg);  // before the first collective
   }
-  rendezvous_ms = ms_since(t_rdzv);
-  coll = std::make_shared<dist::Collectives>(group, cfg.dist.validate);
+  job.rendezvous_ms = ms_since(t_rdzv);
+  job.coll = std::make_shared<dist::Collectives>(job.group, job.cfg.dist.validate);
   build_mesh();
-  optimizer_choice.emplace(resolve_optimizer(cfg.train));  // an unknown or unusable one stops the run here
+  optimizer_choice.emplace(resolve_optimizer(job.cfg.train));  // an unknown or unusable one stops the run here
   lock_directories();
   check_memory_needs();
   build_model_and_data();
@@ -82,61 +82,61 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb)
 void Run::refuse_what_pipelines_do_not_serve_yet() const {
   auto refuse = [&](bool set, const std::string& what) {
     if (set)
-      throw InputError("parallel.pp = " + std::to_string(mesh.pp()) + " cannot be combined with " + what +
+      throw InputError("parallel.pp = " + std::to_string(job.mesh.pp()) + " cannot be combined with " + what +
                        " yet (pipeline parallelism runs eager, or with its blocks compiled at parallel.tp = 1)");
   };
-  refuse(cfg.dist.comm_hook != CommHook::Allreduce,
-         "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, cfg.dist.comm_hook)) + "\"");
-  refuse(cfg.compile.mode == CompileMode::Trace, "compile.mode = \"trace\"");
-  refuse(cfg.compile.mode == CompileMode::Inductor && mesh.tp() > 1,
-         "compile.mode = \"inductor\" at parallel.tp = " + std::to_string(mesh.tp()));
-  refuse(cfg.compile.cuda_graphs, "compile.cuda_graphs = true");
+  refuse(job.cfg.dist.comm_hook != CommHook::Allreduce,
+         "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, job.cfg.dist.comm_hook)) + "\"");
+  refuse(job.cfg.compile.mode == CompileMode::Trace, "compile.mode = \"trace\"");
+  refuse(job.cfg.compile.mode == CompileMode::Inductor && job.mesh.tp() > 1,
+         "compile.mode = \"inductor\" at parallel.tp = " + std::to_string(job.mesh.tp()));
+  refuse(job.cfg.compile.cuda_graphs, "compile.cuda_graphs = true");
 }
 
 // [parallel]: the world as a mesh, each axis's Collectives made (collective: the subgroups).
 void Run::build_mesh() {
-  const ParallelConfig& p = cfg.parallel;
+  const ParallelConfig& p = job.cfg.parallel;
   const int64_t pp_tp = p.pp * p.tp;
   const std::string pp = p.pp > 1 ? "parallel.pp = " + std::to_string(p.pp) + " x " : "";
-  if (p.dp == 0 && world.size % pp_tp != 0)
+  if (p.dp == 0 && job.world.size % pp_tp != 0)
     throw InputError(pp + "parallel.tp = " + std::to_string(p.tp) + " must divide the world size " +
-                     std::to_string(world.size) + " (parallel.dp = 0 takes what " + (p.pp > 1 ? "pp and " : "") +
+                     std::to_string(job.world.size) + " (parallel.dp = 0 takes what " + (p.pp > 1 ? "pp and " : "") +
                      "tp leaves)");
   try {
-    mesh = dist::Mesh::build(world, dist::MeshShape{p.pp, p.dp, p.tp});
+    job.mesh = dist::Mesh::build(job.world, dist::MeshShape{p.pp, p.dp, p.tp});
   } catch (const InputError&) {
-    const int64_t dp = p.dp > 0 ? p.dp : world.size / pp_tp;
+    const int64_t dp = p.dp > 0 ? p.dp : job.world.size / pp_tp;
     throw InputError(pp + "parallel.dp = " + std::to_string(dp) +
                      (p.dp > 0   ? ""
                       : p.pp > 1 ? " (world / (pp x tp))"
                                  : " (world / parallel.tp)") +
                      " x parallel.tp = " + std::to_string(p.tp) + " is " + std::to_string(p.pp * dp * p.tp) +
-                     " ranks; the world has " + std::to_string(world.size) + ": make their product the world size");
+                     " ranks; the world has " + std::to_string(job.world.size) + ": make their product the world size");
   }
-  if (mesh.pp() > 1) refuse_what_pipelines_do_not_serve_yet();
-  mesh.connect(coll, cfg.dist.validate);
-  if (mesh.tp() == 1) return;
-  if (cb.loss)
-    throw InputError("parallel.tp = " + std::to_string(mesh.tp()) +
+  if (job.mesh.pp() > 1) refuse_what_pipelines_do_not_serve_yet();
+  job.mesh.connect(job.coll, job.cfg.dist.validate);
+  if (job.mesh.tp() == 1) return;
+  if (job.cb.loss)
+    throw InputError("parallel.tp = " + std::to_string(job.mesh.tp()) +
                      " computes the loss over vocabulary shards; a custom loss (Callbacks::loss) cannot be");
   // The cross-entropy over this rank's vocabulary columns of the logits (dist/tp_ops.h).
-  loss = [this](const torch::Tensor& logits, const torch::Tensor& target) {
-    return dist::tp::vocab_parallel_cross_entropy(logits, target, vocab_range(), mesh.on(dist::Axis::Tp),
-                                                  cfg.train.ignore_index);
+  net.loss = [this](const torch::Tensor& logits, const torch::Tensor& target) {
+    return dist::tp::vocab_parallel_cross_entropy(logits, target, net.vocab_range(job.mesh),
+                                                  job.mesh.on(dist::Axis::Tp), job.cfg.train.ignore_index);
   };
 }
 
-dist::tp::VocabRange Run::vocab_range() const {
+dist::tp::VocabRange ModelParts::vocab_range(const dist::Mesh& mesh) const {
   return dist::tp::VocabRange::of(spec.num_classes, mesh.tp(), mesh.coordinate(dist::Axis::Tp));
 }
 
 void Run::lock_directories() {
   std::string error;
-  if (world.is_main()) {
+  if (job.world.is_main()) {
     char host[256] = {0};
     ::gethostname(host, sizeof host - 1);
-    const std::string who = "keel run \"" + cfg.run.name + "\" (pid " + std::to_string(::getpid()) + " on " + host +
-                            ", " + std::to_string(world.size) + " rank(s))";
+    const std::string who = "keel run \"" + job.cfg.run.name + "\" (pid " + std::to_string(::getpid()) + " on " + host +
+                            ", " + std::to_string(job.world.size) + " rank(s))";
     auto take = [&](DirLock& lock, const std::string& key, const std::string& dir) {
       if (!error.empty() || dir.empty()) return;
       const std::string why = lock.try_lock(dir, who);
@@ -146,14 +146,14 @@ void Run::lock_directories() {
       else if (!why.empty())
         error = key + ": " + why;
     };
-    take(run_dir_lock, "run.dir", cfg.run.dir);
+    take(run_dir_lock, "run.dir", job.cfg.run.dir);
     std::error_code ec1;
-    const bool same =
-        !cfg.checkpoint.dir.empty() && std::filesystem::equivalent(cfg.run.dir, cfg.checkpoint.dir, ec1) && !ec1;
-    if (!same) take(checkpoint_dir_lock, "checkpoint.dir", cfg.checkpoint.dir);
+    const bool same = !job.cfg.checkpoint.dir.empty() &&
+                      std::filesystem::equivalent(job.cfg.run.dir, job.cfg.checkpoint.dir, ec1) && !ec1;
+    if (!same) take(checkpoint_dir_lock, "checkpoint.dir", job.cfg.checkpoint.dir);
   }
-  if (const dist::RankError e = dist::first_error(*coll, error, "directory locks"))
-    throw InputError(e.rank == world.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
+  if (const dist::RankError e = dist::first_error(*job.coll, error, "directory locks"))
+    throw InputError(e.rank == job.world.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
 }
 
 // What the model, one micro-batch and the data need, from the config alone (trainer/config/limits.h):
@@ -161,10 +161,10 @@ void Run::lock_directories() {
 void Run::check_memory_needs() {
   std::string problem;
   if (const auto host = available_memory_bytes())
-    problem = memory_problem(cfg, mesh.dp(), world.local_size, device.is_cuda(), *host,
-                             device.is_cuda() ? device_free_bytes(device.index()) : std::nullopt);
-  if (const dist::RankError e = dist::first_error(*coll, problem, "memory estimate"))
-    throw InputError(e.rank == world.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
+    problem = memory_problem(job.cfg, job.mesh.dp(), job.world.local_size, job.device.is_cuda(), *host,
+                             job.device.is_cuda() ? device_free_bytes(job.device.index()) : std::nullopt);
+  if (const dist::RankError e = dist::first_error(*job.coll, problem, "memory estimate"))
+    throw InputError(e.rank == job.world.rank ? e.message : "rank " + std::to_string(e.rank) + ": " + e.message);
 }
 
 // The model (and compile.libraries, which a Python module's packaging needs), agreed: a rank that
@@ -175,8 +175,8 @@ std::shared_ptr<models::Model> Run::build_model_on_every_rank(std::optional<mode
   std::string error;
   bool input = true;  // the user's input (exit 2) or not (exit 1)
   try {
-    aot::load_libraries(cfg.compile.libraries);
-    built = make_model(cfg, data_kind);
+    aot::load_libraries(job.cfg.compile.libraries);
+    built = make_model(job.cfg, data_kind);
   } catch (const InputError& e) {
     error = e.what();
   } catch (const Stopped&) {
@@ -185,8 +185,10 @@ std::shared_ptr<models::Model> Run::build_model_on_every_rank(std::optional<mode
     error = e.what();
     input = false;
   }
-  if (const dist::RankError e = dist::first_error(*coll, error.empty() ? "" : (input ? "2" : "1") + error, "model")) {
-    const std::string why = (e.rank == world.rank ? "" : "rank " + std::to_string(e.rank) + ": ") + e.message.substr(1);
+  if (const dist::RankError e =
+          dist::first_error(*job.coll, error.empty() ? "" : (input ? "2" : "1") + error, "model")) {
+    const std::string why =
+        (e.rank == job.world.rank ? "" : "rank " + std::to_string(e.rank) + ": ") + e.message.substr(1);
     if (e.message[0] == '2') throw InputError(why);
     throw std::runtime_error(why);
   }
@@ -196,46 +198,47 @@ std::shared_ptr<models::Model> Run::build_model_on_every_rank(std::optional<mode
 void Run::build_model_and_data() {
   // The data's native input kind is asked first so that an unknown dataset is reported before
   // a model is built.
-  const auto data_kind = data::native_input_kind(cfg.data.name);
+  const auto data_kind = data::native_input_kind(job.cfg.data.name);
   rss_before_model_mib = peak_resident_mib();
-  if (builds_sharded(cfg)) deferred = std::make_shared<models::DeferredInit>();
+  if (builds_sharded(job.cfg)) deferred = std::make_shared<models::DeferredInit>();
   {
     models::DeferredInit::Use use(deferred.get());
-    model = build_model_on_every_rank(data_kind);
+    net.model = build_model_on_every_rank(data_kind);
   }
   if (deferred && deferred->empty()) deferred.reset();
   if (deferred) check_generators_agree();
-  num_parameters = model->num_parameters();  // (dist.zero = 3 empties the model's own between steps)
-  python = std::dynamic_pointer_cast<PythonModel>(model);
-  if (!cfg.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
+  net.num_parameters = net.model->num_parameters();  // (dist.zero = 3 empties the model's own between steps)
+  net.python = std::dynamic_pointer_cast<PythonModel>(net.model);
+  if (!job.cfg.model.init_from.empty()) {  // before placement and DDP's broadcast; a resume overrides it
     // The Hugging Face families read transformers' files under their older names too.
-    const int64_t n = checkpoint::load_weights(*model, cfg.model.init_from,
-                                               models::is_hf_family(cfg.model.name)
-                                                   ? models::hf_tensor_rename(models::hf_shape(cfg.model))
+    const int64_t n = checkpoint::load_weights(*net.model, job.cfg.model.init_from,
+                                               models::is_hf_family(job.cfg.model.name)
+                                                   ? models::hf_tensor_rename(models::hf_shape(job.cfg.model))
                                                    : checkpoint::TensorRename{},
                                                deferred.get());
-    logging::info("model: {} tensors from {} (model.init_from)", n, cfg.model.init_from);
+    logging::info("model: {} tensors from {} (model.init_from)", n, job.cfg.model.init_from);
   }
-  spec = model->input_spec();
-  splits = data::create_dataset(cfg.data, spec, cfg.run.seed);
-  model->train(true);
-  amp = AmpContext::resolve(cfg.amp, device);
-  faults = std::make_unique<FaultInjector>(cfg.fault, world, device, std::chrono::seconds(cfg.dist.timeout_s));
-  faults->signal(FaultPhase::Start, 0);
-  model = faults->wrap_model(model);
-  if (amp::loss_scaling_enabled(cfg.amp)) scaler = std::make_unique<amp::GradScaler>(cfg.amp);
+  net.spec = net.model->input_spec();
+  data.splits = data::create_dataset(job.cfg.data, net.spec, job.cfg.run.seed);
+  net.model->train(true);
+  net.amp = AmpContext::resolve(job.cfg.amp, job.device);
+  job.faults = std::make_unique<FaultInjector>(job.cfg.fault, job.world, job.device,
+                                               std::chrono::seconds(job.cfg.dist.timeout_s));
+  job.faults->signal(FaultPhase::Start, 0);
+  net.model = job.faults->wrap_model(net.model);
+  if (amp::loss_scaling_enabled(job.cfg.amp)) update.scaler = std::make_unique<amp::GradScaler>(job.cfg.amp);
   try {
-    sampler = std::make_unique<data::DistributedSampler>(splits.train->size(), mesh.dp(), mesh.dp_rank(),
-                                                         cfg.train.batch_size, cfg.data.shuffle, cfg.data.drop_last,
-                                                         static_cast<uint64_t>(cfg.run.seed));
+    data.sampler = std::make_unique<data::DistributedSampler>(
+        data.splits.train->size(), job.mesh.dp(), job.mesh.dp_rank(), job.cfg.train.batch_size, job.cfg.data.shuffle,
+        job.cfg.data.drop_last, static_cast<uint64_t>(job.cfg.run.seed));
   } catch (const std::invalid_argument& e) {
     throw InputError(std::string("data: ") + e.what());
   }
   // A Python module runs only its compiled step, at one batch shape (every rank alike).
-  if (const int64_t tail = static_cast<int64_t>(sampler->rank_indices(0).size()) % cfg.train.batch_size;
-      python && tail != 0)
+  if (const int64_t tail = static_cast<int64_t>(data.sampler->rank_indices(0).size()) % job.cfg.train.batch_size;
+      net.python && tail != 0)
     throw InputError("model.name = \"python\" runs only its compiled step, at train.batch_size = " +
-                     std::to_string(cfg.train.batch_size) + ": data.drop_last = false leaves a last batch of " +
+                     std::to_string(job.cfg.train.batch_size) + ": data.drop_last = false leaves a last batch of " +
                      std::to_string(tail) +
                      " samples per rank and epoch, which it cannot run; set data.drop_last = true");
 }
@@ -243,58 +246,59 @@ void Run::build_model_and_data() {
 // The fixed init pipeline, place -> compile -> distribute (trainer/compile/transforms.h), with
 // autocast around tracing so that the casts are part of the graph.
 void Run::compile_and_distribute() {
-  const data::Batch first = splits.train->get(std::vector<int64_t>(cfg.train.batch_size, 0));
+  const data::Batch first = data.splits.train->get(std::vector<int64_t>(job.cfg.train.batch_size, 0));
   const torch::Tensor& example = first.input;
-  check_dropout(cfg);
+  check_dropout(job.cfg);
   std::optional<InductorRequest> inductor;
-  if (cfg.compile.mode == CompileMode::Inductor) {
+  if (job.cfg.compile.mode == CompileMode::Inductor) {
     // A custom loss (Callbacks::loss, train.loss) is traced into the step with the C++ model, and
     // runs eager beside the block packages (use_compiled_loss); a Python module's step is traced in
     // Python, where a C++ loss cannot go.
-    if (python && (cb.loss || cfg.train.loss != "cross_entropy"))
+    if (net.python && (job.cb.loss || job.cfg.train.loss != "cross_entropy"))
       throw InputError(
           "model.name = \"python\" compiles its step in Python with keel's cross-entropy (or the loss its factory "
           "returns); a C++ custom loss (Callbacks::loss, train.loss) cannot be traced into it");
-    inductor = inductor_request(cfg, *model, device, amp, threads, python.get());
-    inductor->seed_dir = package_seed_dir(cfg.checkpoint);
-    inductor->loss = loss;
+    inductor = inductor_request(job.cfg, *net.model, job.device, net.amp, job.threads, net.python.get());
+    inductor->seed_dir = package_seed_dir(job.cfg.checkpoint);
+    inductor->loss = net.loss;
     inductor->example_target = first.target;
     inductor->agree_on_trace = [this](const std::string& mine) {
-      if (const dist::RankError e = dist::first_error(*coll, mine, "compile trace"); e && mine.empty())
+      if (const dist::RankError e = dist::first_error(*job.coll, mine, "compile trace"); e && mine.empty())
         throw GraphRefusal("compile.mode = \"inductor\": rank " + std::to_string(e.rank) +
                            " refused the traced step: " + e.message);
     };
   }
   auto compile = [&] {
-    return compile_on_every_rank(*coll, [&] {
-      faults->signal(FaultPhase::Compile, 0);
-      amp::Autocast ac(device.type(), amp.dtype, amp.enabled);
+    return compile_on_every_rank(*job.coll, [&] {
+      job.faults->signal(FaultPhase::Compile, 0);
+      amp::Autocast ac(job.device.type(), net.amp.dtype, net.amp.enabled);
       // The identity (which reads and hashes a TorchScript file) is needed only by the cache.
       const std::string identity =
-          cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(cfg.model, cfg.amp);
-      dist::TransformOptions options{cfg.parallel.sequence_parallel,
-                                     recompute_policy(cfg.train.activation_checkpointing),
+          job.cfg.compile.cache_dir.empty() || inductor ? "" : compile_identity(job.cfg.model, job.cfg.amp);
+      dist::TransformOptions options{job.cfg.parallel.sequence_parallel,
+                                     recompute_policy(job.cfg.train.activation_checkpointing),
                                      deferred,
                                      // (at pp > 1 place() makes the stage's parameters: FullyShard
                                      // would find the other stages' unmade)
-                                     dist::Placement(cfg.dist.zero).shards_parameters() && mesh.pp() == 1,
+                                     dist::Placement(job.cfg.dist.zero).shards_parameters() && job.mesh.pp() == 1,
                                      {}};
-      if (mesh.pp() > 1) options.pipeline = {pipeline_schedule(cfg).stage_rank, pipeline_split_points(cfg.parallel)};
-      return place(model, device, mesh, options)
-          .compile(cfg.compile, example, identity, inductor ? &*inductor : nullptr);
+      if (job.mesh.pp() > 1)
+        options.pipeline = {pipeline_schedule(job.cfg).stage_rank, pipeline_split_points(job.cfg.parallel)};
+      return place(net.model, job.device, job.mesh, options)
+          .compile(job.cfg.compile, example, identity, inductor ? &*inductor : nullptr);
     });
   };
   if (!inductor) {
-    dmodel.emplace(compile().distribute(mesh.shared(dist::Axis::Dp), cfg.dist));
-    logging::info("model transforms: {}", dmodel->transforms().describe());
+    net.dmodel.emplace(compile().distribute(job.mesh.shared(dist::Axis::Dp), job.cfg.dist));
+    logging::info("model transforms: {}", net.dmodel->transforms().describe());
     log_build_memory();
     return;
   }
   try {
-    dmodel.emplace(compile().distribute(mesh.shared(dist::Axis::Dp), cfg.dist));
-    if (python) python->attach(dmodel->inductor_step(), /*evaluates=*/inductor->eval_batch > 0);
+    net.dmodel.emplace(compile().distribute(job.mesh.shared(dist::Axis::Dp), job.cfg.dist));
+    if (net.python) net.python->attach(net.dmodel->inductor_step(), /*evaluates=*/inductor->eval_batch > 0);
     use_compiled_loss();
-    logging::info("model transforms: {}", dmodel->transforms().describe());
+    logging::info("model transforms: {}", net.dmodel->transforms().describe());
     log_build_memory();
   } catch (const GraphRefusal& e) {
     throw InputError(e.what());  // the C++ model does what a graph would bake in: exit 2 on every rank
@@ -302,16 +306,17 @@ void Run::compile_and_distribute() {
     // With compile.fullgraph (or a Python module, which has no eager code to fall back to) a step
     // that cannot be captured whole is the user's model: exit 2.
     throw InputError(std::string(e.what()) +
-                     (python ? " (model.name = \"python\" runs only compiled)" : " (compile.fullgraph = true)"));
+                     (net.python ? " (model.name = \"python\" runs only compiled)" : " (compile.fullgraph = true)"));
   }
 }
 
 // compile.granularity = "blocks": keel's cross-entropy from the block package's root units where
 // it fits the logits (trainer/compile/inductor_block.h), else the eager loss as before.
 void Run::use_compiled_loss() {
-  const std::shared_ptr<InductorBlock>& block = dmodel->inductor_block();
+  const std::shared_ptr<InductorBlock>& block = net.dmodel->inductor_block();
   if (!block || !block->root_loss()) return;  // the run's loss, traced with the root (unit_trace.h)
-  loss = [compiled = block->root_loss(), eager = loss](const torch::Tensor& logits, const torch::Tensor& target) {
+  net.loss = [compiled = block->root_loss(), eager = net.loss](const torch::Tensor& logits,
+                                                               const torch::Tensor& target) {
     const torch::Tensor l = compiled(logits, target);
     return l.defined() ? l : eager(logits, target);
   };
@@ -326,7 +331,7 @@ void Run::check_generators_agree() {
   const uint64_t fp = dist::fingerprint(
       std::string_view(reinterpret_cast<const char*>(state.data_ptr()), static_cast<size_t>(state.numel())));
   if (const auto d = dist::agree(
-          *coll, fp, [fp] { return std::to_string(fp); }, "sharded initialisation");
+          *job.coll, fp, [fp] { return std::to_string(fp); }, "sharded initialisation");
       d)
     throw std::runtime_error(
         "model.sharded_init: the ranks' random generators differ after building the model, so their shards would "
@@ -352,33 +357,34 @@ void Run::log_build_memory() {
 }
 
 void Run::build_optimizer() {
-  progress.total_steps = cfg.train.steps;
-  if (cfg.train.epochs > 0) {
+  progress.total_steps = job.cfg.train.steps;
+  if (job.cfg.train.epochs > 0) {
     // train.steps' documented bound holds for the steps that epochs make, too.
     int64_t batches = 0;
-    if (__builtin_mul_overflow(cfg.train.epochs, sampler->batches_per_epoch(), &batches) ||
-        batches / cfg.train.grad_accum > kMaxPlannedSteps)
-      throw InputError("train.epochs = " + std::to_string(cfg.train.epochs) + " makes more than " +
-                       std::to_string(kMaxPlannedSteps) + " steps (" + std::to_string(sampler->batches_per_epoch()) +
+    if (__builtin_mul_overflow(job.cfg.train.epochs, data.sampler->batches_per_epoch(), &batches) ||
+        batches / job.cfg.train.grad_accum > kMaxPlannedSteps)
+      throw InputError("train.epochs = " + std::to_string(job.cfg.train.epochs) + " makes more than " +
+                       std::to_string(kMaxPlannedSteps) + " steps (" +
+                       std::to_string(data.sampler->batches_per_epoch()) +
                        " batches per epoch); lower it or use train.steps");
-    progress.total_steps = std::max<int64_t>(1, batches / cfg.train.grad_accum);
+    progress.total_steps = std::max<int64_t>(1, batches / job.cfg.train.grad_accum);
   }
-  progress.global_batch = cfg.train.batch_size * cfg.train.grad_accum * mesh.dp();
-  params = model->parameters();
-  for (const auto& [n, t] : dmodel->owned_parameters()) owned.push_back(t);
-  optimizer = optimizer_choice->make(owned);
+  progress.global_batch = job.cfg.train.batch_size * job.cfg.train.grad_accum * job.mesh.dp();
+  net.params = net.model->parameters();
+  for (const auto& [n, t] : net.dmodel->owned_parameters()) net.owned.push_back(t);
+  update.optimizer = optimizer_choice->make(net.owned);
   // With a sharded optimizer state the checkpoint records who owns each parameter's state.
-  optimizer_state = dmodel->optimizer_state(*optimizer, optimizer_choice->codec());
-  schedule.emplace(cfg.train, progress.total_steps);
+  update.optimizer_state = net.dmodel->optimizer_state(*update.optimizer, optimizer_choice->codec());
+  update.schedule.emplace(job.cfg.train, progress.total_steps);
   // dist.consensus: late needs the fused kernel's found_inf (config.cpp refuses it without
   // train.fused_optimizer); auto takes it where the host would otherwise wait for a GPU.
-  fused = dynamic_cast<FusedOptimizer*>(optimizer.get());
-  const Consensus mode = cfg.dist.consensus;
-  if (mode == Consensus::Late && !fused)
+  update.fused = dynamic_cast<FusedOptimizer*>(update.optimizer.get());
+  const Consensus mode = job.cfg.dist.consensus;
+  if (mode == Consensus::Late && !update.fused)
     throw InputError("dist.consensus = \"late\" needs a fused optimizer (train.fused_optimizer = true)");
   // compile.cuda_graphs captures the device-decided update (config.cpp refuses dist.consensus = step).
-  late = fused && (mode == Consensus::Late || cfg.compile.cuda_graphs ||
-                   (mode == Consensus::Auto && device.is_cuda() && group->backend() == "nccl"));
+  update.late = update.fused && (mode == Consensus::Late || job.cfg.compile.cuda_graphs ||
+                                 (mode == Consensus::Auto && job.device.is_cuda() && job.group->backend() == "nccl"));
 }
 
 }  // namespace keel

@@ -68,7 +68,10 @@ class SyncDebugScope {
 class Trainer::Loop {
  public:
   Loop(const Config& cfg, const dist::World& world, const Callbacks& cb)
-      : run_(cfg, world, cb), ckpts_(run_), report_(run_, ckpts_.resumed_from()), step_(make_step(run_)) {}
+      : run_(cfg, world, cb),
+        ckpts_(run_.job, run_.net, run_.data, run_.update, run_.progress),
+        report_(run_.job, run_.net, run_.data, run_.update, run_.progress, run_.graphs, ckpts_.resumed_from()),
+        step_(make_step(run_)) {}
   Summary run();
 
  private:
@@ -103,8 +106,8 @@ Summary Trainer::Loop::run() {
       // run.sync_debug: from step 6 (warm-up done: the allocators' pools, the scale moved to
       // the device), except the steps the host must see (evaluation, checkpoints, the last).
       std::optional<SyncDebugScope> sync_debug;
-      if (run_.device.is_cuda() && step - report_.steps_at_loop() > 5 && !needs_host(step))
-        sync_debug.emplace(run_.cfg.run.sync_debug);
+      if (run_.job.device.is_cuda() && step - report_.steps_at_loop() > 5 && !needs_host(step))
+        sync_debug.emplace(run_.job.cfg.run.sync_debug);
       InFlight cur = begin_step(step);
       if (late) {  // read one step late, before this step's update
         finish_step(*late, cur.t0);
@@ -112,7 +115,7 @@ Summary Trainer::Loop::run() {
       }
       step_->update(cur);
       if (StepProfiler* p = report_.profiler()) p->after_step(cur.r.step);
-      if (run_.late && !stop_requested_ && !needs_host(step)) {
+      if (run_.update.late && !stop_requested_ && !needs_host(step)) {
         late = std::move(cur);
         continue;
       }
@@ -132,7 +135,7 @@ Summary Trainer::Loop::run() {
   finish();
   // summary.json while this job still holds run.dir's lock.
   Summary s = report_.summary(ckpts_, stop_signal_);
-  if (run_.world.is_main()) write_atomic(run_.cfg.run.dir + "/summary.json", s.to_json().dump(2) + "\n");
+  if (run_.job.world.is_main()) write_atomic(run_.job.cfg.run.dir + "/summary.json", s.to_json().dump(2) + "\n");
   return s;
 }
 
@@ -145,10 +148,10 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
   StepResult& r = f.r;
   r.step = current_step_ = step;
   if (StepProfiler* p = report_.profiler()) p->before_step(r.step);
-  run_.coll->set_step(r.step);
-  run_.mesh.set_step(r.step);
+  run_.job.coll->set_step(r.step);
+  run_.job.mesh.set_step(r.step);
   const Launched launched = step_->launch(r);
-  run_.faults->before_consensus(r.step, *run_.coll);
+  run_.job.faults->before_consensus(r.step, *run_.job.coll);
   const double compute_ms = ms_since(f.t0);
   uint32_t flags = 0;
   if (g_stop_signal.load()) flags |= kFlagStop;
@@ -159,13 +162,13 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
   {
     RECORD_USER_SCOPE("keel::consensus");
     const uint64_t plan = step_->plan();
-    if (run_.late) {
-      f.record =
-          run_.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags, launched.share);
+    if (run_.update.late) {
+      f.record = run_.job.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags,
+                                              launched.share);
     } else {
       r.local_loss = launched.loss_now;
-      r.consensus =
-          run_.coll->step_sync(r.step, plan, r.local_loss, launched.nonfinite_now, compute_ms, flags, launched.share);
+      r.consensus = run_.job.coll->step_sync(r.step, plan, r.local_loss, launched.nonfinite_now, compute_ms, flags,
+                                             launched.share);
       resolve_step(f);
     }
   }
@@ -175,7 +178,7 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
 // The consensus read: the same loss, verdict and flags on every rank, or CollectiveMismatch.
 void Trainer::Loop::resolve_step(InFlight& f) {
   StepResult& r = f.r;
-  if (f.record) r.consensus = run_.coll->resolve(f.record, &r.local_loss);  // else: step_sync's already
+  if (f.record) r.consensus = run_.job.coll->resolve(f.record, &r.local_loss);  // else: step_sync's already
   // An async checkpoint is committed once every rank has written its share.
   if (ckpts_.pending() && (r.consensus.all_flags & kFlagCheckpointWritten)) {
     SyncDebugScope pause(SyncDebug::Off, /*pause=*/true);  // the commit's agreement waits, rarely
@@ -183,12 +186,12 @@ void Trainer::Loop::resolve_step(InFlight& f) {
   }
   // A bad target on some rank: every rank fails with the first such rank's message, exit 2.
   if (r.consensus.any_flags & kFlagBadInput)
-    throw InputError(dist::first_error(*run_.coll, step_->bad_input(), "training targets").message);
+    throw InputError(dist::first_error(*run_.job.coll, step_->bad_input(), "training targets").message);
   r.loss = r.consensus.mean_loss;
   r.skipped = r.consensus.any_nonfinite;
   r.stop = (r.consensus.any_flags & kFlagStop) != 0;
-  if (run_.world.is_main()) report_.metrics().observe_ranks(r.consensus.rank_compute_ms);
-  if (r.skipped && !run_.scaler && !run_.cfg.train.skip_nonfinite)
+  if (run_.job.world.is_main()) report_.metrics().observe_ranks(r.consensus.rank_compute_ms);
+  if (r.skipped && !run_.update.scaler && !run_.job.cfg.train.skip_nonfinite)
     throw std::runtime_error("non-finite training loss or gradients at step " + std::to_string(r.step) +
                              " (local loss " + std::to_string(r.local_loss) +
                              "); no rank applied the update; lower train.lr, set train.grad_clip, or set "
@@ -213,7 +216,7 @@ void Trainer::Loop::finish_step(InFlight& f, std::optional<Clock::time_point> ne
     ++progress.skipped_steps;
     logging::warn(
         "step {}: inf/NaN on some rank; every rank skips this update{}", r.step,
-        run_.scaler ? fmt::format(" (loss scale {} -> {})", r.loss_scale_before, r.loss_scale) : std::string());
+        run_.update.scaler ? fmt::format(" (loss scale {} -> {})", r.loss_scale_before, r.loss_scale) : std::string());
   }
   r.step_ms = next_t0 ? std::chrono::duration<double, std::milli>(*next_t0 - f.t0).count() : ms_since(f.t0);
   progress.steps_done = r.step;
@@ -229,13 +232,13 @@ void Trainer::Loop::finish_step(InFlight& f, std::optional<Clock::time_point> ne
 // last, and the loop's first (a rank that disagrees on the gradient plan, e.g. another number of
 // micro-batches, is named before a second step's buckets are all-reduced).
 bool Trainer::Loop::needs_host(int64_t step) const {
-  const int64_t e = run_.cfg.train.eval_interval;
+  const int64_t e = run_.job.cfg.train.eval_interval;
   return step == run_.progress.total_steps || step == report_.steps_at_loop() + 1 || (e > 0 && step % e == 0) ||
          ckpts_.due(step);
 }
 
 std::optional<EvalResult> Trainer::Loop::maybe_evaluate(int64_t step) {
-  const int64_t every = run_.cfg.train.eval_interval;
+  const int64_t every = run_.job.cfg.train.eval_interval;
   if (every <= 0 || (step % every != 0 && step != run_.progress.total_steps)) return std::nullopt;
   return report_.evaluated(step_->evaluate(step), /*log=*/true);
 }
@@ -244,7 +247,7 @@ std::optional<EvalResult> Trainer::Loop::maybe_evaluate(int64_t step) {
 std::runtime_error Trainer::Loop::out_of_memory(const std::string& what, bool committed_step) const {
   const std::string where = "out of memory at step " +
                             std::to_string(std::max(current_step_, run_.progress.steps_done + 1)) + " on rank " +
-                            std::to_string(run_.world.rank);
+                            std::to_string(run_.job.world.rank);
   if (!committed_step) return std::runtime_error(where + " (" + what + "); lower train.batch_size");
   const int64_t committed = ckpts_.last_committed();
   return std::runtime_error(where + ": " + what + "; the last committed checkpoint is " +
@@ -260,22 +263,22 @@ void Trainer::Loop::finish() {
   const int64_t done = progress.steps_done;
   if (report_.metrics().steps_timed() == 0 && done >= progress.total_steps) {
     logging::info("checkpoint step {} is the end of this run ({} steps): nothing to train", done, progress.total_steps);
-    if (run_.cfg.train.eval_interval > 0) report_.evaluated(step_->evaluate(done), /*log=*/false);
+    if (run_.job.cfg.train.eval_interval > 0) report_.evaluated(step_->evaluate(done), /*log=*/false);
   }
   ckpts_.finish(done);
   if (StepProfiler* p = report_.profiler()) p->finish();
-  run_.dmodel->sync_buffers();  // every rank ends with rank 0's model (under tp: its dp peers' shard)
+  run_.net.dmodel->sync_buffers();  // every rank ends with rank 0's model (under tp: its dp peers' shard)
   // dist.zero = 3: the whole model, gathered for on_end only (on every rank when one rank has it:
   // the gathers are collective; stage 2's parameters are whole).
-  step_->hold_whole_model(bool(run_.cb.on_end));
-  if (run_.cb.on_end) run_.cb.on_end(*run_.model);
+  step_->hold_whole_model(bool(run_.job.cb.on_end));
+  if (run_.job.cb.on_end) run_.job.cb.on_end(*run_.net.model);
   // Every rank leaves with the same verdict: the signal a rank received (the one that stopped
   // the loop, or one that came after the last step's consensus: evaluation, the final save,
   // on_end) stops every rank with 128+N. This all-reduce is also the barrier before leaving: a
   // rank that tears down its connections while a peer still uses them makes the peer's Gloo
   // threads fail.
   auto signo = torch::tensor({static_cast<int64_t>(g_stop_signal.load())}, torch::kLong);
-  run_.coll->all_reduce(signo, dist::ReduceOp::Max, "end of training (stop signal)");
+  run_.job.coll->all_reduce(signo, dist::ReduceOp::Max, "end of training (stop signal)");
   stop_signal_ = static_cast<int>(signo.item<int64_t>());
   if (stopped_ && !stop_signal_) stop_signal_ = SIGTERM;  // request_stop(0): still a stop
   if (stop_signal_) logging::warn("stopped by signal {} after step {} of {}", stop_signal_, done, progress.total_steps);

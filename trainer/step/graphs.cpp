@@ -100,26 +100,28 @@ std::string TensorAddresses::first_moved(const std::vector<std::pair<std::string
   return "";
 }
 
-StepGraphs::StepGraphs(Run& run) : run_(run), first_step_(run.progress.steps_done + 1) {
+StepGraphs::StepGraphs(const JobParts& job, ModelParts& net, UpdateParts& update, const Progress& progress,
+                       GraphCounts& counts)
+    : job_(job), net_(net), update_(update), counts_(counts), first_step_(progress.steps_done + 1) {
   // What the config could not tell: the device and backend `auto` resolved to, a registered optimizer.
-  const bool rehearsal = run.cfg.compile.cuda_graphs_rehearsal;
-  const torch::Device dev = run.params.front().device();
-  if (!rehearsal && (!dev.is_cuda() || run.group->backend() != "nccl"))
+  const bool rehearsal = job.cfg.compile.cuda_graphs_rehearsal;
+  const torch::Device dev = net.params.front().device();
+  if (!rehearsal && (!dev.is_cuda() || job.group->backend() != "nccl"))
     throw InputError("compile.cuda_graphs = true needs a GPU and NCCL; this run has device " + dev.str() +
-                     " and backend " + run.group->backend() +
+                     " and backend " + job.group->backend() +
                      " (set compile.cuda_graphs = false, or compile.cuda_graphs_rehearsal = true with run.device = "
                      "\"cpu\" to rehearse it)");
-  if (!run.fused)
+  if (!update.fused)
     throw InputError(
         "compile.cuda_graphs = true captures the update as a fused optimizer's kernel: train.optimizer = \"" +
-        run.cfg.train.optimizer + "\" has none (use \"adamw\" or \"sgd\" with train.fused_optimizer = true)");
+        job.cfg.train.optimizer + "\" has none (use \"adamw\" or \"sgd\" with train.fused_optimizer = true)");
   // PyTorch asks for 11 eager DDP iterations before capturing one (NCCL's async error handling);
   // the same for every data-parallel placement here.
-  warmup_ = run.mesh.dp() > 1 ? 11 : 3;
+  warmup_ = job.mesh.dp() > 1 ? 11 : 3;
   // The fused kernels read a CPU learning rate as a double, a CUDA one as float32.
   lr_ = torch::zeros({}, torch::TensorOptions().device(dev).dtype(dev.is_cpu() ? torch::kDouble : torch::kFloat));
   found_ = torch::zeros({1}, torch::TensorOptions().device(dev).dtype(torch::kFloat));
-  run.fused->read_lr_from(lr_);
+  update.fused->read_lr_from(lr_);
   logging::info("compile.cuda_graphs{}: {} eager warm-up steps, then the step is captured and replayed",
                 rehearsal ? " (rehearsed on the CPU: a replay re-runs the step)" : "", warmup_);
 }
@@ -156,13 +158,12 @@ torch::Tensor StepGraphs::forward_backward(const std::vector<data::Batch>& batch
 StepGraphs::Captured& StepGraphs::capture_forward_backward(const std::string& key,
                                                            const std::vector<data::Batch>& batches,
                                                            const ForwardBackward& body) {
-  Run& run = run_;
   const auto recaptures = static_cast<int64_t>(captured_.size());  // this one, after the first
   if (recaptures > 0) {
-    if (recaptures > run.cfg.compile.max_recompiles)
+    if (recaptures > job_.cfg.compile.max_recompiles)
       throw InputError("compile.cuda_graphs: a step of batch shape " + describe(batches) + " would be captured " +
                        std::to_string(recaptures) + " times after the first, more than " +
-                       "compile.max_recompiles = " + std::to_string(run.cfg.compile.max_recompiles) +
+                       "compile.max_recompiles = " + std::to_string(job_.cfg.compile.max_recompiles) +
                        " (keep the batch shape fixed: data.drop_last = true, or raise compile.max_recompiles)");
   }
   auto c = std::make_unique<Captured>();
@@ -173,7 +174,7 @@ StepGraphs::Captured& StepGraphs::capture_forward_backward(const std::string& ke
     dist::CaptureScope capturing;
     c->graph->capture([self, body] { self->loss = body(self->inputs); });
   }
-  ++run.cuda_graph_captures;
+  ++counts_.captures;
   // One forward-backward a step: the step number is counted here (with dist.consensus = late
   // the loop's steps_done is one behind the step in hand).
   logging::info("compile.cuda_graphs: step {} captured the forward and backward of batch shape {}{}",
@@ -188,27 +189,27 @@ torch::Tensor StepGraphs::update(const torch::Tensor& found_inf, double lr, cons
   if (steps_ <= warmup_) return body(found_);
   // The options' learning rate is NaN while the update is captured and replayed: a kernel that
   // took it instead of lr_ would keep the capture's value on a GPU, and spoils the rehearsal.
-  set_lr(*run_.optimizer, std::nan(""));
+  set_lr(*update_.optimizer, std::nan(""));
   if (!update_graph_) {
     update_graph_ = make_step_graph(found_.device());
     dist::CaptureScope capturing;
     update_graph_->capture([this, body] { update_out_ = body(found_); });
-    ++run_.cuda_graph_captures;
+    ++counts_.captures;
   }
   {
     dist::CaptureScope capturing;
     update_graph_->replay();
   }
-  set_lr(*run_.optimizer, lr);
+  set_lr(*update_.optimizer, lr);
   replayed();
   return update_out_.clone();
 }
 
 // Every replay leaves the parameters and gradients where the captured step wrote them.
 void StepGraphs::replayed() {
-  ++run_.cuda_graph_replays;
+  ++counts_.replays;
   if (addresses_.empty()) {
-    named_ = run_.model->named_parameters();  // the same tensors for the whole run (set_data keeps them)
+    named_ = net_.model->named_parameters();  // the same tensors for the whole run (set_data keeps them)
     addresses_.record(named_);
     return;
   }

@@ -44,7 +44,12 @@
 
 namespace keel {
 
-struct Run;
+// The run's parts the graphs read (trainer/run.h).
+struct JobParts;
+struct ModelParts;
+struct UpdateParts;
+struct Progress;
+struct GraphCounts;
 
 /// Recorded device work, replayed without the host issuing it again.
 class StepGraph {
@@ -77,7 +82,7 @@ class StepGraphs {
   /// The update given the agreed verdict (float32, one element); returns what the host reads.
   using Update = std::function<torch::Tensor(const torch::Tensor& found_inf)>;
 
-  explicit StepGraphs(Run& run);
+  StepGraphs(const JobParts& job, ModelParts& net, UpdateParts& update, const Progress& progress, GraphCounts& counts);
   /// The step's forward and backward over `batches` (on the device): eager, captured or replayed
   /// as the header says. Returns the loss, outside the graph's memory.
   torch::Tensor forward_backward(const std::vector<data::Batch>& batches, const ForwardBackward& body);
@@ -99,7 +104,10 @@ class StepGraphs {
   Captured& capture_forward_backward(const std::string& key, const std::vector<data::Batch>& batches,
                                      const ForwardBackward& body);
 
-  Run& run_;
+  const JobParts& job_;
+  ModelParts& net_;
+  UpdateParts& update_;
+  GraphCounts& counts_;
   int64_t warmup_ = 3;
   int64_t steps_ = 0;                  // forward-backwards this process ran
   int64_t first_step_ = 1;             // the loop's step number of the first of them

@@ -63,17 +63,19 @@ struct PipelinedStep::Slot {
   WeightBackward weights;  // the zero-bubble schedules: what I leaves for W
 };
 
-PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(run.cfg)) {
-  stages_ = dynamic_cast<dist::StageModel*>(&run.dmodel->model());
+PipelinedStep::PipelinedStep(const JobParts& job, ModelParts& net, DataParts& data, UpdateParts& update,
+                             const Progress& progress, GraphCounts& counts)
+    : Step(job, net, data, update, progress, counts), schedule_(pipeline_schedule(job.cfg)) {
+  stages_ = dynamic_cast<dist::StageModel*>(&net.dmodel->model());
   if (!stages_) throw std::logic_error("PipelinedStep: the model is not split into stages (dist/stages.h)");
-  pp_ = &run.mesh.on(dist::Axis::Pp);
+  pp_ = &job.mesh.on(dist::Axis::Pp);
   rank_ = static_cast<int>(pp_->rank());
   // A compiled block's backward (one package call) makes its input's and its weights' gradients
   // together: split, W would run it a second time. Its I then runs the whole backward, W nothing.
-  split_ = !run.dmodel->inductor_block();
+  split_ = !net.dmodel->inductor_block();
   // One gradient plan for every rank: each stage's, in stage order (they differ; the consensus
   // compares one word).
-  auto mine = torch::tensor({static_cast<int64_t>(run.dmodel->plan())}, torch::kLong);
+  auto mine = torch::tensor({static_cast<int64_t>(net.dmodel->plan())}, torch::kLong);
   std::vector<int64_t> words;
   for (const auto& t : pp_->all_gather(mine, "pipeline gradient plans")) words.push_back(t.item<int64_t>());
   plan_ = dist::fingerprint(words);
@@ -90,17 +92,17 @@ PipelinedStep::PipelinedStep(Run& run) : Step(run), schedule_(pipeline_schedule(
           if (ranges[s].first <= b && b < ranges[s].end) owner = schedule_.stage_rank[s];
     whole_owner_.push_back(owner);
   }
-  run.dmodel->set_global_norm([this](double max_norm) { return global_norm(max_norm); });
-  run.faults->strike_sends_with_shape_mismatch();
+  net.dmodel->set_global_norm([this](double max_norm) { return global_norm(max_norm); });
+  job.faults->strike_sends_with_shape_mismatch();
   std::map<std::string, int64_t> owner_of;
   const models::NamedTensors whole = stages_->whole().named_parameters();
   for (size_t i = 0; i < whole.size(); ++i) owner_of[whole[i].first] = whole_owner_[i];
   for (const auto& [n, p] : stages_->named_parameters()) held_.push_back(p), held_owner_.push_back(owner_of.at(n));
   // parallel.tp > 1: the held parameters' tensor-parallel split (dist/tensor_parallel.h), in held order.
-  if (const auto& split = run.dmodel->transforms().split_gradients(); split && split->group->size() > 1)
+  if (const auto& split = net.dmodel->transforms().split_gradients(); split && split->group->size() > 1)
     tp_split_ = *split;
   // dist.zero >= 2: the stage's ZeRO layout, held whole for each step's schedule (dist/fsdp.h).
-  fsdp_ = run.dmodel->fully_shard();
+  fsdp_ = net.dmodel->fully_shard();
   // Built, compiled and distributed: the other stages' parameters are not this rank's to keep.
   stages_->release_others();
 }
@@ -118,12 +120,12 @@ PipelinedStep::Slot& PipelinedStep::slot(int stage, int mb) {
 }
 
 Launched PipelinedStep::launch(StepResult& r) {
-  r.lr = run_.schedule->at(r.step - 1);
-  set_lr(*run_.optimizer, r.lr);
+  r.lr = update_.schedule->at(r.step - 1);
+  set_lr(*update_.optimizer, r.lr);
   const std::vector<data::Batch> batches = next_batches(r.step);
-  r.epoch = run_.sampler->position().epoch;
+  r.epoch = data_.sampler->position().epoch;
   clear_gradients();
-  fault_send_ = run_.faults->sends_another_shape(r.step);
+  fault_send_ = job_.faults->sends_another_shape(r.step);
   const bool last = stages_->holds_last();
   if (fsdp_) hold_stage();
   dist::Collectives::Sequence tp_calls = tensor_parallel_calls(batches);
@@ -137,12 +139,12 @@ Launched PipelinedStep::launch(StepResult& r) {
     average_over_data_parallel();
     sum_root_gradients();
   }
-  run_.faults->after_backward(r.step, run_.owned);
+  job_.faults->after_backward(r.step, net_.owned);
   Launched l;
   l.share.weight = last ? 1.0 : 0.0;
   l.share.p2p_balance = pp_->take_p2p_balance();
-  if (!last) loss = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(run_.device));
-  if (run_.late) {
+  if (!last) loss = torch::zeros({1}, torch::TensorOptions().dtype(torch::kDouble).device(job_.device));
+  if (update_.late) {
     l.loss = loss;
     l.nonfinite = local_nonfinite(l.loss);
   } else {
@@ -209,13 +211,13 @@ torch::Tensor PipelinedStep::stage_input(Slot& slot, int stage, int mb, const st
 void PipelinedStep::forward(int stage, int mb, const std::vector<data::Batch>& batches) {
   Slot& s = slot(stage, mb);
   s.input = stage_input(s, stage, mb, batches);
-  amp::Autocast ac(run_.device.type(), run_.amp.dtype, run_.amp.enabled);
+  amp::Autocast ac(job_.device.type(), net_.amp.dtype, net_.amp.enabled);
   torch::Tensor out = stages_->forward_stage(stage, s.input);
   if (stage + 1 < stages_->stages()) {
     s.output = out;
     return;
   }
-  s.output = run_.loss(out, batches[static_cast<size_t>(mb)].target).to(torch::kFloat);
+  s.output = net_.loss(out, batches[static_cast<size_t>(mb)].target).to(torch::kFloat);
   const torch::Tensor l = s.output.detach().to(torch::kDouble).reshape({1});
   loss_sum_ = loss_sum_.defined() ? loss_sum_ + l : l;
 }
@@ -225,7 +227,7 @@ void PipelinedStep::backward(int stage, int mb, bool split) {
   torch::Tensor root = s.output, grad;
   if (stage + 1 == stages_->stages()) {
     const torch::Tensor scaled = s.output / static_cast<double>(schedule_.microbatches);
-    root = run_.scaler ? run_.scaler->scale(scaled) : scaled;
+    root = update_.scaler ? update_.scaler->scale(scaled) : scaled;
   } else {
     if (s.recv) {
       s.recv.wait();
@@ -262,7 +264,7 @@ torch::Tensor PipelinedStep::activation_buffer(int stage, const torch::Tensor& i
             .emplace(key, std::make_pair(std::vector<int64_t>(w + 2, w + 2 + w[1]), static_cast<c10::ScalarType>(w[0])))
             .first;
   }
-  return torch::empty(it->second.first, torch::TensorOptions().dtype(it->second.second).device(run_.device));
+  return torch::empty(it->second.first, torch::TensorOptions().dtype(it->second.second).device(job_.device));
 }
 
 void PipelinedStep::post_receive(const Action& a, const std::vector<data::Batch>& batches) {
@@ -288,7 +290,7 @@ void PipelinedStep::send(const Action& a, const std::vector<data::Batch>& batche
     if (fault_send_ && t.dim() >= 2) {  // fault.inject shape_mismatch: the same bytes, another shape
       fault_send_ = false;
       t = t.flatten(0, 1);
-      logging::warn("fault injection: shape_mismatch: rank {} sends {} as {}", run_.world.rank,
+      logging::warn("fault injection: shape_mismatch: rank {} sends {} as {}", job_.world.rank,
                     name_tag(tag_of(kActivation, a.stage, a.mb)), c10::str(t.sizes()));
     }
     // The shape goes in a call of its own, as its receiver takes it (the same calls at both ends
@@ -318,7 +320,7 @@ std::pair<int, std::vector<int64_t>> PipelinedStep::shape_key(int stage, const t
 // is done (the Reducer's hooks stay idle: every backward runs without sync), one all-reduce per
 // dtype of everything this rank holds, then divided by dp as DDP's buckets are.
 void PipelinedStep::average_over_data_parallel() {
-  dist::Collectives& dp = run_.mesh.on(dist::Axis::Dp);
+  dist::Collectives& dp = job_.mesh.on(dist::Axis::Dp);
   if (dp.size() == 1) return;
   RECORD_USER_SCOPE("keel::pipeline_dp_all_reduce");
   std::map<c10::ScalarType, std::vector<torch::Tensor>> by_dtype;
@@ -372,7 +374,7 @@ void PipelinedStep::sum_root_gradients() {
 // their hooks idle, so that every micro-batch's gradients accumulate whole (one dp sequence: the
 // gathers validated on the first step, replayed after).
 void PipelinedStep::hold_stage() {
-  dist::Collectives::Sequence gathers = run_.mesh.on(dist::Axis::Dp).sequence(kGathers);
+  dist::Collectives::Sequence gathers = job_.mesh.on(dist::Axis::Dp).sequence(kGathers);
   fsdp_->hold();
   gathers.end();
 }
@@ -381,7 +383,7 @@ void PipelinedStep::hold_stage() {
 // dp), the whole ones freed, the units free again.
 void PipelinedStep::reduce_stage() {
   RECORD_USER_SCOPE("keel::pipeline_dp_reduce_scatter");
-  dist::Collectives::Sequence scatters = run_.mesh.on(dist::Axis::Dp).sequence(kReduceScatters);
+  dist::Collectives::Sequence scatters = job_.mesh.on(dist::Axis::Dp).sequence(kReduceScatters);
   fsdp_->reduce_accumulated();
   scatters.end();
   fsdp_->reshard();
@@ -441,7 +443,7 @@ torch::Tensor PipelinedStep::pieces_norm(double max_norm) {
     if (held_owner_[k] == rank_ && (!tp_split_ || !tp_split_->replicated[k] || tp_split_->group->rank() == 0))
       counted.push_back(g.detach());
   }
-  std::vector<dist::Collectives*> groups = {&run_.mesh.on(dist::Axis::Dp), pp_};
+  std::vector<dist::Collectives*> groups = {&job_.mesh.on(dist::Axis::Dp), pp_};
   if (tp_split_) groups.push_back(tp_split_->group);
   return dist::clip_by_summed_squares(counted, grads, groups, max_norm, "pipeline x ZeRO: gradient norm");
 }
@@ -463,23 +465,23 @@ void PipelinedStep::hold_whole_model(bool wanted) {
 // Batch by batch, stage by stage: each rank runs its stages' forwards on what the previous stage's
 // rank sends; the last stage's rank sums the loss; its totals go to every pp rank, then over dp.
 EvalResult PipelinedStep::evaluate(int64_t step) {
-  const data::Splits& splits = run_.splits;
+  const data::Splits& splits = data_.splits;
   if (!splits.test) return EvalResult{step};
-  run_.faults->signal(FaultPhase::Eval, step);
-  run_.dmodel->sync_buffers();  // every dp rank evaluates the same model
+  job_.faults->signal(FaultPhase::Eval, step);
+  net_.dmodel->sync_buffers();  // every dp rank evaluates the same model
   if (fsdp_) hold_stage();      // ZeRO-3: the stage's parameters whole for the evaluation
   torch::NoGradGuard no_grad;
-  run_.model->train(false);
-  const int64_t dp = run_.mesh.dp(), eval_batch = run_.cfg.data.eval_batch_size;
+  net_.model->train(false);
+  const int64_t dp = job_.mesh.dp(), eval_batch = job_.cfg.data.eval_batch_size;
   const int64_t n =
-      run_.cfg.data.eval_samples > 0 ? std::min(splits.test->size(), run_.cfg.data.eval_samples) : splits.test->size();
+      job_.cfg.data.eval_samples > 0 ? std::min(splits.test->size(), job_.cfg.data.eval_samples) : splits.test->size();
   double loss_sum = 0, correct = 0, count = 0;
   std::string bad;  // the last stage's first bad target: thrown on every rank once the totals are in
   const int S = stages_->stages();
   std::vector<int64_t> batch;
   auto run_batch = [&] {
     auto b = splits.test->get(batch);
-    const torch::Tensor input = b.input.to(run_.device);
+    const torch::Tensor input = b.input.to(job_.device);
     torch::Tensor x = input;
     for (int s = 0; s < S; ++s) {
       if (schedule_.stage_rank[static_cast<size_t>(s)] != rank_) continue;
@@ -503,27 +505,27 @@ EvalResult PipelinedStep::evaluate(int64_t step) {
       }
     }
     if (stages_->holds_last()) {
-      const std::string b_bad = run_.classifier()
-                                    ? screen_targets(b.target, run_.spec.num_classes, run_.cfg.train.ignore_index,
+      const std::string b_bad = job_.classifier()
+                                    ? screen_targets(b.target, net_.spec.num_classes, job_.cfg.train.ignore_index,
                                                      "evaluation batch at step " + std::to_string(step) + " on rank " +
-                                                         std::to_string(run_.world.rank))
+                                                         std::to_string(job_.world.rank))
                                     : "";
       if (bad.empty()) bad = b_bad;
-      if (b_bad.empty()) evaluate_batch(x, b.target.to(run_.device), loss_sum, correct, count);
+      if (b_bad.empty()) evaluate_batch(x, b.target.to(job_.device), loss_sum, correct, count);
     }
     batch.clear();
   };
-  for (int64_t i = run_.mesh.dp_rank(); i < n; i += dp) {
+  for (int64_t i = job_.mesh.dp_rank(); i < n; i += dp) {
     batch.push_back(i);
     if (static_cast<int64_t>(batch.size()) == eval_batch) run_batch();
   }
   if (!batch.empty()) run_batch();
-  run_.model->train(true);
+  net_.model->train(true);
   if (fsdp_) fsdp_->reshard();
   auto totals = torch::tensor({loss_sum, correct, count, bad.empty() ? 0.0 : 1.0}, torch::kDouble);
   pp_->broadcast(totals, schedule_.stage_rank.back(), "pipeline evaluation totals");
-  run_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
-  if (totals[3].item<double>() > 0) throw InputError(dist::first_error(*run_.coll, bad, "evaluation targets").message);
+  job_.mesh.on(dist::Axis::Dp).all_reduce(totals, dist::ReduceOp::Sum, "evaluation totals");
+  if (totals[3].item<double>() > 0) throw InputError(dist::first_error(*job_.coll, bad, "evaluation targets").message);
   return evaluation_result(step, totals);
 }
 

@@ -35,7 +35,8 @@ namespace keel {
 
 class PipelinedStep : public Step {
  public:
-  explicit PipelinedStep(Run& run);
+  PipelinedStep(const JobParts& job, ModelParts& net, DataParts& data, UpdateParts& update, const Progress& progress,
+                GraphCounts& counts);
   ~PipelinedStep() override;
   Launched launch(StepResult& r) override;
   /// A forward-only pipeline over the test split, batch by batch; the last stage's totals are

@@ -33,6 +33,13 @@
 namespace keel {
 
 struct Run;
+// The run's parts a step reads (trainer/run.h).
+struct JobParts;
+struct ModelParts;
+struct DataParts;
+struct UpdateParts;
+struct Progress;
+struct GraphCounts;
 
 /// What one optimizer step produced.
 struct StepResult {
@@ -80,7 +87,9 @@ class Step {
  public:
   /// With compile.cuda_graphs, the step's forward-backward and update run as graphs
   /// (trainer/step/graphs.h).
-  explicit Step(Run& run);
+  /// The run's parts a step reads and updates (trainer/run.h).
+  Step(const JobParts& job, ModelParts& net, DataParts& data, UpdateParts& update, const Progress& progress,
+       GraphCounts& counts);
   virtual ~Step();
   Step(const Step&) = delete;
   Step& operator=(const Step&) = delete;
@@ -132,7 +141,12 @@ class Step {
   /// rank's optimizer steps (run.owned). A pipeline stage's are every one it holds (its norm reads
   /// them all, whatever ZeRO-1 owns).
   virtual const std::vector<torch::Tensor>& verdict_parameters() const;
-  Run& run_;
+  const JobParts& job_;
+  ModelParts& net_;
+  DataParts& data_;
+  UpdateParts& update_;
+  const Progress& progress_;
+  GraphCounts& counts_;
   std::string bad_input_;  // bad_input()
 
  private:
