@@ -750,7 +750,8 @@ TEST(InductorBlocks, GptTrainsAsEagerAtPp2WithEachStagesBlocksCompiled) {
 // all-reduce (or, with sequence parallelism, all-gather and reduce-scatter), the row-parallel
 // biases and the residuals eager around them. Trains like eager within the blocks' tolerance, at
 // tp 2 with and without sequence parallelism, and at dp 2 x tp 2 with ZeRO-3 and sequence
-// parallelism (4 ranks: each block gathered around its regions); no input misses the package
+// parallelism (4 ranks: each block gathered around its regions), and at pp 2 x tp 2 (each stage's
+// block from the same package); no input misses the package
 // (recompiles 0). `keel compile` packages the regions ahead of time, and training loads them.
 TEST(InductorBlocks, GptRegionsTrainAsEagerAtTp2WithSequenceParallelismAndAtDp2Tp2) {
   struct Case {
@@ -761,7 +762,9 @@ TEST(InductorBlocks, GptRegionsTrainAsEagerAtTp2WithSequenceParallelismAndAtDp2T
   const std::vector<Case> cases = {
       {2, {"--parallel.tp=2"}, "tp 2"},
       {2, {"--parallel.tp=2", "--parallel.sequence_parallel=true"}, "tp 2, sequence parallel"},
-      {4, {"--parallel.tp=2", "--dist.zero=3", "--parallel.sequence_parallel=true"}, "dp 2 x tp 2, zero 3, sp"}};
+      {4, {"--parallel.tp=2", "--dist.zero=3", "--parallel.sequence_parallel=true"}, "dp 2 x tp 2, zero 3, sp"},
+      // Pipeline stages over tp (issue 66 item 5): each stage's block runs the tp package's regions.
+      {4, {"--parallel.tp=2", "--parallel.pp=2", "--train.grad_accum=2"}, "pp 2 x tp 2"}};
   for (const Case& c : cases) {
     TempDir d;
     std::string log;

@@ -451,7 +451,7 @@ TEST(Pipeline, AShapeMismatchOnASendFailsBothRanksNamingIt) {
 
 // What a pipeline cannot run is refused on every rank with exit 2, naming the key: more stages
 // than blocks, a split past the last block, a whole-step package, and what it does not serve yet
-// (compiled blocks at pp x tp, comm hooks).
+// (comm hooks).
 TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
   TempDir d;
   struct Case {
@@ -464,9 +464,6 @@ TEST(Pipeline, RefusalsExitTwoNamingTheKeys) {
        {"--model.depth=1", "--parallel.pp=2"},
        "parallel.pp = 2 stages (parallel.pp x the virtual stages per rank) for a model of 1 blocks"},
       {2, {"--parallel.pp=2", "--parallel.pp_split=8"}, "parallel.pp_split: block 8 is past the model's last (7)"},
-      {4,
-       {"--parallel.pp=2", "--parallel.tp=2", "--compile.mode=inductor"},
-       "cannot be combined with compile.mode = \"inductor\" at parallel.tp = 2 yet"},
       {2, {"--parallel.pp=2", "--dist.comm_hook=bf16"}, "cannot be combined with dist.comm_hook = \"bf16\" yet"},
       {2,
        {"--parallel.pp=2", "--compile.mode=inductor", "--compile.granularity=step"},

@@ -78,18 +78,16 @@ Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb) : job
 
 // parallel.pp > 1 composes, so far, with data parallelism (DDP, ZeRO 1-3), tensor and sequence
 // parallelism, checkpoints (whole tensors, dist/stage_checkpoint.h) and compile.mode = "inductor"
-// (each block compiled, at parallel.tp = 1); the rest is refused by name (exit 2) until it is built.
+// (each block compiled); the rest is refused by name (exit 2) until it is built.
 void Run::refuse_what_pipelines_do_not_serve_yet() const {
   auto refuse = [&](bool set, const std::string& what) {
     if (set)
       throw InputError("parallel.pp = " + std::to_string(job.mesh.pp()) + " cannot be combined with " + what +
-                       " yet (pipeline parallelism runs eager, or with its blocks compiled at parallel.tp = 1)");
+                       " yet (pipeline parallelism runs eager, or with each block compiled)");
   };
   refuse(job.cfg.dist.comm_hook != CommHook::Allreduce,
          "dist.comm_hook = \"" + std::string(choice_name(kCommHooks, job.cfg.dist.comm_hook)) + "\"");
   refuse(job.cfg.compile.mode == CompileMode::Trace, "compile.mode = \"trace\"");
-  refuse(job.cfg.compile.mode == CompileMode::Inductor && job.mesh.tp() > 1,
-         "compile.mode = \"inductor\" at parallel.tp = " + std::to_string(job.mesh.tp()));
   refuse(job.cfg.compile.cuda_graphs, "compile.cuda_graphs = true");
 }
 
