@@ -83,7 +83,9 @@ Launched Step::launch(StepResult& r) {
 }
 
 dist::Collectives::Sequence Step::tensor_parallel_calls(const std::vector<data::Batch>& batches) const {
-  if (job_.mesh.tp() == 1) return {};
+  // compile.cuda_graphs: a replayed graph issues its collectives without the host (validated call
+  // by call in the eager warm-up steps, then captured).
+  if (job_.mesh.tp() == 1 || graphs_) return {};
   // What makes one step's calls differ from another's: the micro-batches and their shapes.
   std::vector<int64_t> words = {static_cast<int64_t>(batches.size())};
   for (const data::Batch& b : batches) {
