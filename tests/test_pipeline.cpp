@@ -214,7 +214,7 @@ TEST(Pipeline, TensorAndSequenceParallelStagesAndThe8RankMeshTrainAsOneRankDoes)
   }
 }
 
-keel::Config pipeline_config(const std::string& dir, int64_t pp) {
+keel::Config pipeline_config(const std::string& dir, int64_t pp, int64_t zero = 0, int64_t batch = 2) {
   keel::Config cfg;
   cfg.run.dir = dir;
   cfg.run.threads = 1;
@@ -226,20 +226,22 @@ keel::Config pipeline_config(const std::string& dir, int64_t pp) {
   cfg.model.context = 16;
   cfg.data.name = "synthetic";
   cfg.train.steps = 20;
-  cfg.train.batch_size = 2;
+  cfg.train.batch_size = batch;
   cfg.train.grad_accum = 8;
   cfg.train.grad_clip = 0.05;
   cfg.parallel.pp = pp;
+  cfg.dist.zero = zero;
   keel::validate(cfg);
   return cfg;
 }
 
-std::vector<torch::Tensor> trained_parameters(const keel::Config& cfg, const keel::dist::World& w) {
+std::vector<torch::Tensor> trained_parameters(const keel::Config& cfg, const keel::dist::World& w, bool on_end = true) {
   std::vector<torch::Tensor> params;
   keel::Callbacks cb;
-  cb.on_end = [&](keel::models::Model& m) {
-    for (auto& p : m.parameters()) params.push_back(p.detach().clone());
-  };
+  if (on_end)
+    cb.on_end = [&](keel::models::Model& m) {
+      for (auto& p : m.parameters()) params.push_back(p.detach().clone());
+    };
   keel::Trainer(cfg, w, cb).run();
   return params;
 }
@@ -276,6 +278,38 @@ TEST(Pipeline, EveryRankEndsWithOneRanksParameters) {
   const double rel = std::sqrt(diff / norm), rms = std::sqrt(norm / count);
   EXPECT_LT(rel, adamw_reorder_bound(20, 1e-3, 2 * 8 + 2, rms)) << "relative L2 distance to one rank's parameters";
   ::testing::Test::RecordProperty("relative_l2_to_one_rank", c10::str(rel));
+}
+
+// At pp 2 x dp 2 with ZeRO-3, Callbacks::on_end on world rank 0 alone: every rank agrees to make
+// the model whole (ZeRO-3's gathers over dp, the stages' broadcasts over pp), so no rank waits on
+// a collective its peers skip; rank 0 sees one rank's parameters within the bound (the dp mean's
+// 2 roundings more).
+TEST(Pipeline, OnEndOnOneRankAtPp2Dp2Zero3SeesTheWholeModel) {
+  TempDir d;
+  auto ranks = run_ranks(4,
+                         [&](const keel::dist::World& w) {
+                           TempDir rd;
+                           const auto params = trained_parameters(pipeline_config(rd.file("run"), 2, 3, 1), w,
+                                                                  /*on_end=*/w.rank == 0);
+                           if (const char* out = std::getenv("KEEL_TEST_OUT"); out && w.rank == 0)
+                             torch::save(params, out);
+                         },
+                         300, {"KEEL_TEST_OUT=" + d.file("rank0")});
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+  const auto one = trained_parameters(pipeline_config(d.file("one"), 1), keel::dist::World{});
+  std::vector<torch::Tensor> r0;
+  torch::load(r0, d.file("rank0"));
+  ASSERT_EQ(r0.size(), one.size());
+  double diff = 0, norm = 0, count = 0;
+  for (size_t i = 0; i < one.size(); ++i) {
+    ASSERT_EQ(r0[i].sizes(), one[i].sizes()) << "parameter " << i;
+    diff += (r0[i] - one[i]).pow(2).sum().item<double>();
+    norm += one[i].pow(2).sum().item<double>();
+    count += static_cast<double>(one[i].numel());
+  }
+  const double rel = std::sqrt(diff / norm), rms = std::sqrt(norm / count);
+  EXPECT_LT(rel, adamw_reorder_bound(20, 1e-3, 2 * 8 + 2 + 2, rms)) << "relative L2 distance to one rank's parameters";
 }
 
 // Checkpoints at pp > 1 (item 5): each stage's rank writes its parameters and their optimizer

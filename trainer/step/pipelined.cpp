@@ -374,6 +374,7 @@ void PipelinedStep::sum_root_gradients() {
 // their hooks idle, so that every micro-batch's gradients accumulate whole (one dp sequence: the
 // gathers validated on the first step, replayed after).
 void PipelinedStep::hold_stage() {
+  if (!fsdp_->placement().shards_parameters()) return fsdp_->hold();  // ZeRO-2: whole already (no collective)
   dist::Collectives::Sequence gathers = job_.mesh.on(dist::Axis::Dp).sequence(kGathers);
   fsdp_->hold();
   gathers.end();
@@ -431,15 +432,16 @@ torch::Tensor PipelinedStep::global_norm(double max_norm) {
 // the stage that counts its parameter and, if tp replicates it, on tp rank 0 only; summed over
 // dp, pp and tp. The clip scales every piece's gradient.
 torch::Tensor PipelinedStep::pieces_norm(double max_norm) {
-  std::map<std::string, size_t> at;
-  const models::NamedTensors held = stages_->named_parameters();
-  for (size_t k = 0; k < held.size(); ++k) at[held[k].first] = k;
+  if (held_at_.empty()) {
+    const models::NamedTensors held = stages_->named_parameters();
+    for (size_t k = 0; k < held.size(); ++k) held_at_[held[k].first] = k;
+  }
   std::vector<torch::Tensor> counted, grads;
   for (const auto& [name, piece] : fsdp_->pieces()) {
     const torch::Tensor& g = piece.grad();
     if (!g.defined()) continue;
     grads.push_back(g.detach());
-    const size_t k = at.at(name);
+    const size_t k = held_at_.at(name);
     if (held_owner_[k] == rank_ && (!tp_split_ || !tp_split_->replicated[k] || tp_split_->group->rank() == 0))
       counted.push_back(g.detach());
   }
@@ -449,8 +451,10 @@ torch::Tensor PipelinedStep::pieces_norm(double max_norm) {
 }
 
 void PipelinedStep::hold_whole_model(bool wanted) {
+  // Agreed over the world: ZeRO-3's gathers run over dp, the stages' broadcasts over pp (a rank
+  // with Callbacks::on_end makes every rank take part).
   auto any = torch::tensor({wanted ? 1.0 : 0.0});
-  pp_->all_reduce(any, dist::ReduceOp::Max, "pipeline whole model wanted");
+  job_.coll->all_reduce(any, dist::ReduceOp::Max, "pipeline whole model wanted");
   if (any.item<double>() == 0) return;
   if (fsdp_) fsdp_->hold();  // ZeRO-3: the stage's own parameters whole again (kept so)
   torch::NoGradGuard no_grad;

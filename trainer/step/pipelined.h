@@ -94,6 +94,7 @@ class PipelinedStep : public Step {
   std::vector<int64_t> held_owner_;   // the same, per parameter of held_
   std::optional<dist::SplitGradients> tp_split_;  // parallel.tp > 1: per parameter of held_
   dist::FullyShard* fsdp_ = nullptr;              // dist.zero >= 2: the stage's ZeRO layout
+  std::map<std::string, size_t> held_at_;         // pieces_norm(): each held parameter's place in held_
   // The dp group's sequences (Collectives::sequence) of a step's gathers and reduce-scatters.
   static constexpr uint64_t kGathers = 1, kReduceScatters = 2;
 };
