@@ -73,6 +73,13 @@ struct Collectives::Desc {
     w.insert(w.end(), {root, device, numel, seq, step, extra});
     return w;
   }
+  // The call as a sequence records it (Collectives::sequence): without its place in the group's
+  // calls and the step.
+  std::vector<int64_t> sequence_words() const {
+    Desc d = *this;
+    d.seq = d.step = 0;
+    return d.words();
+  }
   static Desc from_words(const int64_t* w) {
     Desc d;
     d.op = w[0], d.reduce = w[1], d.dtype = w[2], d.ndim = w[3];
@@ -464,14 +471,6 @@ struct Collectives::Sequences {
   std::vector<Desc> pending;  // recording: kept under `key` by end()
 };
 
-namespace {
-// A call as a sequence records it: without its place in the group's calls and the step.
-std::vector<int64_t> sequence_words(std::vector<int64_t> w) {
-  w[15] = w[16] = 0;  // seq, step
-  return w;
-}
-}  // namespace
-
 Collectives::Sequence Collectives::sequence(uint64_t key) {
   if (mode_ != Validate::Always || size() == 1 || replaying_ || CaptureScope::active()) return Sequence();
   if (!sequences_) sequences_ = std::make_shared<Sequences>();
@@ -490,7 +489,7 @@ Collectives::Sequence Collectives::sequence(uint64_t key) {
   // meets it with its first call's, and every rank throws the mismatch naming both).
   std::vector<int64_t> words;
   for (const Desc& c : it->second) {
-    const std::vector<int64_t> w = sequence_words(c.words());
+    const std::vector<int64_t> w = c.sequence_words();
     words.insert(words.end(), w.begin(), w.end());
   }
   Desc d;
@@ -509,7 +508,7 @@ Collectives::Sequence Collectives::sequence(uint64_t key) {
 void Collectives::replay_call(Desc& d) {
   Sequences& s = *sequences_;
   const size_t at = s.next++;
-  if (at < s.record->size() && sequence_words((*s.record)[at].words()) == sequence_words(d.words())) {
+  if (at < s.record->size() && (*s.record)[at].sequence_words() == d.sequence_words()) {
     d.replayed = true;
     return;
   }

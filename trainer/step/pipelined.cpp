@@ -103,6 +103,12 @@ PipelinedStep::PipelinedStep(const JobParts& job, ModelParts& net, DataParts& da
     tp_split_ = *split;
   // dist.zero >= 2: the stage's ZeRO layout, held whole for each step's schedule (dist/fsdp.h).
   fsdp_ = net.dmodel->fully_shard();
+  if (fsdp_) {  // each piece's parameter, by its place in held_
+    std::map<std::string, size_t> at;
+    const models::NamedTensors held = stages_->named_parameters();
+    for (size_t k = 0; k < held.size(); ++k) at[held[k].first] = k;
+    for (const auto& [name, piece] : fsdp_->pieces()) piece_held_.push_back(at.at(name));
+  }
   // Built, compiled and distributed: the other stages' parameters are not this rank's to keep.
   stages_->release_others();
 }
@@ -404,19 +410,7 @@ void PipelinedStep::sum_partial_over_tensor_parallel() {
 // per-parameter norms, each entry filled by the one rank that counts it and summed over pp), so
 // that the norm is one rank's; the clip scales every gradient this rank holds.
 torch::Tensor PipelinedStep::global_norm(double max_norm) {
-  if (fsdp_) return pieces_norm(max_norm);
-  if (tp_split_) {  // the squares of each stage's parts, a replicated parameter's counted on tp rank 0 only
-    std::vector<torch::Tensor> counted, grads;
-    for (size_t k = 0; k < held_.size(); ++k) {
-      const torch::Tensor& g = held_[k].grad();
-      if (!g.defined()) continue;
-      grads.push_back(g.detach());
-      if (held_owner_[k] == rank_ && (!tp_split_->replicated[k] || tp_split_->group->rank() == 0))
-        counted.push_back(g.detach());
-    }
-    return dist::clip_by_summed_squares(counted, grads, {pp_, tp_split_->group}, max_norm,
-                                        "pipeline x tp: gradient norm");
-  }
+  if (fsdp_ || tp_split_) return summed_squares_norm(max_norm);
   const torch::Tensor total = dist::clip_grad_norm(stages_->whole().named_parameters(), whole_owner_, *pp_,
                                                    std::numeric_limits<double>::infinity(), /*sharded=*/true);
   if (std::isfinite(max_norm)) {
@@ -428,26 +422,31 @@ torch::Tensor PipelinedStep::global_norm(double max_norm) {
   return total;
 }
 
-// dist.zero >= 2: the squares of this rank's pieces (distinct on each dp rank), each counted by
-// the stage that counts its parameter and, if tp replicates it, on tp rank 0 only; summed over
-// dp, pp and tp. The clip scales every piece's gradient.
-torch::Tensor PipelinedStep::pieces_norm(double max_norm) {
-  if (held_at_.empty()) {
-    const models::NamedTensors held = stages_->named_parameters();
-    for (size_t k = 0; k < held.size(); ++k) held_at_[held[k].first] = k;
-  }
+// parallel.tp > 1 or dist.zero >= 2: the squares of the gradients this rank keeps (the held
+// parameters' tp parts, or its ZeRO pieces of them, distinct on each dp rank), each counted by the
+// stage that counts its parameter and, if tp replicates it, on tp rank 0 only; summed over dp (the
+// pieces), pp and tp. The clip scales every one of them.
+torch::Tensor PipelinedStep::summed_squares_norm(double max_norm) {
   std::vector<torch::Tensor> counted, grads;
-  for (const auto& [name, piece] : fsdp_->pieces()) {
-    const torch::Tensor& g = piece.grad();
-    if (!g.defined()) continue;
+  auto add = [&](const torch::Tensor& t, size_t k) {
+    const torch::Tensor& g = t.grad();
+    if (!g.defined()) return;
     grads.push_back(g.detach());
-    const size_t k = held_at_.at(name);
     if (held_owner_[k] == rank_ && (!tp_split_ || !tp_split_->replicated[k] || tp_split_->group->rank() == 0))
       counted.push_back(g.detach());
+  };
+  std::vector<dist::Collectives*> groups;
+  if (fsdp_) {
+    const models::NamedTensors& pieces = fsdp_->pieces();
+    for (size_t i = 0; i < pieces.size(); ++i) add(pieces[i].second, piece_held_[i]);
+    groups.push_back(&job_.mesh.on(dist::Axis::Dp));
+  } else {
+    for (size_t k = 0; k < held_.size(); ++k) add(held_[k], k);
   }
-  std::vector<dist::Collectives*> groups = {&job_.mesh.on(dist::Axis::Dp), pp_};
+  groups.push_back(pp_);
   if (tp_split_) groups.push_back(tp_split_->group);
-  return dist::clip_by_summed_squares(counted, grads, groups, max_norm, "pipeline x ZeRO: gradient norm");
+  return dist::clip_by_summed_squares(counted, grads, groups, max_norm,
+                                      fsdp_ ? "pipeline x ZeRO: gradient norm" : "pipeline x tp: gradient norm");
 }
 
 void PipelinedStep::hold_whole_model(bool wanted) {

@@ -69,7 +69,7 @@ class PipelinedStep : public Step {
   void sum_partial_over_tensor_parallel();
   void hold_stage();
   void reduce_stage();
-  torch::Tensor pieces_norm(double max_norm);
+  torch::Tensor summed_squares_norm(double max_norm);
   void average_over_data_parallel();
   void sum_root_gradients();
   torch::Tensor global_norm(double max_norm);
@@ -94,7 +94,7 @@ class PipelinedStep : public Step {
   std::vector<int64_t> held_owner_;   // the same, per parameter of held_
   std::optional<dist::SplitGradients> tp_split_;  // parallel.tp > 1: per parameter of held_
   dist::FullyShard* fsdp_ = nullptr;              // dist.zero >= 2: the stage's ZeRO layout
-  std::map<std::string, size_t> held_at_;         // pieces_norm(): each held parameter's place in held_
+  std::vector<size_t> piece_held_;  // dist.zero >= 2: each of fsdp_'s pieces' parameter, as a place in held_
   // The dp group's sequences (Collectives::sequence) of a step's gathers and reduce-scatters.
   static constexpr uint64_t kGathers = 1, kReduceScatters = 2;
 };

@@ -35,13 +35,7 @@ std::unique_ptr<Step> make_step(Run& run) {
 
 Step::Step(const JobParts& job, ModelParts& net, DataParts& data, UpdateParts& update, const Progress& progress,
            GraphCounts& counts)
-    : job_(job),
-      net_(net),
-      data_(data),
-      update_(update),
-      progress_(progress),
-      counts_(counts),
-      first_step_(progress.steps_done + 1) {
+    : job_(job), net_(net), data_(data), update_(update), first_step_(progress.steps_done + 1) {
   if (job.cfg.compile.cuda_graphs) graphs_ = std::make_unique<StepGraphs>(job, net, update, progress, counts);
 }
 

@@ -145,8 +145,6 @@ class Step {
   ModelParts& net_;
   DataParts& data_;
   UpdateParts& update_;
-  const Progress& progress_;
-  GraphCounts& counts_;
   std::string bad_input_;  // bad_input()
 
  private:
