@@ -172,6 +172,10 @@ def parse_args():
     ap.add_argument("--zero-rounds", type=int, default=0,
                     help="instead: N rounds of dist.zero = 0, 1, 2 on gpt at each of --worlds (order rotating), "
                          "with PyTorch DDP and ZeroRedundancyOptimizer: optimizer state, peak RSS and step time")
+    ap.add_argument("--flight-rounds", type=int, default=0,
+                    help="instead: N rounds on gpt at each of --worlds (the issue: --worlds 2) of keel with the flight "
+                         "recorder off (dist.flight_recorder = 0) and on (2000, the default), PyTorch DDP beside them, "
+                         "the order rotating: what the record costs a step")
     ap.add_argument("--validate-pairs", type=int, default=0,
                     help="instead: N back-to-back pairs of dist.validate = always and off (mlp, 2 ranks), order alternating")
     ap.add_argument("--ab", action="append", default=[], metavar="NAME=OVERRIDES",
@@ -191,6 +195,8 @@ def main():
         return baseline_bench(args)
     if args.validate_pairs:
         return validate_bench(args)
+    if args.flight_rounds:
+        return flight_bench(args)
     if args.observe_rounds:
         return observe_bench(args)
     if args.zero_rounds:
@@ -371,6 +377,26 @@ def rounds_on_gpt(args, rounds, suffix, configs, finish, model="gpt", base="keel
                 summary[f"{n}_peak_rss_mb"] = middle([r["peak_rss_mb"] for r in got[n]])
             finish(summary, got)
             emit(summary)
+
+
+def flight_bench(args):
+    """dist.flight_recorder = 0 and 2000 (the default) on gpt, with PyTorch DDP (eager, the same
+    work) beside them: N rounds, the order rotating; each step time over the recorder-off run's."""
+    steps = max(args.steps // 5, 12)
+    b = BATCH["gpt"]
+    configs = {"keel-flight-off": lambda w: run_keel("gpt", b, steps, w, args.keel, extra=["--dist.flight_recorder=0"]),
+               "keel-flight-on": lambda w: run_keel("gpt", b, steps, w, args.keel,
+                                                    extra=["--dist.flight_recorder=2000"]),
+               "pytorch-ddp": lambda w: run_torch("gpt", b, steps, w)}
+
+    def finish(summary, got):
+        summary["steps"] = steps
+        summary["flight_on_over_off"] = summary["keel-flight-on_step_time_over_keel_flight_off"]
+        summary["keel_flight_on_over_pytorch_ddp"] = middle(
+            [got["keel-flight-on"][k]["median_step_ms"] / got["pytorch-ddp"][k]["median_step_ms"]
+             for k in range(len(got["pytorch-ddp"]))])
+
+    rounds_on_gpt(args, args.flight_rounds, "-flight", configs, finish, base="keel-flight-off")
 
 
 def ab_bench(args):

@@ -1,6 +1,7 @@
 #include "checkpoint/checkpointer.h"
 
 #include "checkpoint/meta.h"
+#include "dist/phase.h"
 
 #include <fcntl.h>
 #include <sys/stat.h>
@@ -397,6 +398,7 @@ torch::Tensor snapshot(std::map<std::string, torch::Tensor>& staging, bool async
 void Checkpointer::save(int64_t step, const State& state) {
   const auto t0 = Clock::now();
   commit();  // the previous async save, if any
+  dist::PhaseScope phase(dist::Phase::CheckpointSave);
   if (step == last_committed_) {
     logging::debug("checkpoint: step {} is already committed", step);
     last_blocking_ms_ = ms_since(t0);
@@ -479,6 +481,7 @@ void Checkpointer::save(int64_t step, const State& state) {
 
 void Checkpointer::commit() {
   if (!pending_) return;
+  dist::PhaseScope phase(dist::Phase::CheckpointCommit);
   std::unique_ptr<Pending> p = std::move(pending_);
   pending_step_ = -1;
   if (p->thread.joinable()) p->thread.join();

@@ -4,6 +4,8 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <deque>
+#include <mutex>
 #include <string>
 #include <string_view>
 
@@ -37,8 +39,22 @@ Level parse_level(std::string_view name) {
 
 bool enabled(Level level) { return logger()->should_log(to_spd(level)); }
 
+namespace {
+std::mutex g_tail_mu;
+std::deque<std::string> g_tail;  // the last lines, for last_lines()
+}  // namespace
+
 void write(Level level, std::string_view line) {
   logger()->log(to_spd(level), spdlog::string_view_t(line.data(), line.size()));
+  static const char* names[] = {"trace", "debug", "info", "warn", "error", "critical", "off"};
+  std::lock_guard<std::mutex> lock(g_tail_mu);
+  g_tail.push_back(std::string("[") + names[static_cast<int>(level)] + "] " + std::string(line.substr(0, 1000)));
+  if (g_tail.size() > 20) g_tail.pop_front();
+}
+
+std::vector<std::string> last_lines() {
+  std::lock_guard<std::mutex> lock(g_tail_mu);
+  return {g_tail.begin(), g_tail.end()};
 }
 
 void flush() { logger()->flush(); }

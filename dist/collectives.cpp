@@ -11,8 +11,14 @@
 #include <thread>
 
 #include "dist/compat.h"
+#include "dist/phase.h"
 
 namespace keel::dist {
+
+// Gloo's and NCCL's words for a wait that ran out of time.
+static bool timed_out(const std::string& error) {
+  return error.find("imed out") != std::string::npos || error.find("imeout") != std::string::npos;
+}
 
 enum class OpCode : int64_t {
   AllReduce = 1,
@@ -194,6 +200,13 @@ struct Collectives::Door {
   TrafficStats traffic;
   std::shared_ptr<OpObserver> observer;
   uint64_t buckets = 0;  // DDP buckets issued (their sequence numbers)
+  // The first bucket's number in the current step (a bucket's index in its step: seq minus it).
+  int64_t bucket_step = -1;
+  uint64_t first_bucket = 0;
+  uint64_t step_first_bucket(int64_t step, uint64_t seq) {  // under `mu`
+    if (step != bucket_step) bucket_step = step, first_bucket = seq;
+    return first_bucket;
+  }
 };
 
 Collectives::Collectives(std::shared_ptr<Group> group, Validate validate)
@@ -227,6 +240,8 @@ OpRecord Collectives::record_of(const Desc& d) const {
   r.kind = d.validation               ? OpRecord::Kind::Probe
            : replaying_ || d.replayed ? OpRecord::Kind::Replayed
                                       : OpRecord::Kind::Collective;
+  const bool p2p = d.op == static_cast<int64_t>(OpCode::Send) || d.op == static_cast<int64_t>(OpCode::Recv);
+  r.lane = p2p ? OpRecord::Lane::P2P : replaying_ ? OpRecord::Lane::Replay : OpRecord::Lane::Calls;
   r.group = group_->name();
   r.seq = static_cast<uint64_t>(d.seq);
   r.op = op_name(d.op);
@@ -237,32 +252,53 @@ OpRecord Collectives::record_of(const Desc& d) const {
   } else if (d.dtype >= 0) {
     r.shape.assign(d.dims, d.dims + std::min<int64_t>(d.ndim, Desc::kDims));
     r.dtype = static_cast<c10::ScalarType>(d.dtype);
+    r.bytes = d.numel * static_cast<int64_t>(c10::elementSize(r.dtype));
   }
+  r.peer = d.root;
+  if (p2p) r.tag = d.extra;
   r.step = step_;
-  r.start = d.issued;
+  r.phase = current_phase().pack();
+  r.enqueue = r.start = d.issued;
   return r;
 }
 
+std::shared_ptr<OpObserver> Collectives::observer() const {
+  std::lock_guard<std::mutex> lock(door_->mu);
+  return door_->observer;
+}
+
 void Collectives::observe_start(const Desc& d) {
-  std::shared_ptr<OpObserver> observer;
-  {
-    std::lock_guard<std::mutex> lock(door_->mu);
-    observer = door_->observer;
+  if (auto observer = this->observer()) {
+    OpRecord r = record_of(d);
+    r.start = std::chrono::steady_clock::now();
+    observer->on_start(r);
   }
-  if (observer) observer->on_start(record_of(d));
+}
+
+void Collectives::observe_failure(const Desc& d, const std::string& error, OpRecord::Outcome outcome) {
+  if (auto observer = this->observer()) {
+    OpRecord r = record_of(d);
+    if (d.validation) r.kind = OpRecord::Kind::Collective;  // the call its probe guarded
+    r.outcome = outcome;
+    r.end = std::chrono::steady_clock::now();
+    observer->on_failure(r, error);
+  }
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(const torch::Tensor& buffer) {
   OpRecord r;
   std::shared_ptr<OpObserver> observer;
+  int32_t index = 0;  // the bucket's place in its step
   {
     std::lock_guard<std::mutex> lock(door_->mu);
     observer = door_->observer;
     r.seq = door_->buckets++;
+    index = static_cast<int32_t>(r.seq - door_->step_first_bucket(step_, r.seq));
   }
   const int64_t bytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
   if (observer) {
     r.kind = OpRecord::Kind::Bucket;
+    r.lane = OpRecord::Lane::Bucket;
     r.group = group_->name();
     r.op = "all_reduce";
     r.what = "DDP gradient bucket";
@@ -270,7 +306,10 @@ c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(con
     r.dtype = buffer.scalar_type();
     r.bytes = bytes;
     r.step = step_;
-    r.start = std::chrono::steady_clock::now();
+    PhaseState where = current_phase();
+    where.bucket = index;
+    r.phase = where.pack();
+    r.enqueue = r.start = std::chrono::steady_clock::now();
     observer->on_start(r);
   }
   std::vector<at::Tensor> v{buffer};
@@ -288,7 +327,13 @@ c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(con
         if (observer) {
           OpRecord done = r;
           done.end = std::chrono::steady_clock::now();
-          observer->on_end(done);
+          if (f.hasError()) {  // a lost peer, a timeout: the bucket failed (value() rethrows it below)
+            const std::string error = f.tryRetrieveErrorMessage();
+            done.outcome = timed_out(error) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed;
+            observer->on_failure(done, error);
+          } else {
+            observer->on_end(done);
+          }
         }
         return f.value();
       },
@@ -392,7 +437,62 @@ std::string Collectives::missing_ranks(const std::string& what) {
   }
 }
 
+Collectives::RawCall Collectives::raw_call(const char* op, const char* what) {
+  RawCall call;
+  const uint64_t seq = raw_seq_++;
+  call.observer_ = observer();
+  if (!call.observer_ || !group_->pg()) {
+    call.observer_ = nullptr;
+    return call;
+  }
+  OpRecord& r = call.record_;
+  r.lane = OpRecord::Lane::Raw;
+  r.group = group_->name();
+  r.seq = seq;
+  r.op = op;
+  r.what = what;
+  r.step = step_;
+  r.phase = current_phase().pack();
+  r.enqueue = r.start = std::chrono::steady_clock::now();
+  call.observer_->on_start(r);
+  return call;
+}
+
+void Collectives::RawCall::done() {
+  if (auto observer = std::move(observer_)) {
+    record_.end = std::chrono::steady_clock::now();
+    observer->on_end(record_);
+  }
+}
+
+Collectives::RawCall::~RawCall() {
+  if (auto observer = std::move(observer_)) {
+    record_.end = std::chrono::steady_clock::now();
+    record_.outcome = OpRecord::Outcome::Failed;
+    observer->on_failure(record_, std::string(record_.what) + ": did not finish (an error on its way)");
+  }
+}
+
 CollectiveError Collectives::failure(const std::string& what, const std::string& error) {
+  CollectiveError e = failed(what, error);
+  if (auto observer = this->observer()) {  // the Reducer's buckets: every one still open
+    OpRecord r;
+    r.kind = OpRecord::Kind::Bucket;
+    r.lane = OpRecord::Lane::Bucket;
+    r.group = group_->name();
+    r.seq = UINT64_MAX;
+    r.op = "all_reduce";
+    r.what = "DDP gradient bucket";
+    r.step = step_;
+    r.phase = current_phase().pack();
+    r.outcome = timed_out(error) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed;
+    r.enqueue = r.start = r.end = std::chrono::steady_clock::now();
+    observer->on_failure(r, e.what());
+  }
+  return e;
+}
+
+CollectiveError Collectives::failed(const std::string& what, const std::string& error) {
   std::string msg = "[" + group_->rank_name(rank()) + "/" + std::to_string(size()) + "] " + what + " at step " +
                     std::to_string(step_) + " failed: " + error.substr(0, error.find('\n'));
   const std::string missing = missing_ranks(msg);
@@ -425,7 +525,10 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
     else
       w->wait(group_->timeout() - report_grace());
   } catch (const std::exception& e) {
-    throw failure(std::string(d.validation ? "validation of " : "") + d.what + ": " + describe(d), e.what());
+    CollectiveError error =
+        failed(std::string(d.validation ? "validation of " : "") + d.what + ": " + describe(d), e.what());
+    observe_failure(d, error.what(), timed_out(e.what()) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed);
+    throw error;
   }
   count(d, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
 }
@@ -514,11 +617,13 @@ void Collectives::replay_call(Desc& d) {
   }
   const std::string expected = at < s.record->size() ? describe((*s.record)[at]) : "nothing more";
   s.record = nullptr;
-  throw CollectiveMismatch("collective mismatch at step " + std::to_string(step_) + " (" + d.what + ") on " +
-                           group_->rank_name(rank()) + ": its collective #" + std::to_string(at) +
-                           " of a replayed sequence would be " + describe(d) +
-                           ", where the record every rank of the group confirmed has " + expected +
-                           "; nothing was issued. Every rank must make the same calls in the same order");
+  const CollectiveMismatch error("collective mismatch at step " + std::to_string(step_) + " (" + d.what + ") on " +
+                                 group_->rank_name(rank()) + ": its collective #" + std::to_string(at) +
+                                 " of a replayed sequence would be " + describe(d) +
+                                 ", where the record every rank of the group confirmed has " + expected +
+                                 "; nothing was issued. Every rank must make the same calls in the same order");
+  observe_failure(d, error.what(), OpRecord::Outcome::Mismatch);
+  throw error;
 }
 
 void Collectives::end_sequence(bool completed) {
@@ -549,6 +654,7 @@ Collectives::Sequence::~Sequence() {
 void Collectives::check(Desc& d) {
   d.seq = static_cast<int64_t>(seq_++);
   d.issued = std::chrono::steady_clock::now();
+  observe_start(d);  // before its validation: a rank waiting in the probe is in this call
   if (sequences_ && sequences_->record && !sequences_->recording) {
     replay_call(d);
   } else if (validating()) {
@@ -558,7 +664,6 @@ void Collectives::check(Desc& d) {
       sequences_->record->back().what = "";  // (the caller's; a record outlives it)
     }
   }
-  observe_start(d);
 }
 
 void Collectives::validate(const Desc& d) {
@@ -584,10 +689,12 @@ void Collectives::validate(const Desc& d) {
       [&](const std::string& mine) { return gather_strings(mine, raw_gather); });
   if (!dis) return;
   for (int64_t r = 0; r < size(); ++r) dis.names.push_back(group_->rank_name(r));
-  throw CollectiveMismatch("collective mismatch at step " + std::to_string(step_) + " (" + d.what +
-                           "):" + dis.by_rank() +
-                           "\nevery rank must issue the same collectives in the same order with the same dtypes "
-                           "and shapes");
+  const CollectiveMismatch error("collective mismatch at step " + std::to_string(step_) + " (" + d.what +
+                                 "):" + dis.by_rank() +
+                                 "\nevery rank must issue the same collectives in the same order with the same "
+                                 "dtypes and shapes");
+  observe_failure(d, error.what(), OpRecord::Outcome::Mismatch);
+  throw error;
 }
 
 void Collectives::all_reduce(torch::Tensor& t, ReduceOp op, const char* what) {
@@ -925,7 +1032,9 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
       } catch (const std::exception& e) {
         const Desc& d = descs[std::min(i, descs.size() - 1)];
         run_send_checks();
-        throw failure(std::string(d.what) + ": " + describe(d), e.what());
+        CollectiveError error = failed(std::string(d.what) + ": " + describe(d), e.what());
+        observe_failure(d, error.what(), timed_out(e.what()) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed);
+        throw error;
       }
     }
     const double ms = std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
@@ -975,7 +1084,9 @@ void Collectives::broadcast_coalesced(std::vector<torch::Tensor>& tensors, int64
     c10d::broadcast_coalesced(group_->pg(), tensors, bucket_bytes, static_cast<int>(root));
   } catch (const std::exception& e) {
     std::string m = e.what();
-    throw CollectiveError(std::string(what) + ": " + describe(d) + " failed: " + m.substr(0, m.find('\n')));
+    const CollectiveError error(std::string(what) + ": " + describe(d) + " failed: " + m.substr(0, m.find('\n')));
+    observe_failure(d, error.what(), timed_out(m) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed);
+    throw error;
   }
   int64_t bytes = 0;
   for (const auto& t : tensors) bytes += static_cast<int64_t>(t.nbytes());
@@ -1096,7 +1207,9 @@ StepConsensus Collectives::resolve(PendingStep& pending, double* local_loss) {
       im.work->wait(group_->timeout() - report_grace());
     } catch (const std::exception& e) {
       step_ = im.step;  // the failure names the step whose record it is
-      throw failure(std::string(d.what) + ": " + describe(d), e.what());
+      CollectiveError error = failed(std::string(d.what) + ": " + describe(d), e.what());
+      observe_failure(d, error.what(), timed_out(e.what()) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed);
+      throw error;
     }
     {
       std::lock_guard<std::mutex> lock(door_->mu);

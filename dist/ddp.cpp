@@ -201,6 +201,7 @@ DataParallel::DataParallel(std::shared_ptr<models::Model> model, std::shared_ptr
       if (!p.grad().defined()) p.mutable_grad() = torch::zeros_like(p);
   reducer_ = compat::make_reducer(params, buckets, coll_->group()->pg(), static_cast<int64_t>(cap),
                                   cfg.find_unused_parameters, names, static_cast<int64_t>(first));
+  find_unused_ = cfg.find_unused_parameters;
   std::optional<at::ScalarType> wire;
   if (cfg.comm_hook != CommHook::Allreduce) wire = cfg.comm_hook == CommHook::Fp16 ? at::kHalf : at::kBFloat16;
   reducer_->register_comm_hook(std::make_unique<BucketHook>(coll_, wire));
@@ -314,7 +315,13 @@ void DataParallel::before_forward(bool sync, bool step) {
   sync_buffers();
   if (fsdp_) return fsdp_->before_forward(sync, step);
   if (!reducer_ || !sync) return;
-  reducer_->rebuild_buckets();  // a no-op except right after the first synced step
+  if (rebuild_due_) {  // the Reducer's broadcast of its new bucket order, on its raw group: recorded
+    Collectives::RawCall call = coll_->raw_call("broadcast", "DDP Reducer: bucket rebuild (rank 0's bucket order)");
+    reducer_->rebuild_buckets();
+    call.done();
+    rebuild_due_ = false;
+    rebuilt_ = true;
+  }
   reducer_->prepare_for_forward();
 }
 
@@ -327,7 +334,16 @@ void DataParallel::reduce_gradients(const torch::Tensor& loss, bool sync) {
   if (!fsdp_ && (!reducer_ || !sync)) return loss.backward();
   if (reducer_) reducer_->prepare_for_backward({loss});
   try {
-    loss.backward();                     // the Reducer all-reduces the gradient buckets and waits for them here
+    // dist.find_unused_parameters: the Reducer all-reduces its used-parameter map on its raw group
+    // during the backward (recorded as spanning it).
+    Collectives::RawCall used = reducer_ && find_unused_
+                                    ? coll_->raw_call("all_reduce", "DDP Reducer: used-parameter map")
+                                    : Collectives::RawCall();
+    loss.backward();  // the Reducer all-reduces the gradient buckets and waits for them here
+    used.done();
+    // The Reducer rebuilds its buckets once, before the forward after its first synced backward
+    // (not under find_unused_parameters).
+    if (reducer_ && !find_unused_ && !rebuilt_) rebuild_due_ = true;
     if (fsdp_) fsdp_->after_backward();  // every rank's shard of every gradient (sync or not)
   } catch (const CollectiveError&) {
     throw;  // FullyShard's collectives name their failures

@@ -123,6 +123,9 @@ class DataParallel {
   std::shared_ptr<models::Model> model_;
   std::shared_ptr<Collectives> coll_;
   std::unique_ptr<c10d::Reducer> reducer_;
+  bool find_unused_ = false;  // dist.find_unused_parameters (the Reducer's used-parameter map)
+  bool rebuild_due_ = false;  // the Reducer's bucket rebuild is next (after its first synced backward)
+  bool rebuilt_ = false;
   std::vector<torch::Tensor> buffers_;  // empty unless dist.broadcast_buffers and world > 1
   uint64_t plan_ = 0;
   int64_t num_buckets_ = 0;

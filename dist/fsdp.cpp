@@ -1,5 +1,7 @@
 #include "dist/fsdp.h"
 
+#include "dist/phase.h"
+
 #include "common/log.h"
 
 #include <algorithm>
@@ -330,6 +332,7 @@ torch::Tensor FullyShard::leave(size_t block, const torch::Tensor& output) {
 }
 
 void FullyShard::pre_backward(size_t unit) {
+  if (unit + 1 < units_.size()) set_block(static_cast<int32_t>(unit));  // blocks first, the root last
   gather(*units_[unit]);
   if (unit > 0) start_gather(*units_[unit - 1]);
 }

@@ -1,5 +1,7 @@
 #include "dist/mesh.h"
 
+#include "dist/phase.h"
+
 #include "keel/common/error.h"
 
 namespace keel::dist {
@@ -83,6 +85,7 @@ void Mesh::connect(const std::shared_ptr<Collectives>& world_coll, Validate vali
 Collectives& Mesh::on(Axis a) const { return *shared(a); }
 
 void Mesh::set_step(int64_t step) {
+  set_phase_step(step);
   for (const auto& c : colls_)
     if (c) c->set_step(step);
 }

@@ -19,6 +19,10 @@ namespace, and checks what a multi-node user relies on:
   node_loss    host B's rank is SIGKILLed halfway through writing a checkpoint and host B
                leaves the network: host A exits non-zero within the timeout; the restarted job
                resumes from the last committed step and ends bit-identical to a clean run
+  flight       host B's rank stops taking part in collectives (collective_hang) in a step's
+               backward; each rank's flight record copied into a folder of its host's own under
+               one folder, `keel doctor --json` names rank 1, the gradient bucket rank 0 waited
+               in, and the phase
   elastic      torchrun --nnodes=1:2: host B is lost for good; the job goes on with host A
                alone (world 2 -> 1) from the last committed step, and its result equals a run
                resumed at world 1 from that checkpoint by hand
@@ -402,6 +406,29 @@ def scenario_node_loss(h, work):
     assert_same_state(reference(work), os.path.join(ckpt, "step_60"), "after a node loss and a restart vs a clean run")
 
 
+def scenario_flight(h, work):
+    ckpt, run = os.path.join(work, "ckpt"), os.path.join(work, "run")
+    hang = ["--fault.inject=collective_hang@step=5,rank=1,at=backward"]
+    procs = [h.start(i, [KEEL, *train_args(ckpt, run, steps=20, extra=hang)], f"flight{i}.log", env=by_hand_env(i))
+             for i in (0, 1)]
+    codes = wait_all(procs, TIMEOUT_S * 3 + 60)
+    assert codes[0] == 1 and codes[1] == 1, f"exit codes {codes}\n" + tail(procs[0].log) + tail(procs[1].log)
+    # The two hosts share this machine's disk: each rank's record is copied into a folder of its
+    # host's own, as a person copies them off two machines.
+    gathered = os.path.join(work, "gathered")
+    for i in (0, 1):
+        os.makedirs(os.path.join(gathered, f"host{i}"))
+        shutil.copy(os.path.join(run, "flight", f"rank{i}.json"), os.path.join(gathered, f"host{i}"))
+    r = sh(KEEL, "doctor", gathered, "--json")
+    diag = json.loads(r.stdout[r.stdout.index("{"):])
+    assert diag["records"] == [0, 1], diag
+    assert diag["cause"]["kind"] == "hang" and diag["cause"]["ranks"] == [1], json.dumps(diag, indent=1)
+    waiting = [row for row in diag["divergence"]["ranks"] if row["rank"] == 0][0]
+    assert "DDP gradient bucket" in waiting["op"] and waiting["where"].startswith("backward"), waiting
+    print("ok: keel doctor on both hosts' records names rank 1; rank 0 waited in " + waiting["op"] + " (" +
+          waiting["where"] + ")")
+
+
 def scenario_elastic(h, work):
     ckpt, run = os.path.join(work, "ckpt"), os.path.join(work, "run")
     # Rank 0 is the straggler here: the only rank left at world 1 (a fault naming rank 1 is an
@@ -449,7 +476,8 @@ def run_case(name, body):
 
 
 SCENARIOS = {"torchrun": scenario_torchrun, "mpirun": scenario_mpirun, "interface": scenario_interface,
-             "partition": scenario_partition, "node_loss": scenario_node_loss, "elastic": scenario_elastic}
+             "partition": scenario_partition, "node_loss": scenario_node_loss, "elastic": scenario_elastic,
+             "flight": scenario_flight}
 
 
 def main():

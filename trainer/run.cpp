@@ -47,7 +47,10 @@ dist::Recompute recompute_policy(ActivationCheckpointing ac) {
 
 }  // namespace
 
-Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb) : job(cfg, world, cb) {
+Run::Run(const Config& cfg, const dist::World& world, const Callbacks& cb, dist::FlightRecorder* flight)
+    : job(cfg, world, cb) {
+  job.flight = flight;
+  dist::PhaseScope setup(dist::Phase::Setup);
   net.loss = cb.loss ? cb.loss : losses().get(cfg.train.loss);
   if (job.classifier())  // the default loss, with train.ignore_index
     net.loss = [ignore = job.cfg.train.ignore_index](const torch::Tensor& logits, const torch::Tensor& target) {
@@ -113,6 +116,10 @@ void Run::build_mesh() {
   }
   if (job.mesh.pp() > 1) refuse_what_pipelines_do_not_serve_yet();
   job.mesh.connect(job.coll, job.cfg.dist.validate);
+  if (job.flight) {
+    job.flight->install(job.mesh);
+    job.flight->watch_peers([coll = job.coll] { return coll->peer_failure(); });
+  }
   if (job.mesh.tp() == 1) return;
   if (job.cb.loss)
     throw InputError("parallel.tp = " + std::to_string(job.mesh.tp()) +
@@ -222,6 +229,7 @@ void Run::build_model_and_data() {
   net.amp = AmpContext::resolve(job.cfg.amp, job.device);
   job.faults = std::make_unique<FaultInjector>(job.cfg.fault, job.world, job.device,
                                                std::chrono::seconds(job.cfg.dist.timeout_s));
+  job.faults->strike_at_phases(*job.coll);
   job.faults->signal(FaultPhase::Start, 0);
   net.model = job.faults->wrap_model(net.model);
   if (amp::loss_scaling_enabled(job.cfg.amp)) update.scaler = std::make_unique<amp::GradScaler>(job.cfg.amp);

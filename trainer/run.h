@@ -18,6 +18,7 @@
 #include "amp/grad_scaler.h"
 #include "common/clock.h"
 #include "common/file.h"
+#include "dist/flight.h"
 #include "dist/mesh.h"
 #include "dist/tp_ops.h"
 #include "keel/dist/collectives.h"
@@ -52,6 +53,7 @@ struct JobParts {
   std::shared_ptr<dist::Collectives> coll;  // the world's
   dist::Mesh mesh;                          // the parallel axes: who is a data-parallel peer
   std::unique_ptr<FaultInjector> faults;
+  dist::FlightRecorder* flight = nullptr;  // dist.flight_recorder (Trainer::run owns it; null: off)
   /// The default loss, whose evaluation also counts top-1 accuracy.
   bool classifier() const { return !cb.loss && cfg.train.loss == "cross_entropy"; }
 };
@@ -96,7 +98,7 @@ struct GraphCounts {
 /// The components of one run, built by the constructor in the order above; the loop owns it and
 /// hands each component its parts. Collective: every rank constructs its Run together.
 struct Run {
-  Run(const Config& cfg, const dist::World& world, const Callbacks& cb);
+  Run(const Config& cfg, const dist::World& world, const Callbacks& cb, dist::FlightRecorder* flight = nullptr);
   Run(const Run&) = delete;
   Run& operator=(const Run&) = delete;
 

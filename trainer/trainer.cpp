@@ -10,6 +10,8 @@
 #include <c10/cuda/CUDAFunctions.h>
 #endif
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <chrono>
 #include <csignal>
@@ -63,12 +65,34 @@ class SyncDebugScope {
   int prev_ = -1;
 };
 
+// dist.flight_recorder's recorder for this rank (null when 0), writing under <run.dir>/flight.
+std::unique_ptr<dist::FlightRecorder> make_flight_recorder(const Config& cfg, const dist::World& world) {
+  if (cfg.dist.flight_recorder <= 0) return nullptr;
+  dist::FlightOptions o;
+  o.capacity = cfg.dist.flight_recorder;
+  o.dir = cfg.run.dir + "/flight";
+  o.rank = world.rank;
+  o.world_size = world.size;
+  o.restart = world.restart_count;
+  char host[256] = {0};
+  ::gethostname(host, sizeof host - 1);
+  o.host = host;
+  o.stall = std::chrono::seconds(cfg.dist.timeout_s);
+  return std::make_unique<dist::FlightRecorder>(std::move(o));
+}
+
+std::string message_of(const std::exception& e) {
+  const auto* c10 = dynamic_cast<const c10::Error*>(&e);
+  const std::string what = c10 ? c10->what_without_backtrace() : e.what();
+  return what.substr(0, 4096);
+}
+
 }  // namespace
 
 class Trainer::Loop {
  public:
-  Loop(const Config& cfg, const dist::World& world, const Callbacks& cb)
-      : run_(cfg, world, cb),
+  Loop(const Config& cfg, const dist::World& world, const Callbacks& cb, dist::FlightRecorder* flight)
+      : run_(cfg, world, cb, flight),
         ckpts_(run_.job, run_.net, run_.data, run_.update, run_.progress),
         report_(run_.job, run_.net, run_.data, run_.update, run_.progress, run_.graphs, ckpts_.resumed_from()),
         step_(make_step(run_)) {}
@@ -161,6 +185,7 @@ InFlight Trainer::Loop::begin_step(int64_t step) {
   // mean loss, and whether any rank saw inf/NaN (then no rank steps).
   {
     RECORD_USER_SCOPE("keel::consensus");
+    dist::PhaseScope phase(dist::Phase::Consensus);
     const uint64_t plan = step_->plan();
     if (run_.update.late) {
       f.record = run_.job.coll->exchange_step(r.step, plan, launched.loss, launched.nonfinite, compute_ms, flags,
@@ -258,6 +283,7 @@ std::runtime_error Trainer::Loop::out_of_memory(const std::string& what, bool co
 // After the loop: the evaluation of a run resumed at its end, the final checkpoint (also after
 // a stop signal) and its commit, and leaving together.
 void Trainer::Loop::finish() {
+  dist::PhaseScope phase(dist::Phase::Finish);
   report_.metrics().finish();
   const Progress& progress = run_.progress;
   const int64_t done = progress.steps_done;
@@ -277,6 +303,9 @@ void Trainer::Loop::finish() {
   // on_end) stops every rank with 128+N. This all-reduce is also the barrier before leaving: a
   // rank that tears down its connections while a peer still uses them makes the peer's Gloo
   // threads fail.
+  // The flight recorder stops asking the store about peers: rank 0, which serves it, may leave
+  // right after this last agreement.
+  if (run_.job.flight) run_.job.flight->stop_polling();
   auto signo = torch::tensor({static_cast<int64_t>(g_stop_signal.load())}, torch::kLong);
   run_.job.coll->all_reduce(signo, dist::ReduceOp::Max, "end of training (stop signal)");
   stop_signal_ = static_cast<int>(signo.item<int64_t>());
@@ -291,7 +320,18 @@ Trainer::~Trainer() = default;
 
 Summary Trainer::run() {
   StopSignals signals;  // until summary.json is written
-  Summary s = Loop(cfg_, world_, callbacks_).run();
+  // dist.flight_recorder: the record outlives the run's parts, so that a failure that ends the
+  // run is dumped after its error unwound them (the phase it was thrown in stays: dist/phase.h).
+  const std::unique_ptr<dist::FlightRecorder> flight = make_flight_recorder(cfg_, world_);
+  Summary s;
+  try {
+    s = Loop(cfg_, world_, callbacks_, flight.get()).run();
+  } catch (const InputError&) {
+    throw;  // the user's input: said as it is, before or without a collective that went wrong
+  } catch (const std::exception& e) {
+    if (flight) flight->dump("the run failed", message_of(e));
+    throw;
+  }
   // A signal after the job's last agreement (while summary.json was written): the checkpoint is
   // committed and the summary written; this rank still exits 128+N.
   if (!s.stop_signal && g_stop_signal.load()) s.stop_signal = g_stop_signal.load();

@@ -23,6 +23,7 @@
 #include "keel/trainer/config/config.h"
 #include "keel/trainer/trainer.h"
 #include "keel/version.h"
+#include "trainer/app/doctor.h"
 #include "trainer/app/export.h"
 #include "trainer/app/plot.h"
 #include "trainer/compile/inductor.h"
@@ -99,10 +100,10 @@ void add_config_options(CLI::App& train, std::map<std::string, std::vector<std::
   }
 }
 
-// Prints the files `write` made, one a line: exit 0; 2 for the user's input; 1 otherwise.
-int print_files(const std::function<std::vector<std::string>()>& write) {
+// Runs `body`: exit 0; 2 for the user's input (said on stderr); 1 otherwise.
+int exit_code_of(const std::function<void()>& body) {
   try {
-    for (const auto& f : write()) std::cout << f << "\n";
+    body();
     return 0;
   } catch (const InputError& e) {
     std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
@@ -111,6 +112,13 @@ int print_files(const std::function<std::vector<std::string>()>& write) {
     std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitFailure;
   }
+}
+
+// Prints the files `write` made, one a line: exit 0; 2 for the user's input; 1 otherwise.
+int print_files(const std::function<std::vector<std::string>()>& write) {
+  return exit_code_of([&] {
+    for (const auto& f : write()) std::cout << f << "\n";
+  });
 }
 
 struct ExportArgs {
@@ -123,6 +131,8 @@ struct CliArgs {
   std::string plot_dir, plot_out;
   std::string inspect_dir;
   bool inspect_json = false;
+  std::string doctor_dir;
+  bool doctor_json = false;
   ExportArgs export_args;
   std::string config_path, compile_config_path;  // train's and compile's --config
   bool print_config = false;                     // train's --print-config
@@ -190,6 +200,21 @@ int run_inspect(const CLI::App&, CliArgs& a) {
     std::cerr << "keel: error: " << without_backtrace(e.what()) << "\n";
     return kExitInput;
   }
+}
+
+void add_doctor_options(CLI::App* cmd, CliArgs& a) {
+  cmd->add_option("run_dir", a.doctor_dir,
+                  "a run directory (run.dir), or a folder of flight records copied from several hosts")
+      ->required();
+  cmd->add_flag("--json", a.doctor_json, "print the diagnosis as JSON");
+}
+
+// Exit 0 with the diagnosis; 2 when there is no flight record to read.
+int run_doctor(const CLI::App&, CliArgs& a) {
+  return exit_code_of([&] {
+    const doctor::Report r = doctor::diagnose_dir(a.doctor_dir);
+    std::cout << (a.doctor_json ? r.json.dump(2) + "\n" : r.text);
+  });
 }
 
 int run_train(const Config& cfg) {
@@ -370,6 +395,9 @@ constexpr Command kCommands[] = {
      nullptr},
     {"inspect", "list checkpoint steps: committed, checksums verified, tensors", add_inspect_options, run_inspect,
      nullptr},
+    {"doctor",
+     "which rank hung, where and why: reads every rank's flight record (RUN_DIR/flight, dist.flight_recorder)",
+     add_doctor_options, run_doctor, nullptr},
     {"export",
      "a checkpoint step's model as one safetensors file (or shards and an index), or with --hf a Hugging Face "
      "model directory (model.name = gpt2 | llama)",

@@ -334,6 +334,12 @@ void dist_keys(SchemaBuilder& b) {
   b.add("dist", &C::dist, "interface", &DistConfig::interface,
         "network interface(s) the backend uses, comma-separated (e.g. \"eth0\"; NCCL_SOCKET_IFNAME too unless set); "
         "\"\" = GLOO_SOCKET_IFNAME if set, else the interface that routes to the rendezvous host");
+  range(b.add("dist", &C::dist, "flight_recorder", &DistConfig::flight_recorder,
+              "the flight recorder: each rank keeps its last N collectives, messages and gradient buckets (group, "
+              "sequence number, op, dtype, shape, phase of the step, times, state) and writes them to "
+              "<run.dir>/flight/rank<R>.json when the run fails, times out, is signalled (SIGUSR1: dump and go on) or "
+              "stalls; `keel doctor RUN_DIR` reads them (docs/faults.md); 0 = off"),
+        0, 10000000);
   b.add("dist", &C::dist, "validate", &DistConfig::validate, kValidateModes,
         "cross-rank check of every collective (op, dtype, shape): always | first_step | off");
   b.add("dist", &C::dist, "consensus", &DistConfig::consensus, kConsensusModes,

@@ -21,8 +21,9 @@ std::string names(const Choices<E, N>& table) {
 FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size) {
   for (const auto& text : entries) {
     auto bad = [&](const std::string& why) {
-      return InputError("fault.inject entry \"" + text + "\": " + why +
-                        " (format: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash][,phase=P][,sig=N][,twice])");
+      return InputError(
+          "fault.inject entry \"" + text + "\": " + why +
+          " (format: TYPE@step=S,rank=R[,always][,restart=K][,ms=M][,crash][,phase=P][,sig=N][,twice][,at=A])");
     };
     FaultEntry e;
     const auto at = text.find('@');
@@ -56,6 +57,15 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
           throw bad("phase must be one of " + names(kFaultPhases) + " (got '" + val + "')");
         continue;
       }
+      if (key == "at") {
+        e.at = dist::phase_of(val);
+        if (e.at == dist::Phase::Idle || e.at == dist::Phase::Setup || e.at == dist::Phase::Finish)
+          throw bad(
+              "at must be one of forward, backward, consensus, optimizer, eval, checkpoint_save, "
+              "checkpoint_commit (got '" +
+              val + "')");
+        continue;
+      }
       char* end = nullptr;
       const long long n = std::strtoll(val.c_str(), &end, 10);
       if (val.empty() || *end != '\0' || n < 0) throw bad(key + " must be a non-negative integer");
@@ -81,7 +91,12 @@ FaultPlan::FaultPlan(const std::vector<std::string>& entries, int64_t world_size
       throw bad("'crash' applies to checkpoint_write_failure only");
     if (e.type != FaultType::Signal && (e.twice || e.phase != FaultPhase::Step || e.sig != 15))
       throw bad("'phase', 'sig' and 'twice' apply to signal only");
-    if (e.sig != 2 && e.sig != 15) throw bad("sig must be 2 (SIGINT) or 15 (SIGTERM)");
+    if (e.sig != 2 && e.sig != 10 && e.sig != 15)
+      throw bad(
+          "sig must be 2 (SIGINT), 10 (SIGUSR1: the flight record is dumped and the run goes on) or 15 (SIGTERM)");
+    if (e.at != dist::Phase::Idle && e.type != FaultType::CollectiveHang && e.type != FaultType::Crash &&
+        e.type != FaultType::Straggler)
+      throw bad("'at' applies to collective_hang, crash and straggler only");
     entries_.push_back(e);
   }
 }
@@ -93,7 +108,8 @@ bool FaultPlan::in_restart(const FaultEntry& e, int64_t restart_count) {
 
 const FaultEntry* FaultPlan::find(FaultType type, int64_t step, int64_t rank, int64_t restart_count) const {
   for (const auto& e : entries_)
-    if (e.type == type && e.step == step && e.rank == rank && in_restart(e, restart_count)) return &e;
+    if (e.type == type && e.step == step && e.rank == rank && e.at == dist::Phase::Idle && in_restart(e, restart_count))
+      return &e;
   return nullptr;
 }
 
@@ -108,8 +124,22 @@ const FaultEntry* FaultPlan::signal(FaultPhase phase, int64_t step, int64_t rank
 
 const FaultEntry* FaultPlan::active(FaultType type, int64_t step, int64_t rank, int64_t restart_count) const {
   for (const auto& e : entries_)
-    if (e.type == type && e.step <= step && e.rank == rank && in_restart(e, restart_count)) return &e;
+    if (e.type == type && e.step <= step && e.rank == rank && e.at == dist::Phase::Idle && in_restart(e, restart_count))
+      return &e;
   return nullptr;
+}
+
+const FaultEntry* FaultPlan::at_phase(FaultType type, dist::Phase phase, int64_t step, int64_t rank,
+                                      int64_t restart_count) const {
+  for (const auto& e : entries_)
+    if (e.type == type && e.at == phase && e.rank == rank &&
+        (type == FaultType::Straggler ? e.step <= step : e.step == step) && in_restart(e, restart_count))
+      return &e;
+  return nullptr;
+}
+
+bool FaultPlan::strikes_at_phases() const {
+  return std::any_of(entries_.begin(), entries_.end(), [](const FaultEntry& e) { return e.at != dist::Phase::Idle; });
 }
 
 const FaultEntry* FaultPlan::any_rank(FaultType type, int64_t step, int64_t restart_count) const {

@@ -75,8 +75,10 @@ bool flip_byte_in_place(const std::string& path) {
 // is the process's, taken by whichever thread).
 void send_signal(const FaultEntry& e, FaultPhase phase, int64_t step, int64_t rank) {
   logging::warn("fault injection: signal {} ({}){} in phase {} at step {} on rank {}", e.sig,
-                e.sig == SIGINT ? "SIGINT" : "SIGTERM", e.twice ? " twice" : "", choice_name(kFaultPhases, phase), step,
-                rank);
+                e.sig == SIGINT    ? "SIGINT"
+                : e.sig == SIGUSR1 ? "SIGUSR1"
+                                   : "SIGTERM",
+                e.twice ? " twice" : "", choice_name(kFaultPhases, phase), step, rank);
   ::kill(::getpid(), static_cast<int>(e.sig));
   if (e.twice) ::kill(::getpid(), static_cast<int>(e.sig));
 }
@@ -122,40 +124,66 @@ void FaultInjector::before_consensus(int64_t s, dist::Collectives& coll) const {
     std::this_thread::sleep_for(std::chrono::milliseconds(e->ms));
   }
   signal(FaultPhase::Step, s);
-  if (plan_.fires(FaultType::Crash, s, r, rc)) {
-    logging::error("fault injection: crash (SIGKILL) at step {} on rank {}", s, r);
-    logging::flush();
-    std::raise(SIGKILL);
-  }
+  if (plan_.fires(FaultType::Crash, s, r, rc)) crash(s);
   if (plan_.fires(FaultType::Oom, s, r, rc)) {
     // 1 PiB: more than a 47-bit address space holds, so the allocation fails even where the
     // kernel overcommits memory (nothing is ever touched).
     logging::warn("fault injection: oom at step {} on rank {}: allocating 1 PiB", s, r);
     auto huge = torch::empty({int64_t{1} << 48}, torch::TensorOptions().dtype(torch::kFloat).device(device_));
   }
-  if (plan_.fires(FaultType::CollectiveHang, s, r, rc)) {
-    // This rank stops taking part in collectives and waits until a peer reports its failed
-    // collective through the store (or twice the collective timeout passes).
-    logging::warn("fault injection: collective_hang at step {}: rank {} stops taking part in collectives", s, r);
-    const auto deadline = std::chrono::steady_clock::now() + 2 * collective_timeout_ + std::chrono::seconds(10);
-    std::string why;
-    while (std::chrono::steady_clock::now() < deadline) {
-      if (auto reported = coll.peer_failure()) {
-        why = *reported;
-        break;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
-    }
-    throw std::runtime_error(
-        "fault injection: collective_hang: rank " + std::to_string(r) + " stopped at step " + std::to_string(s) +
-        (why.empty() ? std::string("; no peer reported") : "; its peers gave up: " + why.substr(0, 300)));
-  }
+  if (plan_.fires(FaultType::CollectiveHang, s, r, rc)) hang(s, coll);
   if (const FaultEntry* e = plan_.any_rank(FaultType::ShapeMismatch, s, rc); e && !shape_mismatch_on_sends_) {
     // Every rank issues the same collective; the faulty rank's tensor has another shape.
     auto probe = torch::zeros({e->rank == r ? 5 : 4}, torch::TensorOptions().device(device_));
     if (e->rank == r) logging::warn("fault injection: shape_mismatch at step {}: rank {} all-reduces shape [5]", s, r);
     coll.all_reduce(probe, dist::ReduceOp::Sum, "fault probe (shape_mismatch)");
   }
+}
+
+void FaultInjector::crash(int64_t s) const {
+  logging::error("fault injection: crash (SIGKILL) at step {} on rank {}", s, rank_);
+  logging::flush();
+  std::raise(SIGKILL);
+  std::abort();  // (not reached)
+}
+
+void FaultInjector::hang(int64_t s, dist::Collectives& coll) const {
+  // This rank stops taking part in collectives and waits until a peer reports its failed
+  // collective through the store (or twice the collective timeout passes).
+  logging::warn("fault injection: collective_hang at step {}: rank {} stops taking part in collectives ({})", s, rank_,
+                dist::current_phase().describe());
+  const auto deadline = std::chrono::steady_clock::now() + 2 * collective_timeout_ + std::chrono::seconds(10);
+  std::string why;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (auto reported = coll.peer_failure()) {
+      why = *reported;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  throw std::runtime_error(
+      "fault injection: collective_hang: rank " + std::to_string(rank_) + " stopped at step " + std::to_string(s) +
+      (why.empty() ? std::string("; no peer reported") : "; its peers gave up: " + why.substr(0, 300)));
+}
+
+void FaultInjector::strike_at_phases(dist::Collectives& coll) {
+  if (!plan_.strikes_at_phases()) return;
+  hooked_ = true;
+  dist::set_phase_hook([this, &coll](const dist::PhaseState& where) {
+    const int64_t s = where.step;
+    if (plan_.at_phase(FaultType::Crash, where.phase, s, rank_, restart_count_)) crash(s);
+    if (const FaultEntry* e = plan_.at_phase(FaultType::Straggler, where.phase, s, rank_, restart_count_)) {
+      if (s == e->step)
+        logging::warn("fault injection: straggler: rank {} sleeps {} ms on entering {} from step {}", rank_, e->ms,
+                      dist::phase_name(where.phase), s);
+      std::this_thread::sleep_for(std::chrono::milliseconds(e->ms));
+    }
+    if (plan_.at_phase(FaultType::CollectiveHang, where.phase, s, rank_, restart_count_)) hang(s, coll);
+  });
+}
+
+FaultInjector::~FaultInjector() {
+  if (hooked_) dist::set_phase_hook(nullptr);
 }
 
 checkpoint::Hooks FaultInjector::checkpoint_hooks() const {

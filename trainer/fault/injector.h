@@ -45,6 +45,12 @@ class FaultInjector {
   /// After backward, before the step's consensus: the faults that strike the collectives
   /// (straggler, crash, oom, collective_hang, shape_mismatch).
   void before_consensus(int64_t step, dist::Collectives& coll) const;
+  /// The entries with at=PHASE strike when this rank enters that phase (dist/phase.h's hook,
+  /// kept until this injector goes): collective_hang waits there for `coll`'s peers to give up.
+  void strike_at_phases(dist::Collectives& coll);
+  ~FaultInjector();
+  FaultInjector(const FaultInjector&) = delete;
+  FaultInjector& operator=(const FaultInjector&) = delete;
   /// Pipeline parallelism: shape_mismatch strikes a send instead of a collective (the pipelined
   /// step asks sends_another_shape(); the probe collective is not issued).
   void strike_sends_with_shape_mismatch() { shape_mismatch_on_sends_ = true; }
@@ -65,6 +71,10 @@ class FaultInjector {
   torch::Device device_;
   std::chrono::milliseconds collective_timeout_;
   bool shape_mismatch_on_sends_ = false;
+  bool hooked_ = false;  // strike_at_phases() set the phase hook
+  // collective_hang at step `s`: stops taking part until `coll`'s peers give up, then throws.
+  [[noreturn]] void hang(int64_t s, dist::Collectives& coll) const;
+  [[noreturn]] void crash(int64_t s) const;
 };
 
 }  // namespace keel

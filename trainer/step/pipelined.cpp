@@ -11,6 +11,7 @@
 #include "amp/grad_scaler.h"
 #include "common/log.h"
 #include "dist/fsdp.h"
+#include "dist/phase.h"
 #include "dist/tp_ops.h"
 #include "dist/zero.h"
 #include "keel/common/error.h"
@@ -165,6 +166,8 @@ Launched PipelinedStep::launch(StepResult& r) {
 torch::Tensor PipelinedStep::run_schedule(const std::vector<data::Batch>& batches) {
   loss_sum_ = torch::Tensor();
   for (const Action& a : schedule_.lowered[static_cast<size_t>(rank_)]) {
+    const bool forward_side = a.op == Op::F || a.op == Op::RecvF || a.op == Op::SendF;
+    dist::PhaseScope phase(forward_side ? dist::Phase::Forward : dist::Phase::Backward, a.stage, a.mb);
     switch (a.op) {
       case Op::F: {
         RECORD_USER_SCOPE("keel::forward");
@@ -470,6 +473,7 @@ void PipelinedStep::hold_whole_model(bool wanted) {
 EvalResult PipelinedStep::evaluate(int64_t step) {
   const data::Splits& splits = data_.splits;
   if (!splits.test) return EvalResult{step};
+  dist::PhaseScope phase(dist::Phase::Eval);
   job_.faults->signal(FaultPhase::Eval, step);
   net_.dmodel->sync_buffers();  // every dp rank evaluates the same model
   if (fsdp_) hold_stage();      // ZeRO-3: the stage's parameters whole for the evaluation

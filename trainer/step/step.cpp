@@ -8,6 +8,7 @@
 
 #include "amp/autocast.h"
 #include "amp/grad_scaler.h"
+#include "dist/phase.h"
 #include "dist/tp_ops.h"
 #include "keel/common/error.h"
 #include "keel/dist/collectives.h"
@@ -131,11 +132,13 @@ torch::Tensor Step::forward_backward(const std::vector<data::Batch>& batches, do
     torch::Tensor loss;
     {
       RECORD_USER_SCOPE("keel::forward");
+      dist::PhaseScope phase(dist::Phase::Forward, -1, static_cast<int32_t>(micro));
       loss = micro_batch_loss(b.input, b.target, sync);
     }
     auto scaled = loss / static_cast<double>(accum);
     {
       RECORD_USER_SCOPE("keel::backward");  // with the Reducer's gradient all-reduces on the last micro-batch
+      dist::PhaseScope phase(dist::Phase::Backward, -1, static_cast<int32_t>(micro));
       net_.dmodel->backward(update_.scaler ? update_.scaler->scale(scaled) : scaled, sync);
     }
     if (loss_now) {
@@ -204,6 +207,7 @@ bool Step::local_nonfinite_now(double local_loss) {
 // finishes; otherwise the host has read the consensus already and decides.
 void Step::update(InFlight& f) {
   RECORD_USER_SCOPE("keel::optimizer");
+  dist::PhaseScope phase(dist::Phase::Optimizer);
   if (update_.late) {
     device_decided_update(f);
   } else {
@@ -264,6 +268,7 @@ EvalResult Step::evaluate(int64_t step) {
   r.step = step;
   const data::Splits& splits = data_.splits;
   if (!splits.test) return r;
+  dist::PhaseScope phase(dist::Phase::Eval);
   job_.faults->signal(FaultPhase::Eval, step);
   net_.dmodel->sync_buffers();  // every rank evaluates rank 0's model
   torch::NoGradGuard no_grad;

@@ -4,6 +4,7 @@
 
 #include <string>
 #include <string_view>
+#include <vector>
 
 namespace keel::logging {
 
@@ -17,5 +18,8 @@ Level parse_level(std::string_view name);
 bool enabled(Level level);
 void write(Level level, std::string_view line);
 void flush();
+/// The last lines written (at most 20, oldest first, with their level's name): what a flight
+/// record's dump keeps of this rank's log.
+std::vector<std::string> last_lines();
 
 }  // namespace keel::logging

@@ -132,29 +132,46 @@ struct TrafficStats {
 /// One operation through a group's door, as an OpObserver sees it.
 struct OpRecord {
   enum class Kind { Collective, Probe, Replayed, Bucket };
+  /// The numbering its `seq` belongs to: the group's calls (validated or replayed in a sequence),
+  /// its replay lane (ZeRO-2/3's schedule), its point-to-point messages, DDP's gradient buckets,
+  /// the calls others make on its raw process group (Collectives::raw_call).
+  enum class Lane : uint8_t { Calls, Replay, P2P, Bucket, Raw };
+  /// How it ended, for OpObserver::on_failure.
+  enum class Outcome : uint8_t { Failed, TimedOut, Mismatch };
   Kind kind = Kind::Collective;
+  Lane lane = Lane::Calls;
   std::string group;      // the group's name: "world", or a mesh axis's subgroup ("tp/2")
-  uint64_t seq = 0;       // per group and kind of call: the validated sequence, replayed, buckets
-  const char* op = "";    // "all_reduce", "all_gather", "reduce_scatter", ...
+  uint64_t seq = 0;       // per group and lane
+  const char* op = "";    // "all_reduce", "all_gather", "reduce_scatter", "send", ...
   const char* what = "";  // the caller's label: "DDP buffer broadcast", "DDP gradient bucket", ...
   std::vector<int64_t> shape;
   c10::ScalarType dtype = c10::ScalarType::Undefined;
-  int64_t bytes = 0;                                 // payload this rank contributed
-  int64_t step = 0;                                  // the optimizer step (Collectives::step())
-  std::chrono::steady_clock::time_point start, end;  // end: in on_end only
+  int64_t bytes = 0;   // payload this rank contributed (on_end; on_start: the tensor's)
+  int64_t step = 0;    // the optimizer step (Collectives::step())
+  int64_t peer = -1;   // a message's peer (send, recv), the root of a broadcast; else -1
+  int64_t tag = -1;    // a message's tag (P2POp::tag: the same at both ends); else -1
+  uint64_t phase = 0;  // where the rank was when it was issued: dist/phase.h's PhaseState::pack()
+  // enqueue: when the door numbered it (before its validation); start: when it was issued; end:
+  // in on_end only.
+  std::chrono::steady_clock::time_point enqueue, start, end;
+  Outcome outcome = Outcome::Failed;  // on_failure only
 };
 
-/// Sees every operation that passes a group's door (Collectives::set_observer): on_start just
-/// before it is issued (after its validation; a validation probe is reported by on_end alone),
-/// on_end once the host saw it complete. Called on the issuing thread, except on_end of a DDP
-/// bucket: the backend's thread that completes it, so an implementation is thread-safe. With
-/// NCCL a bucket and a collective whose result stays on the device complete when enqueued (the
-/// stream waits, not the host). It must not throw or issue collectives. The flight recorder's seam.
+/// Sees every operation that passes a group's door (Collectives::set_observer): on_start once the
+/// door numbered it, before its validation (a validation probe is reported by on_end alone),
+/// on_end once the host saw it complete, on_failure when it failed, timed out or was found to
+/// differ from its peers' (before the error unwinds; `op.seq` = UINT64_MAX: every operation of
+/// the lane still open, DDP's buckets when the Reducer's backward failed). Called on the issuing
+/// thread, except on_end of a DDP bucket: the backend's thread that completes it, so an
+/// implementation is thread-safe. With NCCL a bucket and a collective whose result stays on the
+/// device complete when enqueued (the stream waits, not the host). It must not throw or issue
+/// collectives. The flight recorder (dist/flight.h) is one.
 class OpObserver {
  public:
   virtual ~OpObserver() = default;
   virtual void on_start(const OpRecord& /*op*/) {}
   virtual void on_end(const OpRecord& /*op*/) {}
+  virtual void on_failure(const OpRecord& /*op*/, const std::string& /*error*/) {}
 };
 
 class Collectives {
@@ -293,6 +310,26 @@ class Collectives {
   /// consensus checks the bucket plan). The future completes with the reduced `buffer`.
   c10::intrusive_ptr<c10::ivalue::Future> start_bucket_all_reduce(const torch::Tensor& buffer);
 
+  /// A call that another engine makes on this group's raw process group (the DDP Reducer's own:
+  /// the bucket rebuild's broadcast, the used-parameter map's all-reduce), recorded as the door's
+  /// calls are: its observer sees on_start now, on_end at done(), on_failure when it is dropped
+  /// without done() (an exception on its way). Not validated, not counted. Every rank of the group
+  /// makes the same raw calls in one order (the Reducer's are collective), numbered on their own.
+  class RawCall {
+   public:
+    RawCall() = default;
+    RawCall(RawCall&& o) noexcept : observer_(std::move(o.observer_)), record_(std::move(o.record_)) {}
+    RawCall& operator=(RawCall&&) = delete;
+    ~RawCall();
+    void done();
+
+   private:
+    friend class Collectives;
+    std::shared_ptr<OpObserver> observer_;
+    OpRecord record_;
+  };
+  RawCall raw_call(const char* op, const char* what);
+
   /// The error for a collective `what` that failed with `error` outside this class (the DDP
   /// Reducer's gradient all-reduce): records the failure in the store and names the ranks that
   /// did not report theirs, or says that the store's host cannot be reached (a lost host or a
@@ -305,6 +342,9 @@ class Collectives {
   void check(Desc& d);  // numbers the call, validates it (dist.validate), tells the observer
   void validate(const Desc& d);
   void observe_start(const Desc& d);
+  // Tells the observer that `d` failed with `error` (before it is thrown).
+  void observe_failure(const Desc& d, const std::string& error, OpRecord::Outcome outcome);
+  std::shared_ptr<OpObserver> observer() const;
   OpRecord record_of(const Desc& d) const;
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
   void count(const Desc& d, double wait_ms);  // the traffic counters, for a call that finished
@@ -319,6 +359,8 @@ class Collectives {
   std::function<void(bool arrived_only)> validate_p2p(const std::vector<P2POp>& ops, const char* what,
                                                       const std::function<std::string(int64_t)>& name);
   std::string describe(const Desc& d) const;
+  // failure() without telling the observer (the caller tells it about the call that failed).
+  CollectiveError failed(const std::string& what, const std::string& error);
   torch::Tensor on_comm_device(const torch::Tensor& t) const;
   // After a failed collective: records this rank's failure in the store and waits briefly for
   // the other ranks to do the same; says which did not (hung or dead), or that the store's host
@@ -334,6 +376,7 @@ class Collectives {
   std::unique_ptr<Collectives> replay_;  // replay_lane(), made on first use
   bool replaying_ = false;               // this object is a replay lane
   uint64_t p2p_seq_ = 0;                 // point-to-point messages started (their sequence numbers)
+  uint64_t raw_seq_ = 0;                 // raw_call()s
   uint64_t p2p_balance_ = 0;             // take_p2p_balance()
   // Validated sends whose check waits for their receivers' descriptors (start_p2p), by call.
   std::map<uint64_t, std::function<void(bool arrived_only)>> send_checks_;

@@ -43,6 +43,10 @@ struct DistConfig {
   /// Network interface(s) for the backend, comma-separated; "" = GLOO_SOCKET_IFNAME, else the
   /// one that routes to the rendezvous host.
   std::string interface;
+  /// The flight recorder (docs/faults.md, "When a job hangs"): the last this many operations
+  /// through the collectives' door per rank, dumped to <run.dir>/flight/rank<R>.json when a run
+  /// fails, is signalled or stalls; 0 = off.
+  int64_t flight_recorder = 2000;
 };
 
 /// The [parallel] section: how the world is laid out as a mesh (docs/architecture.md). The

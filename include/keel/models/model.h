@@ -77,12 +77,10 @@ class BlockStructure {
   /// The forward's input is the token ids (else an activation: a stage after the first).
   bool takes_tokens() const { return stage.embed; }
 
-  torch::Tensor block_enter(size_t i, const torch::Tensor& x) {
-    return block_hooks && on_stage(i) ? block_hooks->enter(i, x) : x;
-  }
-  torch::Tensor block_leave(size_t i, const torch::Tensor& y) {
-    return block_hooks && on_stage(i) ? block_hooks->leave(i, y) : y;
-  }
+  /// Block i's input and output, through block_hooks on the stage; each also marks the block
+  /// running for the flight record's phase (dist/phase.h: "forward of block i").
+  torch::Tensor block_enter(size_t i, const torch::Tensor& x);
+  torch::Tensor block_leave(size_t i, const torch::Tensor& y);
 
   /// How a block's own computation runs, between block_enter and block_leave: `run(f, x)` returns
   /// f(x), where f is the block (which it may keep, to call again in backward). Empty: f(x)
