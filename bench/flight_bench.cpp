@@ -36,8 +36,9 @@ int main(int argc, char** argv) {
     r.end = std::chrono::steady_clock::now();
     fr.on_end(r);
   }
-  const double ns = std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() /
-                    static_cast<double>(n);
-  std::printf("{\"operations\": %lld, \"ns_per_operation\": %.1f, \"capacity\": 2000}\n", static_cast<long long>(n), ns);
+  const double ns =
+      std::chrono::duration<double, std::nano>(std::chrono::steady_clock::now() - t0).count() / static_cast<double>(n);
+  std::printf("{\"operations\": %lld, \"ns_per_operation\": %.1f, \"capacity\": 2000}\n", static_cast<long long>(n),
+              ns);
   return 0;
 }

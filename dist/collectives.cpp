@@ -469,7 +469,10 @@ Collectives::RawCall::~RawCall() {
   if (auto observer = std::move(observer_)) {
     record_.end = std::chrono::steady_clock::now();
     record_.outcome = OpRecord::Outcome::Failed;
-    observer->on_failure(record_, std::string(record_.what) + ": did not finish (an error on its way)");
+    try {  // (a destructor, maybe while an exception unwinds)
+      observer->on_failure(record_, std::string(record_.what) + ": did not finish (an error on its way)");
+    } catch (...) {
+    }
   }
 }
 

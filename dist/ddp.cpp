@@ -315,13 +315,16 @@ void DataParallel::before_forward(bool sync, bool step) {
   sync_buffers();
   if (fsdp_) return fsdp_->before_forward(sync, step);
   if (!reducer_ || !sync) return;
-  if (rebuild_due_) {  // the Reducer's broadcast of its new bucket order, on its raw group: recorded
-    Collectives::RawCall call = coll_->raw_call("broadcast", "DDP Reducer: bucket rebuild (rank 0's bucket order)");
-    reducer_->rebuild_buckets();
-    call.done();
-    rebuild_due_ = false;
-    rebuilt_ = true;
-  }
+  // Every synced forward, as PyTorch's DDP: the Reducer also checks there that the previous
+  // reduction finished (a parameter unused without find_unused_parameters is an error); it
+  // rebuilds its buckets once, with a broadcast on its raw group, recorded.
+  Collectives::RawCall call = rebuild_due_ ? coll_->raw_call("broadcast",
+                                                             "DDP Reducer: bucket rebuild (rank 0's "
+                                                             "bucket order)")
+                                           : Collectives::RawCall();
+  reducer_->rebuild_buckets();
+  call.done();
+  if (rebuild_due_) rebuild_due_ = false, rebuilt_ = true;
   reducer_->prepare_for_forward();
 }
 

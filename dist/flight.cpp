@@ -11,9 +11,9 @@
 #include <nlohmann/json.hpp>
 
 #include "common/stop.h"
-#include "keel/common/log_level.h"
 #include "dist/mesh.h"
 #include "dist/phase.h"
+#include "keel/common/log_level.h"
 
 namespace keel::dist {
 namespace {
@@ -157,6 +157,14 @@ struct FlightRecorder::Impl {
     e.error.clear();
     return e;
   }
+  // Under `mu`: the newest of the last 64 entries with `op`'s group, lane and number, or null.
+  Entry* latest(const OpRecord& op) {
+    for (uint64_t id = next; id > 0 && id + 64 > next; --id) {
+      Entry* e = live(id);
+      if (e && e->seq == op.seq && e->lane == op.lane && op.group == e->group) return e;
+    }
+    return nullptr;
+  }
   // Under `mu`: the open entry of `op` (removed from `open`), or null.
   Entry* take_open(const OpRecord& op) {
     for (size_t i = open.size(); i-- > 0;) {
@@ -201,6 +209,8 @@ FlightRecorder::~FlightRecorder() {
   impl_->wake.notify_all();
   if (impl_->watchdog.joinable()) impl_->watchdog.join();
   ::sigaction(SIGUSR1, &impl_->old_usr1, nullptr);
+  std::lock_guard<std::mutex> lock(impl_->mu);
+  impl_->peer_failure = nullptr;
 }
 
 void FlightRecorder::install(const Mesh& mesh) {
@@ -259,11 +269,12 @@ void FlightRecorder::on_failure(const OpRecord& op, const std::string& error) {
       }
     } else {
       Entry* e = impl_->take_open(op);
+      if (!e) e = impl_->latest(op);  // ended already (NCCL: at its enqueue), failed at its wait
       mark(e ? *e : impl_->append(op, state));
     }
   }
-  dump(std::string("collective ") + state_name(state) + " (" + op.group + " " + op.op + " #" +
-           std::to_string(op.seq) + ")",
+  dump(std::string("collective ") + state_name(state) + " (" + op.group + " " + op.op + " #" + std::to_string(op.seq) +
+           ")",
        error);
 }
 
@@ -277,9 +288,7 @@ uint64_t FlightRecorder::recorded() const {
   return impl_->next;
 }
 
-std::string FlightRecorder::path() const {
-  return impl_->o.dir + "/rank" + std::to_string(impl_->o.rank) + ".json";
-}
+std::string FlightRecorder::path() const { return impl_->o.dir + "/rank" + std::to_string(impl_->o.rank) + ".json"; }
 
 nlohmann::json FlightRecorder::Impl::entry_json(const Entry& e) const {
   nlohmann::json j;
@@ -421,10 +430,9 @@ void FlightRecorder::watch() {
         ask = impl_->peer_failure;
       }
       try {
-        if (auto why = ask ? ask() : std::nullopt; why && !why->empty()) {
-          polling_.store(false);  // once
+        // (polling may have stopped while the store answered: the run's end, rank 0 leaving)
+        if (auto why = ask ? ask() : std::nullopt; why && !why->empty() && polling_.exchange(false))
           dump("a peer failed", *why);
-        }
       } catch (const std::exception&) {
       }
     }

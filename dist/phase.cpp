@@ -2,8 +2,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <memory>
 #include <exception>
+#include <memory>
 #include <mutex>
 
 namespace keel::dist {
@@ -25,7 +25,7 @@ int32_t unfield(uint64_t word, int shift, int bits) {
   return static_cast<int32_t>((word >> shift) & ((uint64_t{1} << bits) - 1)) - 1;
 }
 
-constexpr const char* kNames[] = {"idle",      "setup", "forward",           "backward",          "consensus",
+constexpr const char* kNames[] = {"idle",      "setup", "forward",         "backward",          "consensus",
                                   "optimizer", "eval",  "checkpoint save", "checkpoint commit", "finish"};
 
 }  // namespace

@@ -680,6 +680,48 @@ TEST(Ddp, UnusedParameterWithoutFindUnusedIsAnError) {
   expect_all_ok(ranks);
 }
 
+// The same when the parameter goes unused only from the third step on: the Reducer's check that
+// the previous reduction finished runs before every synced forward (its rebuild_buckets), not only
+// before the second (the flight recorder's record of the rebuild must not skip it: found in review).
+struct LaterUnusedImpl : torch::nn::Module {
+  LaterUnusedImpl()
+      : used(register_module("used", torch::nn::Linear(784, 10))),
+        later(register_module("later", torch::nn::Linear(3, 3))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    torch::Tensor y = used->forward(x.flatten(1));
+    if (is_training() && calls_++ < 2) y = y + 0.0 * later->forward(torch::ones({1, 3})).sum();
+    return y;
+  }
+  torch::nn::Linear used, later;
+  int calls_ = 0;
+};
+TORCH_MODULE(LaterUnused);
+
+TEST(Ddp, AParameterUnusedFromTheThirdStepWithoutFindUnusedIsAnError) {
+  auto ranks = run_ranks(
+      2,
+      [](const World& w) {
+        keel::models::register_model("later_unused", [](const keel::ModelConfig&,
+                                                        std::optional<keel::models::InputKind>) {
+          return std::make_shared<keel::models::ModuleModel<LaterUnused>>(
+              "later_unused", LaterUnused(), keel::models::InputSpec{keel::models::InputKind::Image, {1, 28, 28}, 10});
+        });
+        TempDir rd;
+        keel::Config cfg = unused_config(rd.file("run"), false);
+        cfg.model.name = "later_unused";
+        cfg.train.steps = 6;
+        try {
+          keel::Trainer(cfg, w).run();
+          ADD_FAILURE() << "expected the Reducer to refuse a parameter unused from step 3";
+        } catch (const std::exception& e) {
+          EXPECT_NE(std::string(e.what()).find("find_unused_parameters"), std::string::npos) << e.what();
+        }
+      },
+      90);
+  if (is_rank_process()) return;
+  expect_all_ok(ranks);
+}
+
 // dist.broadcast_buffers (issue 13): a model with BatchNorm, two ranks seeing different data.
 // With it (the default) every rank ends with rank 0's running statistics and the checkpoint
 // holds them; without it each rank keeps its own.

@@ -13,8 +13,8 @@
 #include <vector>
 
 #include "dist/flight.h"
-#include "helpers.h"
 #include "dist/phase.h"
+#include "helpers.h"
 #include "multirank.h"
 #include "trainer/app/doctor.h"
 #include "trainer/fault/fault.h"
@@ -111,7 +111,7 @@ TEST(FlightRecorder, TheRingKeepsTheLastOperationsAndAFailureDumpsThem) {
       fr.on_end(record(i, "all_reduce", {4}));
     }
     fr.on_start(record(0, "all_reduce", {8}, OpRecord::Lane::Bucket));  // open, then failed
-    fr.on_start(record(5, "broadcast", {2}));                         // open: still issued
+    fr.on_start(record(5, "broadcast", {2}));                           // open: still issued
     OpRecord failed = record(0, "all_reduce", {8}, OpRecord::Lane::Bucket);
     failed.outcome = OpRecord::Outcome::TimedOut;
     fr.on_failure(failed, "Timed out waiting 6000ms");
@@ -140,21 +140,38 @@ TEST(FlightRecorder, TheRingKeepsTheLastOperationsAndAFailureDumpsThem) {
 
 json op(const std::string& group, const std::string& lane, uint64_t seq, const std::string& name,
         std::vector<int64_t> shape, const std::string& state, double enqueue_ms, const std::string& phase = "forward") {
-  return {{"group", group}, {"lane", lane},        {"seq", seq},     {"op", name},
-          {"what", "w"},    {"dtype", "Float"},    {"shape", shape}, {"phase", phase},
-          {"where", phase}, {"step", 5},           {"state", state}, {"enqueue_ms", enqueue_ms},
-          {"start_ms", enqueue_ms}, {"kind", "collective"}};
+  return {{"group", group},
+          {"lane", lane},
+          {"seq", seq},
+          {"op", name},
+          {"what", "w"},
+          {"dtype", "Float"},
+          {"shape", shape},
+          {"phase", phase},
+          {"where", phase},
+          {"step", 5},
+          {"state", state},
+          {"enqueue_ms", enqueue_ms},
+          {"start_ms", enqueue_ms},
+          {"kind", "collective"}};
 }
 
 json dump(int64_t rank, int64_t world, std::vector<json> ops, const std::string& where = "forward") {
-  return {{"rank", rank},   {"world_size", world}, {"host", "h" + std::to_string(rank)}, {"pid", 1},
-          {"where", where}, {"phase", where},      {"step", 5},
+  return {{"rank", rank},
+          {"world_size", world},
+          {"host", "h" + std::to_string(rank)},
+          {"pid", 1},
+          {"where", where},
+          {"phase", where},
+          {"step", 5},
           {"events", {{{"reason", "the run failed"}, {"error", ""}}}},
-          {"ops", ops},     {"dumped_ms", 1.0}};
+          {"ops", ops},
+          {"dumped_ms", 1.0}};
 }
 
 std::vector<json> healthy_prefix(int64_t rank) {
-  return {op("world", "calls", 0, "all_reduce", {4}, "completed", 10), op("world", "calls", 1, "all_reduce", {4}, "completed", 20)};
+  return {op("world", "calls", 0, "all_reduce", {4}, "completed", 10),
+          op("world", "calls", 1, "all_reduce", {4}, "completed", 20)};
 }
 
 std::vector<json> with(std::vector<json> ops, const json& more) {
@@ -164,7 +181,8 @@ std::vector<json> with(std::vector<json> ops, const json& more) {
 
 TEST(Doctor, NamesADeadRankAHungRankAndAStraggler) {
   // Rank 1 left no dump; rank 0 is stuck in collective #2.
-  auto r = keel::doctor::diagnose({dump(0, 2, with(healthy_prefix(0), op("world", "calls", 2, "all_gather", {9}, "failed", 30)))});
+  auto r = keel::doctor::diagnose(
+      {dump(0, 2, with(healthy_prefix(0), op("world", "calls", 2, "all_gather", {9}, "failed", 30)))});
   EXPECT_EQ(r.json["cause"]["kind"], "dead_rank") << r.text;
   EXPECT_EQ(r.json["cause"]["ranks"], json({1}));
   EXPECT_EQ(r.json["divergence"]["seq"], 2);
@@ -227,6 +245,14 @@ TEST(Doctor, ReadsDumpsOfSeveralHostsCopiedIntoOneFolder) {
   EXPECT_EQ(none.exit_code, 2) << none.output;
 }
 
+// A record cut short or of another shape (keys missing, ops not objects) is read, not a crash.
+TEST(Doctor, ADumpWithoutItsKeysIsReadWithoutCrashing) {
+  json partial = {{"rank", 1}, {"world_size", 2}, {"ops", {42, {{"seq", 0}}}}, {"groups", 7}};
+  const auto r = keel::doctor::diagnose({json{{"rank", 0}, {"world_size", 2}}, partial});
+  EXPECT_EQ(r.json["records"], json({0, 1})) << r.text;
+  EXPECT_TRUE(r.json.contains("cause")) << r.text;
+}
+
 TEST(FaultPlan, AtNamesAPhaseForHangCrashAndStragglerOnly) {
   keel::FaultPlan p({"collective_hang@step=3,rank=1,at=checkpoint_commit", "crash@step=2,rank=0"}, 2);
   EXPECT_EQ(p.entries()[0].at, Phase::CheckpointCommit);
@@ -241,9 +267,14 @@ TEST(FaultPlan, AtNamesAPhaseForHangCrashAndStragglerOnly) {
 // ---- real runs: each fault type at several phases, read by `keel doctor --json` -------------
 
 std::vector<std::string> flight_args(const std::string& dir, std::vector<std::string> extra) {
-  std::vector<std::string> a = {"train",          "--model.name=mlp",       "--data.name=synthetic",
-                                "--train.steps=8", "--train.batch_size=16", "--run.threads=1",
-                                "--run.dir=" + dir + "/run", "--dist.timeout_s=5"};
+  std::vector<std::string> a = {"train",
+                                "--model.name=mlp",
+                                "--data.name=synthetic",
+                                "--train.steps=8",
+                                "--train.batch_size=16",
+                                "--run.threads=1",
+                                "--run.dir=" + dir + "/run",
+                                "--dist.timeout_s=5"};
   a.insert(a.end(), extra.begin(), extra.end());
   return a;
 }
@@ -264,10 +295,10 @@ json row_of(const json& diag, int64_t rank) {
 
 struct Case {
   std::vector<std::string> args;
-  std::string cause;    // cause.kind
-  int64_t rank;         // the rank the cause names
-  std::string op;       // the collective (op text) the waiting rank 0 was in
-  std::string where;    // ... in which phase (a prefix of its `where`)
+  std::string cause;  // cause.kind
+  int64_t rank;       // the rank the cause names
+  std::string op;     // the collective (op text) the waiting rank 0 was in
+  std::string where;  // ... in which phase (a prefix of its `where`)
 };
 
 void diagnose_case(const Case& c) {
@@ -286,18 +317,25 @@ void diagnose_case(const Case& c) {
 
 TEST(FlightDoctor, CollectiveHangInTheBackwardIsNamedAtItsGradientBucket) {
   diagnose_case({{"--fault.inject=collective_hang@step=3,rank=1,at=backward"},
-                 "hang", 1, "(DDP gradient bucket)", "backward, gradient bucket 0"});
+                 "hang",
+                 1,
+                 "(DDP gradient bucket)",
+                 "backward, gradient bucket 0"});
 }
 
 TEST(FlightDoctor, CollectiveHangInTheForwardUnderZero3IsNamedAtItsSchedule) {
-  diagnose_case({{"--dist.zero=3", "--fault.inject=collective_hang@step=3,rank=1,at=forward"},
-                 "hang", 1, "ZeRO", "forward"});
+  diagnose_case(
+      {{"--dist.zero=3", "--fault.inject=collective_hang@step=3,rank=1,at=forward"}, "hang", 1, "ZeRO", "forward"});
 }
 
 TEST(FlightDoctor, AStragglerInATensorParallelForwardIsNamedAtItsRegion) {
-  diagnose_case({{"--model.name=gpt", "--model.width=32", "--model.depth=2", "--model.heads=4", "--model.context=16",
-                  "--train.batch_size=4", "--parallel.tp=2", "--fault.inject=straggler@step=3,rank=1,at=forward,ms=8000"},
-                 "straggler", 1, "(tp: row-parallel partial sums)", "forward"});
+  diagnose_case(
+      {{"--model.name=gpt", "--model.width=32", "--model.depth=2", "--model.heads=4", "--model.context=16",
+        "--train.batch_size=4", "--parallel.tp=2", "--fault.inject=straggler@step=3,rank=1,at=forward,ms=8000"},
+       "straggler",
+       1,
+       "(tp: row-parallel partial sums)",
+       "forward"});
 }
 
 // A pipeline stage that stops in its backward: its neighbour waits for the gradient message.
@@ -305,16 +343,25 @@ TEST(FlightDoctor, AHungPipelineStageIsNamedAtTheMessageItsNeighbourWaitedFor) {
   diagnose_case({{"--model.name=gpt", "--model.width=32", "--model.depth=4", "--model.heads=4", "--model.context=16",
                   "--train.batch_size=4", "--train.grad_accum=4", "--parallel.pp=2",
                   "--fault.inject=collective_hang@step=3,rank=1,at=backward"},
-                 "hang", 1, "(pipeline gradient)", "backward (stage 0"});
+                 "hang",
+                 1,
+                 "(pipeline gradient)",
+                 "backward (stage 0"});
 }
 
 TEST(FlightDoctor, CollectiveHangAtEvaluationAndAtACheckpointCommit) {
   diagnose_case({{"--train.eval_interval=3", "--fault.inject=collective_hang@step=3,rank=1,at=eval"},
-                 "hang", 1, "(evaluation totals)", "eval"});
+                 "hang",
+                 1,
+                 "(evaluation totals)",
+                 "eval"});
   TempDir ck;
   diagnose_case({{"--checkpoint.dir=" + ck.path(), "--checkpoint.interval=3",
                   "--fault.inject=collective_hang@step=3,rank=1,at=checkpoint_commit"},
-                 "hang", 1, "(checkpoint commit)", "checkpoint commit"});
+                 "hang",
+                 1,
+                 "(checkpoint commit)",
+                 "checkpoint commit"});
 }
 
 TEST(FlightDoctor, ACrashedRankIsNamedDeadAndAShapeMismatchShowsBothShapes) {
@@ -330,7 +377,10 @@ TEST(FlightDoctor, ACrashedRankIsNamedDeadAndAShapeMismatchShowsBothShapes) {
 
 TEST(FlightDoctor, AStragglerPastTheTimeoutIsNamedWithItsLateness) {
   diagnose_case({{"--fault.inject=straggler@step=3,rank=1,at=forward,ms=8000"},
-                 "straggler", 1, "(DDP gradient bucket)", "backward"});
+                 "straggler",
+                 1,
+                 "(DDP gradient bucket)",
+                 "backward"});
 }
 
 // SIGUSR1 on a live run: rank 1 writes where it is and the run goes on, every rank exiting 0

@@ -118,7 +118,11 @@ void Run::build_mesh() {
   job.mesh.connect(job.coll, job.cfg.dist.validate);
   if (job.flight) {
     job.flight->install(job.mesh);
-    job.flight->watch_peers([coll = job.coll] { return coll->peer_failure(); });
+    // (weak: the world's group goes with the run, before the recorder)
+    job.flight->watch_peers([coll = std::weak_ptr<dist::Collectives>(job.coll)]() -> std::optional<std::string> {
+      const auto c = coll.lock();
+      return c ? c->peer_failure() : std::nullopt;
+    });
   }
   if (job.mesh.tp() == 1) return;
   if (job.cb.loss)

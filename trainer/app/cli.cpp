@@ -213,7 +213,7 @@ void add_doctor_options(CLI::App* cmd, CliArgs& a) {
 int run_doctor(const CLI::App&, CliArgs& a) {
   return exit_code_of([&] {
     const doctor::Report r = doctor::diagnose_dir(a.doctor_dir);
-    std::cout << (a.doctor_json ? r.json.dump(2) + "\n" : r.text);
+    std::cout << (a.doctor_json ? r.json.dump(2, ' ', false, nlohmann::json::error_handler_t::replace) + "\n" : r.text);
   });
 }
 

@@ -68,6 +68,24 @@ bool same_call(const json& a, const json& b) {
          a["shape"] == b["shape"];
 }
 
+// A dump as the doctor reads it: the keys it walks present with their types (a record cut short or
+// of another version gets empty ones, never an access out of bounds).
+json normalized(const json& j) {
+  json out = j.is_object() ? j : json::object();
+  for (const char* key : {"ops", "events", "log_tail"})
+    if (!out.contains(key) || !out[key].is_array()) out[key] = json::array();
+  json ops = json::array();
+  for (const json& op : out["ops"]) {
+    if (!op.is_object()) continue;
+    json o = op;
+    if (!o.contains("shape") || !o["shape"].is_array()) o["shape"] = json::array();
+    ops.push_back(std::move(o));
+  }
+  out["ops"] = std::move(ops);
+  if (out.contains("groups") && !out["groups"].is_object()) out.erase("groups");
+  return out;
+}
+
 // The ranks' dumps, one per rank (the newest), and the groups they name.
 struct Dumps {
   int64_t world = 0;
@@ -274,11 +292,11 @@ json cause_of(const Divergence& v, const Dumps& d) {
                           : same_call(a, b) && a.value("phase", "") == b.value("phase", ""))
         continue;
       const bool eval = (a.value("phase", "") == "eval") != (b.value("phase", "") == "eval");
-      const bool shape_only = s.lane == "p2p" || (a.value("op", "") == b.value("op", "") &&
-                                                  a.value("phase", "") == b.value("phase", ""));
-      const std::string both = "rank " + std::to_string(entered[i]) + " issued " + op_text(a) + " in " +
-                               where_text(a) + ", rank " + std::to_string(entered[k]) + " issued " + op_text(b) +
-                               " in " + where_text(b);
+      const bool shape_only =
+          s.lane == "p2p" || (a.value("op", "") == b.value("op", "") && a.value("phase", "") == b.value("phase", ""));
+      const std::string both = "rank " + std::to_string(entered[i]) + " issued " + op_text(a) + " in " + where_text(a) +
+                               ", rank " + std::to_string(entered[k]) + " issued " + op_text(b) + " in " +
+                               where_text(b);
       if (shape_only)
         return {{"kind", "shape_mismatch"},
                 {"ranks", {entered[i], entered[k]}},
@@ -298,8 +316,9 @@ json cause_of(const Divergence& v, const Dumps& d) {
   if (!dead.empty())
     return {{"kind", "dead_rank"},
             {"ranks", dead},
-            {"text", "rank(s) " + list(dead) + " died: no flight record (a SIGKILL, a crash, the out-of-memory killer "
-                                               "or a lost host); the others waited for them in " +
+            {"text", "rank(s) " + list(dead) +
+                         " died: no flight record (a SIGKILL, a crash, the out-of-memory killer "
+                         "or a lost host); the others waited for them in " +
                          place + (entered.empty() ? "" : " (" + where_text(*v.entry.at(entered.front())) + ")")}};
   if (!never.empty()) {
     const int64_t r = never.front();
@@ -313,8 +332,8 @@ json cause_of(const Divergence& v, const Dumps& d) {
           !(o.value("lane", "") == "p2p" && o.value("state", "") == "issued"))
         mine = &o;
     const bool went_on = mine != nullptr;
-    const std::string where = dump.value("where", std::string("?")) + " at step " +
-                              std::to_string(dump.value("step", int64_t{0}));
+    const std::string where =
+        dump.value("where", std::string("?")) + " at step " + std::to_string(dump.value("step", int64_t{0}));
     if (went_on)
       return {{"kind", "skipped"},
               {"ranks", never},
@@ -372,9 +391,9 @@ void describe_ranks(const Dumps& d, json& out, std::ostringstream& text) {
          << "; dumped for: " << reason << "\n";
     if (const json* last = last_op(dump)) {
       row["last_op"] = *last;
-      text << "    last: " << place_text(last->value("group", ""), last->value("lane", ""),
-                                         last->value("seq", uint64_t{0}))
-           << " " << op_text(*last) << ", " << last->value("state", "") << "\n";
+      text << "    last: "
+           << place_text(last->value("group", ""), last->value("lane", ""), last->value("seq", uint64_t{0})) << " "
+           << op_text(*last) << ", " << last->value("state", "") << "\n";
     }
     if (dump.contains("log_tail") && !dump["log_tail"].empty()) {
       row["log_last_line"] = dump["log_tail"].back();
@@ -386,13 +405,20 @@ void describe_ranks(const Dumps& d, json& out, std::ostringstream& text) {
 
 }  // namespace
 
-Report diagnose(const std::vector<json>& dumps) {
+Report diagnose(const std::vector<json>& read) {
+  std::vector<json> dumps;
+  for (const json& j : read) dumps.push_back(normalized(j));
   const Dumps d = index(dumps);
   const auto streams = streams_of(d);
   std::deque<Stream> pairs;
   std::optional<Divergence> first = p2p_divergence(d, pairs);
-  for (const auto& [key, s] : streams)
-    if (auto v = divergence_of(s, d); v && (!first || v->first_ms < first->first_ms)) first = v;
+  // The Reducer's raw calls come last: its used-parameter map spans a whole backward, so it is
+  // entered before any bucket the ranks diverged at.
+  for (const bool raw : {false, true})
+    for (const auto& [key, s] : streams)
+      if (auto v = (s.lane == "raw") == raw && !(raw && first) ? divergence_of(s, d) : std::nullopt;
+          v && (!first || v->first_ms < first->first_ms))
+        first = v;
   Report rep;
   std::ostringstream text;
   std::vector<int64_t> have;
@@ -403,8 +429,9 @@ Report diagnose(const std::vector<json>& dumps) {
   if (!first) {
     rep.json["divergence"] = nullptr;
     rep.json["cause"] = {{"kind", "none"},
-                         {"text", "no divergence: every rank's record agrees (the run is healthy, or every rank "
-                                  "stopped at the same place)"}};
+                         {"text",
+                          "no divergence: every rank's record agrees (the run is healthy, or every rank "
+                          "stopped at the same place)"}};
     text << "likely cause: " << rep.json["cause"]["text"].get<std::string>() << "\n";
   } else {
     const Stream& s = *first->stream;
