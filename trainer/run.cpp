@@ -121,7 +121,9 @@ void Run::build_mesh() {
     // (weak: the world's group goes with the run, before the recorder)
     job.flight->watch_peers([coll = std::weak_ptr<dist::Collectives>(job.coll)]() -> std::optional<std::string> {
       const auto c = coll.lock();
-      return c ? c->peer_failure() : std::nullopt;
+      // A fresh, bounded connection first: a store op to a host cut off blocks (TwoNode.partition).
+      if (!c || !c->group()->store_reachable(std::chrono::milliseconds(1000))) return std::nullopt;
+      return c->peer_failure();
     });
   }
   if (job.mesh.tp() == 1) return;
