@@ -262,6 +262,22 @@ OpRecord Collectives::record_of(const Desc& d) const {
   return r;
 }
 
+// A record of an operation the door has no descriptor for (a DDP bucket, a raw call, the Reducer's
+// failure): stamped with the phase and the time now.
+static OpRecord door_record(OpRecord::Kind kind, OpRecord::Lane lane, const std::string& group, const char* op,
+                            const char* what, int64_t step) {
+  OpRecord r;
+  r.kind = kind;
+  r.lane = lane;
+  r.group = group;
+  r.op = op;
+  r.what = what;
+  r.step = step;
+  r.phase = current_phase().pack();
+  r.enqueue = r.start = r.end = std::chrono::steady_clock::now();
+  return r;
+}
+
 std::shared_ptr<OpObserver> Collectives::observer() const {
   std::lock_guard<std::mutex> lock(door_->mu);
   return door_->observer;
@@ -286,30 +302,27 @@ void Collectives::observe_failure(const Desc& d, const std::string& error, OpRec
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(const torch::Tensor& buffer) {
-  OpRecord r;
   std::shared_ptr<OpObserver> observer;
+  uint64_t seq = 0;
   int32_t index = 0;  // the bucket's place in its step
   {
     std::lock_guard<std::mutex> lock(door_->mu);
     observer = door_->observer;
-    r.seq = door_->buckets++;
-    index = static_cast<int32_t>(r.seq - door_->step_first_bucket(step_, r.seq));
+    seq = door_->buckets++;
+    index = static_cast<int32_t>(seq - door_->step_first_bucket(step_, seq));
   }
   const int64_t bytes = buffer.numel() * static_cast<int64_t>(buffer.element_size());
+  OpRecord r;
   if (observer) {
-    r.kind = OpRecord::Kind::Bucket;
-    r.lane = OpRecord::Lane::Bucket;
-    r.group = group_->name();
-    r.op = "all_reduce";
-    r.what = "DDP gradient bucket";
+    r = door_record(OpRecord::Kind::Bucket, OpRecord::Lane::Bucket, group_->name(), "all_reduce", "DDP gradient bucket",
+                    step_);
+    r.seq = seq;
     r.shape = buffer.sizes().vec();
     r.dtype = buffer.scalar_type();
     r.bytes = bytes;
-    r.step = step_;
-    PhaseState where = current_phase();
+    PhaseState where = PhaseState::unpack(r.phase, step_);
     where.bucket = index;
     r.phase = where.pack();
-    r.enqueue = r.start = std::chrono::steady_clock::now();
     observer->on_start(r);
   }
   std::vector<at::Tensor> v{buffer};
@@ -445,16 +458,9 @@ Collectives::RawCall Collectives::raw_call(const char* op, const char* what) {
     call.observer_ = nullptr;
     return call;
   }
-  OpRecord& r = call.record_;
-  r.lane = OpRecord::Lane::Raw;
-  r.group = group_->name();
-  r.seq = seq;
-  r.op = op;
-  r.what = what;
-  r.step = step_;
-  r.phase = current_phase().pack();
-  r.enqueue = r.start = std::chrono::steady_clock::now();
-  call.observer_->on_start(r);
+  call.record_ = door_record(OpRecord::Kind::Collective, OpRecord::Lane::Raw, group_->name(), op, what, step_);
+  call.record_.seq = seq;
+  call.observer_->on_start(call.record_);
   return call;
 }
 
@@ -479,17 +485,10 @@ Collectives::RawCall::~RawCall() {
 CollectiveError Collectives::failure(const std::string& what, const std::string& error) {
   CollectiveError e = failed(what, error);
   if (auto observer = this->observer()) {  // the Reducer's buckets: every one still open
-    OpRecord r;
-    r.kind = OpRecord::Kind::Bucket;
-    r.lane = OpRecord::Lane::Bucket;
-    r.group = group_->name();
+    OpRecord r = door_record(OpRecord::Kind::Bucket, OpRecord::Lane::Bucket, group_->name(), "all_reduce",
+                             "DDP gradient bucket", step_);
     r.seq = UINT64_MAX;
-    r.op = "all_reduce";
-    r.what = "DDP gradient bucket";
-    r.step = step_;
-    r.phase = current_phase().pack();
     r.outcome = timed_out(error) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed;
-    r.enqueue = r.start = r.end = std::chrono::steady_clock::now();
     observer->on_failure(r, e.what());
   }
   return e;

@@ -145,7 +145,7 @@ struct Divergence {
   std::map<int64_t, const json*> entry;
 };
 
-std::optional<Divergence> divergence_of(const Stream& s, const Dumps& d) {
+std::optional<Divergence> divergence_of(const Stream& s) {
   if (s.lane == "p2p") return std::nullopt;  // numbered per rank: matched by pair and tag instead
   std::optional<uint64_t> at;
   for (const auto& [r, ops] : s.ops) {
@@ -180,7 +180,6 @@ std::optional<Divergence> divergence_of(const Stream& s, const Dumps& d) {
     }
   }
   if (!present || (!open && !missing)) return std::nullopt;
-  (void)d;
   return v;
 }
 
@@ -416,7 +415,7 @@ Report diagnose(const std::vector<json>& read) {
   // entered before any bucket the ranks diverged at.
   for (const bool raw : {false, true})
     for (const auto& [key, s] : streams)
-      if (auto v = (s.lane == "raw") == raw && !(raw && first) ? divergence_of(s, d) : std::nullopt;
+      if (auto v = (s.lane == "raw") == raw && !(raw && first) ? divergence_of(s) : std::nullopt;
           v && (!first || v->first_ms < first->first_ms))
         first = v;
   Report rep;
