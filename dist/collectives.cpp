@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <sstream>
@@ -326,12 +327,16 @@ c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(con
     observer->on_start(r);
   }
   std::vector<at::Tensor> v{buffer};
-  auto future = group_->pg()->allreduce(v)->getFuture();
+  const auto work = group_->pg()->allreduce(v);
+  auto future = work->getFuture();
+  // NCCL completes `future` when the bucket is enqueued (its waiters wait on the stream): the
+  // record takes the bucket's end from the work's result instead.
+  auto device = observer ? device_result(work) : nullptr;
   // Counted in a then(), not a callback: the Reducer waits on the future returned, which
   // completes only after this ran (a Future wakes its waiters before it runs its callbacks).
   // An error passes through then() untouched (DataParallel::backward names it).
   return future->then(
-      [door = door_, observer, r, bytes](c10::ivalue::Future& f) -> c10::IValue {
+      [door = door_, observer, r, bytes, device](c10::ivalue::Future& f) -> c10::IValue {
         {
           std::lock_guard<std::mutex> lock(door->mu);
           door->traffic.gradient_buckets += 1;
@@ -345,6 +350,7 @@ c10::intrusive_ptr<c10::ivalue::Future> Collectives::start_bucket_all_reduce(con
             done.outcome = timed_out(error) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed;
             observer->on_failure(done, error);
           } else {
+            done.device = device;
             observer->on_end(done);
           }
         }
@@ -532,10 +538,26 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
     observe_failure(d, error.what(), timed_out(e.what()) ? OpRecord::Outcome::TimedOut : OpRecord::Outcome::Failed);
     throw error;
   }
-  count(d, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
+  count(d, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
+        d.stream_wait ? device_result(w) : nullptr);
 }
 
-void Collectives::count(const Desc& d, double wait_ms) {
+c10::intrusive_ptr<c10::ivalue::Future> Collectives::device_result(const c10::intrusive_ptr<c10d::Work>& w) const {
+  // A work captured into a CUDA graph never reaches the backend's watchdog: nothing completes it.
+  // Under TORCH_NCCL_BLOCKING_WAIT there is no watchdog, and the host's wait is the device's.
+  static const bool blocking_wait = [] {
+    const char* v = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
+    return v && *v && std::string(v) != "0";
+  }();
+  if (!w || blocking_wait || group_->backend() != "nccl" || CaptureScope::active()) return {};
+  try {
+    return w->getFutureResult();
+  } catch (const std::exception&) {  // a backend without one
+    return {};
+  }
+}
+
+void Collectives::count(const Desc& d, double wait_ms, c10::intrusive_ptr<c10::ivalue::Future> device) {
   // A probe is the 16-byte (f, -f) pair whatever it guards; otherwise the tensor's payload.
   const int64_t bytes = d.validation ? 16
                         : d.dtype >= 0
@@ -543,10 +565,11 @@ void Collectives::count(const Desc& d, double wait_ms) {
                             : 0;
   const bool gather = !d.validation && (d.op == static_cast<int64_t>(OpCode::AllGather) ||
                                         d.op == static_cast<int64_t>(OpCode::StepSync));
-  tally(d, bytes, bytes, gather ? bytes * size() : bytes, wait_ms);
+  tally(d, bytes, bytes, gather ? bytes * size() : bytes, wait_ms, std::move(device));
 }
 
-void Collectives::tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms) {
+void Collectives::tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms,
+                        c10::intrusive_ptr<c10::ivalue::Future> device) {
   std::shared_ptr<OpObserver> observer;
   {
     std::lock_guard<std::mutex> lock(door_->mu);
@@ -564,6 +587,7 @@ void Collectives::tally(const Desc& d, int64_t payload, int64_t sent, int64_t re
   r.bytes = payload;
   r.end = std::chrono::steady_clock::now();
   if (d.validation) r.start = r.end - std::chrono::microseconds(static_cast<int64_t>(wait_ms * 1000));
+  r.device = std::move(device);
   observer->on_end(r);
 }
 
@@ -1044,7 +1068,9 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
       const bool send = ops[i].kind == P2POp::Kind::Send;
       if (!send && io[i].data_ptr() != ops[i].tensor.data_ptr()) ops[i].tensor.copy_(io[i]);
       const int64_t bytes = static_cast<int64_t>(io[i].nbytes());
-      tally(descs[i], bytes, send ? bytes : 0, send ? 0 : bytes, i == 0 ? ms : 0.0);
+      // (NCCL coalesces a schedule's messages into one work: each message ends with it)
+      tally(descs[i], bytes, send ? bytes : 0, send ? 0 : bytes, i == 0 ? ms : 0.0,
+            descs[i].stream_wait ? device_result(works[std::min(i, works.size() - 1)]) : nullptr);
     }
   };
   return s;
@@ -1187,7 +1213,7 @@ PendingStep Collectives::exchange_step(int64_t step, uint64_t plan, const torch:
       im.work.reset();
     } else {
       im.work->wait();
-      count(d, 0.0);
+      count(d, 0.0, device_result(im.work));
     }
     all = torch::stack(out);
   }

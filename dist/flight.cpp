@@ -9,6 +9,7 @@
 #include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include "common/stop.h"
 #include "dist/mesh.h"
@@ -51,9 +52,10 @@ const char* kind_name(OpRecord::Kind k) {
   return "?";
 }
 
-enum class State : uint8_t { Issued, Completed, Failed, TimedOut, Mismatch };
+// Enqueued: the host is done with it (NCCL: the stream waits), the device has not finished it.
+enum class State : uint8_t { Issued, Completed, Failed, TimedOut, Mismatch, Enqueued };
 const char* state_name(State s) {
-  static const char* names[] = {"issued", "completed", "failed", "timed out", "mismatch"};
+  static const char* names[] = {"issued", "completed", "failed", "timed out", "mismatch", "enqueued"};
   return names[static_cast<size_t>(s)];
 }
 
@@ -86,6 +88,10 @@ struct FlightRecorder::Entry {
   int64_t bytes = 0, step = 0, peer = -1, tag = -1;
   uint64_t phase = 0;
   int64_t enqueue_ns = 0, start_ns = 0, end_ns = 0;  // steady clock
+  // The device finishes it (OpRecord::device): end_ns is when its work's result came, host_end_ns
+  // when the host was done with it.
+  bool device = false;
+  int64_t host_end_ns = 0;
   std::string error;
 };
 
@@ -154,6 +160,8 @@ struct FlightRecorder::Impl {
     e.enqueue_ns = ns(op.enqueue);
     e.start_ns = ns(op.start);
     e.end_ns = state == State::Issued ? 0 : ns(op.end);
+    e.device = false;
+    e.host_end_ns = 0;
     e.error.clear();
     return e;
   }
@@ -179,9 +187,14 @@ struct FlightRecorder::Impl {
   }
   nlohmann::json entry_json(const Entry& e) const;
   nlohmann::json to_json() const;
+  std::string path() const { return o.dir + "/rank" + std::to_string(o.rank) + ".json"; }
+  bool dump(const std::string& reason, const std::string& error) noexcept;
+  // The work's result of entry `id` came (a c10d::WorkResult): the device finished it, or the
+  // backend gave up on it (then the record is dumped, as for a failure the host saw).
+  void device_done(uint64_t id, c10::ivalue::Future& result);
 };
 
-FlightRecorder::FlightRecorder(FlightOptions options) : impl_(std::make_unique<Impl>()) {
+FlightRecorder::FlightRecorder(FlightOptions options) : impl_(std::make_shared<Impl>()) {
   impl_->o = std::move(options);
   impl_->ring.resize(static_cast<size_t>(std::max<int64_t>(impl_->o.capacity, 1)));
   impl_->groups["world"] = {};
@@ -240,13 +253,56 @@ void FlightRecorder::on_start(const OpRecord& op) {
 }
 
 void FlightRecorder::on_end(const OpRecord& op) {
-  std::lock_guard<std::mutex> lock(impl_->mu);
-  if (op.kind == OpRecord::Kind::Probe) return;  // its call's entry covers it (issued before it)
-  Entry* e = impl_->take_open(op);
-  if (!e) e = &impl_->append(op, State::Completed);
-  e->state = State::Completed;
-  e->end_ns = Impl::ns(op.end);
-  e->bytes = op.bytes;
+  uint64_t id = 0;
+  {
+    std::lock_guard<std::mutex> lock(impl_->mu);
+    if (op.kind == OpRecord::Kind::Probe) return;  // its call's entry covers it (issued before it)
+    Entry* e = impl_->take_open(op);
+    if (!e) e = &impl_->append(op, State::Completed);
+    e->state = State::Completed;
+    e->end_ns = Impl::ns(op.end);
+    e->bytes = op.bytes;
+    if (!op.device) return;
+    // The device finishes it: open (the watchdog's stall check sees it) until its result comes.
+    e->device = true;
+    e->host_end_ns = e->end_ns;
+    e->end_ns = 0;
+    e->state = State::Enqueued;
+    id = e->id;
+    impl_->open.push_back({op.group, op.lane, op.seq, id});
+    if (impl_->open.size() > 256) impl_->open.erase(impl_->open.begin());
+  }
+  // Outside the lock: a result already there runs the callback here and now. The callback holds
+  // the recorder weakly (a result may come after the run, from the backend's watchdog thread).
+  op.device->addCallback([weak = std::weak_ptr<Impl>(impl_), id](c10::ivalue::Future& result) {
+    if (auto impl = weak.lock()) impl->device_done(id, result);
+  });
+}
+
+void FlightRecorder::Impl::device_done(uint64_t id, c10::ivalue::Future& result) {
+  State state = State::Failed;
+  std::string reason;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    Entry* e = live(id);
+    if (!e || e->state != State::Enqueued) return;  // gone from the ring, or failed at its wait
+    const int64_t code = result.hasError()        ? -1
+                         : result.value().isInt() ? result.value().toInt()
+                                                  : static_cast<int64_t>(-1);
+    state = code == static_cast<int64_t>(c10d::WorkResult::SUCCESS)   ? State::Completed
+            : code == static_cast<int64_t>(c10d::WorkResult::TIMEOUT) ? State::TimedOut
+                                                                      : State::Failed;
+    e->state = state;
+    e->end_ns = ns(std::chrono::steady_clock::now());
+    for (size_t i = open.size(); i-- > 0;)
+      if (open[i].id == id) open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
+    if (state == State::Completed) return;
+    e->error = state == State::TimedOut ? "the backend's watchdog timed it out on the device"
+                                        : "the backend reported an error of its communicator";
+    reason = std::string("collective ") + state_name(state) + " on the device (" + e->group + " " + e->op + " #" +
+             std::to_string(e->seq) + ")";
+  }
+  dump(reason, "");  // (the backend may take the process down next: its record is written first)
 }
 
 void FlightRecorder::on_failure(const OpRecord& op, const std::string& error) {
@@ -288,7 +344,7 @@ uint64_t FlightRecorder::recorded() const {
   return impl_->next;
 }
 
-std::string FlightRecorder::path() const { return impl_->o.dir + "/rank" + std::to_string(impl_->o.rank) + ".json"; }
+std::string FlightRecorder::path() const { return impl_->path(); }
 
 nlohmann::json FlightRecorder::Impl::entry_json(const Entry& e) const {
   nlohmann::json j;
@@ -315,6 +371,10 @@ nlohmann::json FlightRecorder::Impl::entry_json(const Entry& e) const {
   j["enqueue_ms"] = wall_ms(e.enqueue_ns);
   j["start_ms"] = wall_ms(e.start_ns);
   if (e.end_ns) j["end_ms"] = wall_ms(e.end_ns);
+  // Whose completion `end_ms` is: the host's, or the device's (the work's result; then the host
+  // was done with it at host_end_ms).
+  j["completion"] = e.device ? "device" : "host";
+  if (e.device) j["host_end_ms"] = wall_ms(e.host_end_ns);
   j["state"] = state_name(e.state);
   if (!e.error.empty()) j["error"] = e.error;
   return j;
@@ -338,6 +398,8 @@ nlohmann::json FlightRecorder::Impl::to_json() const {
   j["phase"] = phase_name(now.phase);
   j["where"] = now.describe();
   j["step"] = now.step;
+  // dist.timeout_s: how long an operation may stay open before it is a hang (keel doctor).
+  if (o.stall.count() > 0) j["timeout_ms"] = o.stall.count();
   j["dumped_ms"] =
       std::chrono::duration<double, std::milli>(std::chrono::system_clock::now().time_since_epoch()).count();
   j["log_tail"] = logging::last_lines();
@@ -353,15 +415,19 @@ nlohmann::json FlightRecorder::Impl::to_json() const {
 }
 
 bool FlightRecorder::dump(const std::string& reason, const std::string& error) noexcept {
+  return impl_->dump(reason, error);
+}
+
+bool FlightRecorder::Impl::dump(const std::string& reason, const std::string& error) noexcept {
   try {
-    std::lock_guard<std::mutex> dump_lock(impl_->dump_mu);
+    std::lock_guard<std::mutex> dump_lock(dump_mu);
     std::string text;
     {
-      std::lock_guard<std::mutex> lock(impl_->mu);
-      impl_->events.emplace_back(reason, error.substr(0, 4096));
-      text = impl_->to_json().dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
+      std::lock_guard<std::mutex> lock(mu);
+      events.emplace_back(reason, error.substr(0, 4096));
+      text = to_json().dump(1, ' ', false, nlohmann::json::error_handler_t::replace) + "\n";
     }
-    std::filesystem::create_directories(impl_->o.dir);
+    std::filesystem::create_directories(o.dir);
     const std::string final_path = path(), tmp = final_path + ".tmp." + std::to_string(::getpid());
     const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     bool ok = fd >= 0;
@@ -416,7 +482,8 @@ void FlightRecorder::watch() {
           if (now - std::chrono::steady_clock::time_point(std::chrono::nanoseconds(e->start_ns)) < impl_->o.stall)
             continue;
           stuck_dumped = e->id;
-          stuck = std::string(e->group) + " " + e->op + " #" + std::to_string(e->seq) + " (" + e->what + ")";
+          stuck = std::string(e->group) + " " + e->op + " #" + std::to_string(e->seq) + " (" + e->what + ")" +
+                  (e->state == State::Enqueued ? ", enqueued: the device has not finished it," : "");
           break;
         }
       }

@@ -8,7 +8,11 @@
 // one), and a watchdog thread that dumps while the issuing thread is blocked: on SIGUSR1 (and the
 // run goes on), on SIGINT/SIGTERM (common/stop.h's g_stop_signal), on an operation open longer than
 // dist.timeout_s, on a peer's failure reported through the store. The issuing thread dumps on a
-// failure it sees (on_failure) and the trainer on an exception that ends the run.
+// failure it sees (on_failure) and the trainer on an exception that ends the run. An operation
+// the device finishes (NCCL: OpRecord::device) stays "enqueued" after the host is done with it,
+// until its work's result comes from the backend's watchdog: completed, timed out or failed (the
+// last two dumped). A callback on that result, holding the recorder weakly, marks it; nothing
+// holds the work or its tensors.
 // Does not own: the door (keel/dist/collectives.h), the phase (dist/phase.h), reading the
 // dumps (trainer/app/doctor.h).
 #pragma once
@@ -75,7 +79,7 @@ class FlightRecorder : public OpObserver {
  private:
   struct Entry;
   struct Impl;
-  std::unique_ptr<Impl> impl_;
+  std::shared_ptr<Impl> impl_;  // (held weakly by the device results' callbacks)
   std::atomic<bool> polling_{true};
   void watch();
 };

@@ -34,6 +34,10 @@
 #              package, initial scale 2^40: real fp16 overflows skipped, the scale backed off
 #   cuda_graphs   compile.cuda_graphs: 50 steps of gpt (dropout) with graphs byte-identical to 50
 #              without, and a run killed at step 25 and resumed with graphs the same (issue 46 item 4)
+#   flight_nccl  the flight recorder on NCCL (issue 67): gpt, one rank, asked where it is by SIGUSR1
+#              at step 20 (fault.inject's signal); it goes on to exit 0, and its record's gradient
+#              buckets end when their work's result says the device finished them ("completion":
+#              "device", after the host's end), none failed; `keel doctor` reads it
 #   bench      step time: keel (eager and inductor) vs PyTorch 2.11 eager DDP and torch.compile'd
 #              DDP, cnn 64 and 512, gpt 8 and 64, one rank on the GPU (NCCL), same batch, data and
 #              optimizer; the verdict of issue 24's target (keel inductor <= 0.9x torch.compile)
@@ -246,7 +250,8 @@ common=(--data.name=synthetic --data.synthetic_size=4096 --train.lr=1e-3 --train
 want() { [[ "$1" =~ ${KEEL_GPU_CHECK_ONLY:-.} ]]; }
 # Seconds each step takes on the H200 (the last full run, with margin); 30 for the others.
 declare -A est=([cnn_nccl]=15 [gpt_nccl]=15 [sync_debug]=15 [gloo_2r]=20 [zero0_gloo_2r]=25 [zero3_gloo_2r]=35
-                [fp16]=15 [bf16]=15 [resume]=45 [inductor_gpt]=20 [inductor_fp16]=20 [cuda_graphs]=60)
+                [fp16]=15 [bf16]=15 [resume]=45 [inductor_gpt]=20 [inductor_fp16]=20 [cuda_graphs]=60
+                [flight_nccl]=20)
 # runs STEP: whether STEP is wanted and fits in what is left of the budget beyond the reserve
 # (if it is wanted and does not fit, it is recorded as skipped).
 runs() {
@@ -383,6 +388,44 @@ if runs cuda_graphs; then
   if [ $rc_off -eq 0 ] && [ $rc_on -eq 0 ] && [ $rc_resume -eq 0 ] && [ "$same_on" = true ] &&
      [ "$same_resume" = true ] && [ "$resumed" = 20 ] && [ "$replays" = 94 ]; then ok=true; else ok=false; fi
   record cuda_graphs "$ok" "\"rehearsal\": $([ "$dev" = cpu ] && echo true || echo false), \"rc\": [$rc_off, $rc_on, $rc_resume], \"replays\": ${replays:-null}, \"resumed_from_step\": ${resumed:-null}, \"shards_identical\": $same_on, \"resumed_shards_identical\": $same_resume, \"median_step_ms_off\": ${ms_off:-null}, \"median_step_ms_on\": ${ms_on:-null}"
+fi
+
+# The flight recorder on NCCL (issue 67): a live run's record, asked for with SIGUSR1 at step 20.
+# On NCCL the host only enqueues a gradient bucket; its entry must end when the work's result comes
+# (the device finished it), not at its enqueue. The rehearsal (Gloo) has host completions only.
+if runs flight_nccl; then
+  launch 1 "$out/flight_nccl" "$keel" train "${common[@]}" --model.name=gpt --train.batch_size=8 --train.steps=30 \
+    --dist.backend=$nccl --fault.inject=signal@step=20,rank=0,sig=10 > "$out/flight_nccl.log" 2>&1
+  rc=$?
+  "$keel" doctor "$out/flight_nccl/run" --json > "$out/flight_nccl/doctor.json" 2>> "$out/flight_nccl.log"
+  rc_doctor=$?
+  verdict=$("$py" - "$out/flight_nccl/run/flight/rank0.json" "$out/flight_nccl/doctor.json" "$rc" "$rc_doctor" "$dev" <<'PY'
+import json, sys
+path, doc, rc, rc_doctor, dev = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+r = {"rc": rc, "rc_doctor": rc_doctor}
+try:
+    j = json.load(open(path))
+    ops = j["ops"]
+    on_device = [o for o in ops if o.get("completion") == "device"]
+    ended = [o for o in on_device if "end_ms" in o]
+    r.update(ops=len(ops), device_ops=len(on_device), device_buckets=sum(o["lane"] == "bucket" for o in on_device),
+             device_completed=sum(o["state"] == "completed" for o in on_device),
+             device_enqueued=sum(o["state"] == "enqueued" for o in on_device),
+             device_after_host=all(o["end_ms"] >= o["host_end_ms"] for o in ended),
+             device_lag_ms_max=max([round(o["end_ms"] - o["host_end_ms"], 3) for o in ended], default=None),
+             not_ok=sum(o["state"] not in ("completed", "enqueued", "issued") for o in ops),
+             sigusr1=j["events"][0]["reason"].startswith("SIGUSR1"))
+    r["doctor"] = json.load(open(doc))["cause"]["kind"]
+    device_seen = dev == "cpu" or (r["device_buckets"] > 0 and r["device_completed"] > 0)
+    r["ok"] = (rc == 0 and rc_doctor == 0 and r["sigusr1"] and r["not_ok"] == 0 and r["device_after_host"]
+               and device_seen and r["doctor"] in ("none", "in_flight"))
+except Exception as e:
+    r.update(ok=False, error=f"{type(e).__name__}: {e}")
+print(json.dumps(r))
+PY
+)
+  [ -n "$verdict" ] || verdict='{"ok": false, "error": "no verdict (see the log)"}'
+  record flight_nccl "$(verdict_ok "$verdict")" "\"detail\": $verdict"
 fi
 
 # The regression steps (they passed on the last GPU run): each only while the inductor steps and

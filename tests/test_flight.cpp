@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <fstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dist/flight.h"
@@ -156,6 +157,62 @@ json op(const std::string& group, const std::string& lane, uint64_t seq, const s
           {"kind", "collective"}};
 }
 
+// An operation the device finishes (NCCL: the host only enqueued it) stays "enqueued" until its
+// work's result comes: completed then, with its own end; a result of TIMEOUT or COMM_ERROR marks
+// it and dumps; one the watchdog finds open past the stall bound is dumped as stuck on the
+// device; a result that comes after the recorder is gone is ignored.
+c10::intrusive_ptr<c10::ivalue::Future> work_result() {
+  return c10::make_intrusive<c10::ivalue::Future>(c10::IntType::get());
+}
+TEST(FlightRecorder, AnOperationTheDeviceFinishesEndsWithItsWorksResult) {
+  TempDir d;
+  keel::dist::FlightOptions o;
+  o.dir = d.file("flight");
+  o.stall = std::chrono::milliseconds(300);
+  auto ok = work_result(), late = work_result(), lost = work_result(), done = work_result();
+  done->markCompleted(c10::IValue(int64_t{0}));  // finished before the host was done with it
+  {
+    keel::dist::FlightRecorder fr(o);
+    OpRecord a = record(0, "all_reduce", {4}, OpRecord::Lane::Bucket), b = record(1, "all_gather", {8});
+    OpRecord c = record(2, "all_reduce", {2}), e = record(3, "reduce_scatter", {2});
+    for (OpRecord* r : {&a, &b, &c, &e}) fr.on_start(*r);
+    a.device = ok, b.device = late, c.device = lost, e.device = done;
+    for (OpRecord* r : {&a, &b, &c, &e}) fr.on_end(*r);
+    ASSERT_TRUE(fr.dump("now"));
+    json j = read_json(fr.path());
+    ASSERT_EQ(j["ops"].size(), 4u);
+    for (int i = 0; i < 3; ++i) {
+      EXPECT_EQ(j["ops"][i]["state"], "enqueued") << j["ops"][i];
+      EXPECT_EQ(j["ops"][i]["completion"], "device");
+      EXPECT_TRUE(j["ops"][i].contains("host_end_ms"));
+      EXPECT_FALSE(j["ops"][i].contains("end_ms"));
+    }
+    EXPECT_EQ(j["ops"][3]["state"], "completed");
+    EXPECT_EQ(j["ops"][3]["completion"], "device");
+    ok->markCompleted(c10::IValue(int64_t{0}));    // c10d::WorkResult::SUCCESS
+    late->markCompleted(c10::IValue(int64_t{1}));  // TIMEOUT: dumped at once
+    j = read_json(fr.path());
+    EXPECT_EQ(j["ops"][0]["state"], "completed");
+    EXPECT_GE(j["ops"][0]["end_ms"].get<double>(), j["ops"][0]["host_end_ms"].get<double>());
+    EXPECT_EQ(j["ops"][1]["state"], "timed out");
+    EXPECT_EQ(j["events"].back()["reason"], "collective timed out on the device (world all_gather #1)");
+    // #2 is never finished: the watchdog dumps it once it is open past the stall bound.
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    for (;;) {
+      j = read_json(fr.path());
+      if (j["events"].back()["reason"].get<std::string>().rfind("stuck", 0) == 0) break;
+      ASSERT_LT(std::chrono::steady_clock::now(), deadline) << j["events"];
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    EXPECT_NE(j["events"].back()["reason"].get<std::string>().find("world all_reduce #2"), std::string::npos);
+    EXPECT_NE(j["events"].back()["reason"].get<std::string>().find("enqueued: the device has not finished it"),
+              std::string::npos)
+        << j["events"].back();
+    EXPECT_EQ(j["ops"][2]["state"], "enqueued");
+  }
+  lost->markCompleted(c10::IValue(int64_t{2}));  // after the recorder: nothing to mark, no crash
+}
+
 json dump(int64_t rank, int64_t world, std::vector<json> ops, const std::string& where = "forward") {
   return {{"rank", rank},
           {"world_size", world},
@@ -204,6 +261,51 @@ TEST(Doctor, NamesADeadRankAHungRankAndAStraggler) {
   // Every rank agrees: nothing diverged.
   r = keel::doctor::diagnose({dump(0, 2, healthy_prefix(0)), dump(1, 2, healthy_prefix(1))});
   EXPECT_EQ(r.json["cause"]["kind"], "none") << r.text;
+}
+
+// NCCL: rank 0 enqueued #2 and its device never finished it; rank 1 never entered it.
+TEST(Doctor, AnOperationTheDeviceNeverFinishedIsShownEnqueued) {
+  json stuck = op("world", "calls", 2, "all_reduce", {9}, "enqueued", 30);
+  stuck["completion"] = "device";
+  const auto r = keel::doctor::diagnose(
+      {dump(0, 2, with(healthy_prefix(0), stuck)), dump(1, 2, healthy_prefix(1), "backward of block 3")});
+  EXPECT_EQ(r.json["cause"]["kind"], "hang") << r.text;
+  EXPECT_EQ(r.json["divergence"]["seq"], 2);
+  EXPECT_NE(r.text.find("rank 0: enqueued it; the device never finished it"), std::string::npos) << r.text;
+}
+
+// Records asked for with SIGUSR1 while the run went on: an operation open on the ranks that
+// entered it for less than dist.timeout_s is in flight, not a hang; past it, or after a failure,
+// the same records read as before.
+TEST(Doctor, ASnapshotOfALiveRunIsInFlightNotAHang) {
+  auto snapshot = [](int64_t rank, std::vector<json> ops, double dumped_ms, const std::string& reason) {
+    json j = dump(rank, 2, std::move(ops), "backward");
+    j["events"] = {{{"reason", reason}, {"error", ""}}};
+    j["timeout_ms"] = 30000;
+    j["dumped_ms"] = dumped_ms;
+    return j;
+  };
+  const json open = op("world", "calls", 2, "all_reduce", {4}, "enqueued", 30);
+  const std::string usr1 = "SIGUSR1 (asked where the run is; it goes on)";
+  auto r = keel::doctor::diagnose(
+      {snapshot(0, with(healthy_prefix(0), open), 2030, usr1), snapshot(1, with(healthy_prefix(1), open), 2040, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "in_flight") << r.text;
+  EXPECT_NE(r.text.find("open for 2.0 s, under dist.timeout_s = 30.0 s"), std::string::npos) << r.text;
+  r = keel::doctor::diagnose(
+      {snapshot(0, with(healthy_prefix(0), open), 2030, usr1), snapshot(1, healthy_prefix(1), 2040, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "in_flight") << r.text;
+  EXPECT_NE(r.text.find("rank(s) 1 not there yet"), std::string::npos) << r.text;
+  // Open past dist.timeout_s: a hang (rank 1 never entered it and waits in nothing).
+  r = keel::doctor::diagnose(
+      {snapshot(0, with(healthy_prefix(0), open), 40030, usr1), snapshot(1, healthy_prefix(1), 40040, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "hang") << r.text;
+  // Every rank in it past the timeout: the network; a failure event in a record: not a snapshot.
+  r = keel::doctor::diagnose({snapshot(0, with(healthy_prefix(0), open), 40030, usr1),
+                              snapshot(1, with(healthy_prefix(1), open), 40040, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "network") << r.text;
+  r = keel::doctor::diagnose({snapshot(0, with(healthy_prefix(0), open), 2030, "stuck: world all_reduce #2"),
+                              snapshot(1, with(healthy_prefix(1), open), 2040, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "network") << r.text;
 }
 
 TEST(Doctor, ShowsBothSidesOfAMismatchAnExtraEvaluationAndASkippedCollective) {

@@ -257,6 +257,7 @@ std::string rank_status(const Divergence& v, int64_t r, const Dumps& d, json& ro
   const double late = e->value("enqueue_ms", 0.0) - v.first_ms;
   std::string text = (state == "issued"      ? std::string("entered it and is stuck")
                       : state == "completed" ? std::string("completed it")
+                      : state == "enqueued"  ? std::string("enqueued it; the device never finished it")
                                              : "entered it: " + state) +
                      (late >= 500 ? " (entered " + seconds(late) + " after the first)" : "") + "; " + op_text(*e) +
                      " in " + where_text(*e);
@@ -271,6 +272,34 @@ const json* last_op(const json& dump) {
   for (const json& op : dump["ops"])
     if (!last || op.value("enqueue_ms", 0.0) >= last->value("enqueue_ms", 0.0)) last = &op;
   return last;
+}
+
+// Records written while the run went on (SIGUSR1, no failure in any) whose divergent operation is
+// open on every rank that entered it for less than dist.timeout_s: a snapshot of work in flight,
+// not (yet) a hang. Null otherwise.
+std::optional<json> in_flight(const Divergence& v, const Dumps& d, const std::string& place,
+                              const std::vector<int64_t>& never) {
+  double open_for = 0, timeout = 0;
+  for (const auto& [r, e] : v.entry) {
+    const json& dump = *d.by_rank.at(r);
+    for (const json& ev : dump["events"])
+      if (ev.value("reason", "").rfind("SIGUSR1", 0) != 0) return std::nullopt;
+    if (!dump.contains("timeout_ms")) return std::nullopt;
+    timeout = dump.value("timeout_ms", 0.0);
+    if (!e) continue;
+    const std::string state = e->value("state", "");
+    if (state != "issued" && state != "enqueued") return std::nullopt;
+    open_for = std::max(open_for, dump.value("dumped_ms", 0.0) - e->value("start_ms", 0.0));
+  }
+  if (open_for >= timeout) return std::nullopt;
+  std::string waiting;
+  for (size_t i = 0; i < never.size(); ++i) waiting += (i ? ", " : "") + std::to_string(never[i]);
+  return json{{"kind", "in_flight"},
+              {"ranks", json::array()},
+              {"text", place + " was in flight when the records were written (asked for with SIGUSR1; open for " +
+                           seconds(open_for) + ", under dist.timeout_s = " + seconds(timeout) + ")" +
+                           (waiting.empty() ? "" : ", rank(s) " + waiting + " not there yet") +
+                           ": a live run, not (yet) a hang. Ask again to see whether it moves"}};
 }
 
 json cause_of(const Divergence& v, const Dumps& d) {
@@ -319,6 +348,7 @@ json cause_of(const Divergence& v, const Dumps& d) {
                          " died: no flight record (a SIGKILL, a crash, the out-of-memory killer "
                          "or a lost host); the others waited for them in " +
                          place + (entered.empty() ? "" : " (" + where_text(*v.entry.at(entered.front())) + ")")}};
+  if (const auto snapshot = in_flight(v, d, place, never)) return *snapshot;
   if (!never.empty()) {
     const int64_t r = never.front();
     const json& dump = *d.by_rank.at(r);

@@ -155,6 +155,11 @@ struct OpRecord {
   // in on_end only.
   std::chrono::steady_clock::time_point enqueue, start, end;
   Outcome outcome = Outcome::Failed;  // on_failure only
+  // on_end of an operation whose result stays on the device (NCCL: the stream waits, not the
+  // host): the work's own result (c10d's Work::getFutureResult), which the backend's watchdog
+  // completes with a c10d::WorkResult (SUCCESS, TIMEOUT, COMM_ERROR) once the device finished it
+  // or gave up. `end` is then when the host was done with it. Null when the host saw it complete.
+  c10::intrusive_ptr<c10::ivalue::Future> device;
 };
 
 /// Sees every operation that passes a group's door (Collectives::set_observer): on_start once the
@@ -163,9 +168,10 @@ struct OpRecord {
 /// differ from its peers' (before the error unwinds; `op.seq` = UINT64_MAX: every operation of
 /// the lane still open, DDP's buckets when the Reducer's backward failed). Called on the issuing
 /// thread, except on_end of a DDP bucket: the backend's thread that completes it, so an
-/// implementation is thread-safe. With NCCL a bucket and a collective whose result stays on the
-/// device complete when enqueued (the stream waits, not the host). It must not throw or issue
-/// collectives. The flight recorder (dist/flight.h) is one.
+/// implementation is thread-safe. With NCCL, on_end of a bucket and of a collective whose result
+/// stays on the device comes when the host enqueued it, with `op.device`: the work's result,
+/// completed when the device finished it. It must not throw or issue collectives. The flight
+/// recorder (dist/flight.h) is one.
 class OpObserver {
  public:
   virtual ~OpObserver() = default;
@@ -347,10 +353,16 @@ class Collectives {
   std::shared_ptr<OpObserver> observer() const;
   OpRecord record_of(const Desc& d) const;
   void wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d);
-  void count(const Desc& d, double wait_ms);  // the traffic counters, for a call that finished
+  // The traffic counters, for a call that finished (on the host; `device`: the work's result,
+  // for one the device finishes later: OpRecord::device).
+  void count(const Desc& d, double wait_ms, c10::intrusive_ptr<c10::ivalue::Future> device = {});
   // One finished call into the door's counters (`sent`, `received` bytes), then the observer's
   // on_end with `payload` (this rank's contribution).
-  void tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms);
+  void tally(const Desc& d, int64_t payload, int64_t sent, int64_t received, double wait_ms,
+             c10::intrusive_ptr<c10::ivalue::Future> device = {});
+  // The result of `w` as the device finishes it, when the host does not wait for it (NCCL, outside
+  // a CUDA graph's capture); else null.
+  c10::intrusive_ptr<c10::ivalue::Future> device_result(const c10::intrusive_ptr<c10d::Work>& w) const;
   static Desc step_desc(int64_t step, uint64_t plan, int64_t seq);
   StepConsensus read_step(const torch::Tensor& all, int64_t mine, int64_t step, double* local_loss) const;
   // start_p2p's descriptor swap (validating()): throws CollectiveMismatch on a receive whose sender
