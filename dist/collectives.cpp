@@ -72,6 +72,9 @@ struct Collectives::Desc {
   // NCCL, a collective whose result stays on the device (start_*): wait() makes the current
   // stream wait for it instead of blocking the host (failures: the NCCL watchdog's timeout).
   bool stream_wait = false;
+  // Issued while a CUDA graph was captured: its work never reaches the backend's watchdog, which
+  // would complete its result (Collectives::device_result).
+  bool captured = false;
   std::chrono::steady_clock::time_point issued;  // when it passed check() (for an observer)
 
   std::vector<int64_t> words() const {
@@ -539,12 +542,13 @@ void Collectives::wait(const c10::intrusive_ptr<c10d::Work>& w, const Desc& d) {
     throw error;
   }
   count(d, std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count(),
-        d.stream_wait ? device_result(w) : nullptr);
+        d.stream_wait && !d.captured ? device_result(w) : nullptr);
 }
 
 c10::intrusive_ptr<c10::ivalue::Future> Collectives::device_result(const c10::intrusive_ptr<c10d::Work>& w) const {
-  // A work captured into a CUDA graph never reaches the backend's watchdog: nothing completes it.
-  // Under TORCH_NCCL_BLOCKING_WAIT there is no watchdog, and the host's wait is the device's.
+  // A work captured into a CUDA graph never reaches the backend's watchdog: nothing completes it
+  // (the callers also pass none for a call issued during a capture). Under
+  // TORCH_NCCL_BLOCKING_WAIT the host's wait is the device's: the host's end is the record's.
   static const bool blocking_wait = [] {
     const char* v = std::getenv("TORCH_NCCL_BLOCKING_WAIT");
     return v && *v && std::string(v) != "0";
@@ -680,6 +684,7 @@ Collectives::Sequence::~Sequence() {
 void Collectives::check(Desc& d) {
   d.seq = static_cast<int64_t>(seq_++);
   d.issued = std::chrono::steady_clock::now();
+  d.captured = CaptureScope::active();
   observe_start(d);  // before its validation: a rank waiting in the probe is in this call
   if (sequences_ && sequences_->record && !sequences_->recording) {
     replay_call(d);
@@ -1019,6 +1024,7 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
     d.step = step_;
     d.seq = static_cast<int64_t>(p2p_seq_++);
     d.issued = std::chrono::steady_clock::now();
+    d.captured = CaptureScope::active();
     d.stream_wait = nccl;
     // The balance: this message's hash, + sent, - received (the group's name makes it the world's).
     const int64_t src = send ? rank() : op.peer, dst = send ? op.peer : rank();
@@ -1070,7 +1076,7 @@ Collectives::Started Collectives::start_p2p(std::vector<P2POp> ops, const char* 
       const int64_t bytes = static_cast<int64_t>(io[i].nbytes());
       // (NCCL coalesces a schedule's messages into one work: each message ends with it)
       tally(descs[i], bytes, send ? bytes : 0, send ? 0 : bytes, i == 0 ? ms : 0.0,
-            descs[i].stream_wait ? device_result(works[std::min(i, works.size() - 1)]) : nullptr);
+            descs[i].stream_wait && !descs[i].captured ? device_result(works[std::min(i, works.size() - 1)]) : nullptr);
     }
   };
   return s;

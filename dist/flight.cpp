@@ -108,7 +108,7 @@ struct FlightRecorder::Impl {
     uint64_t seq;
     uint64_t id;
   };
-  std::vector<Open> open;
+  std::vector<Open> open, pending;
   std::vector<std::pair<std::string, std::string>> events;  // (reason, error), oldest first
   std::map<std::string, std::vector<int64_t>> groups;
   std::array<int64_t, 3> coords{0, 0, 0}, sizes{1, 1, 1};
@@ -117,6 +117,7 @@ struct FlightRecorder::Impl {
   std::chrono::steady_clock::time_point steady0 = std::chrono::steady_clock::now();
   std::chrono::system_clock::time_point wall0 = std::chrono::system_clock::now();
   std::mutex dump_mu;
+  bool device_failed = false;                                // a device result of failure was dumped (under `mu`)
   std::function<std::optional<std::string>()> peer_failure;  // under `mu`
   struct sigaction old_usr1 = {};
   std::thread watchdog;
@@ -172,6 +173,29 @@ struct FlightRecorder::Impl {
       if (e && e->seq == op.seq && e->lane == op.lane && op.group == e->group) return e;
     }
     return nullptr;
+  }
+  // Under `mu`: an operation open on the host (`open`) or enqueued on the device (`pending`),
+  // kept until it ends (bounded: the oldest goes first).
+  static void keep(std::vector<Open>& in, const OpRecord& op, uint64_t id) {
+    in.push_back({op.group, op.lane, op.seq, id});
+    if (in.size() > kOpenMax) in.erase(in.begin());
+  }
+  static constexpr size_t kOpenMax = 4096;
+  static void forget(std::vector<Open>& in, uint64_t id) {
+    for (size_t i = in.size(); i-- > 0;)
+      if (in[i].id == id) in.erase(in.begin() + static_cast<std::ptrdiff_t>(i));
+  }
+  // Under `mu`: entry `done` of `group` ended (on the host, or its work's result came): one
+  // communicator runs its group's collectives in order, so each earlier one still enqueued on it
+  // ended too (pipeline messages excepted: NCCL gives each pair its own).
+  void settle_before(const char* group, OpRecord::Lane lane, uint64_t done, int64_t end_ns) {
+    if (lane == OpRecord::Lane::P2P) return;
+    for (size_t i = pending.size(); i-- > 0;) {
+      const Open& o = pending[i];
+      if (o.id >= done || o.lane == OpRecord::Lane::P2P || o.group != group) continue;
+      if (Entry* e = live(o.id); e && e->state == State::Enqueued) e->state = State::Completed, e->end_ns = end_ns;
+      pending.erase(pending.begin() + static_cast<std::ptrdiff_t>(i));
+    }
   }
   // Under `mu`: the open entry of `op` (removed from `open`), or null.
   Entry* take_open(const OpRecord& op) {
@@ -248,8 +272,7 @@ void FlightRecorder::install(const Mesh& mesh) {
 void FlightRecorder::on_start(const OpRecord& op) {
   std::lock_guard<std::mutex> lock(impl_->mu);
   const Entry& e = impl_->append(op, State::Issued);
-  impl_->open.push_back({op.group, op.lane, op.seq, e.id});
-  if (impl_->open.size() > 256) impl_->open.erase(impl_->open.begin());  // (never ended: bounded)
+  Impl::keep(impl_->open, op, e.id);
 }
 
 void FlightRecorder::on_end(const OpRecord& op) {
@@ -262,20 +285,26 @@ void FlightRecorder::on_end(const OpRecord& op) {
     e->state = State::Completed;
     e->end_ns = Impl::ns(op.end);
     e->bytes = op.bytes;
-    if (!op.device) return;
+    if (!op.device) {
+      impl_->settle_before(e->group, e->lane, e->id, e->end_ns);
+      return;
+    }
     // The device finishes it: open (the watchdog's stall check sees it) until its result comes.
     e->device = true;
     e->host_end_ns = e->end_ns;
     e->end_ns = 0;
     e->state = State::Enqueued;
     id = e->id;
-    impl_->open.push_back({op.group, op.lane, op.seq, id});
-    if (impl_->open.size() > 256) impl_->open.erase(impl_->open.begin());
+    Impl::keep(impl_->pending, op, id);
   }
   // Outside the lock: a result already there runs the callback here and now. The callback holds
-  // the recorder weakly (a result may come after the run, from the backend's watchdog thread).
+  // the recorder weakly (a result may come after the run, from the backend's watchdog thread,
+  // which an exception would end: none leaves it).
   op.device->addCallback([weak = std::weak_ptr<Impl>(impl_), id](c10::ivalue::Future& result) {
-    if (auto impl = weak.lock()) impl->device_done(id, result);
+    try {
+      if (auto impl = weak.lock()) impl->device_done(id, result);
+    } catch (...) {
+    }
   });
 }
 
@@ -285,7 +314,8 @@ void FlightRecorder::Impl::device_done(uint64_t id, c10::ivalue::Future& result)
   {
     std::lock_guard<std::mutex> lock(mu);
     Entry* e = live(id);
-    if (!e || e->state != State::Enqueued) return;  // gone from the ring, or failed at its wait
+    forget(pending, id);
+    if (!e || e->state != State::Enqueued) return;  // gone from the ring, failed at its wait, settled
     const int64_t code = result.hasError()        ? -1
                          : result.value().isInt() ? result.value().toInt()
                                                   : static_cast<int64_t>(-1);
@@ -294,11 +324,15 @@ void FlightRecorder::Impl::device_done(uint64_t id, c10::ivalue::Future& result)
                                                                       : State::Failed;
     e->state = state;
     e->end_ns = ns(std::chrono::steady_clock::now());
-    for (size_t i = open.size(); i-- > 0;)
-      if (open[i].id == id) open.erase(open.begin() + static_cast<std::ptrdiff_t>(i));
-    if (state == State::Completed) return;
+    if (state == State::Completed) {
+      settle_before(e->group, e->lane, id, e->end_ns);
+      return;
+    }
     e->error = state == State::TimedOut ? "the backend's watchdog timed it out on the device"
                                         : "the backend reported an error of its communicator";
+    // A communicator's error fails each of its pending works: the first one is dumped.
+    if (device_failed) return;
+    device_failed = true;
     reason = std::string("collective ") + state_name(state) + " on the device (" + e->group + " " + e->op + " #" +
              std::to_string(e->seq) + ")";
   }
@@ -316,7 +350,8 @@ void FlightRecorder::on_failure(const OpRecord& op, const std::string& error) {
       e.end_ns = Impl::ns(op.end);
       e.error = error.substr(0, 2048);
     };
-    if (op.seq == UINT64_MAX) {  // every open one of the lane
+    if (op.seq == UINT64_MAX) {  // every one of the lane open on the host (an enqueued one has
+      // left it: its device result says how it ended)
       for (size_t i = impl_->open.size(); i-- > 0;) {
         const Impl::Open& o = impl_->open[i];
         if (o.lane != op.lane || o.group != op.group) continue;
@@ -373,7 +408,7 @@ nlohmann::json FlightRecorder::Impl::entry_json(const Entry& e) const {
   if (e.end_ns) j["end_ms"] = wall_ms(e.end_ns);
   // Whose completion `end_ms` is: the host's, or the device's (the work's result; then the host
   // was done with it at host_end_ms).
-  j["completion"] = e.device ? "device" : "host";
+  if (e.device || e.state != State::Issued) j["completion"] = e.device ? "device" : "host";
   if (e.device) j["host_end_ms"] = wall_ms(e.host_end_ns);
   j["state"] = state_name(e.state);
   if (!e.error.empty()) j["error"] = e.error;
@@ -476,15 +511,21 @@ void FlightRecorder::watch() {
       std::string stuck;
       {
         std::lock_guard<std::mutex> lock(impl_->mu);
-        for (const Impl::Open& o : impl_->open) {
-          const Entry* e = impl_->live(o.id);
-          if (!e || e->id <= stuck_dumped) continue;
-          if (now - std::chrono::steady_clock::time_point(std::chrono::nanoseconds(e->start_ns)) < impl_->o.stall)
-            continue;
+        // The oldest stalled one not dumped yet (ids follow the order of issue, so of stalling).
+        const Entry* oldest = nullptr;
+        for (const auto* in : {&impl_->open, &impl_->pending})
+          for (const Impl::Open& o : *in) {
+            const Entry* e = impl_->live(o.id);
+            if (!e || e->id <= stuck_dumped || (oldest && oldest->id < e->id) ||
+                (e->state != State::Issued && e->state != State::Enqueued))
+              continue;
+            if (now - std::chrono::steady_clock::time_point(std::chrono::nanoseconds(e->start_ns)) >= impl_->o.stall)
+              oldest = e;
+          }
+        if (const Entry* e = oldest) {
           stuck_dumped = e->id;
           stuck = std::string(e->group) + " " + e->op + " #" + std::to_string(e->seq) + " (" + e->what + ")" +
                   (e->state == State::Enqueued ? ", enqueued: the device has not finished it," : "");
-          break;
         }
       }
       if (!stuck.empty()) dump("stuck: " + stuck + " open for longer than dist.timeout_s");

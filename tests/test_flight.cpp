@@ -174,7 +174,8 @@ TEST(FlightRecorder, AnOperationTheDeviceFinishesEndsWithItsWorksResult) {
   {
     keel::dist::FlightRecorder fr(o);
     OpRecord a = record(0, "all_reduce", {4}, OpRecord::Lane::Bucket), b = record(1, "all_gather", {8});
-    OpRecord c = record(2, "all_reduce", {2}), e = record(3, "reduce_scatter", {2});
+    OpRecord c = record(2, "all_reduce", {2}), e = record(0, "reduce_scatter", {2});
+    e.group = "dp/0";  // (another group: its end says nothing of world's)
     for (OpRecord* r : {&a, &b, &c, &e}) fr.on_start(*r);
     a.device = ok, b.device = late, c.device = lost, e.device = done;
     for (OpRecord* r : {&a, &b, &c, &e}) fr.on_end(*r);
@@ -211,6 +212,43 @@ TEST(FlightRecorder, AnOperationTheDeviceFinishesEndsWithItsWorksResult) {
     EXPECT_EQ(j["ops"][2]["state"], "enqueued");
   }
   lost->markCompleted(c10::IValue(int64_t{2}));  // after the recorder: nothing to mark, no crash
+}
+
+// One communicator runs its group's collectives in order: a later one that completed settles the
+// ones still enqueued before it (not another group's, nor a pair's messages); of several device
+// results of failure (a communicator's error fails each pending work), the first is dumped.
+TEST(FlightRecorder, ALaterCompletionSettlesTheOperationsEnqueuedBeforeItOnItsGroup) {
+  TempDir d;
+  keel::dist::FlightOptions o;
+  o.dir = d.file("flight");
+  keel::dist::FlightRecorder fr(o);
+  OpRecord a = record(0, "all_reduce", {4}), p = record(0, "send", {4}, OpRecord::Lane::P2P);
+  OpRecord t = record(0, "all_gather", {4}), u = record(1, "all_gather", {4});
+  t.group = u.group = "tp/0";
+  auto ra = work_result(), rp = work_result(), rt = work_result(), ru = work_result();
+  a.device = ra, p.device = rp, t.device = rt, u.device = ru;
+  for (OpRecord* r : {&a, &p, &t, &u}) fr.on_start(*r), fr.on_end(*r);
+  const OpRecord later = record(1, "all_reduce", {1});  // on the host, in world
+  fr.on_start(later);
+  fr.on_end(later);
+  ASSERT_TRUE(fr.dump("now"));
+  json j = read_json(fr.path());
+  ASSERT_EQ(j["ops"].size(), 5u);
+  EXPECT_EQ(j["ops"][0]["state"], "completed");  // world #0, settled by world #1
+  EXPECT_TRUE(j["ops"][0].contains("end_ms"));
+  EXPECT_EQ(j["ops"][1]["state"], "enqueued");  // the message
+  EXPECT_EQ(j["ops"][2]["state"], "enqueued");  // tp/0's
+  EXPECT_EQ(j["ops"][3]["state"], "enqueued");
+  rt->markCompleted(c10::IValue(int64_t{2}));  // COMM_ERROR
+  ru->markCompleted(c10::IValue(int64_t{2}));
+  ra->markCompleted(c10::IValue(int64_t{0}));  // after it was settled: nothing changes
+  ASSERT_TRUE(fr.dump("again"));
+  j = read_json(fr.path());
+  EXPECT_EQ(j["ops"][2]["state"], "failed");
+  EXPECT_EQ(j["ops"][3]["state"], "failed");  // marked, not dumped for itself
+  ASSERT_EQ(j["events"].size(), 3u) << j["events"];
+  EXPECT_EQ(j["events"][1]["reason"], "collective failed on the device (tp/0 all_gather #0)");
+  EXPECT_EQ(j["ops"][0]["state"], "completed");
 }
 
 json dump(int64_t rank, int64_t world, std::vector<json> ops, const std::string& where = "forward") {
@@ -264,14 +302,14 @@ TEST(Doctor, NamesADeadRankAHungRankAndAStraggler) {
 }
 
 // NCCL: rank 0 enqueued #2 and its device never finished it; rank 1 never entered it.
-TEST(Doctor, AnOperationTheDeviceNeverFinishedIsShownEnqueued) {
+TEST(Doctor, AnOperationTheDeviceHasNotFinishedIsShownEnqueued) {
   json stuck = op("world", "calls", 2, "all_reduce", {9}, "enqueued", 30);
   stuck["completion"] = "device";
   const auto r = keel::doctor::diagnose(
       {dump(0, 2, with(healthy_prefix(0), stuck)), dump(1, 2, healthy_prefix(1), "backward of block 3")});
   EXPECT_EQ(r.json["cause"]["kind"], "hang") << r.text;
   EXPECT_EQ(r.json["divergence"]["seq"], 2);
-  EXPECT_NE(r.text.find("rank 0: enqueued it; the device never finished it"), std::string::npos) << r.text;
+  EXPECT_NE(r.text.find("rank 0: enqueued it; the device has not finished it"), std::string::npos) << r.text;
 }
 
 // Records asked for with SIGUSR1 while the run went on: an operation open on the ranks that
@@ -295,6 +333,17 @@ TEST(Doctor, ASnapshotOfALiveRunIsInFlightNotAHang) {
       {snapshot(0, with(healthy_prefix(0), open), 2030, usr1), snapshot(1, healthy_prefix(1), 2040, usr1)});
   EXPECT_EQ(r.json["cause"]["kind"], "in_flight") << r.text;
   EXPECT_NE(r.text.find("rank(s) 1 not there yet"), std::string::npos) << r.text;
+  // Rank 1's device finished #2 sooner (its result came before its snapshot): still in flight.
+  r = keel::doctor::diagnose(
+      {snapshot(0, with(healthy_prefix(0), open), 2030, usr1),
+       snapshot(1, with(healthy_prefix(1), op("world", "calls", 2, "all_reduce", {4}, "completed", 30)), 2040, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "in_flight") << r.text;
+  // Rank 1 not there for 10 s: a hang, said with how long it has been open (it may still move).
+  r = keel::doctor::diagnose(
+      {snapshot(0, with(healthy_prefix(0), open), 10030, usr1), snapshot(1, healthy_prefix(1), 10040, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "hang") << r.text;
+  EXPECT_EQ(r.json["cause"]["open_for_ms"], 10000.0) << r.text;
+  EXPECT_NE(r.text.find("open for 10.0 s, under dist.timeout_s = 30.0 s: ask again"), std::string::npos) << r.text;
   // Open past dist.timeout_s: a hang (rank 1 never entered it and waits in nothing).
   r = keel::doctor::diagnose(
       {snapshot(0, with(healthy_prefix(0), open), 40030, usr1), snapshot(1, healthy_prefix(1), 40040, usr1)});
@@ -306,6 +355,15 @@ TEST(Doctor, ASnapshotOfALiveRunIsInFlightNotAHang) {
   r = keel::doctor::diagnose({snapshot(0, with(healthy_prefix(0), open), 2030, "stuck: world all_reduce #2"),
                               snapshot(1, with(healthy_prefix(1), open), 2040, usr1)});
   EXPECT_EQ(r.json["cause"]["kind"], "network") << r.text;
+  // Rank 1 answered a SIGUSR1 at 25 ms, before rank 0 entered #2 (30 ms), and wrote nothing after;
+  // rank 0's record says #2 timed out: rank 1 died after its snapshot.
+  r = keel::doctor::diagnose(
+      {snapshot(0, with(healthy_prefix(0), op("world", "calls", 2, "all_reduce", {4}, "timed out", 30)), 40030,
+                "collective timed out (world all_reduce #2)"),
+       snapshot(1, healthy_prefix(1), 25, usr1)});
+  EXPECT_EQ(r.json["cause"]["kind"], "dead_rank") << r.text;
+  EXPECT_EQ(r.json["cause"]["ranks"], json({1}));
+  EXPECT_NE(r.text.find("only a SIGUSR1 snapshot from 1"), std::string::npos) << r.text;
 }
 
 TEST(Doctor, ShowsBothSidesOfAMismatchAnExtraEvaluationAndASkippedCollective) {

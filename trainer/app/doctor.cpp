@@ -210,7 +210,12 @@ std::optional<Divergence> p2p_divergence(const Dumps& d, std::deque<Stream>& pai
       if (other && other->value("state", "") == "completed") continue;
       // Both ends posted and neither waited yet (a receive posted ahead, a send not waited for):
       // not where a rank was blocked.
-      if (other && op.value("state", "") == "issued" && other->value("state", "") == "issued") continue;
+      // (On NCCL, "enqueued": both ends handed to the device, whose result has not come yet.)
+      const auto posted = [](const json& o) {
+        const std::string st = o.value("state", "");
+        return st == "issued" || st == "enqueued";
+      };
+      if (other && posted(op) && posted(*other)) continue;
       Stream& s = pairs.emplace_back();
       s.group = group;
       s.lane = "p2p";
@@ -257,7 +262,7 @@ std::string rank_status(const Divergence& v, int64_t r, const Dumps& d, json& ro
   const double late = e->value("enqueue_ms", 0.0) - v.first_ms;
   std::string text = (state == "issued"      ? std::string("entered it and is stuck")
                       : state == "completed" ? std::string("completed it")
-                      : state == "enqueued"  ? std::string("enqueued it; the device never finished it")
+                      : state == "enqueued"  ? std::string("enqueued it; the device has not finished it")
                                              : "entered it: " + state) +
                      (late >= 500 ? " (entered " + seconds(late) + " after the first)" : "") + "; " + op_text(*e) +
                      " in " + where_text(*e);
@@ -274,35 +279,89 @@ const json* last_op(const json& dump) {
   return last;
 }
 
-// Records written while the run went on (SIGUSR1, no failure in any) whose divergent operation is
-// open on every rank that entered it for less than dist.timeout_s: a snapshot of work in flight,
-// not (yet) a hang. Null otherwise.
-std::optional<json> in_flight(const Divergence& v, const Dumps& d, const std::string& place,
-                              const std::vector<int64_t>& never) {
+// Whether every event of a rank's record is a SIGUSR1 request (a snapshot of a live run).
+bool snapshot_only(const json& dump) {
+  for (const json& ev : dump["events"])
+    if (ev.value("reason", "").rfind("SIGUSR1", 0) != 0) return false;
+  return true;
+}
+
+// Records written while the run went on (SIGUSR1, no failure in any) whose divergent operation
+// is open (issued, or enqueued on the device) on the ranks that entered it, the oldest for
+// `open_for` ms, under dist.timeout_s (`live`): a snapshot of work in flight, maybe a hang to be.
+struct Snapshot {
+  bool live = false;
   double open_for = 0, timeout = 0;
+};
+Snapshot snapshot_of(const Divergence& v, const Dumps& d) {
+  Snapshot s;
+  bool open = false;
   for (const auto& [r, e] : v.entry) {
+    if (!d.by_rank.count(r)) return {};
     const json& dump = *d.by_rank.at(r);
-    for (const json& ev : dump["events"])
-      if (ev.value("reason", "").rfind("SIGUSR1", 0) != 0) return std::nullopt;
-    if (!dump.contains("timeout_ms")) return std::nullopt;
-    timeout = dump.value("timeout_ms", 0.0);
-    if (!e) continue;
-    const std::string state = e->value("state", "");
-    if (state != "issued" && state != "enqueued") return std::nullopt;
-    open_for = std::max(open_for, dump.value("dumped_ms", 0.0) - e->value("start_ms", 0.0));
+    if (!snapshot_only(dump) || !dump.contains("timeout_ms")) return {};
+    s.timeout = dump.value("timeout_ms", 0.0);
+    const std::string state = e ? e->value("state", "") : "";
+    if (!e || state == "completed") continue;  // (a peer's result came sooner)
+    if (state != "issued" && state != "enqueued") return {};
+    open = true;
+    s.open_for = std::max(s.open_for, dump.value("dumped_ms", 0.0) - e->value("start_ms", 0.0));
   }
-  if (open_for >= timeout) return std::nullopt;
+  s.live = open && s.open_for < s.timeout;
+  return s;
+}
+
+// A snapshot whose operation every rank entered, or one that a rank has not reached for less than
+// kNotThereYetMs: in flight, not a hang. Null otherwise (then the cause found says how long).
+constexpr double kNotThereYetMs = 5000;
+std::optional<json> in_flight(const Snapshot& snap, const std::string& place, const std::vector<int64_t>& never) {
+  if (!snap.live || (!never.empty() && snap.open_for >= kNotThereYetMs)) return std::nullopt;
   std::string waiting;
   for (size_t i = 0; i < never.size(); ++i) waiting += (i ? ", " : "") + std::to_string(never[i]);
   return json{{"kind", "in_flight"},
               {"ranks", json::array()},
+              {"open_for_ms", snap.open_for},
               {"text", place + " was in flight when the records were written (asked for with SIGUSR1; open for " +
-                           seconds(open_for) + ", under dist.timeout_s = " + seconds(timeout) + ")" +
+                           seconds(snap.open_for) + ", under dist.timeout_s = " + seconds(snap.timeout) + ")" +
                            (waiting.empty() ? "" : ", rank(s) " + waiting + " not there yet") +
                            ": a live run, not (yet) a hang. Ask again to see whether it moves"}};
 }
 
-json cause_of(const Divergence& v, const Dumps& d) {
+// Ranks that died: no record, or (while a peer's record says the run failed) only a SIGUSR1
+// snapshot from before their peers entered the divergence, and none since. Null: none.
+std::optional<json> dead_cause(const Divergence& v, const Dumps& d, const std::string& place,
+                               const std::vector<int64_t>& dead, const std::vector<int64_t>& never,
+                               const std::vector<int64_t>& entered) {
+  auto list = [](const std::vector<int64_t>& rs) {
+    std::string out;
+    for (size_t i = 0; i < rs.size(); ++i) out += (i ? ", " : "") + std::to_string(rs[i]);
+    return out;
+  };
+  // A rank whose only record is a SIGUSR1 snapshot from before its peers entered the divergence,
+  // while a peer's record says the run failed: it wrote nothing since, so it died after it.
+  std::vector<int64_t> silent;
+  if (std::any_of(d.by_rank.begin(), d.by_rank.end(), [](const auto& rd) { return !snapshot_only(*rd.second); }))
+    for (const int64_t r : never)
+      if (const json& dump = *d.by_rank.at(r); snapshot_only(dump) && dump.value("dumped_ms", 0.0) < v.first_ms)
+        silent.push_back(r);
+  if (dead.empty() && silent.empty()) return std::nullopt;
+  std::vector<int64_t> all = dead;
+  all.insert(all.end(), silent.begin(), silent.end());
+  std::sort(all.begin(), all.end());
+  return json{
+      {"kind", "dead_rank"},
+      {"ranks", all},
+      {"text", "rank(s) " + list(all) + " died: " +
+                   (dead.empty() ? std::string()
+                                 : "no flight record from " + list(dead) + (silent.empty() ? std::string("") : "; ")) +
+                   (silent.empty() ? std::string()
+                                   : "only a SIGUSR1 snapshot from " + list(silent) +
+                                         ", written before the others entered it, and none since") +
+                   " (a SIGKILL, a crash, the out-of-memory killer or a lost host); the others waited for them in " +
+                   place + (entered.empty() ? "" : " (" + where_text(*v.entry.at(entered.front())) + ")")}};
+}
+
+json cause_at(const Divergence& v, const Dumps& d) {
   const Stream& s = *v.stream;
   const std::string place = place_text(s.group, s.lane, v.seq);
   std::vector<int64_t> dead, never, entered;
@@ -341,14 +400,8 @@ json cause_of(const Divergence& v, const Dumps& d) {
                                  : ". A rank skipped or added a collective (a block's backward that did not run, a "
                                    "branch on data that differs between ranks)")}};
     }
-  if (!dead.empty())
-    return {{"kind", "dead_rank"},
-            {"ranks", dead},
-            {"text", "rank(s) " + list(dead) +
-                         " died: no flight record (a SIGKILL, a crash, the out-of-memory killer "
-                         "or a lost host); the others waited for them in " +
-                         place + (entered.empty() ? "" : " (" + where_text(*v.entry.at(entered.front())) + ")")}};
-  if (const auto snapshot = in_flight(v, d, place, never)) return *snapshot;
+  if (auto died = dead_cause(v, d, place, dead, never, entered)) return *died;
+  if (const auto snapshot = in_flight(snapshot_of(v, d), place, never)) return *snapshot;
   if (!never.empty()) {
     const int64_t r = never.front();
     const json& dump = *d.by_rank.at(r);
@@ -392,6 +445,20 @@ json cause_of(const Divergence& v, const Dumps& d) {
           {"ranks", entered},
           {"text", "every rank entered " + place +
                        " and none completed it: the network or the backend (a lost connection, a partition)"}};
+}
+
+// The cause at the divergence; from SIGUSR1 snapshots of an operation open under dist.timeout_s,
+// with how long it has been open (it may still move).
+json cause_of(const Divergence& v, const Dumps& d) {
+  json cause = cause_at(v, d);
+  const bool dead = cause.value("kind", "") == "dead_rank";
+  if (const Snapshot snap = snapshot_of(v, d); !dead && snap.live && cause.value("kind", "") != "in_flight") {
+    cause["open_for_ms"] = snap.open_for;
+    cause["text"] = cause.value("text", "") + ". The records are SIGUSR1 snapshots and it has been open for " +
+                    seconds(snap.open_for) + ", under dist.timeout_s = " + seconds(snap.timeout) +
+                    ": ask again to see whether it moves";
+  }
+  return cause;
 }
 
 void describe_ranks(const Dumps& d, json& out, std::ostringstream& text) {
