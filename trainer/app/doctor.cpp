@@ -279,6 +279,13 @@ const json* last_op(const json& dump) {
   return last;
 }
 
+// "0, 2, 3".
+std::string rank_list(const std::vector<int64_t>& rs) {
+  std::string out;
+  for (size_t i = 0; i < rs.size(); ++i) out += (i ? ", " : "") + std::to_string(rs[i]);
+  return out;
+}
+
 // Whether every event of a rank's record is a SIGUSR1 request (a snapshot of a live run).
 bool snapshot_only(const json& dump) {
   for (const json& ev : dump["events"])
@@ -316,8 +323,7 @@ Snapshot snapshot_of(const Divergence& v, const Dumps& d) {
 constexpr double kNotThereYetMs = 5000;
 std::optional<json> in_flight(const Snapshot& snap, const std::string& place, const std::vector<int64_t>& never) {
   if (!snap.live || (!never.empty() && snap.open_for >= kNotThereYetMs)) return std::nullopt;
-  std::string waiting;
-  for (size_t i = 0; i < never.size(); ++i) waiting += (i ? ", " : "") + std::to_string(never[i]);
+  const std::string waiting = rank_list(never);
   return json{{"kind", "in_flight"},
               {"ranks", json::array()},
               {"open_for_ms", snap.open_for},
@@ -332,11 +338,6 @@ std::optional<json> in_flight(const Snapshot& snap, const std::string& place, co
 std::optional<json> dead_cause(const Divergence& v, const Dumps& d, const std::string& place,
                                const std::vector<int64_t>& dead, const std::vector<int64_t>& never,
                                const std::vector<int64_t>& entered) {
-  auto list = [](const std::vector<int64_t>& rs) {
-    std::string out;
-    for (size_t i = 0; i < rs.size(); ++i) out += (i ? ", " : "") + std::to_string(rs[i]);
-    return out;
-  };
   // A rank whose only record is a SIGUSR1 snapshot from before its peers entered the divergence,
   // while a peer's record says the run failed: it wrote nothing since, so it died after it.
   std::vector<int64_t> silent;
@@ -351,26 +352,22 @@ std::optional<json> dead_cause(const Divergence& v, const Dumps& d, const std::s
   return json{
       {"kind", "dead_rank"},
       {"ranks", all},
-      {"text", "rank(s) " + list(all) + " died: " +
-                   (dead.empty() ? std::string()
-                                 : "no flight record from " + list(dead) + (silent.empty() ? std::string("") : "; ")) +
-                   (silent.empty() ? std::string()
-                                   : "only a SIGUSR1 snapshot from " + list(silent) +
-                                         ", written before the others entered it, and none since") +
-                   " (a SIGKILL, a crash, the out-of-memory killer or a lost host); the others waited for them in " +
-                   place + (entered.empty() ? "" : " (" + where_text(*v.entry.at(entered.front())) + ")")}};
+      {"text",
+       "rank(s) " + rank_list(all) + " died: " +
+           (dead.empty() ? std::string()
+                         : "no flight record from " + rank_list(dead) + (silent.empty() ? std::string("") : "; ")) +
+           (silent.empty() ? std::string()
+                           : "only a SIGUSR1 snapshot from " + rank_list(silent) +
+                                 ", written before the others entered it, and none since") +
+           " (a SIGKILL, a crash, the out-of-memory killer or a lost host); the others waited for them in " + place +
+           (entered.empty() ? "" : " (" + where_text(*v.entry.at(entered.front())) + ")")}};
 }
 
-json cause_at(const Divergence& v, const Dumps& d) {
+json cause_at(const Divergence& v, const Dumps& d, const Snapshot& snap) {
   const Stream& s = *v.stream;
   const std::string place = place_text(s.group, s.lane, v.seq);
   std::vector<int64_t> dead, never, entered;
   for (const auto& [r, e] : v.entry) (!d.by_rank.count(r) ? dead : e ? entered : never).push_back(r);
-  auto list = [](const std::vector<int64_t>& rs) {
-    std::string out;
-    for (size_t i = 0; i < rs.size(); ++i) out += (i ? ", " : "") + std::to_string(rs[i]);
-    return out;
-  };
   // The ranks issued different calls there: the paths they took differ.
   for (size_t i = 0; i < entered.size(); ++i)
     for (size_t k = i + 1; k < entered.size(); ++k) {
@@ -401,7 +398,7 @@ json cause_at(const Divergence& v, const Dumps& d) {
                                    "branch on data that differs between ranks)")}};
     }
   if (auto died = dead_cause(v, d, place, dead, never, entered)) return *died;
-  if (const auto snapshot = in_flight(snapshot_of(v, d), place, never)) return *snapshot;
+  if (const auto snapshot = in_flight(snap, place, never)) return *snapshot;
   if (!never.empty()) {
     const int64_t r = never.front();
     const json& dump = *d.by_rank.at(r);
@@ -419,13 +416,13 @@ json cause_at(const Divergence& v, const Dumps& d) {
     if (went_on)
       return {{"kind", "skipped"},
               {"ranks", never},
-              {"text", "rank(s) " + list(never) + " skipped " + place + " and went on to " + op_text(*mine) + " in " +
-                           where_text(*mine) +
+              {"text", "rank(s) " + rank_list(never) + " skipped " + place + " and went on to " + op_text(*mine) +
+                           " in " + where_text(*mine) +
                            ": a collective its peers made and it did not (a block's backward it skipped, a branch "
                            "on data that differs between ranks)"}};
     return {{"kind", "hang"},
             {"ranks", never},
-            {"text", "rank(s) " + list(never) + " never issued " + place + " that rank(s) " + list(entered) +
+            {"text", "rank(s) " + rank_list(never) + " never issued " + place + " that rank(s) " + rank_list(entered) +
                          " waited in: rank " + std::to_string(r) + " stopped in " + where +
                          " (hung: a deadlock, an endless loop, a blocked read, or slower than dist.timeout_s)"}};
   }
@@ -450,9 +447,10 @@ json cause_at(const Divergence& v, const Dumps& d) {
 // The cause at the divergence; from SIGUSR1 snapshots of an operation open under dist.timeout_s,
 // with how long it has been open (it may still move).
 json cause_of(const Divergence& v, const Dumps& d) {
-  json cause = cause_at(v, d);
+  const Snapshot snap = snapshot_of(v, d);
+  json cause = cause_at(v, d, snap);
   const bool dead = cause.value("kind", "") == "dead_rank";
-  if (const Snapshot snap = snapshot_of(v, d); !dead && snap.live && cause.value("kind", "") != "in_flight") {
+  if (!dead && snap.live && cause.value("kind", "") != "in_flight") {
     cause["open_for_ms"] = snap.open_for;
     cause["text"] = cause.value("text", "") + ". The records are SIGUSR1 snapshots and it has been open for " +
                     seconds(snap.open_for) + ", under dist.timeout_s = " + seconds(snap.timeout) +
